@@ -1,0 +1,44 @@
+"""diffusers-h3: MiniMax-H3 (video + 32 kHz stereo audio) inside Hugging Face Diffusers.
+
+`import diffusers_h3` registers `MiniMaxH3Pipeline` with diffusers, so that `DiffusionPipeline.from_pretrained(...)`
+resolves it for both our own layout and the official hub layout.
+"""
+
+__version__ = "0.1.0"
+
+import diffusers as _diffusers
+from diffusers.modular_pipelines.minimax_h3.references import (  # noqa: E402
+    MiniMaxH3AudioReference,
+    MiniMaxH3ImageReference,
+    MiniMaxH3Reference,
+    MiniMaxH3VideoReference,
+)
+
+from .attention_processors.layout import (  # noqa: E402
+    LayoutSegment,
+    PackedLayout,
+    current_packed_layout,
+    require_packed_layout,
+    use_packed_layout,
+)
+from .describe import describe, format_report  # noqa: E402
+from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, export_to_video  # noqa: E402
+from .pipelines.loading import install_diffusion_pipeline_dispatch as _install_dispatch  # noqa: E402
+
+
+def _register_with_diffusers() -> None:
+    existing = getattr(_diffusers, "MiniMaxH3Pipeline", None)
+    if existing is not None and existing is not MiniMaxH3Pipeline:
+        import warnings
+
+        warnings.warn(
+            "diffusers already defines MiniMaxH3Pipeline; diffusers_h3 leaves it in place. Use "
+            "diffusers_h3.MiniMaxH3Pipeline explicitly.",
+            RuntimeWarning,
+        )
+        return
+    _diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
+    _install_dispatch()
+
+
+_register_with_diffusers()

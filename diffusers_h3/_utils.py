@@ -1,0 +1,45 @@
+"""Small shared helpers: one-time warnings and hardware queries used by processors, quantizers and kernels."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+_WARNED: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn once per process for ``key`` (fallbacks must be visible, but not on every layer and step)."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def cuda_capability(device: Optional[torch.device] = None) -> Optional[Tuple[int, int]]:
+    """Compute capability of a CUDA device, or ``None`` for CPU / no CUDA."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def is_package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def has_fp8_tensor_cores(device: Optional[torch.device] = None) -> bool:
+    cap = cuda_capability(device)
+    return cap is not None and cap >= (8, 9)
+
+
+def has_fp4_tensor_cores(device: Optional[torch.device] = None) -> bool:
+    """FP4 MMA exists only on SM100/103/110/120/121 (datacenter and consumer Blackwell)."""
+    cap = cuda_capability(device)
+    return cap is not None and cap[0] in (10, 11, 12)

@@ -1,0 +1,3 @@
+from .export import export_to_video
+from .loading import NotAnH3CheckpointError, classify_checkpoint
+from .pipeline_minimax_h3 import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, select_task

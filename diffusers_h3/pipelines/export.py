@@ -1,0 +1,76 @@
+"""Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV (diffusers' `encode_video`)."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Union
+
+import numpy as np
+import PIL.Image
+import torch
+
+
+def _frames_to_uint8(frames) -> np.ndarray:
+    """Accept pipeline output (`np`, `pt`, `pil`, with or without the batch axis) → uint8 `(F, H, W, 3)`."""
+    if isinstance(frames, list) and frames and isinstance(frames[0], list):
+        if len(frames) != 1:
+            raise ValueError(f"export_to_video writes one clip; got a batch of {len(frames)}: pass frames[i].")
+        frames = frames[0]
+    if isinstance(frames, list):
+        if not frames or not all(isinstance(f, PIL.Image.Image) for f in frames):
+            raise ValueError("`frames` as a list must hold PIL images.")
+        return np.stack([np.asarray(f.convert("RGB")) for f in frames])
+    if isinstance(frames, torch.Tensor):
+        array = frames.detach().float().cpu()
+        if array.ndim == 5:
+            array = array[0] if array.shape[0] == 1 else None
+            if array is None:
+                raise ValueError("export_to_video writes one clip; pass frames[i] for a batch.")
+        if array.ndim != 4 or array.shape[1] != 3:
+            raise ValueError(f"torch frames must be (F, 3, H, W) in [0, 1], got {tuple(frames.shape)}.")
+        array = array.permute(0, 2, 3, 1).numpy()
+    else:
+        array = np.asarray(frames)
+        if array.ndim == 5:
+            if array.shape[0] != 1:
+                raise ValueError("export_to_video writes one clip; pass frames[i] for a batch.")
+            array = array[0]
+    if array.ndim != 4 or array.shape[-1] != 3:
+        raise ValueError(f"frames must be (F, H, W, 3), got shape {array.shape}.")
+    if array.dtype != np.uint8:
+        if array.min() < 0 or array.max() > 1:
+            raise ValueError("float frames must lie in [0, 1] (the pipeline's `np`/`pt` output).")
+        array = (array * 255.0).round().astype(np.uint8)
+    if array.shape[1] % 2 or array.shape[2] % 2:
+        raise ValueError(f"H.264 (yuv420p) needs even height and width, got {array.shape[2]}x{array.shape[1]}.")
+    return array
+
+
+def _audio_to_tensor(audio) -> torch.Tensor:
+    tensor = torch.as_tensor(np.asarray(audio) if not isinstance(audio, torch.Tensor) else audio).detach().float().cpu()
+    if tensor.ndim == 3:
+        if tensor.shape[0] != 1:
+            raise ValueError("export_to_video writes one clip; pass audio[i] for a batch.")
+        tensor = tensor[0]
+    if tensor.ndim != 2 or tensor.shape[0] != 2:
+        raise ValueError(f"audio must be stereo (2, samples) or (1, 2, samples), got {tuple(tensor.shape)}.")
+    return tensor
+
+
+def export_to_video(
+    frames: Union[np.ndarray, torch.Tensor, List[PIL.Image.Image]],
+    path: Union[str, os.PathLike],
+    fps: int = 24,
+    audio: Optional[Union[np.ndarray, torch.Tensor]] = None,
+    sampling_rate: int = 32000,
+) -> str:
+    """Write `frames` (and, if given, the stereo `audio` at `sampling_rate`) to an MP4 file; returns the path."""
+    from diffusers.utils.export_utils import encode_video
+
+    if fps <= 0:
+        raise ValueError(f"`fps` must be positive, got {fps}.")
+    video = torch.from_numpy(_frames_to_uint8(frames))
+    audio_tensor = _audio_to_tensor(audio) if audio is not None else None
+    path = os.fspath(path)
+    encode_video(video, fps=fps, output_path=path, audio=audio_tensor, audio_sample_rate=sampling_rate if audio is not None else None)
+    return path

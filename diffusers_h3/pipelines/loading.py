@@ -1,0 +1,229 @@
+"""Loading MiniMax-H3 checkpoints: our own `save_pretrained` layout and the official hub layout.
+
+The official repository (`MiniMaxAI/MiniMax-H3`) stores the diffusers components at its root with a
+`modular_model_index.json` whose entries name the hub repo id; a local snapshot must resolve every subfolder relative
+to the directory it was given, offline, and must load only the DiT partition the task needs (61.7 GiB each).
+It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that diffusers cannot read.
+
+`install_diffusion_pipeline_dispatch()` makes `DiffusionPipeline.from_pretrained(dir)` return a `MiniMaxH3Pipeline`
+for both layouts: diffusers resolves `_class_name` with `getattr(diffusers, name)`, which names the *modular* class
+for the hub layout and has no plugin discovery, so we route H3 folders to our loader and leave every other folder to
+diffusers unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from diffusers import DiffusionPipeline
+from diffusers.utils import logging
+from tqdm.auto import tqdm
+
+logger = logging.get_logger(__name__)
+
+TASKS = ("t2va", "fl2va", "ref2va")
+PARTITIONS = ("transformer", "transformer_ref")
+OUR_CLASS = "MiniMaxH3Pipeline"
+MODULAR_CLASS = "MiniMaxH3ModularPipeline"
+_ORIGINAL_FROM_PRETRAINED = DiffusionPipeline.from_pretrained.__func__
+
+
+class NotAnH3CheckpointError(ValueError):
+    """A directory that is not a MiniMax-H3 checkpoint this package can load."""
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    if not path.is_file():
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def classify_checkpoint(directory) -> Tuple[str, Dict[str, Any]]:
+    """Return `("ours" | "hub", index)` for a loadable H3 folder, or raise a `NotAnH3CheckpointError` that says what it is."""
+    directory = Path(directory)
+    modular = _read_json(directory / "modular_model_index.json")
+    root = _read_json(directory / "model_index.json")
+    if root is not None and "_minimax_h3" in root:
+        raise NotAnH3CheckpointError(
+            f"{directory} is a native MiniMax-H3 folder (FL2VA/ or Ref2VA/ with original `blocks.*` weight names), "
+            "which diffusers cannot read yet. Point at the repository root instead (its `transformer/` and "
+            "`transformer_ref/` folders are the diffusers layout), or convert the native weights with diffusers' "
+            "`scripts/convert_minimax_h3_to_diffusers.py`."
+        )
+    if modular is not None:
+        if modular.get("_class_name") != MODULAR_CLASS and modular.get("_blocks_class_name") != "MiniMaxH3Blocks":
+            raise NotAnH3CheckpointError(
+                f"{directory}/modular_model_index.json describes a {modular.get('_class_name')!r} pipeline, not "
+                "MiniMax-H3; load it with diffusers' ModularPipeline instead."
+            )
+        return "hub", modular
+    if root is None:
+        hint = ""
+        if (directory / "FL2VA").is_dir() or (directory / "Ref2VA").is_dir():
+            hint = " It holds native FL2VA/ / Ref2VA/ folders but no diffusers index at its root."
+        raise NotAnH3CheckpointError(
+            f"{directory} has no model_index.json or modular_model_index.json, so it is not a diffusers checkpoint."
+            f"{hint} Pass the folder `MiniMaxH3Pipeline.save_pretrained` wrote, or a snapshot of MiniMaxAI/MiniMax-H3."
+        )
+    class_name = root.get("_class_name")
+    if class_name == OUR_CLASS:
+        return "ours", root
+    if class_name == MODULAR_CLASS:
+        # A root index of the hub layout without its modular index: entries are [library, class] per subfolder.
+        return "hub", {k: (v if k.startswith("_") else [v[0], v[1], {"subfolder": k}]) for k, v in root.items()}
+    raise NotAnH3CheckpointError(
+        f"{directory} is a {class_name!r} checkpoint, not MiniMax-H3; load it with `DiffusionPipeline.from_pretrained`"
+        " without diffusers_h3 or with its own pipeline class."
+    )
+
+
+def needed_partitions(task: Optional[str]) -> Tuple[str, ...]:
+    if task is None:
+        return PARTITIONS
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS} or None, got {task!r}.")
+    return ("transformer_ref",) if task == "ref2va" else ("transformer",)
+
+
+def _snapshot(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) -> str:
+    """Fetch only the index files and the subfolders `task` needs (respects HF_HUB_OFFLINE / local_files_only)."""
+    from huggingface_hub import snapshot_download
+
+    skip = [p for p in PARTITIONS if p not in needed_partitions(task)]
+    ignore = [f"{p}/*" for p in skip] + ["FL2VA/*", "Ref2VA/*", "docs/*"]
+    return snapshot_download(repo_id, ignore_patterns=ignore, **hub_kwargs)
+
+
+def _component_kwargs(library: str, name: str, dtype, quantization_config, extra: Dict[str, Any]) -> Dict[str, Any]:
+    kwargs = dict(extra)
+    if dtype is not None:
+        kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
+    if quantization_config is not None:
+        resolve = getattr(quantization_config, "_resolve_quant_config", None)
+        config = resolve(is_diffusers=library == "diffusers", module_name=name) if resolve else quantization_config
+        if config is not None:
+            kwargs["quantization_config"] = config
+    return kwargs
+
+
+def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional[str], kwargs: Dict[str, Any]):
+    dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
+    quantization_config = kwargs.pop("quantization_config", None)
+    model_kwargs = {k: kwargs.pop(k) for k in ("low_cpu_mem_usage", "variant", "device_map") if k in kwargs}
+    passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index or k in PARTITIONS}
+    init_extra = {k: kwargs.pop(k) for k in list(kwargs) if k == "text_encoder_layer"}
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments for MiniMaxH3Pipeline.from_pretrained: {sorted(kwargs)}")
+    wanted = needed_partitions(task)
+
+    entries = [(name, entry) for name, entry in index.items() if not name.startswith("_")]
+    components: Dict[str, Any] = dict(passed)
+    for name, entry in tqdm(entries, desc="Loading MiniMax-H3 components"):
+        if name in components:
+            continue
+        if name in PARTITIONS and name not in wanted:
+            components[name] = None
+            continue
+        library, class_name = entry[0], entry[1]
+        spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+        folder = directory / (spec.get("subfolder") or name)
+        if library is None or class_name is None:
+            components[name] = None
+            continue
+        if not folder.is_dir():
+            if name in PARTITIONS and task is None:
+                components[name] = None
+                continue
+            raise ValueError(f"{directory} lists component {name!r} but has no `{folder.name}/` folder.")
+        component_class = getattr(importlib.import_module(library), class_name)
+        load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
+        if not hasattr(component_class, "dtype") and not issubclass(component_class, _torch_module()):
+            load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization
+        components[name] = component_class.from_pretrained(str(folder), **load_kwargs)
+    return cls(**{k: v for k, v in components.items() if k in _init_names(cls)}, **init_extra)
+
+
+def _torch_module():
+    import torch
+
+    return torch.nn.Module
+
+
+def _init_names(cls):
+    import inspect
+
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+
+
+def _check_partitions_present(directory: Path, index: Dict[str, Any], task: Optional[str], kwargs) -> None:
+    """Fail early, before gigabytes load, when the folder lacks the partition the task needs."""
+    if task is None:
+        present = [p for p in PARTITIONS if _has_component(directory, index, p) or kwargs.get(p) is not None]
+        if not present:
+            raise ValueError(f"{directory} holds neither a `transformer/` nor a `transformer_ref/` partition.")
+        return
+    (partition,) = needed_partitions(task)
+    if kwargs.get(partition) is None and not _has_component(directory, index, partition):
+        raise ValueError(
+            f"Task {task!r} needs the `{partition}` partition, but {directory} does not hold it. Download it "
+            f"(e.g. `hf download MiniMaxAI/MiniMax-H3 --include '{partition}/*'`) or choose a task it supports."
+        )
+
+
+def _has_component(directory: Path, index: Dict[str, Any], name: str) -> bool:
+    entry = index.get(name)
+    if not entry or entry[0] is None:
+        return False
+    spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+    return (directory / (spec.get("subfolder") or name)).is_dir()
+
+
+def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None, **kwargs):
+    """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring."""
+    needed_partitions(task)  # validates `task`
+    path = str(pretrained_model_name_or_path)
+    if not os.path.isdir(path):
+        hub_kwargs = {k: kwargs.pop(k) for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
+        path = _snapshot(path, task, hub_kwargs)
+    directory = Path(path)
+    kind, index = classify_checkpoint(directory)
+    _check_partitions_present(directory, index, task, kwargs)
+    if kind == "hub":
+        return _load_hub_layout(cls, directory, index, task, kwargs)
+    for partition in PARTITIONS:
+        if partition not in needed_partitions(task):
+            kwargs.setdefault(partition, None)
+    return _ORIGINAL_FROM_PRETRAINED(cls, path, **kwargs)
+
+
+def _is_h3_folder(path) -> bool:
+    try:
+        classify_checkpoint(path)
+        return True
+    except NotAnH3CheckpointError as error:
+        # Native H3 folders and H3-looking folders we cannot read must surface our explanation, not diffusers'.
+        text = str(error)
+        return "native MiniMax-H3" in text or "FL2VA/" in text
+
+
+def install_diffusion_pipeline_dispatch() -> None:
+    """Route `DiffusionPipeline.from_pretrained(<H3 folder>)` to `MiniMaxH3Pipeline.from_pretrained` (idempotent)."""
+    if getattr(DiffusionPipeline.from_pretrained, "_diffusers_h3_dispatch", False):
+        return
+
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        if cls is DiffusionPipeline and os.path.isdir(str(pretrained_model_name_or_path)):
+            if _is_h3_folder(pretrained_model_name_or_path):
+                from .pipeline_minimax_h3 import MiniMaxH3Pipeline
+
+                return MiniMaxH3Pipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return _ORIGINAL_FROM_PRETRAINED(cls, pretrained_model_name_or_path, **kwargs)
+
+    from_pretrained.__doc__ = _ORIGINAL_FROM_PRETRAINED.__doc__
+    from_pretrained._diffusers_h3_dispatch = True
+    DiffusionPipeline.from_pretrained = classmethod(from_pretrained)

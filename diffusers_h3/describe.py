@@ -17,7 +17,14 @@ def _path_of(obj: Any) -> str:
     describe_path = getattr(obj, "describe_path", None)
     if callable(describe_path):
         return describe_path()
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if hasattr(obj, "_attention_backend"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        backend = obj._attention_backend or _AttentionBackendRegistry.get_active_backend()[0]
+        backend = getattr(backend, "value", backend)
+        return f"{name} (dense, diffusers dispatch_attention_fn backend={backend})"
+    return name
 
 
 def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:

@@ -1,0 +1,76 @@
+"""MP4 export (read back with PyAV) and the CLI on the embedded tiny demo checkpoint."""
+
+import json
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from diffusers_h3 import export_to_video
+from diffusers_h3.cli import main
+
+
+def _read_back(path):
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        audio = container.streams.audio[0]
+        info = {
+            "video_codec": video.codec_context.name,
+            "audio_codec": audio.codec_context.name,
+            "channels": audio.codec_context.channels if hasattr(audio.codec_context, "channels") else audio.layout.nb_channels,
+            "sample_rate": audio.codec_context.sample_rate,
+            "size": (video.codec_context.width, video.codec_context.height),
+        }
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    with av.open(str(path)) as container:
+        samples = sum(frame.samples for frame in container.decode(audio=0))
+    info["num_frames"], info["num_samples"], info["first_frame"] = len(frames), samples, frames[0]
+    return info
+
+
+def test_export_writes_h264_and_aac_stereo(tmp_path):
+    # A smooth picture (chroma is subsampled 2x2 in yuv420p) whose brightness changes over time.
+    yy, xx = np.meshgrid(np.linspace(0, 1, 64), np.linspace(0, 1, 96), indexing="ij")
+    picture = np.stack([yy, xx, 0.5 * (yy + xx)], axis=-1)
+    frames = np.stack([picture * (0.5 + 0.5 * i / 47) for i in range(48)])[None].astype(np.float32)  # (1, 48, H, W, 3)
+    seconds = 48 / 24
+    t = np.arange(int(32000 * seconds)) / 32000
+    audio = np.stack([0.3 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 660 * t)])[None].astype(np.float32)
+    path = export_to_video(frames, tmp_path / "clip.mp4", fps=24, audio=audio, sampling_rate=32000)
+    info = _read_back(path)
+    assert info["video_codec"] == "h264" and info["audio_codec"] == "aac"
+    assert info["channels"] == 2 and info["sample_rate"] == 32000
+    assert info["size"] == (96, 64) and info["num_frames"] == 48
+    # AAC pads with priming/trailing frames; the decoded duration must match to within two 1024-sample frames.
+    assert abs(info["num_samples"] - audio.shape[-1]) <= 2048
+    # Lossy, but the picture must be the one we wrote.
+    assert np.abs(info["first_frame"].astype(float) - frames[0, 0] * 255).mean() < 4
+
+
+def test_export_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="stereo"):
+        export_to_video(np.zeros((4, 32, 32, 3), np.float32), tmp_path / "a.mp4", audio=np.zeros((3, 100)))
+    with pytest.raises(ValueError, match="even height and width"):
+        export_to_video(np.zeros((4, 33, 32, 3), np.float32), tmp_path / "b.mp4")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        export_to_video(np.full((4, 32, 32, 3), 3.0, np.float32), tmp_path / "c.mp4")
+
+
+def test_cli_generate_demo_writes_clip(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "demo.mp4"
+    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu"]) == 0
+    info = _read_back(out)
+    assert info["num_frames"] == 124 and info["channels"] == 2 and info["size"] == (96, 64)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_describe_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert main(["describe", "--demo", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["environment"]["torch"] == torch.__version__
+    assert "transformer" in report["components"]
+    assert report["pipeline"]["partitions"] == ["transformer"]
+    assert any("backend" in path for path in report["components"]["transformer"]["attention"])

@@ -1,0 +1,133 @@
+"""Loading: our own save layout, the official hub layout (offline, partition per task), DiffusionPipeline dispatch."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+import diffusers_h3
+from diffusers_h3 import MiniMaxH3Pipeline
+from diffusers_h3.pipelines.loading import NotAnH3CheckpointError
+from diffusers_h3.testing.tiny import HUB_REPO_ID, save_hub_layout, tiny_components
+
+RUN = dict(prompt="x", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+
+def _latents(pipe, seed=0):
+    return pipe(**RUN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def components():
+    return tiny_components(seed=11)
+
+
+@pytest.fixture(scope="module")
+def hub_dir(tmp_path_factory, components):
+    return save_hub_layout(components, tmp_path_factory.mktemp("hub") / "MiniMax-H3")
+
+
+@pytest.fixture(scope="module")
+def own_dir(tmp_path_factory, components):
+    directory = tmp_path_factory.mktemp("own") / "pipe"
+    MiniMaxH3Pipeline(**components).save_pretrained(directory)
+    return directory
+
+
+def test_import_registers_pipeline_with_diffusers():
+    import diffusers
+
+    assert diffusers.MiniMaxH3Pipeline is diffusers_h3.MiniMaxH3Pipeline
+
+
+def test_save_pretrained_round_trip(own_dir, components):
+    index = json.loads((own_dir / "model_index.json").read_text())
+    assert index["_class_name"] == "MiniMaxH3Pipeline"
+    assert index["text_encoder_layer"] == 50
+    loaded = MiniMaxH3Pipeline.from_pretrained(own_dir)
+    assert loaded.transformer is not None and loaded.transformer_ref is not None
+    for name in ("text_encoder", "vae", "audio_vae", "transformer", "transformer_ref"):
+        saved, reloaded_state = components[name].state_dict(), getattr(loaded, name).state_dict()
+        assert saved.keys() == reloaded_state.keys()
+        assert all(torch.equal(saved[k], reloaded_state[k]) for k in saved), f"{name} weights changed"
+    original = _latents(MiniMaxH3Pipeline(**components))
+    reloaded = _latents(loaded)
+    # Weights are bit-identical; CPU GEMMs may round differently for differently aligned (mmapped) buffers.
+    assert torch.allclose(original.frames, reloaded.frames, atol=1e-5, rtol=0)
+    assert torch.allclose(original.audio, reloaded.audio, atol=1e-5, rtol=0)
+
+
+def test_own_layout_task_loads_one_partition(own_dir):
+    t2va = MiniMaxH3Pipeline.from_pretrained(own_dir, task="t2va")
+    assert t2va.transformer is not None and t2va.transformer_ref is None
+    ref = MiniMaxH3Pipeline.from_pretrained(own_dir, task="ref2va")
+    assert ref.transformer is None and ref.transformer_ref is not None
+
+
+def test_hub_layout_resolves_subfolders_locally_and_per_task(hub_dir, components, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    index = json.loads((hub_dir / "modular_model_index.json").read_text())
+    assert index["transformer"][2]["pretrained_model_name_or_path"] == HUB_REPO_ID
+
+    pipe = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="fl2va")
+    assert isinstance(pipe, MiniMaxH3Pipeline)
+    assert pipe.transformer is not None and pipe.transformer_ref is None
+    for name, param in components["transformer"].state_dict().items():
+        assert torch.equal(pipe.transformer.state_dict()[name], param)
+
+    ref = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="ref2va")
+    assert ref.transformer is None and ref.transformer_ref is not None
+    both = MiniMaxH3Pipeline.from_pretrained(hub_dir)
+    assert both.transformer is not None and both.transformer_ref is not None
+
+
+def test_hub_layout_dtype(hub_dir):
+    pipe = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="t2va", torch_dtype=torch.bfloat16)
+    assert pipe.transformer.dtype == torch.bfloat16
+    assert pipe.text_encoder.dtype == torch.bfloat16
+
+
+def test_diffusion_pipeline_from_pretrained_dispatches_both_layouts(hub_dir, own_dir):
+    assert isinstance(DiffusionPipeline.from_pretrained(hub_dir), MiniMaxH3Pipeline)
+    assert isinstance(DiffusionPipeline.from_pretrained(own_dir), MiniMaxH3Pipeline)
+
+
+def test_missing_partition_for_task_is_a_clear_error(tmp_path, components):
+    only_ref = dict(components, transformer=None)
+    directory = save_hub_layout(only_ref, tmp_path / "ref-only")
+    with pytest.raises(ValueError, match="needs the `transformer` partition"):
+        MiniMaxH3Pipeline.from_pretrained(directory, task="t2va")
+    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="ref2va")
+    with pytest.raises(ValueError, match="runs on the `transformer` partition"):
+        pipe(**RUN)
+
+
+def test_native_folder_is_refused_with_explanation(tmp_path):
+    native = tmp_path / "FL2VA"
+    native.mkdir()
+    (native / "model_index.json").write_text(
+        json.dumps({"_class_name": "MiniMaxH3Pipeline", "_minimax_h3": {"partition": "fl2va"}})
+    )
+    with pytest.raises(NotAnH3CheckpointError, match="native MiniMax-H3 folder"):
+        MiniMaxH3Pipeline.from_pretrained(native)
+    with pytest.raises(NotAnH3CheckpointError, match="native MiniMax-H3 folder"):
+        DiffusionPipeline.from_pretrained(native)
+
+
+def test_other_checkpoint_is_refused(tmp_path):
+    other = tmp_path / "sd"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(NotAnH3CheckpointError, match="StableDiffusionPipeline"):
+        MiniMaxH3Pipeline.from_pretrained(other)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotAnH3CheckpointError, match="no model_index.json"):
+        MiniMaxH3Pipeline.from_pretrained(empty)
+
+
+def test_unknown_task_is_refused(own_dir):
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        MiniMaxH3Pipeline.from_pretrained(own_dir, task="i2v")

@@ -1,0 +1,201 @@
+"""Pipeline behaviour beyond parity: bad input, text-encoder early exit, layout publishing, callbacks, outputs."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffusers_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, current_packed_layout
+from diffusers_h3.testing.tiny import tiny_pipeline
+
+BASE = dict(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline(seed=3)
+
+
+def _image(w=40, h=36):
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input: each gets a ValueError naming the problem.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(num_frames=100), r"5–15 s.*rounds up to 107"),
+        (dict(num_frames=346), r"rounds up to 362"),
+        (dict(num_frames=0), "positive int"),
+        (dict(height=32, width=160), "aspect ratios from 1:4 to 4:1"),
+        (dict(height=48, width=64), "multiples of 32"),
+        (dict(height=32, width=None), "passed together"),
+        (dict(prompt=["a", "b"]), "single string"),
+        (dict(prompt=None), "single string"),
+        (dict(output_type="gif"), "`output_type` must be one of"),
+        (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
+        (dict(audio_sigmas=[1.0, 0.0]), "`audio_sigmas` needs `sigmas`"),
+        (dict(sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.0]), "same length"),
+    ],
+)
+def test_bad_input_raises_clear_error(pipe, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        pipe(**{**BASE, **overrides})
+
+
+def test_too_many_references(pipe):
+    refs = [MiniMaxH3ImageReference(image=_image()) for _ in range(10)]
+    with pytest.raises(ValueError, match="at most 9 image references"):
+        pipe(**BASE, references=refs)
+
+
+def test_audio_only_references(pipe):
+    refs = [MiniMaxH3AudioReference(audio=torch.zeros(1, 3200), sample_rate=32000)]
+    with pytest.raises(ValueError, match="cannot be used on their own"):
+        pipe(**BASE, references=refs)
+
+
+def test_reference_of_wrong_type(pipe):
+    with pytest.raises(ValueError, match=r"references\[0\]"):
+        pipe(**BASE, references=["subject.png"])
+
+
+def test_references_and_keyframes_together(pipe):
+    with pytest.raises(ValueError, match="cannot be combined"):
+        pipe(**BASE, image=_image(), references=[MiniMaxH3ImageReference(image=_image())])
+
+
+def test_wrong_noise_shape(pipe):
+    with pytest.raises(ValueError, match="pass noise shaped like"):
+        pipe(**BASE, latents=torch.randn(1, 4, 2, 2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text encoder: same hidden state as the full model, but later layers and the LM head never run.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_text_encoder_early_exit_matches_full_model_and_skips_later_layers(pipe):
+    token_ids = pipe._tokens("the quick brown fox")
+    layers = pipe._language_layers()
+    calls = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]
+    head_calls = []
+    handles.append(pipe.text_encoder.lm_head.register_forward_hook(lambda *a: head_calls.append(1)))
+    try:
+        ours = pipe.encode_presentation(token_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == list(range(50)), "decoder layers after the one H3 reads must not run"
+    assert not head_calls
+
+    input_ids = torch.tensor([token_ids])
+    full = pipe.text_encoder.model(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=torch.zeros_like(input_ids),
+        use_cache=False,
+        output_hidden_states=True,
+    )
+    assert torch.equal(ours, full.hidden_states[50])
+    assert not torch.equal(ours, full.hidden_states[51])
+
+
+def test_configurable_text_encoder_layer():
+    small = tiny_pipeline(seed=0, text_encoder_layers=3)
+    assert small.config.text_encoder_layer == 2
+    out = small(**BASE, output_type="latent")
+    assert torch.isfinite(out.frames).all()
+    small.register_to_config(text_encoder_layer=3)
+    with pytest.raises(ValueError, match="more than 3 decoder layers"):
+        small(**BASE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout side channel, callbacks, interrupt, output types, schedules.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_layout_is_published_during_transformer_calls(pipe):
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda module, args: seen.append(current_packed_layout()))
+    try:
+        pipe(**BASE, image=_image(), output_type="latent")
+    finally:
+        hook.remove()
+    assert current_packed_layout() is None
+    assert [layout.step_index for layout in seen] == [0]
+    layout = seen[0]
+    kinds = [(s.kind, s.role) for s in layout.segments]
+    assert kinds == [("text", "prompt"), ("video", "keyframe"), ("audio", "target"), ("video", "target")]
+    target = layout.select("video", "target")[0]
+    assert target.grid == (37, 1, 1)  # 124 = 17*7+5 frames -> 5*7+2 latent frames; 32x32 px -> 1x1 patches
+    assert layout.select("audio", "target")[0].length == 2 * 207
+
+
+def test_callback_can_read_and_replace_tensors_and_interrupt(pipe):
+    steps = []
+
+    def callback(p, i, t, tensors):
+        steps.append((i, float(t), tuple(tensors)))
+        p._interrupt = True  # stop after the first step
+        return {"audio_latents": torch.zeros_like(tensors["audio_latents"])}
+
+    out = pipe(
+        **{**BASE, "num_inference_steps": 4},
+        output_type="latent",
+        callback_on_step_end=callback,
+        callback_on_step_end_tensor_inputs=["latents", "audio_latents"],
+    )
+    assert len(steps) == 1 and steps[0][2] == ("latents", "audio_latents")
+    assert torch.count_nonzero(out.audio) == 0
+
+
+@pytest.mark.parametrize("output_type", ["np", "pt", "pil", "latent"])
+def test_output_types(pipe, output_type):
+    out = pipe(**BASE, output_type=output_type, generator=torch.Generator().manual_seed(0))
+    if output_type == "np":
+        assert out.frames.shape == (1, 124, 32, 32, 3) and isinstance(out.audio, np.ndarray)
+        assert out.audio.shape == (1, 2, 207 * 800)
+    elif output_type == "pt":
+        assert out.frames.shape == (1, 124, 3, 32, 32) and out.audio.shape == (1, 2, 207 * 800)
+    elif output_type == "pil":
+        assert len(out.frames) == 1 and len(out.frames[0]) == 124 and isinstance(out.frames[0][0], Image.Image)
+    else:
+        assert out.frames.shape == (1, 4, 37, 2, 2) and out.audio.shape == (2, 8, 207)
+    assert out.sampling_rate == 32000
+
+
+def test_latents_round_trip_and_generator_reproducible(pipe):
+    first = pipe(**BASE, output_type="latent", generator=torch.Generator().manual_seed(5))
+    again = pipe(**BASE, output_type="latent", generator=torch.Generator().manual_seed(5))
+    other = pipe(**BASE, output_type="latent", generator=torch.Generator().manual_seed(6))
+    assert torch.equal(first.frames, again.frames) and torch.equal(first.audio, again.audio)
+    assert not torch.equal(first.frames, other.frames)
+
+
+def test_flow_shift_applies_per_call_and_does_not_leak(pipe):
+    call = {**BASE, "num_inference_steps": 4, "output_type": "latent"}
+    pipe(**call, flow_shift=6.0, audio_flow_shift=2.0)
+    shifted, audio_shifted = pipe.scheduler.sigmas.clone(), pipe.audio_scheduler.sigmas.clone()
+    pipe(**call)
+    default, audio_default = pipe.scheduler.sigmas.clone(), pipe.audio_scheduler.sigmas.clone()
+    assert not torch.equal(shifted, default) and not torch.equal(audio_shifted, audio_default)
+    pipe.scheduler.set_shift(12.0)
+    pipe.scheduler.set_timesteps(4)
+    assert torch.equal(default, pipe.scheduler.sigmas)
+    pipe.scheduler.set_shift(6.0)
+    pipe.scheduler.set_timesteps(4)
+    assert torch.equal(shifted, pipe.scheduler.sigmas)
+
+
+def test_explicit_sigmas_are_used_verbatim(pipe):
+    sigmas = [1.0, 0.7, 0.2, 0.0]
+    pipe(**BASE, output_type="latent", sigmas=sigmas, audio_sigmas=[1.0, 0.5, 0.25, 0.0])
+    assert torch.allclose(pipe.scheduler.sigmas, torch.tensor(sigmas))
+    assert pipe.num_timesteps == 3

@@ -861,8 +861,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def describe_paths(self) -> Dict[str, Any]:
         """Pipeline-level facts for `diffusers_h3.describe(pipe)`."""
-        return {
+        report = {
             "partitions": [name for name, _ in self._partitions()] or ["none"],
             "text_encoder_layer": int(self.config.text_encoder_layer),
             "text_encoder_early_exit": f"stops after decoder layer {int(self.config.text_encoder_layer) - 1}; no LM head",
         }
+        for name, model in self._partitions():
+            mode = getattr(model, "_h3_v100_mode", None)
+            if mode is not None:
+                report[f"{name}_v100_mode"] = mode.describe_path()
+        return report

@@ -1,0 +1,242 @@
+"""``MiniMaxH3FAV100Processor``: MiniMax-H3 attention with the FA-V100 CUDA kernel as its core.
+
+Projections, per-head QK RMSNorm and the partial 3-axis rotary embedding are diffusers' own (``attn.to_q/k/v``,
+``attn.norm_q/k``, ``_apply_rotary_emb`` from ``transformer_minimax_h3``, in the order of ``MiniMaxH3AttnProcessor``);
+only ``softmax(Q K^T / sqrt(d)) V`` is replaced. The processor computes attention in **fp16** on CUDA (V100 has no
+bf16 tensor cores): inputs of other dtypes are cast, with ``V`` scaled by a power of two when its magnitude would not
+fit fp16 (attention is linear in ``V``, so the scale is undone exactly on the output).
+
+Path choice, per device (``describe_path()`` says which one ran and why):
+
+* **kernel** on SM70-class GPUs (compute capability 7.x: V100, Turing), head_dim 64 / 128, no attention mask;
+* **kernel** on sm_80+ only with ``allow_non_volta=True`` (the kernel is valid there but slower than SDPA's
+  flash / cuDNN kernels; used on H200 as a correctness proxy);
+* otherwise **SDPA memory-efficient** (``SDPBackend.EFFICIENT_ATTENTION``, fp16) with a one-time warning: GPU not
+  SM70-class, unsupported head_dim, attention mask given, or the extension could not be built (no nvcc / ninja,
+  CUDA 13 toolkit on sm_70, ...). Inputs on CPU use plain SDPA in their own dtype (tests, debugging).
+
+Hardware honesty: the kernel targets V100 but has been run on an H200 only; it is **not run on V100 hardware**.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .._utils import cuda_capability, warn_once
+from ..kernels.fa_v100 import (
+    SUPPORTED_HEAD_DIMS,
+    SUPPORTED_QUERY_TILES,
+    FAV100BuildError,
+    fa_v100_attention,
+    load_extension,
+)
+
+
+# |V| is brought under this bound (by a power of two) before the cast to fp16; the attention output is a convex
+# combination of V rows, so it stays under the bound too.
+FP16_VALUE_LIMIT = 2.0**14
+
+PATH_KERNEL = "kernel"
+PATH_SDPA_EFFICIENT = "sdpa_efficient"
+PATH_SDPA_CPU = "sdpa_cpu"
+
+
+def project_qkv(
+    attn, hidden_states: torch.Tensor, rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V of a ``MiniMaxH3Attention`` as ``(batch, seq, heads, head_dim)``, with diffusers' modules and rotary."""
+    if attn.fused_projections:
+        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
+    key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
+    value = value.unflatten(-1, (attn.heads, -1))
+    if rotary_emb is not None:
+        query = _apply_rotary_emb(query, *rotary_emb)
+        key = _apply_rotary_emb(key, *rotary_emb)
+    return query, key, value
+
+
+def to_fp16_with_value_scale(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, limit: float = FP16_VALUE_LIMIT
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Cast Q/K/V to fp16; V is first divided by a power of two (a 0-dim tensor, no host sync) if ``max|V| > limit``.
+
+    Returns ``(q16, k16, v16, value_scale)`` where ``value_scale`` is ``None`` for fp16 inputs (nothing to do) and
+    otherwise the factor the attention output must be multiplied by. Q and K come out of the per-head RMSNorm and
+    the rotary embedding, so they are bounded by the norm weights; they are cast as they are.
+    """
+    if value.dtype == torch.float16:
+        return query.to(torch.float16), key.to(torch.float16), value, None
+    amax = value.detach().abs().amax().float()
+    exponent = torch.clamp(torch.ceil(torch.log2(amax.clamp_min(1e-30) / limit)), min=0.0)
+    value_scale = torch.exp2(exponent)
+    value16 = (value / value_scale.to(value.dtype)).to(torch.float16)
+    return query.to(torch.float16), key.to(torch.float16), value16, value_scale
+
+
+class MiniMaxH3FAV100Processor:
+    r"""
+    Attention processor for [`MiniMaxH3Attention`] running the FA-V100 CUDA kernel (FlashAttention-2-style forward,
+    WMMA fp16 tensor cores, fp32 softmax and accumulation) on SM70-class GPUs.
+
+    Args:
+        query_tile (`int`, defaults to 128): query rows per thread block, 64 or 128. Results are bitwise identical;
+            128 was faster in the H200 proxy run.
+        allow_non_volta (`bool`, defaults to `False`): run the kernel on sm_80 and newer too. There it is valid but
+            slower than SDPA's flash / cuDNN kernels; use it to check numerics on newer GPUs.
+        build_dir (`str`, *optional*): where the extension is built and cached (default
+            `~/.cache/diffusers_h3/torch_extensions`).
+
+    Not run on V100 hardware: validated on an H200 with `allow_non_volta=True`.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(
+        self,
+        query_tile: int = 128,
+        allow_non_volta: bool = False,
+        build_dir: Optional[Union[str, os.PathLike]] = None,
+    ):
+        if query_tile not in SUPPORTED_QUERY_TILES:
+            raise ValueError(f"query_tile must be one of {SUPPORTED_QUERY_TILES}, got {query_tile}.")
+        self.query_tile = int(query_tile)
+        self.allow_non_volta = bool(allow_non_volta)
+        self.build_dir = build_dir
+        self._device_paths: Dict[Tuple[str, Optional[int]], Tuple[str, str]] = {}
+        self._last: Optional[Tuple[str, str]] = None
+
+    # ------------------------------------------------------------------------------------------------ path choice
+    def _device_path(self, device: torch.device) -> Tuple[str, str]:
+        """(path, reason) for inputs on ``device`` with a supported head_dim and no mask; builds the kernel once."""
+        key = (device.type, device.index)
+        if key in self._device_paths:
+            return self._device_paths[key]
+        if device.type != "cuda":
+            choice = (PATH_SDPA_CPU, f"inputs on {device.type}: FA-V100 is a CUDA kernel")
+        else:
+            capability = cuda_capability(device)
+            arch = f"sm_{capability[0]}{capability[1]}"
+            if capability < (7, 0):
+                choice = (PATH_SDPA_EFFICIENT, f"{arch} has no fp16 tensor cores (FA-V100 needs sm_70+)")
+            elif capability[0] != 7 and not self.allow_non_volta:
+                choice = (
+                    PATH_SDPA_EFFICIENT,
+                    f"{arch} is not SM70-class (7.x); SDPA's kernels are faster there. Pass allow_non_volta=True "
+                    "to run FA-V100 anyway",
+                )
+            else:
+                try:
+                    load_extension(device, build_dir=self.build_dir)
+                    choice = (PATH_KERNEL, arch)
+                except FAV100BuildError as error:
+                    choice = (PATH_SDPA_EFFICIENT, f"the FA-V100 extension could not be built: {error}")
+        self._device_paths[key] = choice
+        return choice
+
+    def select_path(
+        self, query: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> Tuple[str, str]:
+        """Which path a call with this (batch, seq, heads, head_dim) query takes, and why."""
+        if attention_mask is not None:
+            path, _ = self._device_path(query.device)
+            fallback = PATH_SDPA_CPU if path == PATH_SDPA_CPU else PATH_SDPA_EFFICIENT
+            return fallback, "an attention mask was given; the FA-V100 kernel is mask-free"
+        if query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+            path, reason = self._device_path(query.device)
+            if path == PATH_SDPA_CPU:
+                return path, reason
+            return PATH_SDPA_EFFICIENT, f"head_dim {query.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
+        return self._device_path(query.device)
+
+    def describe_path(self) -> str:
+        """One line: the path of the last call (or the one the current device would take) and why."""
+        if self._last is None:
+            if torch.cuda.is_available():
+                capability = cuda_capability(torch.device("cuda"))
+                sm70 = capability[0] == 7
+                if capability >= (7, 0) and (sm70 or self.allow_non_volta):
+                    return (
+                        f"FA-V100 CUDA kernel (WMMA fp16, q-tile {self.query_tile}), built on first call for "
+                        f"sm_{capability[0]}{capability[1]}; not run on V100 hardware"
+                    )
+            return (
+                "FA-V100 processor, not called yet (SDPA fallback unless on an SM70-class GPU); "
+                "not run on V100 hardware"
+            )
+        path, reason = self._last
+        if path == PATH_KERNEL:
+            proxy = "" if reason.startswith("sm_7") else " as a proxy (allow_non_volta)"
+            return (
+                f"FA-V100 CUDA kernel (WMMA fp16 tensor cores, fp32 softmax/accumulation, q-tile {self.query_tile}) "
+                f"on {reason}{proxy}; not run on V100 hardware"
+            )
+        if path == PATH_SDPA_CPU:
+            return f"fallback: torch SDPA on CPU ({reason})"
+        return f"fallback: SDPA memory-efficient fp16 ({reason})"
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if self._parallel_config is not None:
+            raise NotImplementedError(
+                "MiniMaxH3FAV100Processor does not support diffusers' context parallelism (each rank would attend to "
+                "its own shard only). Use the default MiniMaxH3AttnProcessor with context parallelism."
+            )
+        query, key, value = project_qkv(attn, hidden_states, rotary_emb)
+        out = self.attention(query, key, value, attention_mask=attention_mask)
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        out = attn.to_out[1](out)
+        return out
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The attention core on ``(batch, seq, heads, head_dim)`` tensors; returns the same layout.
+
+        The result is float32 when the inputs were float32 (the V scale is undone in fp32), else the input dtype.
+        """
+        path, reason = self.select_path(query, attention_mask)
+        self._last = (path, reason)
+        if path != PATH_KERNEL:
+            warn_once(f"fa_v100_fallback:{path}:{reason}", f"MiniMaxH3FAV100Processor falls back to {path}: {reason}.")
+        if path == PATH_SDPA_CPU:
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attention_mask
+            )
+            return out.transpose(1, 2)
+
+        out_dtype = query.dtype
+        q16, k16, v16, value_scale = to_fp16_with_value_scale(query, key, value)
+        if path == PATH_KERNEL:
+            out = fa_v100_attention(q16, k16, v16, query_tile=self.query_tile, backend="cuda", build_dir=self.build_dir)
+        else:
+            mask = attention_mask
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.to(torch.float16)
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                out = F.scaled_dot_product_attention(
+                    q16.transpose(1, 2), k16.transpose(1, 2), v16.transpose(1, 2), attn_mask=mask
+                ).transpose(1, 2)
+        if value_scale is None:
+            return out.to(out_dtype)
+        return (out.float() * value_scale).to(out_dtype)

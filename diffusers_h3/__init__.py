@@ -27,6 +27,21 @@ from .pipelines.loading import install_diffusion_pipeline_dispatch as _install_d
 from .attention_processors.fa_v100 import MiniMaxH3FAV100Processor  # noqa: E402
 from .kernels.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference  # noqa: E402
 from .pipelines.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mode  # noqa: E402
+from .pipelines.lora import LoraLoadReport, MiniMaxH3LoraMixin  # noqa: E402
+from .pipelines.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset  # noqa: E402
+from .quantizers import (  # noqa: E402
+    FP8Config,
+    FP8Linear,
+    H3QuantizedLinear,
+    H3QuantMethod,
+    NVFP4Config,
+    NVFP4Linear,
+    W8A16Config,
+    W8A16Linear,
+    quantization_summary,
+    quantize,
+    register_quantizers,
+)
 
 
 def _register_with_diffusers() -> None:
@@ -42,6 +57,7 @@ def _register_with_diffusers() -> None:
         return
     _diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
     _install_dispatch()
+    register_quantizers()
 
 
 _register_with_diffusers()

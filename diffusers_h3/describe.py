@@ -31,6 +31,8 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     attention = collections.Counter()
     linears = collections.Counter()
     for name, module in model.named_modules():
+        if ".base_layer" in name:
+            continue  # a LoRA-wrapped layer is reported once, by its wrapper
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(module, "set_processor"):
             attention[_path_of(processor)] += 1

@@ -131,3 +131,19 @@ def test_other_checkpoint_is_refused(tmp_path):
 def test_unknown_task_is_refused(own_dir):
     with pytest.raises(ValueError, match="`task` must be one of"):
         MiniMaxH3Pipeline.from_pretrained(own_dir, task="i2v")
+
+
+@pytest.mark.parametrize("layout", ["own", "hub"])
+def test_pipeline_quantization_config_covers_the_text_encoder(layout, own_dir, hub_dir):
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    from diffusers_h3 import H3QuantizedLinear, W8A16Config
+
+    directory = own_dir if layout == "own" else hub_dir
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": W8A16Config(), "text_encoder": W8A16Config()})
+    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", quantization_config=config)
+    for name in ("transformer", "text_encoder"):
+        quantized = [m for m in getattr(pipe, name).modules() if isinstance(m, H3QuantizedLinear)]
+        assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized), name
+    out = _latents(pipe)
+    assert torch.isfinite(out.frames).all()

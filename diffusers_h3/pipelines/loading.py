@@ -183,8 +183,43 @@ def _has_component(directory: Path, index: Dict[str, Any], name: str) -> bool:
     return (directory / (spec.get("subfolder") or name)).is_dir()
 
 
+# Components loaded by transformers, whose loader does not know our quantization configs: they load dense and are
+# quantized with `diffusers_h3.quantize` right after.
+TRANSFORMERS_MODEL_COMPONENTS = ("text_encoder",)
+
+
+def _split_post_load_quantization(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Take our configs for transformers components out of a `PipelineQuantizationConfig`; return them by name."""
+    from ..quantizers import H3QuantizationConfigBase
+
+    config = kwargs.get("quantization_config")
+    mapping = getattr(config, "quant_mapping", None) or {}
+    post = {
+        name: value
+        for name, value in mapping.items()
+        if name in TRANSFORMERS_MODEL_COMPONENTS and isinstance(value, H3QuantizationConfigBase)
+    }
+    if post:
+        from diffusers.quantizers import PipelineQuantizationConfig
+
+        remaining = {name: value for name, value in mapping.items() if name not in post}
+        kwargs["quantization_config"] = PipelineQuantizationConfig(quant_mapping=remaining) if remaining else None
+    return post
+
+
 def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None, **kwargs):
     """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring."""
+    post_load_quantization = _split_post_load_quantization(kwargs)
+    pipe = _load_pipeline(cls, pretrained_model_name_or_path, task, kwargs)
+    if post_load_quantization:
+        from ..quantizers import quantize
+
+        for name, config in post_load_quantization.items():
+            quantize(getattr(pipe, name), config)
+    return pipe
+
+
+def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     needed_partitions(task)  # validates `task`
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):

@@ -18,6 +18,16 @@ two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / `
   ``__metadata__`` records its schedule carries a :class:`~diffusers_h3.pipelines.lora_presets.LoraDistillationPreset`;
   the pipeline calls :meth:`MiniMaxH3LoraMixin._resolve_lora_schedule` to fill unset ``num_inference_steps`` /
   ``flow_shift`` / ``audio_flow_shift`` from it and to warn when a call asks for something else.
+
+Example::
+
+    pipe = MiniMaxH3Pipeline.from_pretrained(path, quantization_config=...)  # bf16 or W8A16 / NVFP4 / FP8
+    report = pipe.load_lora_weights(
+        "lightx2v/Minimax-h3-Turbo", weight_name="minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors", adapter_name="turbo"
+    )
+    print(report)  # layout, matched modules, rank / alpha, unmatched keys, preset (5 sigma points, shifts 6 / 3)
+    out = pipe(prompt)     # runs 4 steps at shift 6 / 3; passing num_inference_steps=50 would warn
+    pipe.set_adapters(["turbo"], [1.0]); pipe.fuse_lora(); pipe.unfuse_lora(); pipe.unload_lora_weights()
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ import logging
 import os
 import re
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -54,7 +64,9 @@ _HUB_KWARGS = (
     "weight_name",
     "use_safetensors",
 )
-_KEY_RE = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_magnitude_vector)(?:\.(?P<param>weight|bias))?$")
+_KEY_RE = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_magnitude_vector)(?:\.(?P<param>weight|bias))?$"
+)
 _PENDING_METADATA: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_pending_lora_metadata", default=None)
 _DEFAULT_ALPHA_NOTE = "default alpha == rank (scale 1.0): the file records no alpha"
 
@@ -76,9 +88,8 @@ class LoraComponentReport:
         ranks = ", ".join(f"r={r}: {n}" for r, n in sorted(self.ranks.items()))
         alphas = ", ".join(f"alpha={a:g}: {n}" for a, n in sorted(self.alphas.items()))
         quant = ", ".join(f"{m}: {n}" for m, n in sorted(self.quantized_modules.items())) or "none"
-        return (
-            f"{self.component}: {len(self.matched_modules)} modules ({ranks}; {alphas}); quantized base layers: {quant}"
-        )
+        count = len(self.matched_modules)
+        return f"{self.component}: {count} modules ({ranks}; {alphas}); quantized base layers: {quant}"
 
 
 @dataclasses.dataclass
@@ -224,6 +235,19 @@ def _adapter_layers(model: nn.Module, adapter: str):
             yield name, module
 
 
+def _select_preset(choice, file_name, file_metadata) -> Optional[LoraDistillationPreset]:
+    if isinstance(choice, str) and choice == "auto":
+        return detect_preset(file_name, file_metadata)
+    if isinstance(choice, str):
+        return get_preset(choice).replace(source="argument")
+    if choice is None or isinstance(choice, LoraDistillationPreset):
+        return choice
+    raise TypeError(
+        "`distillation_preset` must be 'auto', a preset name, a `LoraDistillationPreset` or None, got "
+        f"{type(choice).__name__}."
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixin
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,7 +266,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         network_alpha: Optional[float] = None,
         distillation_preset: Union[str, LoraDistillationPreset, None] = "auto",
         **kwargs,
-    ) -> Optional[LoraLoadReport]:
+    ) -> LoraLoadReport:
         """Load a LoRA into ``transformer`` (or ``transformer_ref``) and return a :class:`LoraLoadReport`.
 
         Accepts every layout diffusers' ``MiniMaxH3LoraLoaderMixin`` converts (diffusers/PEFT, unprefixed PEFT dumps
@@ -304,23 +328,29 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             for k, v in state_dict.items()
         }
 
-        # 3. Alpha.
-        has_alpha_tensors = any(k.endswith(".alpha") for k in raw_keys)
+        # 3. Alpha. diffusers folds per-module `.alpha` tensors into the weights for the layouts that carry them
+        # (kohya / musubi); any left over were not applied and are reported as unmatched keys below.
+        has_alpha_tensors = any(k.endswith(".alpha") for k in raw_keys) and not any(
+            k.endswith(".alpha") for k in state_dict
+        )
         if network_alpha is not None:
             if has_alpha_tensors:
                 raise ValueError(
                     "`network_alpha` was passed, but this file has per-module `.alpha` tensors, which are already "
                     "folded into its weights; the alpha would apply twice. Drop `network_alpha`."
                 )
-            prefixes = sorted({k.split(".", 1)[0] for k in state_dict} & {self.transformer_name, self.transformer_ref_name})
+            partitions = {self.transformer_name, self.transformer_ref_name}
+            prefixes = sorted({k.split(".", 1)[0] for k in state_dict} & partitions)
             metadata = _uniform_alpha_metadata(state_dict, network_alpha, prefixes) or None
             alpha_source = f"network_alpha={network_alpha:g} (argument): scale alpha / rank per module"
         elif has_alpha_tensors:
             alpha_source = "per-module .alpha tensors (kohya), folded into the weights"
-        elif "alpha" in file_metadata and metadata is not None:
+        elif metadata is not None and "lora_adapter_metadata" in file_metadata:
+            alpha_source = "LoRA adapter config saved with the file (diffusers save_lora_weights)"
+        elif metadata is not None and "alpha" in file_metadata:
             alpha_source = f"file __metadata__ alpha={file_metadata['alpha']}: scale alpha / rank per module"
         elif metadata is not None:
-            alpha_source = "LoRA adapter config saved with the file"
+            alpha_source = "LoRA adapter config passed with the weights"
         else:
             alpha_source = _DEFAULT_ALPHA_NOTE
             logger.warning(
@@ -330,46 +360,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             )
 
         # 4. Match keys against the partition each prefix routes to (diffusers' two-partition rule).
-        into_ref = load_into_transformer_ref or transformer is None
-        targets = {
-            self.transformer_name: (self.transformer_ref_name, transformer_ref) if into_ref else (self.transformer_name, transformer),
-            self.transformer_ref_name: (self.transformer_ref_name, transformer_ref),
-        }
-        module_maps: Dict[str, Dict[str, nn.Module]] = {}
-        matched: Dict[str, set] = collections.defaultdict(set)
-        unmatched: List[str] = []
-        mismatched: List[str] = []
-        kept: Dict[str, torch.Tensor] = {}
-        for key, value in state_dict.items():
-            prefix, _, rest = key.partition(".")
-            parsed = _KEY_RE.match(rest) if prefix in targets else None
-            if parsed is None:
-                unmatched.append(key)
-                continue
-            component, model = targets[prefix]
-            if model is None:
-                kept[key] = value  # diffusers raises the routing error with its own message below
-                continue
-            if component not in module_maps:
-                module_maps[component] = dict(model.named_modules())
-            module = module_maps[component].get(parsed["module"])
-            target = _lora_target(module) if module is not None else None
-            if target is None:
-                unmatched.append(key)
-                continue
-            if parsed["kind"] == "lora_A" and value.ndim == 2 and value.shape[1] != target.in_features:
-                mismatched.append(f"{key}: {tuple(value.shape)} vs in_features={target.in_features}")
-            if parsed["kind"] == "lora_B" and value.shape[0] != target.out_features:
-                mismatched.append(f"{key}: {tuple(value.shape)} vs out_features={target.out_features}")
-            matched[component].add(parsed["module"])
-            kept[key] = value
-
-        if mismatched:
-            raise ValueError(
-                f"{len(mismatched)} LoRA tensors do not fit the modules they name (first: {mismatched[:3]}). The LoRA "
-                "was trained for another checkpoint (e.g. a pruned AdaLN-table H3 checkpoint) or another model."
-            )
-        if not any(matched.values()) and not any(targets[k.split('.', 1)[0]][1] is None for k in kept):
+        kept, matched, unmatched, deferred = self._match_lora_keys(state_dict, load_into_transformer_ref)
+        if not any(matched.values()) and not deferred:
             raise ValueError(
                 f"This LoRA matched no module of the pipeline ({layout} layout; first keys {sorted(raw_keys)[:4]}, "
                 f"first converted keys {sorted(state_dict)[:4]}). It is not a MiniMax-H3 LoRA, or it targets modules "
@@ -388,17 +380,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             logger.warning(f"{message} They are skipped (allow_unmatched_keys=True).")
 
         # 5. Distillation preset.
-        if isinstance(distillation_preset, str) and distillation_preset == "auto":
-            preset = detect_preset(file_name, file_metadata)
-        elif isinstance(distillation_preset, str):
-            preset = get_preset(distillation_preset).replace(source="argument")
-        elif distillation_preset is None or isinstance(distillation_preset, LoraDistillationPreset):
-            preset = distillation_preset
-        else:
-            raise TypeError(
-                "`distillation_preset` must be 'auto', a preset name, a `LoraDistillationPreset` or None, got "
-                f"{type(distillation_preset).__name__}."
-            )
+        preset = _select_preset(distillation_preset, file_name, file_metadata)
 
         # 6. Load through diffusers / PEFT.
         before = {name: set(getattr(m, "peft_config", {}) or {}) for name, m in self._lora_partitions().items()}
@@ -620,6 +602,58 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         return num_inference_steps, flow_shift, audio_flow_shift
 
     # ---- internals --------------------------------------------------------------------------------------------------
+    def _match_lora_keys(self, state_dict: Dict[str, torch.Tensor], load_into_transformer_ref: bool):
+        """Split converted keys into those naming a LoRA-able module of the partition they route to and the rest.
+
+        Returns ``(kept, matched, unmatched, deferred)``: the state dict to load, matched module names per partition,
+        unmatched keys, and whether some keys route to a partition the pipeline lacks (diffusers raises for those).
+        Raises for tensors whose shape does not fit the module they name.
+        """
+        transformer = getattr(self, self.transformer_name, None)
+        transformer_ref = getattr(self, self.transformer_ref_name, None)
+        into_ref = load_into_transformer_ref or transformer is None
+        ref_target = (self.transformer_ref_name, transformer_ref)
+        fl2v_target = ref_target if into_ref else (self.transformer_name, transformer)
+        targets = {self.transformer_name: fl2v_target, self.transformer_ref_name: ref_target}
+
+        module_maps: Dict[str, Dict[str, nn.Module]] = {}
+        matched: Dict[str, set] = collections.defaultdict(set)
+        unmatched: List[str] = []
+        mismatched: List[str] = []
+        kept: Dict[str, torch.Tensor] = {}
+        deferred = False
+        for key, value in state_dict.items():
+            prefix, _, rest = key.partition(".")
+            parsed = _KEY_RE.match(rest) if prefix in targets else None
+            if parsed is None:
+                unmatched.append(key)
+                continue
+            component, model = targets[prefix]
+            if model is None:
+                kept[key], deferred = value, True
+                continue
+            if component not in module_maps:
+                module_maps[component] = dict(model.named_modules())
+            name = parsed["module"]
+            module = module_maps[component].get(name)
+            inside_peft = any(part == "base_layer" or part.startswith("lora_") for part in name.split("."))
+            target = _lora_target(module) if module is not None and not inside_peft else None
+            if target is None:
+                unmatched.append(key)
+                continue
+            if parsed["kind"] == "lora_A" and value.ndim == 2 and value.shape[1] != target.in_features:
+                mismatched.append(f"{key}: {tuple(value.shape)} vs in_features={target.in_features}")
+            if parsed["kind"] == "lora_B" and value.shape[0] != target.out_features:
+                mismatched.append(f"{key}: {tuple(value.shape)} vs out_features={target.out_features}")
+            matched[component].add(name)
+            kept[key] = value
+        if mismatched:
+            raise ValueError(
+                f"{len(mismatched)} LoRA tensors do not fit the modules they name (first: {mismatched[:3]}). The LoRA "
+                "was trained for another checkpoint (e.g. a pruned AdaLN-table H3 checkpoint) or another model."
+            )
+        return kept, matched, unmatched, deferred
+
     def _lora_preset_registry(self) -> Dict[str, LoraDistillationPreset]:
         registry = self.__dict__.get("_h3_lora_presets")
         if registry is None:

@@ -140,7 +140,7 @@ def _metadata_number(metadata: Mapping[str, str], keys, cast):
 def preset_from_metadata(
     metadata: Optional[Mapping[str, str]], base: Optional[LoraDistillationPreset] = None
 ) -> Optional[LoraDistillationPreset]:
-    """Apply the schedule fields a file's ``__metadata__`` records on top of ``base`` (or create a preset from them)."""
+    """Apply the schedule fields a file's ``__metadata__`` records on top of ``base`` (or make a preset of them)."""
     if not metadata:
         return base
     if "distillation_preset" in metadata:

@@ -65,10 +65,7 @@ from PIL import Image
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from ..attention_processors.layout import PackedLayout, use_packed_layout
-try:  # TEMPORARY until pipelines/lora.py lands
-    from .lora import MiniMaxH3LoraMixin
-except ImportError:  # pragma: no cover
-    from diffusers.loaders import MiniMaxH3LoraLoaderMixin as MiniMaxH3LoraMixin
+from .lora import MiniMaxH3LoraMixin
 from .packing import check_layout_matches_indices, ref2va_layout, t2va_fl2va_layout
 
 logger = logging.get_logger(__name__)
@@ -664,10 +661,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """
         # 1. Route the task and check the request before any model runs.
         task = select_task(image, last_image, references)
-        if hasattr(self, "_resolve_lora_schedule"):
-            num_inference_steps, flow_shift, audio_flow_shift = self._resolve_lora_schedule(
-                num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas
-            )
+        # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
+        num_inference_steps, flow_shift, audio_flow_shift = self._resolve_lora_schedule(
+            num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=task
+        )
         if num_inference_steps is None:
             num_inference_steps = 50
         num_frames = self.check_inputs(
@@ -866,6 +863,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             "text_encoder_layer": int(self.config.text_encoder_layer),
             "text_encoder_early_exit": f"stops after decoder layer {int(self.config.text_encoder_layer) - 1}; no LM head",
         }
+        lora = self.lora_summary()
+        if lora:
+            report["lora"] = lora
         for name, model in self._partitions():
             mode = getattr(model, "_h3_v100_mode", None)
             if mode is not None:

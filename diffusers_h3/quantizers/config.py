@@ -1,0 +1,199 @@
+"""Quantization configs of diffusers-h3: ``W8A16Config``, ``NVFP4Config``, ``FP8Config``.
+
+They are diffusers ``QuantizationConfigMixin`` subclasses whose ``quant_method`` is a member of the
+:class:`H3QuantMethod` enum (diffusers reads ``quant_method.value``). The method names carry an ``h3_`` prefix so they
+never clash with methods diffusers or transformers already own (transformers owns ``"nvfp4"`` and ``"fp8"``).
+
+Which ``nn.Linear`` layers are quantized (:meth:`H3QuantizationConfigBase.should_quantize`):
+
+- ``modules_to_not_convert=None`` (default): every ``nn.Linear`` except input / output projections and embedders
+  (:data:`DEFAULT_MODULES_TO_NOT_CONVERT`, which includes H3's ``_keep_in_fp32_modules``), every module whose name
+  has a component containing ``"norm"`` (e.g. ``norm_out.linear``), and, when loading through ``from_pretrained``,
+  the model's own ``_keep_in_fp32_modules``.
+- An explicit list replaces all of that: only the listed names are kept (a name matches a module when it equals the
+  module's dotted name, one of its dotted components, or a dotted sub-path of it).
+
+The AdaLN projections ``transformer_blocks.*.adaln_proj.linear`` (39 % of H3's parameters) **are quantized** by
+default: they are the only way to reach <= 0.52x (W8A16) / <= 0.30x (NVFP4) of the bf16 weight memory, and their GEMM
+has one row per distinct timestep, so quantizing them costs no speed. Add ``"adaln_proj"`` to
+``modules_to_not_convert`` to keep them in 16-bit.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from diffusers.quantizers.quantization_config import QuantizationConfigMixin
+
+DEFAULT_MODULES_TO_NOT_CONVERT: List[str] = [
+    # MiniMaxH3Transformer3DModel._keep_in_fp32_modules
+    "proj_in",
+    "audio_proj_in",
+    "time_embedder",
+    "proj_out",
+    "audio_proj_out",
+    "rope",
+    # other input projections / embedders / heads
+    "context_embedder",
+    "time_proj",
+    "lm_head",
+    "embed_tokens",
+]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class H3QuantMethod(str, Enum):
+    W8A16 = "h3_w8a16"
+    NVFP4 = "h3_nvfp4"
+    FP8 = "h3_fp8"
+
+
+def _dtype_from(value) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)} (or None), got {value!r}.")
+    return _DTYPES[name]
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return value
+
+
+def module_name_matches(name: str, patterns: Iterable[str]) -> bool:
+    """True when ``name`` (dotted module path) matches a pattern: full name, a component, or a dotted sub-path."""
+    dotted = f".{name}."
+    return any(p and (p == name or f".{p}." in dotted) for p in patterns)
+
+
+class H3QuantizationConfigBase(QuantizationConfigMixin):
+    """Shared fields: ``modules_to_not_convert``, ``compute_dtype`` (None: the dtype of each dense weight),
+    ``backend`` (``"auto"`` picks the kernel per device; others force one path, see each layer's docstring)."""
+
+    quant_method: H3QuantMethod
+    allowed_backends = ("auto", "torch", "dequant")
+
+    def __init__(
+        self,
+        modules_to_not_convert: Optional[List[str]] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        backend: str = "auto",
+        **kwargs,
+    ):
+        kwargs.pop("quant_method", None)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}.")
+        if modules_to_not_convert is not None and (
+            isinstance(modules_to_not_convert, str) or not all(isinstance(m, str) for m in modules_to_not_convert)
+        ):
+            raise TypeError("modules_to_not_convert must be a list of module names (strings) or None.")
+        if backend not in self.allowed_backends:
+            raise ValueError(
+                f"{type(self).__name__} backend must be one of {self.allowed_backends}, got {backend!r}."
+            )
+        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert is not None else None
+        self.compute_dtype = _dtype_from(compute_dtype)
+        self.backend = backend
+
+    # -- selection -------------------------------------------------------------------------------------------------
+    def should_quantize(self, name: str, module: torch.nn.Module, extra_skip: Iterable[str] = ()) -> bool:
+        """Whether the module at dotted path ``name`` is replaced by a quantized layer."""
+        if type(module) is not torch.nn.Linear:
+            return False
+        if self.modules_to_not_convert is not None:
+            return not module_name_matches(name, self.modules_to_not_convert)
+        if module_name_matches(name, list(DEFAULT_MODULES_TO_NOT_CONVERT) + list(extra_skip)):
+            return False
+        if any("norm" in part for part in name.split(".")):
+            return False
+        return self.supports_shape(module.in_features, module.out_features)
+
+    def supports_shape(self, in_features: int, out_features: int) -> bool:
+        return True
+
+    # -- serialization -----------------------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        out = dict(self.__dict__)
+        out["quant_method"] = self.quant_method.value
+        out["compute_dtype"] = None if self.compute_dtype is None else str(self.compute_dtype).replace("torch.", "")
+        return out
+
+    def to_diff_dict(self) -> Dict[str, Any]:
+        return self.to_dict()
+
+    def layer_kwargs(self) -> Dict[str, Any]:
+        return {"backend": self.backend}
+
+
+class W8A16Config(H3QuantizationConfigBase):
+    """Int8 weights, per-output-channel fp32 scales (or one scale per ``group_size`` input columns), 16-bit
+    activations.
+
+    On SM80+ GPUs, calls with fewer than ``large_m_rows`` rows run the fused Triton GEMM (int8 dequantized in
+    registers); from ``large_m_rows`` rows on (compute-bound prefill, e.g. H3's 38k rows) a Triton kernel dequantizes
+    the layer into a 16-bit scratch weight and cuBLAS does the GEMM (the fused kernel reaches ~0.6x of cuBLAS there).
+    Other GPUs (V100): dequantize + cuBLAS fallback, reported by ``describe()``. CPU: the torch reference.
+    ``backend`` forces one path: ``"triton"``, ``"triton_dequant"``, ``"torch"``, ``"dequant"``."""
+
+    allowed_backends = ("auto", "triton", "triton_dequant", "torch", "dequant")
+
+    def __init__(self, group_size: Optional[int] = None, large_m_rows: int = 1024, **kwargs):
+        if group_size is not None and (not isinstance(group_size, int) or group_size <= 0 or group_size % 16):
+            raise ValueError(f"group_size must be None or a positive multiple of 16, got {group_size!r}.")
+        self.group_size = group_size
+        self.large_m_rows = _positive_int("large_m_rows", large_m_rows)
+        self.quant_method = H3QuantMethod.W8A16
+        super().__init__(**kwargs)
+
+    def supports_shape(self, in_features, out_features):
+        return self.group_size is None or in_features % self.group_size == 0
+
+    def layer_kwargs(self):
+        return {"backend": self.backend, "group_size": self.group_size, "large_m_rows": self.large_m_rows}
+
+
+class NVFP4Config(H3QuantizationConfigBase):
+    """NVFP4 weights (E2M1 + E4M3 per-16 scales + fp32 tensor scale; ModelOpt layout).
+
+    ``activation=None`` (default): weight-only, same numerics on every device -- on SM80+ the fused Triton GEMM below
+    ``large_m_rows`` rows and Triton dequantization + cuBLAS from there (as :class:`W8A16Config`); dequantize + cuBLAS
+    on other GPUs; the torch reference on CPU. ``activation="nvfp4"``: W4A4 through flashinfer ``mm_fp4`` on SM100+
+    (**not run on hardware**: emulation-tested), fp32 emulation elsewhere. Layers with ``in_features % 16 != 0`` stay
+    unquantized."""
+
+    allowed_backends = ("auto", "triton", "triton_dequant", "torch", "dequant", "flashinfer")
+
+    def __init__(self, activation: Optional[str] = None, large_m_rows: int = 1024, **kwargs):
+        if activation not in (None, "nvfp4"):
+            raise ValueError(f"activation must be None (weight-only) or 'nvfp4' (W4A4), got {activation!r}.")
+        self.activation = activation
+        self.large_m_rows = _positive_int("large_m_rows", large_m_rows)
+        self.quant_method = H3QuantMethod.NVFP4
+        super().__init__(**kwargs)
+
+    def supports_shape(self, in_features, out_features):
+        return in_features % 16 == 0
+
+    def layer_kwargs(self):
+        return {"backend": self.backend, "activation": self.activation, "large_m_rows": self.large_m_rows}
+
+
+class FP8Config(H3QuantizationConfigBase):
+    """E4M3 weights with per-output-channel scales; activations quantized per token at run time (fused Triton
+    kernel) and multiplied with ``torch._scaled_mm`` on SM89+. Elsewhere the weight is dequantized (16-bit GEMM)."""
+
+    allowed_backends = ("auto", "scaled_mm", "torch", "dequant")
+
+    def __init__(self, use_fast_accum: bool = True, **kwargs):
+        self.use_fast_accum = bool(use_fast_accum)
+        self.quant_method = H3QuantMethod.FP8
+        super().__init__(**kwargs)
+
+    def layer_kwargs(self):
+        return {"backend": self.backend, "use_fast_accum": self.use_fast_accum}

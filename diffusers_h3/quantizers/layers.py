@@ -1,0 +1,356 @@
+"""Quantized ``Linear`` layers: :class:`W8A16Linear`, :class:`NVFP4Linear`, :class:`FP8Linear`.
+
+All subclass :class:`H3QuantizedLinear`, the interface the LoRA (PEFT) integration builds on:
+
+- ``in_features``, ``out_features``, ``bias`` (unquantized ``Parameter`` in ``compute_dtype``, or ``None``),
+  ``compute_dtype``, ``quant_method`` (str);
+- ``dequantize(dtype=None) -> Tensor[out, in]``: the effective weight;
+- ``forward(x)``: any leading shape, returns ``compute_dtype``;
+- ``describe_path() -> str``: one line, which path runs on the layer's device and why;
+- ``from_linear(linear, config)`` and ``requantize_(dense_weight)`` (used to fuse / unfuse LoRA);
+- ``weight``: **the packed storage buffer** (int8 codes for W8A16, uint8 E2M1 pairs ``[N, K/2]`` for NVFP4,
+  ``float8_e4m3fn`` for FP8). It has the layer's device; its shape is the packed shape, not ``[out, in]`` -- use
+  ``in_features`` / ``out_features`` / ``dequantize()`` for that. PEFT takes the adapter dtype from
+  ``compute_dtype`` (it prefers that attribute over ``weight.dtype``).
+
+The storage buffers keep their dtype under ``module.to(dtype)`` / ``.half()``: only their device follows; a floating
+cast changes ``compute_dtype`` and the bias instead. State-dict names follow the ModelOpt export layout
+(``weight``, ``weight_scale``, ``weight_scale_2``), see :mod:`diffusers_h3.quantizers.serialization`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._utils import cuda_capability, has_fp8_tensor_cores, warn_once
+from ..kernels.fp8_gemm import fp8_dequantize, fp8_linear, fp8_quantize_weight, fp8_scaled_mm_supported
+from ..kernels.nvfp4 import flashinfer_fp4_available, nvfp4_dequantize, nvfp4_linear, nvfp4_quantize
+from ..kernels.w8a16_gemm import (
+    LARGE_M_ROWS,
+    triton_gemm_supported,
+    w8a16_dequantize,
+    w8a16_linear,
+    w8a16_quantize,
+)
+
+
+class H3QuantizedLinear(nn.Module):
+    """Base class; subclasses define ``quant_method``, ``_storage`` (buffer names), ``_quantize`` and ``_select``."""
+
+    quant_method: str = ""
+    _storage: Tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.compute_dtype = compute_dtype
+        self.backend = backend
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        for name, (shape, dtype) in self._storage_spec().items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+
+    # -- to be provided by subclasses --------------------------------------------------------------------------------
+    def _storage_spec(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        raise NotImplementedError
+
+    def _quantize(self, dense: torch.Tensor) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _select(self, device: torch.device) -> Tuple[str, str]:
+        """(backend, human-readable reason) for ``device``."""
+        raise NotImplementedError
+
+    def _run(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- construction ------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config) -> "H3QuantizedLinear":
+        """Quantize a dense ``nn.Linear`` (its weight may be on any device; the result lives there)."""
+        if linear.weight.device.type == "meta":
+            raise ValueError("Cannot quantize a Linear whose weight is on the meta device; load its weight first.")
+        compute_dtype = config.compute_dtype or linear.weight.dtype
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=compute_dtype,
+            device=linear.weight.device,
+            **config.layer_kwargs(),
+        )
+        layer.requantize_(linear.weight)
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.detach().to(compute_dtype)
+        return layer
+
+    @torch.no_grad()
+    def requantize_(self, dense_weight: torch.Tensor) -> "H3QuantizedLinear":
+        """Replace the stored weight by the quantization of ``dense_weight`` ``[out, in]`` (e.g. after LoRA fusing)."""
+        if tuple(dense_weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"requantize_ expects a weight of shape {(self.out_features, self.in_features)}, "
+                f"got {tuple(dense_weight.shape)}."
+            )
+        device = self.weight.device if self.weight.device.type != "meta" else dense_weight.device
+        for name, value in self._quantize(dense_weight.to(device)).items():
+            self._buffers[name] = value.to(device)
+        return self
+
+    def load_quantized_(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Install pre-quantized storage (from a checkpoint) after checking names, shapes and dtypes."""
+        spec = self._storage_spec()
+        for name, value in tensors.items():
+            if name not in spec:
+                raise KeyError(f"{type(self).__name__} has no quantized tensor {name!r} (expected {sorted(spec)}).")
+            shape, dtype = spec[name]
+            value = self.normalize_loaded(name, value)
+            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                raise ValueError(
+                    f"{type(self).__name__}.{name}: checkpoint tensor is {tuple(value.shape)} {value.dtype}, the layer "
+                    f"({self.out_features}x{self.in_features}, {self.quant_method}) expects {tuple(shape)} {dtype}. "
+                    "The checkpoint was quantized with another method or for another model config."
+                )
+            self._buffers[name] = value
+
+    def normalize_loaded(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Hook for accepting equivalent layouts of other exporters (e.g. ``[N, 1]`` scales)."""
+        return value
+
+    # -- run ---------------------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, got {x.shape[-1]}.")
+        backend, reason = self._select(x.device)
+        if backend == "dequant":
+            warn_once(f"{self.quant_method}-dequant-{x.device.type}", f"{type(self).__name__}: {reason}")
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        return self._run(x, backend)
+
+    def describe_path(self) -> str:
+        backend, reason = self._select(self.weight.device)
+        return f"{type(self).__name__}[{self.quant_method}] on {self.weight.device.type}: {backend} -- {reason}"
+
+    def quantized_nbytes(self) -> int:
+        """Bytes of weight storage (packed codes + scales; bias excluded)."""
+        return sum(self._buffers[n].numel() * self._buffers[n].element_size() for n in self._storage_spec())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"compute_dtype={self.compute_dtype}, backend={self.backend}"
+        )
+
+    # -- dtype / device moves keep the packed storage ------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        probe32 = fn(torch.empty(0, dtype=torch.float32))
+        probe16 = fn(torch.empty(0, dtype=torch.float16))
+        storage = {name: self._buffers.pop(name) for name in self._storage_spec()}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buf in storage.items():
+                if buf is not None and buf.device != probe32.device:
+                    buf = buf.to(probe32.device)
+                self._buffers[name] = buf
+        if probe32.dtype == probe16.dtype and probe32.dtype.is_floating_point:
+            self.compute_dtype = probe32.dtype
+        return self
+
+
+def _triton_reason(what: str, large_m_rows: int) -> str:
+    return (
+        f"Triton {what}: fused GEMM with in-register dequantization below {large_m_rows} rows; "
+        f"from {large_m_rows} rows (compute-bound) Triton dequantization to a 16-bit scratch weight + cuBLAS"
+    )
+
+
+def _fallback_reason(device: torch.device, what: str) -> str:
+    cap = cuda_capability(device)
+    return f"fallback: {what} not available on sm_{cap[0]}{cap[1]}; dequantize per call to fp16/bf16 + cuBLAS"
+
+
+class W8A16Linear(H3QuantizedLinear):
+    """Int8 weight ``[N, K]`` + fp32 scales ``[N]`` (per channel) or ``[N, K/group_size]``; 16-bit activations.
+
+    Paths: Triton in-register dequant GEMM (CUDA SM80+), dequantize + cuBLAS (other GPUs, e.g. V100), torch reference
+    (CPU).
+    """
+
+    quant_method = "h3_w8a16"
+
+    def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
+                 backend="auto", group_size: Optional[int] = None, large_m_rows: int = LARGE_M_ROWS):  # fmt: skip
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"group_size={group_size} does not divide in_features={in_features}.")
+        self.group_size = group_size
+        self.large_m_rows = large_m_rows
+        super().__init__(in_features, out_features, bias, compute_dtype, device, backend)
+
+    def _storage_spec(self):
+        scale_shape = (self.out_features,) if self.group_size is None else (
+            self.out_features, self.in_features // self.group_size)  # fmt: skip
+        return {
+            "weight": ((self.out_features, self.in_features), torch.int8),
+            "weight_scale": (scale_shape, torch.float32),
+        }
+
+    def _quantize(self, dense):
+        q, s = w8a16_quantize(dense, self.group_size)
+        return {"weight": q, "weight_scale": s}
+
+    def normalize_loaded(self, name, value):
+        if name == "weight_scale" and self.group_size is None and value.dim() == 2 and value.shape[1] == 1:
+            return value.reshape(-1)
+        return value
+
+    def dequantize(self, dtype=None):
+        return w8a16_dequantize(self.weight, self.weight_scale, dtype or self.compute_dtype)
+
+    def _select(self, device):
+        if self.backend != "auto":
+            return self.backend, f"forced by config (backend={self.backend!r})"
+        if device.type == "cuda":
+            if triton_gemm_supported(device):
+                return "auto", _triton_reason("W8A16", self.large_m_rows)
+            return "dequant", _fallback_reason(device, "tensor-core Triton")
+        return "torch", "torch reference (CPU)"
+
+    def _run(self, x, backend):
+        return w8a16_linear(x, self.weight, self.weight_scale, self.bias, backend=backend,
+                            large_m_rows=self.large_m_rows)  # fmt: skip
+
+
+class NVFP4Linear(H3QuantizedLinear):
+    """NVFP4 weight: ``weight`` uint8 ``[N, K/2]`` (E2M1 pairs), ``weight_scale`` E4M3 ``[N, K/16]``,
+    ``weight_scale_2`` fp32 ``[]``.
+
+    Weight-only paths: Triton dequant GEMM (CUDA SM80+), dequantize + cuBLAS (other GPUs), torch reference (CPU).
+    ``activation="nvfp4"``: flashinfer ``mm_fp4`` on SM100+ (**not run on hardware**), fp32 emulation elsewhere.
+    """
+
+    quant_method = "h3_nvfp4"
+
+    def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
+                 backend="auto", activation: Optional[str] = None, large_m_rows: int = LARGE_M_ROWS):  # fmt: skip
+        if in_features % 16:
+            raise ValueError(f"NVFP4 needs in_features % 16 == 0, got {in_features}; keep this layer unquantized.")
+        self.activation = activation
+        self.large_m_rows = large_m_rows
+        super().__init__(in_features, out_features, bias, compute_dtype, device, backend)
+
+    def _storage_spec(self):
+        return {
+            "weight": ((self.out_features, self.in_features // 2), torch.uint8),
+            "weight_scale": ((self.out_features, self.in_features // 16), torch.float8_e4m3fn),
+            "weight_scale_2": ((), torch.float32),
+        }
+
+    def _quantize(self, dense):
+        p, s, g = nvfp4_quantize(dense)
+        return {"weight": p, "weight_scale": s, "weight_scale_2": g}
+
+    def normalize_loaded(self, name, value):
+        if name == "weight_scale_2" and value.numel() == 1:
+            return value.reshape(())
+        return value
+
+    def dequantize(self, dtype=None):
+        return nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype or self.compute_dtype)
+
+    def _select(self, device):
+        if self.activation == "nvfp4":
+            if self.backend not in ("auto", "flashinfer", "torch"):
+                return self.backend, f"forced by config (backend={self.backend!r})"
+            if self.backend == "flashinfer" or (self.backend == "auto" and flashinfer_fp4_available(device)):
+                return "flashinfer", "W4A4 flashinfer mm_fp4 on FP4 tensor cores (not run on hardware)"
+            return "torch", "W4A4 emulation in fp32 (no FP4 tensor cores / flashinfer here; slow)"
+        if self.backend != "auto":
+            return self.backend, f"forced by config (backend={self.backend!r})"
+        if device.type == "cuda":
+            if triton_gemm_supported(device):
+                return "auto", _triton_reason("NVFP4 weight-only", self.large_m_rows)
+            return "dequant", _fallback_reason(device, "tensor-core Triton")
+        return "torch", "torch reference (CPU)"
+
+    def _run(self, x, backend):
+        return nvfp4_linear(
+            x, self.weight, self.weight_scale, self.weight_scale_2, self.bias, activation=self.activation,
+            backend=backend, large_m_rows=self.large_m_rows,
+        )  # fmt: skip
+
+
+class FP8Linear(H3QuantizedLinear):
+    """E4M3 weight ``[N, K]`` + fp32 per-channel ``weight_scale`` ``[N]``; activations quantized per token at run time.
+
+    Paths: fused Triton activation quantization + ``torch._scaled_mm`` row-wise (CUDA SM89+), dequantize + 16-bit
+    GEMM (older GPUs; activations not quantized), fp32 emulation of the W8A8 numerics (CPU).
+    """
+
+    quant_method = "h3_fp8"
+
+    def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
+                 backend="auto", use_fast_accum: bool = True):  # fmt: skip
+        self.use_fast_accum = use_fast_accum
+        super().__init__(in_features, out_features, bias, compute_dtype, device, backend)
+
+    def _storage_spec(self):
+        return {
+            "weight": ((self.out_features, self.in_features), torch.float8_e4m3fn),
+            "weight_scale": ((self.out_features,), torch.float32),
+        }
+
+    def _quantize(self, dense):
+        q, s = fp8_quantize_weight(dense)
+        return {"weight": q, "weight_scale": s}
+
+    def normalize_loaded(self, name, value):
+        if name == "weight_scale":
+            if value.numel() == 1:  # per-tensor scale (e.g. ModelOpt FP8): broadcast to per-channel
+                return value.float().reshape(1).expand(self.out_features).contiguous()
+            if value.dim() == 2 and value.shape[1] == 1:
+                return value.reshape(-1)
+        return value
+
+    def dequantize(self, dtype=None):
+        return fp8_dequantize(self.weight, self.weight_scale, dtype or self.compute_dtype)
+
+    def _select(self, device):
+        if self.backend != "auto":
+            return self.backend, f"forced by config (backend={self.backend!r})"
+        if device.type == "cuda":
+            if fp8_scaled_mm_supported(device, self.out_features, self.in_features):
+                return "scaled_mm", "fused per-token FP8 quantization (Triton) + torch._scaled_mm row-wise"
+            if not has_fp8_tensor_cores(device):
+                return "dequant", _fallback_reason(device, "FP8 tensor cores")
+            return "dequant", "fallback: N or K not a multiple of 16 for torch._scaled_mm; dequantize + cuBLAS"
+        return "torch", "fp32 emulation of the W8A8 numerics (CPU)"
+
+    def _run(self, x, backend):
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, backend=backend,
+                          use_fast_accum=self.use_fast_accum)  # fmt: skip
+
+
+QUANTIZED_LINEAR_CLASSES = {
+    "h3_w8a16": W8A16Linear,
+    "h3_nvfp4": NVFP4Linear,
+    "h3_fp8": FP8Linear,
+}

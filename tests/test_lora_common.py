@@ -20,22 +20,9 @@ from torch import nn
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
 
 from diffusers_h3.pipelines.lora import MiniMaxH3LoraMixin, detect_lora_layout
+from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
 
-TINY = dict(
-    num_attention_heads=2,
-    attention_head_dim=32,
-    hidden_size=32,
-    num_layers=2,
-    num_refiner_layers=1,
-    ffn_dim=64,
-    in_channels=4,
-    audio_in_channels=8,
-    text_dim=16,
-    freq_dim=32,
-    time_embed_hidden_dim=32,
-    time_embed_dim=16,
-    rope_freq_dim=4,
-)
+TINY = TINY_TRANSFORMER_CONFIG
 
 LoRA = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 

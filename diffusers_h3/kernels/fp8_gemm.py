@@ -24,7 +24,7 @@ import torch
 
 from .._utils import has_fp8_tensor_cores
 from .fp4_format import E4M3_MAX, to_e4m3
-from .w8a16_gemm import _TRITON, check_2d_weight, triton_interpreting
+from .w8a16_gemm import _TRITON, check_2d_weight, triton_interpreter_active
 
 if _TRITON:
     import triton
@@ -112,7 +112,7 @@ def fp8_quantize_per_token(
         if backend not in ("auto", "torch"):
             raise ValueError(f"Unknown backend {backend!r}; use 'auto', 'triton' or 'torch'.")
         return fp8_quantize_per_token_reference(x)
-    if not _TRITON or not (x.is_cuda or triton_interpreting()):
+    if not _TRITON or not (x.is_cuda or triton_interpreter_active()):
         raise RuntimeError(
             "The Triton activation quantizer needs CUDA (or TRITON_INTERPRET=1 on CPU); use backend='torch'."
         )

@@ -36,12 +36,14 @@ from .w8a16_gemm import (
     _m_bucket,
     gemm_configs,
     triton_gemm_supported,
-    triton_interpreting,
+    triton_interpreter_active,
 )
 
 if _TRITON:
     import triton
     import triton.language as tl
+
+    from ._gemm_tiles import accumulate_dot, grouped_tile_ids, store_output_tile
 
 NVFP4_BLOCK = 16
 
@@ -129,6 +131,25 @@ def nvfp4_w4a4_reference(
 if _TRITON:
 
     @triton.jit
+    def _dequantize_nvfp4_tile(p, sb, g, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 weights of a (BLOCK_N, BLOCK_K) tile from packed E2M1 pairs `p` and E4M3 block-scale bits `sb`;
+        `g` is half the global scale (the integer decode yields 2 * |e2m1|)."""
+        # E4M3 block scale from its bits: normal (1 + m/8) * 2^(e-7), subnormal m * 2^-9.
+        sb = sb.to(tl.int32)
+        s_exp = (sb >> 3) & 15
+        s_man = sb & 7
+        s_norm = ((s_exp + 120) << 23) | (s_man << 20)
+        s_val = tl.where(s_exp == 0, s_man.to(tl.float32) * 0.001953125, s_norm.to(tl.float32, bitcast=True))
+        s_val = tl.where((sb & 128) != 0, -s_val, s_val) * g
+        # E2M1 codes: interleave low / high nibbles back into K order.
+        p = p.to(tl.int32)
+        c = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))
+        # 2 * |value| for magnitude codes 0..7 = {0, 1, 2, 3, 4, 6, 8, 12}: nibble LUT 0xC8643210.
+        v2 = (-932957680 >> ((c & 7) * 4)) & 15
+        v2 = tl.where((c & 8) != 0, -v2, v2).to(tl.float32)
+        return tl.reshape(tl.reshape(v2, (BLOCK_N, BLOCK_K // 16, 16)) * s_val[:, :, None], (BLOCK_N, BLOCK_K))
+
+    @triton.jit
     def _nvfp4_wo_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, o_ptr,
         M, N, K, M_BUCKET,
@@ -137,15 +158,7 @@ if _TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_n
-        group = pid // width
-        first_m = group * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
+        pid_m, pid_n = grouped_tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,42 +180,14 @@ if _TRITON:
             x = tl.load(x_ptrs, mask=mask_m[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
             p = tl.load(w_ptrs, mask=mask_n[:, None] & ((k0 // 2 + offs_kp) < K // 2)[None, :], other=0)
             sb = tl.load(s_ptrs, mask=mask_n[:, None] & ((k0 // 16 + offs_ks) < K // 16)[None, :], other=0)
-            # E4M3 block scale from its bits: normal (1 + m/8) * 2^(e-7), subnormal m * 2^-9.
-            sb = sb.to(tl.int32)
-            s_exp = (sb >> 3) & 15
-            s_man = sb & 7
-            s_norm = ((s_exp + 120) << 23) | (s_man << 20)
-            s_val = tl.where(s_exp == 0, s_man.to(tl.float32) * 0.001953125, s_norm.to(tl.float32, bitcast=True))
-            s_val = tl.where((sb & 128) != 0, -s_val, s_val) * g
-            # E2M1 codes: interleave low / high nibbles back into K order.
-            p = p.to(tl.int32)
-            c = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))
-            mag = c & 7
-            # 2 * |value| for magnitude codes 0..7 = {0, 1, 2, 3, 4, 6, 8, 12}: nibble LUT 0xC8643210.
-            v2 = (-932957680 >> (mag * 4)) & 15
-            v2 = tl.where((c & 8) != 0, -v2, v2).to(tl.float32)
-            w = tl.reshape(tl.reshape(v2, (BLOCK_N, BLOCK_K // 16, 16)) * s_val[:, :, None], (BLOCK_N, BLOCK_K))
-            w = w.to(x.dtype)
-            if SWAP_AB:
-                if IEEE:
-                    acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                if IEEE:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
+            w = _dequantize_nvfp4_tile(p, sb, g, BLOCK_N, BLOCK_K).to(x.dtype)
+            acc = accumulate_dot(x, w, acc, SWAP_AB, IEEE)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 16
         if SWAP_AB:
             acc = tl.trans(acc)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
-            acc = acc + b[None, :].to(tl.float32)
-        o_ptrs = o_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        store_output_tile(acc, o_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
     _nvfp4_wo_autotuned = triton.autotune(configs=gemm_configs(), key=["N", "K", "M_BUCKET"])(_nvfp4_wo_kernel)
 
@@ -217,18 +202,10 @@ if _TRITON:
         mask_n = offs_n < N
         g = tl.load(g_ptr) * 0.5
         p = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_kp[None, :],
-                    mask=mask_n[:, None] & (offs_kp < K // 2)[None, :], other=0).to(tl.int32)  # fmt: skip
+                    mask=mask_n[:, None] & (offs_kp < K // 2)[None, :], other=0)  # fmt: skip
         sb = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_ks[None, :],
-                     mask=mask_n[:, None] & (offs_ks < K // 16)[None, :], other=0).to(tl.int32)  # fmt: skip
-        s_exp = (sb >> 3) & 15
-        s_man = sb & 7
-        s_norm = ((s_exp + 120) << 23) | (s_man << 20)
-        s_val = tl.where(s_exp == 0, s_man.to(tl.float32) * 0.001953125, s_norm.to(tl.float32, bitcast=True))
-        s_val = tl.where((sb & 128) != 0, -s_val, s_val) * g
-        c = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))
-        v2 = (-932957680 >> ((c & 7) * 4)) & 15
-        v2 = tl.where((c & 8) != 0, -v2, v2).to(tl.float32)
-        w = tl.reshape(tl.reshape(v2, (BLOCK_N, BLOCK_K // 16, 16)) * s_val[:, :, None], (BLOCK_N, BLOCK_K))
+                     mask=mask_n[:, None] & (offs_ks < K // 16)[None, :], other=0)  # fmt: skip
+        w = _dequantize_nvfp4_tile(p, sb, g, BLOCK_N, BLOCK_K)
         mask = mask_n[:, None] & (offs_k < K)[None, :]
         o_ptrs = o_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
         tl.store(o_ptrs, w.to(o_ptr.dtype.element_ty), mask=mask)
@@ -290,7 +267,7 @@ def nvfp4_dequantize_triton(
     sbits = block_scale.contiguous().view(torch.uint8)
     g = global_scale.float().reshape(1).contiguous()
     out = torch.empty((n, k), device=packed.device, dtype=dtype)
-    bn, bk = (16, 32) if triton_interpreting() else (32, 256)
+    bn, bk = (16, 32) if triton_interpreter_active() else (32, 256)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _nvfp4_dequant_kernel[grid](packed, sbits, g, out, n, k, packed.stride(0), sbits.stride(0), out.stride(0),
                                 BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip

@@ -21,25 +21,15 @@ from typing import Optional
 
 import torch
 
-from .._utils import cuda_capability, is_package_available
+from .._utils import cuda_capability
+from ._triton_utils import HAS_TRITON as _TRITON
+from ._triton_utils import triton_interpreter_active
 
-_TRITON = is_package_available("triton")
 if _TRITON:
     import triton
     import triton.language as tl
 
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (set by the test harness before importing triton)."""
-    if not _TRITON:
-        return False
-    try:
-        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
-    except ImportError:  # pragma: no cover
-        return False
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from ._gemm_tiles import accumulate_dot, grouped_tile_ids, store_output_tile
 
 
 def triton_gemm_supported(device: torch.device) -> bool:
@@ -49,7 +39,7 @@ def triton_gemm_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         cap = cuda_capability(device)
         return cap is not None and cap >= (8, 0)
-    return device.type == "cpu" and triton_interpreting()
+    return device.type == "cpu" and triton_interpreter_active()
 
 
 def check_2d_weight(name: str, weight: torch.Tensor) -> None:
@@ -122,16 +112,7 @@ if _TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        # Grouped launch order: GROUP_M row tiles share the weight tiles they read (L2 reuse).
-        width = GROUP_M * num_n
-        group = pid // width
-        first_m = group * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
+        pid_m, pid_n = grouped_tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,16 +138,7 @@ if _TRITON:
                 w = (q.to(tl.float32) * s).to(x.dtype)
             else:
                 w = q.to(x.dtype)
-            if SWAP_AB:
-                if IEEE:
-                    acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                if IEEE:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc)
+            acc = accumulate_dot(x, w, acc, SWAP_AB, IEEE)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if SWAP_AB:
@@ -174,11 +146,7 @@ if _TRITON:
         if GROUP_K == 0:
             s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
             acc = acc * s[None, :]
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
-            acc = acc + b[None, :].to(tl.float32)
-        o_ptrs = o_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        store_output_tile(acc, o_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
     def gemm_configs():
         """A few large tiles for compute-bound prefill GEMMs (M in the tens of thousands) plus small ones."""
@@ -228,7 +196,7 @@ INTERPRETER_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "
 
 def _launch(kernel_jit, kernel_tuned, args, m, n, meta, tile=None):
     """Run a GEMM kernel: autotuned on GPU, a fixed small tile in the interpreter (or a caller-fixed tile)."""
-    if tile is None and triton_interpreting():
+    if tile is None and triton_interpreter_active():
         tile = INTERPRETER_TILE
     if tile is not None:
         grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
@@ -295,7 +263,7 @@ def w8a16_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     scale = scale.float().contiguous()
     out = torch.empty((n, k), device=q.device, dtype=dtype)
     group_k = 0 if scale.dim() == 1 else k // scale.shape[1]
-    bn, bk = (16, 32) if triton_interpreting() else (32, 256)
+    bn, bk = (16, 32) if triton_interpreter_active() else (32, 256)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _w8a16_dequant_kernel[grid](q, scale, out, n, k, q.stride(0), scale.stride(0), out.stride(0),
                                 GROUP_K=group_k, BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip

@@ -1,0 +1,347 @@
+"""Attention benchmark at the MiniMax-H3 shape (768x1344, 124 frames -> 38,222 packed rows, 56 heads x 128).
+
+Cases (same run, same random bf16 inputs): cuDNN dense SDPA (baseline), our dense FP8, our VSA core (pooling,
+selection, fine stage, prefix rows) in bf16 / FP8 / FP4-emulated at sparsity 0.8 and 0.9, and the public ``vsa``
+package as a peer when it is importable. Errors are measured on a subset of heads against float32 references:
+dense cases against dense fp32 attention, sparse cases against fp32 attention over the same selected tiles (the
+``sp0`` cases check the kernel against dense fp32 with every tile selected).
+
+    python benchmarks/attention.py --out benchmarks/results/attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, Optional
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout  # noqa: E402
+from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
+from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
+from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
+from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
+from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
+
+
+def h3_layout(latent_frames=37, height=24, width=42, audio_rows=414, text_rows=512) -> PackedLayout:
+    """``[text | audio | target video]`` as the t2va pipeline packs 768x1344x124."""
+    video = latent_frames * height * width
+    segs = (
+        LayoutSegment("text", "prompt", 0, text_rows),
+        LayoutSegment("audio", "target", text_rows, text_rows + audio_rows, channels=2),
+        LayoutSegment("video", "target", text_rows + audio_rows, text_rows + audio_rows + video,
+                      grid=(latent_frames, height, width)),
+    )
+    return PackedLayout(segs, seq_len=text_rows + audio_rows + video)
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 7) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
+    a, b = out.float().flatten(), ref.float().flatten()
+    return {
+        "rel_l2": ((a - b).norm() / b.norm()).item(),
+        "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+        "rel_l1": ((a - b).abs().sum() / b.abs().sum()).item(),
+    }
+
+
+def dense_reference(q, k, v, heads):
+    """fp32 dense attention for the chosen heads: ``[B, S, len(heads), D]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (x[:, :, heads].float().transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+    return out.transpose(1, 2)
+
+
+def selection(q, k, plan, sparsity):
+    rows = (plan.slot_rows, plan.tile_counts, plan.block)
+    pq, _ = tile_pool(q, *rows)
+    pk, _ = tile_pool(k, *rows)
+    scores = pq @ pk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = build_block_mask(scores, plan.num_prefix_tiles, topk_for_sparsity(sparsity, plan.num_video_tiles))
+    return mask
+
+
+def sparse_reference(q, k, v, plan, mask, heads, chunk=8192):
+    """fp32 attention restricted to the selected tiles, for the chosen heads (chunked over query rows)."""
+    s, d = q.shape[1], q.shape[-1]
+    out = torch.empty(q.shape[0], s, len(heads), d, device=q.device, dtype=torch.float32)
+    row_tile = plan.row_tile
+    for bi in range(q.shape[0]):
+        for hi, h in enumerate(heads):
+            kf, vf = k[bi, :, h].float(), v[bi, :, h].float()
+            tile_mask = mask[bi, h]
+            for a in range(0, s, chunk):
+                qf = q[bi, a:a + chunk, h].float()
+                scores = (qf @ kf.T) / math.sqrt(d)
+                allowed = tile_mask[row_tile[a:a + chunk]][:, row_tile]
+                scores.masked_fill_(~allowed, float("-inf"))
+                out[bi, a:a + chunk, hi] = torch.softmax(scores, -1) @ vf
+    return out
+
+
+def computed_pairs(plan, mask):
+    """Valid (query row, key row) pairs the sparse kernel computes, summed over heads."""
+    counts = plan.tile_counts.to(torch.float64)
+    keys_per_qtile = (mask.to(torch.float64) * counts).sum(-1)  # [B, H, T]
+    return float((keys_per_qtile * counts).sum())
+
+
+def kernel_sweep(q, k, v, plan, iters=5):
+    """Fine-kernel variants (TMA loads, two key tiles per iteration) at sparsity 0.8, autotuned warps/stages."""
+    from diffusers_h3.kernels import block_sparse_attention as bsa
+    from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
+    from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8
+
+    rows = (plan.slot_rows, plan.tile_counts, plan.block)
+    mask = selection(q, k, plan, 0.8)
+    index, num = mask_to_index(mask)
+    pk, kp = tile_pool(k, *rows, packed=True)
+    _, vp = tile_pool(v, *rows, pooled=False, packed=True)
+    _, q8, qs = tile_quantize_fp8(q, *rows)
+    counts = plan.tile_counts.float()
+    mean = (pk * counts[:, None]).sum(2) / counts.sum()
+    _, k8, ks = tile_quantize_fp8(k, *rows, packed=True, subtract=mean)
+    v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
+    v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    results = {}
+    variants = [(p, t, r) for p in ("bf16", "fp8") for t in (False, True) for r in (False, True)]
+    variants += [("fp8pv8", True, False), ("fp8pv8", True, True), ("dense_fp8", False, False),
+                 ("dense_fp8", True, False), ("dense_fp8", True, True)]
+    for prec, tma, pair in variants:
+        name = f"{prec}_tma{int(tma)}_pair{int(pair)}"
+        if prec == "bf16":
+            fn = lambda: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, tma=tma,  # noqa
+                                                    pair=pair)
+        elif prec == "fp8":
+            fn = lambda: bsa.block_sparse_attention(q8, k8, vp, *rows[:2], index, num, block=64,  # noqa
+                                                    q_scale=qs, k_scale=ks, tma=tma, pair=pair)
+        elif prec == "fp8pv8":
+            fn = lambda: bsa.block_sparse_attention(q8, k8, v8t, *rows[:2], index, num, block=64,  # noqa
+                                                    q_scale=qs, k_scale=ks, v_scale=vs, tma=tma, pair=pair)
+        else:
+            fn = lambda: fp8_attention(q, k, v, tma=tma, pair=pair)  # noqa
+        try:
+            ms = time_cuda(fn, warmup=2, iters=iters)
+            tuned = bsa._bsa_fwd_dense_tuned if prec == "dense_fp8" else bsa._bsa_fwd_sparse_tuned
+            cfg = str(getattr(tuned, "best_config", None))
+            results[name] = {"precision": prec, "tma": tma, "pair": pair, "ms": round(ms, 3), "config": cfg}
+        except Exception as error:  # noqa: BLE001
+            results[name] = {"precision": prec, "tma": tma, "pair": pair, "ms": None,
+                             "error": f"{type(error).__name__}: {str(error)[:200]}"}
+        print(f"sweep {name:26s} {results[name].get('ms')} ms  {results[name].get('config', '')}"
+              f"{results[name].get('error', '')}", flush=True)
+    return results
+
+
+def peer_vsa(q, k, v, plan, sparsity):
+    """The public ``vsa`` package (FastVideo's Triton/TK kernel) on the video rows only, if importable."""
+    try:
+        from vsa import video_sparse_attn  # type: ignore
+    except Exception as error:  # noqa: BLE001 - any import failure means "peer not available"
+        return None, f"public vsa package not importable here ({type(error).__name__}: {error})"
+    return video_sparse_attn, None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--heads", type=int, default=56)
+    parser.add_argument("--error-heads", type=int, default=4, help="heads used for the fp32 error references")
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="fewer cases (CI smoke)")
+    parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the fine-kernel variants first and use the fastest (else the defaults)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
+
+    torch.manual_seed(0)
+    layout = h3_layout()
+    dev = torch.device("cuda")
+    plan = build_tile_plan(layout, (4, 4, 4), device=dev)
+    b, s, h, d = 1, layout.seq_len, args.heads, 128
+    q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    # Give the keys a shared offset (real H3 keys are far from zero-mean; K smoothing exists for that).
+    k = (k + 0.5 * torch.randn(1, 1, h, d, device=dev)).to(torch.bfloat16)
+    err_heads = torch.linspace(0, h - 1, args.error_heads).round().long().tolist()
+    dense_flops = 4.0 * s * s * d * h
+
+    cases: Dict[str, Dict[str, Optional[float]]] = {}
+    notes: Dict[str, str] = {}
+
+    def record(name, fn, ref, pairs=None, note=None, baseline_ms=None):
+        try:
+            return _record(name, fn, ref, pairs, note, baseline_ms)
+        except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
+            cases[name] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None, "peak_gib": None}
+            notes[name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+            print(f"{name:24s} FAILED {notes[name]}", flush=True)
+            return None
+
+    def _record(name, fn, ref, pairs, note, baseline_ms):
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+        err = errors(out[:, :, err_heads], ref) if ref is not None else {}
+        ms = time_cuda(fn, iters=args.iters)
+        flops = dense_flops if pairs is None else 4.0 * pairs * d
+        cases[name] = {
+            "ms": round(ms, 3),
+            "baseline": "cudnn_dense",
+            "ratio": None if not baseline_ms else round(baseline_ms / ms, 3),
+            "rel_l2": None if not err else err["rel_l2"],
+            "cosine": err.get("cosine"),
+            "rel_l1": err.get("rel_l1"),
+            "peak_gib": round(peak, 3),
+            "tflops": round(flops / ms / 1e9, 1),
+            "density": None if pairs is None else round(pairs / (float(s) * s * h), 4),
+        }
+        if note:
+            notes[name] = note
+        print(f"{name:24s} {ms:8.2f} ms  ratio {cases[name]['ratio']}  rel_l2 {cases[name]['rel_l2']}  "
+              f"cos {cases[name]['cosine']}  {cases[name]['tflops']} TF/s", flush=True)
+        del out
+        return ms
+
+    ref_dense = dense_reference(q, k, v, err_heads)
+    sweep = kernel_sweep(q, k, v, plan, iters=5) if args.sweep else {}
+    best = {prec: min((r for r in sweep.values() if r["precision"] == prec and r["ms"]), key=lambda r: r["ms"],
+                      default=None) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8")}
+    opts = {prec: ({"tma": r["tma"], "pair": r["pair"]} if r else {}) for prec, r in best.items()}
+    # Dense FP8 block shapes (query rows per program, key rows per step): pick the fastest in this run.
+    dense_shapes = {}
+    for block_m, block_n in ((128, 64), (128, 128), (64, 64)):
+        try:
+            ms = time_cuda(lambda: fp8_attention(q, k, v, block_m=block_m, block_n=block_n, **opts["dense_fp8"]),
+                           warmup=2, iters=3)
+            dense_shapes[f"m{block_m}_n{block_n}"] = round(ms, 3)
+        except Exception as error:  # noqa: BLE001
+            dense_shapes[f"m{block_m}_n{block_n}"] = f"{type(error).__name__}: {str(error)[:120]}"
+    print("dense fp8 block shapes (ms):", dense_shapes, flush=True)
+    timed = {k_: v_ for k_, v_ in dense_shapes.items() if isinstance(v_, float)}
+    if timed:
+        m_, n_ = min(timed, key=timed.get)[1:].split("_n")
+        opts["dense_fp8"] = {**opts["dense_fp8"], "block_m": int(m_), "block_n": int(n_)}
+    print("kernel options:", opts, flush=True)
+
+    def cudnn():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            ).transpose(1, 2)
+
+    base = record("cudnn_dense", cudnn, ref_dense)
+    if base is not None:
+        cases["cudnn_dense"]["ratio"] = 1.0
+    record("fp8_dense", lambda: fp8_attention(q, k, v, **opts["dense_fp8"]), ref_dense, baseline_ms=base,
+           note="E4M3 Q/K per-token scales, K mean-centred, bf16 PV, fp32 softmax")
+    record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True, **opts["dense_fp8"]), ref_dense,
+           baseline_ms=base,
+           note="as fp8_dense plus E4M3 P and per-channel E4M3 V")
+
+    # Accuracy gates: every tile selected (sparsity 0) vs dense fp32.
+    for prec in ("bf16", "fp8"):
+        record(f"vsa_{prec}_sp0", lambda prec=prec: vsa_attention(q, k, v, plan, sparsity=0.0, precision=prec)[0],
+               ref_dense, baseline_ms=base, note="every tile selected: checks the sparse kernel against dense fp32")
+
+    variants = [("bf16", 0.8, "bf16"), ("fp8", 0.8, "bf16"), ("bf16", 0.9, "bf16"), ("fp8", 0.9, "bf16"),
+                ("fp8", 0.8, "fp8"), ("fp8", 0.9, "fp8"), ("fp4", 0.8, "bf16")]
+    if args.quick:
+        variants = variants[:2]
+    for sparsity in sorted({sp for _, sp, _ in variants}):
+        mask = selection(q, k, plan, sparsity)
+        ref_sparse = sparse_reference(q, k, v, plan, mask, err_heads)
+        pairs = computed_pairs(plan, mask)
+        for prec, sp, pv in variants:
+            if sp != sparsity:
+                continue
+            name = f"vsa_{prec}{'pv8' if pv == 'fp8' else ''}_sp{sp}"
+            note = {"fp4": "FP4 (E2M1, 16-element E4M3 scales) Q/K/V emulated with quantize-dequantize + bf16 "
+                           "kernel; native FP4 not run on hardware (H200 has no FP4 MMA)"}.get(prec)
+            ko = opts["fp8pv8" if pv == "fp8" else ("fp8" if prec == "fp8" else "bf16")]
+            record(name, lambda prec=prec, sp=sp, pv=pv, ko=ko: vsa_attention(
+                       q, k, v, plan, sparsity=sp, precision=prec, pv_precision=pv, kernel_options=ko)[0],
+                   ref_sparse, pairs=pairs, baseline_ms=base, note=note)
+        if sparsity == 0.8:
+            from diffusers_h3.kernels.block_sparse_attention import block_sparse_attention
+
+            rows = (plan.slot_rows, plan.tile_counts, plan.block)
+            _, kp = tile_pool(k, *rows, pooled=False, packed=True)
+            _, vp = tile_pool(v, *rows, pooled=False, packed=True)
+            index, num = mask_to_index(mask)
+            record("vsa_bf16_sp0.8_fine_only",
+                   lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index, num,
+                                                  block=plan.block, **opts["bf16"]),
+                   ref_sparse, pairs=pairs, baseline_ms=base, note="fine kernel alone (no pooling / selection)")
+            del kp, vp, index, num
+            fn, why = peer_vsa(q, k, v, plan, sparsity)
+            if fn is None:
+                cases["peer_vsa_sp0.8"] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
+                                           "peak_gib": None}
+                notes["peer_vsa_sp0.8"] = why
+                print("peer_vsa_sp0.8           skipped:", why)
+        del ref_sparse, mask
+
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:  # noqa: BLE001
+        commit = "uncommitted"
+    result = {
+        "suite": "attention_h200",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": {"batch": b, "rows": s, "heads": h, "head_dim": d, "layout": layout.describe(),
+                  "tiles": plan.describe(), "error_heads": err_heads},
+        "reference": "fp32 attention (dense, or over the same selected tiles for sparse cases) on error_heads",
+        "cases": cases,
+        "notes": notes,
+        "kernel_sweep": sweep,
+        "dense_fp8_block_shapes_ms": dense_shapes,
+        "kernel_options": opts,
+    }
+    text = json.dumps(result, indent=2)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

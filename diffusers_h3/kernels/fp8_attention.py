@@ -1,0 +1,104 @@
+"""Dense FP8 attention (a training-free speedup for base checkpoints): E4M3 Q/K, bf16 (or E4M3) P·V.
+
+``fp8_attention(q, k, v)`` on ``[B, S, H, D]`` rows:
+
+1. with ``smooth_k`` the per-head key mean over the sequence is subtracted (softmax is invariant to it, and the
+   centred keys quantize with less error);
+2. Q and K are quantized to E4M3 with one float32 scale per row and head (``amax / 448``);
+3. with ``pv_fp8`` V is quantized per channel and ``P`` is rounded to E4M3 inside the kernel (``e4m3(448 p)``);
+4. the dense mode of the block-sparse flash kernel (:mod:`.block_sparse_attention`) computes the attention with a
+   float32 online softmax.
+
+:func:`fp8_attention_reference` is the torch reference with the same quantization and math.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._triton_utils import triton_interpreter_active, use_triton
+from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
+from .quant_utils import quantize_fp8_per_channel, quantize_fp8_per_token
+from .vsa_pool import tile_quantize_fp8
+
+
+def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool) -> Tuple[torch.Tensor, ...]:
+    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
+    if smooth_k:
+        k = k.float() - torch.mean(k, dim=1, dtype=torch.float32).unsqueeze(1)
+    q8, q_scale = quantize_fp8_per_token(q)
+    k8, k_scale = quantize_fp8_per_token(k)
+    v_scale = None
+    if pv_fp8:
+        v, v_scale = quantize_fp8_per_channel(v, seq_dim=1)
+    return q8, k8, v, q_scale, k_scale, v_scale
+
+
+def _default_block_n(q: torch.Tensor) -> int:
+    """128x128 blocks measured fastest on an H200 (benchmarks/results/attention_h200.json); 64 elsewhere."""
+    return 128 if q.is_cuda and not triton_interpreter_active() else 64
+
+
+def fp8_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True, pv_fp8: bool = False,
+    scale: Optional[float] = None, block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """Torch reference of :func:`fp8_attention` (materialises the score matrix: small inputs only).
+
+    ``block_n`` matters only with ``pv_fp8`` (P is rounded per key block against the running max, as in the kernel).
+    """
+    q8, k8, v_, qs, ks, vs = _quantize(q, k, v, smooth_k, pv_fp8)
+    return block_sparse_attention_reference(
+        q8, k8, v_, None, None, None, None, block=block_n or _default_block_n(q), scale=scale, q_scale=qs,
+        k_scale=ks, v_scale=vs, dense=True, out_dtype=q.dtype,
+    )
+
+
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool = True,
+    pv_fp8: bool = False,
+    scale: Optional[float] = None,
+    block_n: Optional[int] = None,
+    block_m: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    tma: Optional[bool] = None,
+    pair: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype."""
+    if not use_triton("fp8_attention", q, k, v, backend=backend):
+        return fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n)
+    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
+    block_n = block_n or _default_block_n(q)
+    # Quantize with the fused Triton pass (rows in 64-row chunks; exact same rounding as quantize_fp8_per_token).
+    s = q.shape[1]
+    n_chunks = -(-s // 64)
+    slot_rows = torch.arange(n_chunks * 64, device=q.device, dtype=torch.int32).clamp_max(s - 1)
+    counts = torch.full((n_chunks,), 64, device=q.device, dtype=torch.int32)
+    counts[-1] = s - 64 * (n_chunks - 1)
+    mean = torch.mean(k, dim=1, dtype=torch.float32) if smooth_k else None
+    _, q8, qs = tile_quantize_fp8(q, slot_rows, counts, 64, backend="triton")
+    _, k8, ks = tile_quantize_fp8(k, slot_rows, counts, 64, subtract=mean, backend="triton")
+    v_, vs = v, None
+    if pv_fp8:
+        v_, vs = quantize_fp8_per_channel(v, seq_dim=1)
+    if pv_fp8:
+        # Channel-major for the FP8 P·V MMA, the sequence padded to 16 bytes so that TMA can read it.
+        b, s_, h, d = v_.shape
+        v_t = torch.zeros(b, h, d, -(-s_ // 16) * 16, device=v_.device, dtype=v_.dtype)
+        v_t[..., :s_] = v_.permute(0, 2, 3, 1)
+        v_ = v_t[..., :s_].permute(0, 3, 1, 2)
+    return block_sparse_attention(
+        q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
+        dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+        tma=tma, pair=pair,
+    )

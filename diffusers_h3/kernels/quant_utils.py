@@ -1,0 +1,66 @@
+"""FP8 / FP4 quantization helpers for the attention kernels (pure torch: exact, deterministic, device-agnostic).
+
+* :func:`quantize_fp8_per_token`: E4M3 with one float32 scale ``amax / 448`` per vector along ``dim`` (Q and K rows).
+* :func:`quantize_fp8_per_channel`: E4M3 with one scale per channel over the sequence (V for FP8 PV).
+* :func:`fake_quant_fp4`: NVFP4-style emulation: groups of 16 consecutive elements along ``dim`` share an E4M3 scale
+  ``round_e4m3(amax / 6)``; values are rounded to E2M1 (``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, ties to even) and
+  multiplied back. This is the numerics of SageAttention3-style FP4 attention (FastVideo's Blackwell kernel); we run
+  it as emulation everywhere (FP4 tensor-core execution is not implemented; not run on hardware).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_fp8_per_token(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, scale)`` with ``x ≈ x8.float() * scale.unsqueeze(dim)``; ``scale = amax(|x|, dim) * (1 / 448)``.
+
+    The scale is a float32 product with the float32 reciprocal (torch's CUDA division by a scalar does the same, so
+    CPU, GPU and the Triton kernels agree bit for bit); ``x / scale`` is a true division, rounded to nearest even.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=dim, keepdim=True).clamp_min(eps) * (1.0 / FP8_E4M3_MAX)
+    x8 = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale.squeeze(dim)
+
+
+def quantize_fp8_per_channel(x: torch.Tensor, seq_dim: int = 1, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with one scale per channel: the amax is taken over ``seq_dim`` only (``scale`` keeps the other dims)."""
+    return quantize_fp8_per_token(x, dim=seq_dim, eps=eps)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to the nearest E2M1 value (ties to even mantissa), saturating at ±6."""
+    grid = torch.tensor(_E2M1_GRID, device=x.device, dtype=torch.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    a = x.abs().float().clamp_max(FP4_E2M1_MAX).contiguous()
+    lower = torch.bucketize(a, mids, right=False)  # a tie goes to the smaller neighbour
+    upper = torch.bucketize(a, mids, right=True)  # a tie goes to the larger neighbour
+    # Even grid indices have an even mantissa bit (0, 1, 2, 4 and the subnormal-free 1.0); pick those on ties.
+    idx = torch.where((lower != upper) & (upper % 2 == 0), upper, lower)
+    return torch.copysign(grid[idx], x.float())
+
+
+def fake_quant_fp4(x: torch.Tensor, dim: int = -1, group: int = 16) -> torch.Tensor:
+    """NVFP4-style quantize-dequantize along ``dim`` in groups of ``group`` (E4M3 group scales, no global scale)."""
+    dim = dim % x.ndim
+    if x.shape[dim] % group:
+        raise ValueError(f"fake_quant_fp4 needs the quantized dim ({x.shape[dim]}) to be a multiple of {group}")
+    moved = x.float().movedim(dim, -1)
+    g = moved.reshape(*moved.shape[:-1], -1, group)
+    scale = (g.abs().amax(-1, keepdim=True) * (1.0 / FP4_E2M1_MAX)).to(torch.float8_e4m3fn).float()
+    q = torch.where(scale > 0, round_e2m1(g / torch.where(scale > 0, scale, 1.0)), 0.0) * scale
+    return q.reshape(moved.shape).movedim(-1, dim).to(x.dtype)
+
+
+def fake_quant_fp8_per_token(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Quantize-dequantize with :func:`quantize_fp8_per_token` (emulation / references)."""
+    x8, scale = quantize_fp8_per_token(x, dim=dim)
+    return (x8.float() * scale.unsqueeze(dim)).to(x.dtype)

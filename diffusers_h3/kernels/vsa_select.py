@@ -1,0 +1,84 @@
+"""Tile selection for video sparse attention: block mask from pooled scores, then compact per-query-tile lists.
+
+* :func:`build_block_mask` (torch; a few hundred tiles, so ``topk`` on the pooled scores is cheap): tiles
+  ``[0, num_prefix_tiles)`` are non-video. A non-video query tile selects every key tile; a video query tile selects
+  every non-video key tile plus the ``topk`` video key tiles with the highest score.
+* :func:`mask_to_index` (Triton kernel, torch reference :func:`mask_to_index_reference`): a boolean
+  ``[B, H, Tq, Tk]`` mask becomes ``index [B, H, Tq, Tk]`` int32 whose first ``num[b, h, q]`` entries are the selected
+  key tiles in ascending order (the rest are left unspecified), and ``num [B, H, Tq]`` int32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from ._triton_utils import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mask_to_index_kernel(MASK, INDEX, NUM, TK, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_K)
+        in_range = offs < TK
+        m = tl.load(MASK + row * TK + offs, mask=in_range, other=0).to(tl.int32)
+        position = tl.cumsum(m, axis=0) - 1
+        tl.store(INDEX + row * TK + position, offs.to(tl.int32), mask=(m != 0) & in_range)
+        tl.store(NUM + row, tl.sum(m, axis=0))
+
+
+def topk_for_sparsity(sparsity: float, num_video_tiles: int) -> int:
+    """``clamp(ceil((1 - sparsity) * n_video), 1, n_video)`` video key tiles kept per query tile (FastH3 rule)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    if num_video_tiles == 0:
+        return 0
+    # Round before ceil so that 0.2 * 10 does not become 3 through float error.
+    return min(max(math.ceil(round((1.0 - sparsity) * num_video_tiles, 6)), 1), num_video_tiles)
+
+
+def build_block_mask(scores: torch.Tensor, num_prefix_tiles: int, topk: int) -> torch.Tensor:
+    """Boolean ``[B, H, T, T]`` tile mask from pooled ``scores [B, H, T, T]`` (see module docstring)."""
+    if scores.ndim != 4 or scores.shape[-1] != scores.shape[-2]:
+        raise ValueError(f"scores must be [batch, heads, tiles, tiles], got {tuple(scores.shape)}")
+    n = scores.shape[-1]
+    p = num_prefix_tiles
+    if not 0 <= topk <= n - p:
+        raise ValueError(f"topk must be in [0, {n - p}] (the number of video tiles), got {topk}")
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    mask[:, :, :p, :] = True
+    mask[:, :, p:, :p] = True
+    if topk > 0 and n > p:
+        chosen = torch.topk(scores[:, :, p:, p:], topk, dim=-1).indices + p
+        mask[:, :, p:].scatter_(-1, chosen, True)
+    return mask
+
+
+def mask_to_index_reference(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`mask_to_index` (unselected tail entries are filled with the unselected tiles)."""
+    if mask.dtype != torch.bool or mask.ndim != 4:
+        raise ValueError(f"mask must be a bool [B, H, Tq, Tk] tensor, got {mask.dtype} {tuple(mask.shape)}")
+    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices
+    return order.to(torch.int32), mask.sum(-1, dtype=torch.int32)
+
+
+def mask_to_index(mask: torch.Tensor, *, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Compact ``index, num`` lists of the selected key tiles of every (batch, head, query tile)."""
+    if not use_triton("mask_to_index", mask, backend=backend):
+        return mask_to_index_reference(mask)
+    if mask.dtype != torch.bool or mask.ndim != 4:
+        raise ValueError(f"mask must be a bool [B, H, Tq, Tk] tensor, got {mask.dtype} {tuple(mask.shape)}")
+    mask = mask.contiguous()
+    b, h, tq, tk = mask.shape
+    index = torch.empty(b, h, tq, tk, device=mask.device, dtype=torch.int32)
+    num = torch.empty(b, h, tq, device=mask.device, dtype=torch.int32)
+    if mask.numel() == 0:
+        num.zero_()
+        return index, num
+    _mask_to_index_kernel[(b * h * tq,)](mask.view(torch.uint8), index, num, tk, BLOCK_K=triton.next_power_of_2(tk))
+    return index, num

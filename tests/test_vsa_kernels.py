@@ -1,0 +1,228 @@
+"""VSA kernels (tile pooling, mask -> index lists, block-sparse / dense attention) vs their torch references.
+
+On a machine without CUDA the Triton kernels run under the interpreter (fp16/fp32 inputs only).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout  # noqa: E402
+from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
+from diffusers_h3.kernels.block_sparse_attention import (  # noqa: E402
+    block_sparse_attention,
+    block_sparse_attention_reference,
+)
+from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel, quantize_fp8_per_token  # noqa: E402
+from diffusers_h3.kernels.vsa_pool import tile_pool, tile_pool_reference  # noqa: E402
+from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, mask_to_index_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _layout():
+    # ref2va-like interleaving with partial tiles everywhere: text, reference video, audio, target video, audio.
+    segs = [
+        LayoutSegment("text", "prompt", 0, 21),
+        LayoutSegment("video", "reference", 21, 21 + 2 * 3 * 3, grid=(2, 3, 3)),
+        LayoutSegment("audio", "reference", 39, 50, channels=2),
+        LayoutSegment("video", "target", 50, 50 + 3 * 5 * 6, grid=(3, 5, 6)),
+        LayoutSegment("audio", "target", 140, 157, channels=2),
+    ]
+    return PackedLayout(tuple(segs), seq_len=157)
+
+
+@pytest.fixture
+def plan():
+    return build_tile_plan(_layout(), tile=(2, 2, 4), device=DEVICE)  # block 16
+
+
+def _poison(t):
+    return t.fill_(float("nan"))
+
+
+def test_tile_pool_matches_reference(plan):
+    x = torch.randn(2, plan.seq_len, 3, 32, device=DEVICE, dtype=DTYPE)
+    pooled, packed = tile_pool(x, plan.slot_rows, plan.tile_counts, plan.block, packed=True, backend="triton")
+    ref_pooled, ref_packed = tile_pool_reference(x, plan.slot_rows, plan.tile_counts, plan.block, packed=True)
+    assert pooled.shape == (2, 3, plan.num_tiles, 32) and packed.shape == (2, plan.padded_rows, 3, 32)
+    torch.testing.assert_close(pooled, ref_pooled, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed, ref_packed, rtol=0, atol=0)
+    # An independent check of the mean: the tile that owns row r averages r's value with its tile mates.
+    row = plan.seq_len - 1
+    t = int(plan.row_tile[row])
+    mates = (plan.row_tile == t).nonzero().squeeze(1)
+    torch.testing.assert_close(pooled[:, :, t], x[:, mates].float().mean(1), rtol=1e-4, atol=1e-5)
+
+
+def test_mask_to_index_matches_reference():
+    scores = torch.randn(2, 3, 37, 37, device=DEVICE)
+    mask = build_block_mask(scores, num_prefix_tiles=5, topk=7)
+    index, num = mask_to_index(mask, backend="triton")
+    ref_index, ref_num = mask_to_index_reference(mask)
+    torch.testing.assert_close(num, ref_num)
+    assert (num[:, :, :5] == 37).all() and (num[:, :, 5:] == 5 + 7).all()
+    width = torch.arange(37, device=DEVICE)
+    listed = width < num.unsqueeze(-1)
+    assert torch.equal(torch.where(listed, index, -1), torch.where(listed, ref_index, -1))
+    # Lists are ascending and name exactly the selected tiles.
+    rebuilt = torch.zeros(2, 3, 37, 38, dtype=torch.bool, device=DEVICE)
+    rebuilt.scatter_(-1, torch.where(listed, index, 37).long(), True)
+    assert torch.equal(rebuilt[..., :37], mask)
+    assert (index.gather(-1, (num - 1).clamp_min(0).unsqueeze(-1).long()) >= 0).all()
+
+
+def _sparse_inputs(plan, b=2, h=3, d=32, dtype=DTYPE, sparsity_topk=3):
+    q = torch.randn(b, plan.seq_len, h, d, device=DEVICE, dtype=dtype)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    pq, _ = tile_pool_reference(q, plan.slot_rows, plan.tile_counts, plan.block)
+    pk, k_packed = tile_pool_reference(k, plan.slot_rows, plan.tile_counts, plan.block, packed=True)
+    _, v_packed = tile_pool_reference(v, plan.slot_rows, plan.tile_counts, plan.block, pooled=False, packed=True)
+    mask = build_block_mask(pq @ pk.transpose(-1, -2), plan.num_prefix_tiles, sparsity_topk)
+    index, num = mask_to_index_reference(mask)
+    return q, k_packed, v_packed, index, num
+
+
+@pytest.mark.parametrize("dtype,tma,pair", [(DTYPE, False, False), (torch.float32, False, True), (DTYPE, True, True)])
+def test_block_sparse_attention_matches_reference(plan, dtype, tma, pair):
+    q, k, v, index, num = _sparse_inputs(plan, dtype=dtype)
+    out = _poison(torch.empty_like(q))
+    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block, out=out,
+                           backend="triton", tma=tma, pair=pair)
+    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_block_sparse_all_tiles_equals_dense_sdpa(plan):
+    q, k, v, _, _ = _sparse_inputs(plan)
+    n = plan.num_tiles
+    index = torch.arange(n, device=DEVICE, dtype=torch.int32).expand(2, 3, n, n).contiguous()
+    num = torch.full((2, 3, n), n, device=DEVICE, dtype=torch.int32)
+    out = block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
+                                 backend="triton")
+    # Dense attention on the unpacked rows is the same thing when every tile is selected.
+    k_rows = torch.empty_like(q)
+    v_rows = torch.empty_like(q)
+    valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+    k_rows[:, plan.slot_rows.long()[valid]] = k[:, valid]
+    v_rows[:, plan.slot_rows.long()[valid]] = v[:, valid]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k_rows.float().transpose(1, 2), v_rows.float().transpose(1, 2)
+    ).transpose(1, 2)
+    assert rel_l2(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fp8_qk_and_pv_match_reference(tma):
+    plan = build_tile_plan(_layout(), tile=(2, 4, 4), device=DEVICE)  # FP8 P.V needs tiles of >= 32 rows on GPUs
+    q, k, v, index, num = _sparse_inputs(plan)
+    k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+    q8, qs = quantize_fp8_per_token(q)
+    k8, ks = quantize_fp8_per_token(k)
+    out = block_sparse_attention(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
+                                 q_scale=qs, k_scale=ks, out_dtype=DTYPE, backend="triton", tma=tma)
+    ref = block_sparse_attention_reference(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num,
+                                           block=plan.block, q_scale=qs, k_scale=ks, out_dtype=DTYPE)
+    assert rel_l2(out, ref) < 2e-3
+    exact = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
+    assert 1e-4 < rel_l2(out, exact) < 8e-2  # FP8 Q/K: a real but small error
+    # FP8 PV: V in E4M3 with per-channel scales, stored channel-major.
+    v8, vs = quantize_fp8_per_channel(v, seq_dim=1)  # vs [B, H, D]
+    v8_t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # channel-major strides, same logical shape
+    out_pv = block_sparse_attention(q8, k8, v8_t, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
+                                    q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=DTYPE, backend="triton", tma=tma)
+    ref_pv = block_sparse_attention_reference(q8, k8, v8, plan.slot_rows, plan.tile_counts, index, num,
+                                              block=plan.block, q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=DTYPE)
+    # The reference walks the tiles like the kernel (P is rounded against the running max); only exp2's last bits
+    # differ, which flips an occasional P code.
+    assert rel_l2(out_pv, ref_pv) < 5e-3
+    assert rel_l2(out_pv, exact) < 1e-1
+
+
+@pytest.mark.parametrize("s,tma,pair", [(77, False, True), (130, True, False)])
+def test_dense_kernel_matches_sdpa(s, tma, pair):
+    q = torch.randn(2, s, 2, 32, device=DEVICE, dtype=DTYPE)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out = _poison(torch.empty_like(q))
+    block_sparse_attention(q, k, v, None, None, None, None, block=16, dense=True, out=out, backend="triton", tma=tma,
+                           pair=pair)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)
+    ).transpose(1, 2)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tile_quantize_fp8_is_bitwise_reference(plan, packed):
+    from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8, tile_quantize_fp8_reference
+
+    x = torch.randn(2, plan.seq_len, 3, 32, device=DEVICE, dtype=DTYPE) * 3
+    mean = torch.randn(2, 3, 32, device=DEVICE)
+    args = (x, plan.slot_rows, plan.tile_counts, plan.block)
+    pooled, x8, scale = tile_quantize_fp8(*args, pooled=True, packed=packed, subtract=mean, backend="triton")
+    rp, r8, rs = tile_quantize_fp8_reference(*args, pooled=True, packed=packed, subtract=mean)
+    torch.testing.assert_close(pooled, rp, rtol=1e-5, atol=1e-5)
+    if packed:
+        valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+        x8, r8, scale, rs = x8[:, valid], r8[:, valid], scale[:, valid], rs[:, valid]
+    assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
+    assert torch.equal(scale, rs)
+    # Dequantized values approximate the centred input (an independent sanity check of the reference).
+    if not packed:
+        deq = x8.float() * scale.unsqueeze(-1)
+        assert rel_l2(deq, x.float() - mean.unsqueeze(1)) < 0.05
+
+
+@pytest.mark.parametrize("pv_fp8", [False, True])
+def test_fp8_dense_attention_matches_reference(pv_fp8):
+    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+
+    q = torch.randn(1, 83, 2, 32, device=DEVICE, dtype=DTYPE)
+    k = torch.randn_like(q) + 1.0
+    v = torch.randn_like(q)
+    out = fp8_attention(q, k, v, pv_fp8=pv_fp8, block_n=32, backend="triton")
+    ref = fp8_attention_reference(q, k, v, pv_fp8=pv_fp8, block_n=32)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)
+    ).transpose(1, 2)
+    assert rel_l2(out, ref) < 5e-3
+    assert 1e-4 < rel_l2(out, exact) < 0.1
+
+
+@pytest.mark.parametrize("mode", ["two_level", "single_level"])
+def test_fp4_p_emulation_matches_reference(plan, mode):
+    from diffusers_h3.kernels.quant_utils import fake_quant_fp4
+
+    q, k, v, index, num = _sparse_inputs(plan)
+    q, k, v = (fake_quant_fp4(x) for x in (q, k, v))
+    args = (q, k, v, plan.slot_rows, plan.tile_counts, index, num)
+    out = block_sparse_attention(*args, block=plan.block, p_fp4=mode, backend="triton")
+    ref = block_sparse_attention_reference(*args, block=plan.block, p_fp4=mode)
+    plain = block_sparse_attention_reference(*args, block=plan.block)
+    assert rel_l2(out, ref) < 5e-3
+    assert 1e-3 < rel_l2(out, plain) < 0.3  # FP4 P is a real, bounded error
+
+
+def test_fp4_p_reference_agrees_with_generic_fp4():
+    from diffusers_h3.kernels.block_sparse_attention import fake_quant_p_fp4_reference
+    from diffusers_h3.kernels.quant_utils import fake_quant_fp4
+
+    p = torch.rand(7, 64, generator=torch.Generator().manual_seed(7)) ** 3
+    assert torch.equal(fake_quant_p_fp4_reference(p, two_level=False), fake_quant_fp4(p, dim=-1))
+    # Rows of small probabilities: single-level group scales fall below E4M3's range, the two-level row stretch not.
+    small = p * 1e-3
+    two_err = rel_l2(fake_quant_p_fp4_reference(small, two_level=True), small)
+    assert two_err < 0.2 < rel_l2(fake_quant_p_fp4_reference(small, two_level=False), small)

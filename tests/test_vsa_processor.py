@@ -1,0 +1,287 @@
+"""MiniMaxH3VSAProcessor on the tiny H3 transformer: dense equivalence, sparse semantics, gates, options, errors."""
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor  # noqa: E402
+
+from diffusers_h3.attention_processors import vsa as vsa_module  # noqa: E402
+from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
+from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
+from diffusers_h3.attention_processors.vsa import (  # noqa: E402
+    MiniMaxH3VSAProcessor,
+    add_gate_compress,
+    disable_vsa,
+    enable_vsa,
+    vsa_attention,
+)
+
+TINY = dict(num_attention_heads=2, attention_head_dim=32, hidden_size=32, num_layers=2, num_refiner_layers=1,
+            ffn_dim=64, in_channels=4, audio_in_channels=8, text_dim=16, freq_dim=32, time_embed_hidden_dim=32,
+            time_embed_dim=16, rope_freq_dim=4)
+GRID = (3, 5, 6)  # partial 2x2x4 tiles in every axis
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _layout(step=None, steps=None):
+    # ref2va-style: audio and text around the target video, not in the canonical order.
+    n_video = math.prod(GRID)
+    segs = [
+        LayoutSegment("audio", "target", 0, 9, channels=2),
+        LayoutSegment("video", "target", 9, 9 + n_video, grid=GRID),
+        LayoutSegment("text", "prompt", 9 + n_video, 9 + n_video + 7),
+    ]
+    return PackedLayout(tuple(segs), seq_len=9 + n_video + 7, step_index=step, num_steps=steps)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_video = math.prod(GRID)
+    seq = 9 + n_video + 7
+    audio_idx = torch.arange(0, 9)
+    video_idx = torch.arange(9, 9 + n_video)
+    text_idx = torch.arange(9 + n_video, seq)
+    tags = torch.zeros(seq, dtype=torch.long)
+    tags[text_idx], tags[audio_idx] = 1, 2
+    t, h, w = torch.meshgrid(*(torch.arange(n) for n in GRID), indexing="ij")
+    pos = torch.zeros(seq, 3, dtype=torch.long)
+    pos[video_idx] = torch.stack([t, h, w], -1).reshape(-1, 3)
+    pos[audio_idx, 0] = torch.arange(9)
+    pos[text_idx, 0] = torch.arange(7)
+    inputs = dict(
+        hidden_states=torch.randn(1, n_video, 16, generator=g),
+        audio_hidden_states=torch.randn(1, 9, 8, generator=g),
+        encoder_hidden_states=torch.randn(1, 7, 16, generator=g),
+        timestep=torch.tensor([0.7]),
+        timestep_indices=torch.zeros(seq, dtype=torch.long),
+        token_tags=tags,
+        position_ids=pos,
+        video_indices=video_idx,
+        audio_indices=audio_idx,
+        text_indices=text_idx,
+    )
+    return {**{k: v.to(DEVICE) for k, v in inputs.items()}, "return_dict": False}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = MiniMaxH3Transformer3DModel(**TINY).eval().to(DEVICE)
+    # Sharpen attention so that sparse selection matters (random tiny weights give near-uniform softmax).
+    with torch.no_grad():
+        for block in m.transformer_blocks:
+            block.attn.norm_q.weight.mul_(4.0)
+    return m
+
+
+def _run(model, layout=None, **kwargs):
+    with torch.no_grad(), use_packed_layout(layout if layout is not None else _layout()):
+        return model(**_inputs(**kwargs))
+
+
+def _reset(model):
+    model.set_attn_processor(MiniMaxH3AttnProcessor())
+    for block in model.transformer_blocks:
+        if hasattr(block.attn, "to_gate_compress"):
+            del block.attn.to_gate_compress
+
+
+def test_sparsity_zero_equals_default_processor(model):
+    _reset(model)
+    ref = _run(model)
+    enable_vsa(model, sparsity=0.0)
+    out = _run(model)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    _reset(model)
+
+
+def test_all_tiles_selected_equals_dense(model):
+    _reset(model)
+    ref = _run(model)
+    summary = enable_vsa(model, sparsity=0.001, tile=(2, 2, 4))  # keeps every video tile
+    assert summary["sparse_blocks"] == 2 and "VSA" in summary["path"]
+    out = _run(model)
+    assert rel_l2(out[0], ref[0]) < 1e-5 and rel_l2(out[1], ref[1]) < 1e-5
+    _reset(model)
+
+
+def _brute_force_vsa(q, k, v, layout, tile, sparsity):
+    """VSA from its definition, tile by tile, with tiles found from coordinates (independent of tiling.py)."""
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
+    hh, d = q.shape[2], q.shape[3]
+    groups = []  # (is_video, rows)
+    for seg in layout.segments:
+        if seg.kind == "video" and seg.role == "target":
+            t_, h_, w_ = seg.grid
+            cubes = {}
+            for r in range(seg.start, seg.stop):
+                i = r - seg.start
+                t, h, w = i // (h_ * w_), (i // w_) % h_, i % w_
+                cubes.setdefault((t // tile[0], h // tile[1], w // tile[2]), []).append(r)
+            groups += [(True, cubes[c]) for c in sorted(cubes)]
+        else:
+            vol = math.prod(tile)
+            groups += [(False, list(range(a, min(a + vol, seg.stop)))) for a in range(seg.start, seg.stop, vol)]
+    video = [i for i, (is_v, _) in enumerate(groups) if is_v]
+    keep = min(max(math.ceil(round((1 - sparsity) * len(video), 6)), 1), len(video))
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for head in range(hh):
+        qp = torch.stack([q[0, rows, head].float().mean(0) for _, rows in groups])
+        kp = torch.stack([k[0, rows, head].float().mean(0) for _, rows in groups])
+        scores = qp @ kp.T / math.sqrt(d)
+        for i, (is_v, rows) in enumerate(groups):
+            if is_v:
+                chosen = [j for j in range(len(groups)) if not groups[j][0]]
+                vs = torch.tensor(video)
+                chosen += vs[scores[i, vs].topk(keep).indices].tolist()
+            else:
+                chosen = list(range(len(groups)))
+            cols = sorted(r for j in chosen for r in groups[j][1])
+            att = torch.softmax(q[0, rows, head].float() @ k[0, cols, head].float().T / math.sqrt(d), -1)
+            out[0, rows, head] = att @ v[0, cols, head].float()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_vsa_core_matches_brute_force(backend):
+    layout = _layout()
+    plan = build_tile_plan(layout, tile=(2, 2, 4), device=DEVICE)
+    q = torch.randn(1, layout.seq_len, 2, 32, device=DEVICE) * 2
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out, coarse = vsa_attention(q, k, v, plan, sparsity=0.7, backend=backend)
+    assert coarse is None
+    ref = _brute_force_vsa(q, k, v, layout, (2, 2, 4), 0.7)
+    assert rel_l2(out.cpu(), ref) < 1e-5
+    dense = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    assert rel_l2(out, dense) > 1e-3  # sparsity actually dropped something
+
+
+def test_sparse_differs_and_dense_first_steps_and_layers(model):
+    _reset(model)
+    ref = _run(model)
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), dense_first_steps=2)
+    assert torch.equal(_run(model, _layout(step=1, steps=4))[0], ref[0])
+    sparse = _run(model, _layout(step=2, steps=4))[0]
+    assert 1e-4 < rel_l2(sparse, ref[0]) < 0.5
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), dense_layers=[0, 1])
+    assert torch.equal(_run(model)[0], ref[0])
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), dense_layers=[1])
+    one = _run(model)[0]
+    assert not torch.equal(one, ref[0]) and not torch.equal(one, sparse)
+    disable_vsa(model)
+    assert torch.equal(_run(model)[0], ref[0])
+
+
+def test_gate_compress_zero_is_pure_sparse_and_trained_gate_adds_coarse(model):
+    _reset(model)
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    pure = _run(model)[0]
+    keys = [f"transformer_blocks.{i}.attn.to_gate_compress.weight" for i in range(2)]
+    assert add_gate_compress(model, keys) == (0, 1)
+    summary = enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    assert summary["gated_blocks"] == 2
+    assert torch.equal(_run(model)[0], pure)  # zero gates: exactly pure sparse
+    state = {f"transformer_blocks.{i}.attn.to_gate_compress.weight": torch.randn(64, 32, device=DEVICE) * 0.5
+             for i in range(2)}
+    state["transformer_blocks.1.attn.to_gate_compress.bias"] = torch.randn(64, device=DEVICE)
+    add_gate_compress(model, state)
+    assert model.transformer_blocks[1].attn.to_gate_compress.bias is not None
+    assert torch.equal(model.transformer_blocks[0].attn.to_gate_compress.weight, state[keys[0]])
+    gated = _run(model)[0]
+    assert rel_l2(gated, pure) > 1e-3
+    # The state dict now loads strictly into the model (the keys exist).
+    model.load_state_dict({**model.state_dict(), **state}, strict=True)
+    _reset(model)
+
+
+def test_gate_combination_matches_manual():
+    layout = _layout()
+    plan = build_tile_plan(layout, tile=(2, 2, 4))
+    q = torch.randn(1, layout.seq_len, 2, 32)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out, coarse = vsa_attention(q, k, v, plan, sparsity=0.5, compress=True, backend="torch")
+    # Coarse branch: softmax over pooled tiles, independent recomputation for one tile.
+    t = int(plan.row_tile[20])
+    rows = [r for r in range(layout.seq_len) if int(plan.row_tile[r]) == t]
+    tiles = [[r for r in range(layout.seq_len) if int(plan.row_tile[r]) == j] for j in range(plan.num_tiles)]
+    qp = q[0, rows, 1].mean(0)
+    kp = torch.stack([k[0, m, 1].mean(0) for m in tiles])
+    vp = torch.stack([v[0, m, 1].mean(0) for m in tiles])
+    expected = torch.softmax(kp @ qp / math.sqrt(32), 0) @ vp
+    torch.testing.assert_close(coarse[0, 1, t], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_low_precision_paths_are_close_but_not_exact(model):
+    _reset(model)
+    ref = _run(model)[0]
+    errors = {}
+    for precision, sparsity in [("fp8", 0.0), ("fp8", 0.001), ("fp4", 0.001), ("fp4", 0.0)]:
+        enable_vsa(model, sparsity=sparsity, tile=(2, 2, 4), precision=precision)
+        errors[precision, sparsity] = rel_l2(_run(model)[0], ref)
+    enable_vsa(model, sparsity=0.001, tile=(2, 4, 4), precision="fp8", pv_precision="fp8")  # FP8 P.V: >= 32 rows
+    errors["fp8pv"] = rel_l2(_run(model)[0], ref)
+    for key, err in errors.items():
+        assert 1e-6 < err < (0.25 if "fp4" in key else 0.08), (key, err)
+    _reset(model)
+
+
+def test_errors_and_describe(model):
+    _reset(model)
+    enable_vsa(model, sparsity=0.8)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="use_packed_layout"):
+        model(**_inputs())
+    # The refiner (rotary_emb=None) stays dense and needs no layout.
+    proc = MiniMaxH3VSAProcessor(sparsity=0.8)
+    attn = model.token_refiner.refiner_blocks[0].attn
+    x = torch.randn(1, 5, 32, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(proc(attn, x), MiniMaxH3AttnProcessor()(attn, x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="sparsity"):
+        MiniMaxH3VSAProcessor(sparsity=1.0)
+    with pytest.raises(ValueError, match="precision"):
+        MiniMaxH3VSAProcessor(precision="int4")
+    with pytest.raises(ValueError, match="pv_precision"):
+        MiniMaxH3VSAProcessor(precision="bf16", pv_precision="fp8")
+    with pytest.raises(ValueError, match="32"):
+        MiniMaxH3VSAProcessor(precision="fp8", pv_precision="fp8", tile=(2, 2, 4))
+    with pytest.raises(ValueError, match="dense_layers"):
+        enable_vsa(model, dense_layers=[7])
+    with pytest.raises(NotImplementedError, match="strict=False"):
+        MiniMaxH3VSAProcessor(precision="fp4", strict=True)
+    # A sequence-parallel config is refused with a clear error.
+    proc = MiniMaxH3VSAProcessor(sparsity=0.5)
+    proc._parallel_config = type("P", (), {"context_parallel_config": object()})()
+    blk = model.transformer_blocks[0].attn
+    with pytest.raises(NotImplementedError, match="context"):
+        proc(blk, torch.randn(1, 5, 32, device=DEVICE), rotary_emb=(torch.ones(5, 24), torch.zeros(5, 24)))
+    assert "VSA sparsity=0.8" in MiniMaxH3VSAProcessor(sparsity=0.8, layer_index=3).describe_path()
+    assert "dense" in MiniMaxH3VSAProcessor(sparsity=0.0).describe_path()
+    assert "not run on hardware" in MiniMaxH3VSAProcessor(precision="fp4").describe_path()
+    _reset(model)
+
+
+def test_fp8_without_tensor_cores_warns_or_raises(model, monkeypatch):
+    _reset(model)
+    monkeypatch.setattr(vsa_module, "_fp8_native", lambda device: False)
+    with pytest.raises(RuntimeError, match="strict=False"):
+        enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8", strict=True)
+    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8")
+    from diffusers_h3 import _utils
+
+    _utils._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="emulation"):
+        out = _run(model)[0]
+    assert torch.isfinite(out).all()
+    assert "emulated" in model.transformer_blocks[0].attn.processor.describe_path()
+    _reset(model)

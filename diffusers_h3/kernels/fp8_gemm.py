@@ -141,6 +141,9 @@ def fp8_linear_reference(
     return out.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
+SCALED_MM_MIN_ROWS = 16
+
+
 def fp8_scaled_mm_supported(device: torch.device, n: int, k: int) -> bool:
     return device.type == "cuda" and has_fp8_tensor_cores(device) and n % 16 == 0 and k % 16 == 0
 
@@ -162,6 +165,12 @@ def fp8_linear_scaled_mm(
         )
     x2 = x.reshape(-1, k)
     xq, xs = fp8_quantize_per_token(x2, backend=quant_backend)
+    m = xq.shape[0]
+    if m < SCALED_MM_MIN_ROWS:
+        # cuBLASLt has no row-wise-scaled FP8 algorithm for tiny M (seen on H200 for M=1: NOT_SUPPORTED); pad the
+        # rows with zeros (scale 1) and drop them from the output. Cheap: only ever a handful of rows.
+        xq = torch.cat([xq, xq.new_zeros(SCALED_MM_MIN_ROWS - m, k)])
+        xs = torch.cat([xs, xs.new_ones(SCALED_MM_MIN_ROWS - m, 1)])
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     out = torch._scaled_mm(
         xq,
@@ -171,7 +180,7 @@ def fp8_linear_scaled_mm(
         bias=bias.to(out_dtype) if bias is not None else None,
         out_dtype=out_dtype,
         use_fast_accum=use_fast_accum,
-    )
+    )[:m]
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -16,48 +16,20 @@ import datetime
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
 from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
 from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
 from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
-
-
-def h3_layout(latent_frames=37, height=24, width=42, audio_rows=414, text_rows=512) -> PackedLayout:
-    """``[text | audio | target video]`` as the t2va pipeline packs 768x1344x124."""
-    video = latent_frames * height * width
-    segs = (
-        LayoutSegment("text", "prompt", 0, text_rows),
-        LayoutSegment("audio", "target", text_rows, text_rows + audio_rows, channels=2),
-        LayoutSegment("video", "target", text_rows + audio_rows, text_rows + audio_rows + video,
-                      grid=(latent_frames, height, width)),
-    )
-    return PackedLayout(segs, seq_len=text_rows + audio_rows + video)
-
-
-def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 7) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+from diffusers_h3.pipelines.packing import t2va_fl2va_layout  # noqa: E402
+from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
@@ -148,7 +120,7 @@ def kernel_sweep(q, k, v, plan, iters=5):
         else:
             fn = lambda: fp8_attention(q, k, v, tma=tma, pair=pair)  # noqa
         try:
-            ms = time_cuda(fn, warmup=2, iters=iters)
+            ms = cuda_median_ms(fn, warmup=2, iters=iters)
             tuned = bsa._bsa_fwd_dense_tuned if prec == "dense_fp8" else bsa._bsa_fwd_sparse_tuned
             cfg = str(getattr(tuned, "best_config", None))
             results[name] = {"precision": prec, "tma": tma, "pair": pair, "ms": round(ms, 3), "config": cfg}
@@ -171,6 +143,7 @@ def peer_vsa(q, k, v, plan, sparsity):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--error-heads", type=int, default=4, help="heads used for the fp32 error references")
@@ -183,7 +156,8 @@ def main(argv=None):
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
 
     torch.manual_seed(0)
-    layout = h3_layout()
+    # [text | audio | target video] as the t2va pipeline packs 768x1344x124 (37 latent frames of 48x84 latents).
+    layout = t2va_fl2va_layout(512, 0, 37, 48, 84, 207, (1, 2, 2), 2)
     dev = torch.device("cuda")
     plan = build_tile_plan(layout, (4, 4, 4), device=dev)
     b, s, h, d = 1, layout.seq_len, args.heads, 128
@@ -214,7 +188,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
         err = errors(out[:, :, err_heads], ref) if ref is not None else {}
-        ms = time_cuda(fn, iters=args.iters)
+        ms = cuda_median_ms(fn, iters=args.iters)
         flops = dense_flops if pairs is None else 4.0 * pairs * d
         cases[name] = {
             "ms": round(ms, 3),
@@ -243,7 +217,7 @@ def main(argv=None):
     dense_shapes = {}
     for block_m, block_n in ((128, 64), (128, 128), (64, 64)):
         try:
-            ms = time_cuda(lambda: fp8_attention(q, k, v, block_m=block_m, block_n=block_n, **opts["dense_fp8"]),
+            ms = cuda_median_ms(lambda: fp8_attention(q, k, v, block_m=block_m, block_n=block_n, **opts["dense_fp8"]),
                            warmup=2, iters=3)
             dense_shapes[f"m{block_m}_n{block_n}"] = round(ms, 3)
         except Exception as error:  # noqa: BLE001
@@ -315,10 +289,7 @@ def main(argv=None):
                 print("peer_vsa_sp0.8           skipped:", why)
         del ref_sparse, mask
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:  # noqa: BLE001
-        commit = "uncommitted"
+    commit = git_commit(args.commit) or "unknown"
     result = {
         "suite": "attention_h200",
         "device": torch.cuda.get_device_name(),

@@ -17,9 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,31 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_h3.kernels.fa_v100 import fa_v100_attention, fa_v100_reference, is_sm70_class, load_extension  # noqa: E402
-
-
-def _time_ms(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _commit() -> str | None:
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
-        )
-        return result.stdout.strip() if result.returncode == 0 else None
-    except Exception:
-        return None
+from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -63,6 +36,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--check-rows", type=int, default=256)
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -107,7 +81,7 @@ def main(argv=None) -> dict:
         rel_l2 = ((out[:, rows].float() - oracle).norm() / oracle.norm()).item()
         del out
         torch.cuda.reset_peak_memory_stats(device)
-        ms = _time_ms(fn, args.warmup, args.repeats)
+        ms = cuda_median_ms(fn, args.warmup, args.repeats)
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         if case == "sdpa_efficient":
             baseline_ms = ms
@@ -125,7 +99,7 @@ def main(argv=None) -> dict:
         "suite": "fa_v100",
         "device": f"{name} (sm_{capability[0]}{capability[1]})",
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(args.commit),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": {"batch": 1, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim, "dtype": "float16"},
         "reference": f"fp32 oracle (exact softmax) on {args.check_rows} random query rows",

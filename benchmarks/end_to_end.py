@@ -24,26 +24,15 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from diffusers_h3.testing.benchmarking import git_commit  # noqa: E402
+
 TEXT_ROWS, NUM_FRAMES, HEIGHT, WIDTH = 512, 124, 768, 1344
-
-
-def _commit(given) -> str:
-    if given:
-        return given
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain"], cwd=root, text=True).strip()
-        return sha + ("+uncommitted" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 def build_inputs(device, layers):
@@ -160,7 +149,7 @@ def main():
         "suite": "end_to_end",
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "commit": _commit(args.commit),
+        "commit": git_commit(args.commit),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:]),
         "shape": {"layers": args.layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,

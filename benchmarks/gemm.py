@@ -18,13 +18,13 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 M_ROWS = 38222
 GEMMS = {"qkv": (5376, 21504), "out": (7168, 5376), "ffn_up": (5376, 28672), "ffn_down": (14336, 5376)}
@@ -68,21 +68,6 @@ def weight_memory() -> dict:
     return result
 
 
-def _time(fn, warmup=3, reps=9):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def run_gemms(cases: dict, methods, fused: bool) -> None:
     from diffusers_h3.kernels.fp8_gemm import fp8_linear_scaled_mm, fp8_quantize_per_token, fp8_quantize_weight
     from diffusers_h3.kernels.nvfp4 import (
@@ -109,7 +94,7 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
         ref = torch.nn.functional.linear(x, w)
         ref_f = ref.float()
         ref_norm = ref_f.norm()
-        bf16_ms = _time(lambda: torch.nn.functional.linear(x, w))
+        bf16_ms = cuda_median_ms(lambda: torch.nn.functional.linear(x, w))
         cases[f"bf16_{gemm}"] = {"ms": bf16_ms, "baseline": bf16_ms, "ratio": 1.0, "rel_l2": 0.0, "peak_gib": None,
                                  "tflops": flops / bf16_ms / 1e9, "weight_bytes": n * k * 2, "path": "cuBLAS bf16"}  # fmt: skip
         variants = []
@@ -119,8 +104,8 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
                 xq, xs = fp8_quantize_per_token(x)
                 extra = {
                     "path": "fused per-token quant (Triton) + torch._scaled_mm row-wise, fast accum",
-                    "quant_ms": _time(lambda: fp8_quantize_per_token(x)),
-                    "scaled_mm_only_ms": _time(
+                    "quant_ms": cuda_median_ms(lambda: fp8_quantize_per_token(x)),
+                    "scaled_mm_only_ms": cuda_median_ms(
                         lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, n),
                                                  out_dtype=torch.bfloat16, use_fast_accum=True)),  # fmt: skip
                 }
@@ -130,7 +115,7 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
                 q, s = w8a16_quantize(w)
                 bitwise = torch.equal(w8a16_dequantize_triton(q, s, torch.bfloat16), w8a16_dequantize(q, s, torch.bfloat16))
                 extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
-                         "dequant_ms": _time(lambda: w8a16_dequantize_triton(q, s, torch.bfloat16)),
+                         "dequant_ms": cuda_median_ms(lambda: w8a16_dequantize_triton(q, s, torch.bfloat16)),
                          "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
                 variants.append((f"w8a16_{gemm}", lambda: w8a16_linear(x, q, s), n * k + 4 * n, extra))
                 if fused:
@@ -142,7 +127,7 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
                 bitwise = torch.equal(nvfp4_dequantize_triton(p, s4, g, torch.bfloat16),
                                       nvfp4_dequantize(p, s4, g, torch.bfloat16))  # fmt: skip
                 extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
-                         "dequant_ms": _time(lambda: nvfp4_dequantize_triton(p, s4, g, torch.bfloat16)),
+                         "dequant_ms": cuda_median_ms(lambda: nvfp4_dequantize_triton(p, s4, g, torch.bfloat16)),
                          "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
                 variants.append((f"nvfp4_{gemm}", lambda: nvfp4_linear(x, p, s4, g), wb, extra))
                 if fused:
@@ -153,7 +138,7 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
                 out = fn()  # autotune / compile
                 rel = ((out.float() - ref_f).norm() / ref_norm).item()
                 del out
-                ms = _time(fn)
+                ms = cuda_median_ms(fn)
                 cases[name] = {"ms": ms, "baseline": bf16_ms, "ratio": bf16_ms / ms, "rel_l2": rel, "peak_gib": None,
                                "tflops": flops / ms / 1e9, "weight_bytes": wbytes, **extra}  # fmt: skip
             except Exception as e:  # keep the other cases
@@ -178,6 +163,7 @@ def best_configs() -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument("--methods", default="fp8,w8a16,nvfp4")
@@ -196,10 +182,7 @@ def main():
     if not args.memory_only and torch.cuda.is_available():
         device = torch.cuda.get_device_name()
         run_gemms(cases, [m for m in args.methods.split(",") if m], fused=not args.no_fused)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    except Exception:  # pragma: no cover
-        commit = None
+    commit = git_commit(args.commit)
     result = {
         "suite": "gemm",
         "device": device,

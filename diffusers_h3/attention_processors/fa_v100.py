@@ -25,7 +25,6 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._utils import cuda_capability, warn_once
@@ -36,6 +35,7 @@ from ..kernels.fa_v100 import (
     fa_v100_attention,
     load_extension,
 )
+from ._projections import project_output, project_qkv
 
 
 # |V| is brought under this bound (by a power of two) before the cast to fp16; the attention output is a convex
@@ -45,23 +45,6 @@ FP16_VALUE_LIMIT = 2.0**14
 PATH_KERNEL = "kernel"
 PATH_SDPA_EFFICIENT = "sdpa_efficient"
 PATH_SDPA_CPU = "sdpa_cpu"
-
-
-def project_qkv(
-    attn, hidden_states: torch.Tensor, rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]]
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K, V of a ``MiniMaxH3Attention`` as ``(batch, seq, heads, head_dim)``, with diffusers' modules and rotary."""
-    if attn.fused_projections:
-        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-    else:
-        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-    query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-    key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-    value = value.unflatten(-1, (attn.heads, -1))
-    if rotary_emb is not None:
-        query = _apply_rotary_emb(query, *rotary_emb)
-        key = _apply_rotary_emb(key, *rotary_emb)
-    return query, key, value
 
 
 def to_fp16_with_value_scale(
@@ -199,10 +182,7 @@ class MiniMaxH3FAV100Processor:
             )
         query, key, value = project_qkv(attn, hidden_states, rotary_emb)
         out = self.attention(query, key, value, attention_mask=attention_mask)
-        out = out.flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        out = attn.to_out[1](out)
-        return out
+        return project_output(attn, out, query.dtype)
 
     def attention(
         self,

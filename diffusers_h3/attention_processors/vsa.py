@@ -31,7 +31,7 @@ import re
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor, _apply_rotary_emb
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
@@ -44,6 +44,7 @@ from ..kernels.quant_utils import (
 )
 from ..kernels.vsa_pool import tile_pool, tile_quantize_fp8
 from ..kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity
+from ._projections import project_output, project_qkv
 from .layout import require_packed_layout
 from .tiling import TilePlan, TilePlanCache
 
@@ -288,7 +289,8 @@ class MiniMaxH3VSAProcessor:
         if attention_mask is not None:
             raise ValueError("MiniMaxH3VSAProcessor: FP8/FP4 dense attention takes no attention_mask (H3 passes none)")
         if query is None:
-            query, key, value = _project(attn, hidden_states, rotary_emb)
+            query, key, value = project_qkv(attn, hidden_states, rotary_emb)
+            value = value.contiguous()
         if self.precision == "fp8" and not self._emulate(query.device) and _kernel_available(query.device):
             out = fp8_attention(query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
                                 backend=self.backend)
@@ -300,13 +302,13 @@ class MiniMaxH3VSAProcessor:
                 if self.fp4_p is not None and _kernel_available(query.device) and self.backend != "torch":
                     out = block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
                                                  p_fp4=self.fp4_p, backend="triton")
-                    return _output(attn, out, hidden_states.dtype)
+                    return project_output(attn, out, hidden_states.dtype)
             else:
                 query, key = fake_quant_fp8_per_token(query), fake_quant_fp8_per_token(key)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             ).transpose(1, 2)
-        return _output(attn, out, query.dtype if query.dtype != torch.float8_e4m3fn else hidden_states.dtype)
+        return project_output(attn, out, query.dtype if query.dtype != torch.float8_e4m3fn else hidden_states.dtype)
 
     def __call__(
         self,
@@ -334,7 +336,8 @@ class MiniMaxH3VSAProcessor:
         plan = self._plans.get(layout, self.tile, hidden_states.device)
         if plan.num_video_tiles == 0:
             return self._dense_attention(attn, hidden_states, None, None, None, rotary_emb, attention_mask)
-        query, key, value = _project(attn, hidden_states, rotary_emb)
+        query, key, value = project_qkv(attn, hidden_states, rotary_emb)
+        value = value.contiguous()
         gate = getattr(attn, "to_gate_compress", None)
         emulate = self._emulate(query.device)
         backend = self.backend
@@ -351,28 +354,9 @@ class MiniMaxH3VSAProcessor:
             g = gate(hidden_states).unflatten(-1, (attn.heads, -1))  # [B, S, H, D]
             coarse_rows = out_coarse.index_select(2, plan.row_tile).permute(0, 2, 1, 3)  # [B, S, H, D]
             out = torch.addcmul(out.float(), g.float(), coarse_rows).to(out.dtype)
-        return _output(attn, out, hidden_states.dtype)
+        return project_output(attn, out, hidden_states.dtype)
 
 
-def _project(attn, hidden_states, rotary_emb):
-    """Q/K/V after projection, per-head QK-norm and rotary: the default processor's math, ``[B, S, H, D]``."""
-    if getattr(attn, "fused_projections", False):
-        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-    else:
-        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-    query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-    key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-    value = value.unflatten(-1, (attn.heads, -1))
-    if rotary_emb is not None:
-        query = _apply_rotary_emb(query, *rotary_emb)
-        key = _apply_rotary_emb(key, *rotary_emb)
-    return query, key, value.contiguous()
-
-
-def _output(attn, out, dtype):
-    out = out.flatten(2, 3).to(dtype)
-    out = attn.to_out[0](out)
-    return attn.to_out[1](out)
 
 
 def _fake_quant_fp4_seq(value: torch.Tensor) -> torch.Tensor:

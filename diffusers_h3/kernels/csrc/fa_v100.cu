@@ -21,15 +21,25 @@
 // bitwise-identical results.
 //
 // This file includes nothing but CUDA's own headers: the torch binding lives in fa_v100_binding.cpp, so CI can
-// compile this file alone with `nvcc -c` on a machine without a GPU.
+// compile this file alone with `nvcc -c` on a machine without a GPU. Under NVRTC (`__CUDACC_RTC__`) only the device
+// code is compiled: CI builds it for sm_70 with CUDA 12's NVRTC + ptxas, since CUDA 13's nvcc no longer targets sm_70.
 //
-// Hardware honesty: written for V100 (sm_70), tested on an H200 (sm_90) and compiled for sm_75 in CPU CI; it has not
-// been run on V100 hardware.
+// Hardware honesty: written for V100 (sm_70), tested on an H200 (sm_90); its device code is compiled for sm_70 and the
+// whole file for sm_75 in CPU CI; it has not been run on V100 hardware.
 
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <mma.h>
+#ifdef __CUDACC_RTC__
+// NVRTC has no C library headers.
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+#define INFINITY __int_as_float(0x7f800000)
+#else
+#include <cuda_runtime.h>
 #include <stdint.h>
+#endif
 
 namespace {
 
@@ -294,6 +304,8 @@ __global__ void __launch_bounds__(Config<kHeadDim, kBlockM>::kThreads)
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: launchers and the C API of the torch binding
+
 template <int kHeadDim, int kBlockM>
 int launch(const void* q, const void* k, const void* v, void* o, int batch, int heads, int seq_q, int seq_k,
            const int64_t* strides, float scale_log2, cudaStream_t stream) {
@@ -309,7 +321,11 @@ int launch(const void* q, const void* k, const void* v, void* o, int batch, int 
   return static_cast<int>(cudaGetLastError());
 }
 
+#endif  // __CUDACC_RTC__
+
 }  // namespace
+
+#ifndef __CUDACC_RTC__
 
 // Error codes below cudaError_t's range are ours.
 #define FA_V100_BAD_CONFIG (-1)
@@ -353,3 +369,5 @@ const char* fa_v100_error_string(int code) {
 }
 
 }  // extern "C"
+
+#endif  // __CUDACC_RTC__

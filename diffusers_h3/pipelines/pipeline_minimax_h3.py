@@ -258,6 +258,15 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
 
+    def _device_of(self, module: torch.nn.Module) -> torch.device:
+        """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may
+        sit on different GPUs (`device_map="balanced"`, or the text encoder on a second GPU); tensors follow them."""
+        param = next(module.parameters(), None)
+        offloaded = hasattr(module, "_hf_hook") or hasattr(module, "_diffusers_hook")
+        if param is None or offloaded or param.device.type == "meta":
+            return self._execution_device
+        return param.device
+
     def _partitions(self):
         return [(n, getattr(self, n)) for n in ("transformer", "transformer_ref") if getattr(self, n, None) is not None]
 
@@ -383,6 +392,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         Numerically identical to reading `output_hidden_states=True` of the full model, but a forward hook on the
         decoder layer that produces that state stops the forward there: no later decoder layers and no LM head run.
+        Runs on the text encoder's device and returns the embeddings on `device` (default: the same).
         """
         text_encoder = self.text_encoder
         layer = int(self.config.text_encoder_layer)
@@ -392,13 +402,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 f"`text_encoder_layer`={layer} needs a text encoder with more than {layer} decoder layers (the last "
                 f"hidden state is post-norm and is not what H3 reads), but it has {num_layers}."
             )
-        device = device if device is not None else self._execution_device
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        encoder_device = self._device_of(text_encoder)
+        device = device if device is not None else encoder_device
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=encoder_device)
         mm_token_type_ids = torch.tensor(
-            self.processor.create_mm_token_type_ids([token_ids]), dtype=torch.long, device=device
+            self.processor.create_mm_token_type_ids([token_ids]), dtype=torch.long, device=encoder_device
         )
         vision_kwargs = {
-            name: value.to(device, text_encoder.dtype) if name.startswith("pixel_") else value.to(device)
+            name: value.to(encoder_device, text_encoder.dtype) if name.startswith("pixel_") else value.to(encoder_device)
             for name, value in (vision_inputs or {}).items()
         }
         # A model-CPU-offload hook wraps only the top-level forward; we call `.model`, so fire it by hand.
@@ -548,8 +559,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _encode_visual_condition(self, pixels: torch.Tensor) -> torch.Tensor:
         return encode_vae_condition(self.vae, pixels, PIXEL_MEAN, PIXEL_STD, KEYFRAME_ENCODE_SEED)
 
-    def _encode_references(self, references, device):
+    def _encode_references(self, references):
         """VAE-encode image/video references (sampled posterior) and soundtracks (posterior mean), in packed order."""
+        device, audio_device = self._device_of(self.vae), self._device_of(self.audio_vae)
         audio_mean = torch.tensor(self.audio_vae.config.latents_mean).view(1, 1, -1)
         audio_std = torch.tensor(self.audio_vae.config.latents_std).view(1, 1, -1)
         channels = self.audio_vae.config.latent_channels
@@ -565,7 +577,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 pixels = torch.from_numpy(reference.frames[:count].copy()).to(device).permute(3, 0, 1, 2)[None]
                 condition_latents.append(self._encode_visual_condition(pixels))
             if reference.has_audio:
-                posterior = self.audio_vae.encode(reference.audio.to(device)[:, None], return_dict=False)[0]
+                posterior = self.audio_vae.encode(reference.audio.to(audio_device)[:, None], return_dict=False)[0]
                 latents = posterior.mode().float().cpu().transpose(1, 2)
                 audio_condition_latents.append(((latents - audio_mean) / audio_std).reshape(-1, channels))
         return condition_latents, audio_condition_latents
@@ -673,7 +685,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         )  # fmt: skip
         transformer = getattr(self, partition_for_task(task))
         self._interrupt = False
-        device = self._execution_device
+        device = self._device_of(transformer)  # where the denoising loop runs; other components may sit elsewhere
 
         # 2. Resolve the canvas and put the conditioning media on H3's rates and resolutions.
         keyframes, anchors, normalized_references = [], (), None
@@ -695,10 +707,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         # 4. Encode the visual (and, for ref2va, audio) conditioning with the VAEs.
         audio_condition_latents = []
         if task == "ref2va":
-            condition_latents, audio_condition_latents = self._encode_references(normalized_references, device)
+            condition_latents, audio_condition_latents = self._encode_references(normalized_references)
         else:
+            vae_device = self._device_of(self.vae)
             condition_latents = [
-                self._encode_visual_condition(torch.from_numpy(np.array(frame)).to(device).permute(2, 0, 1)[None, :, None])
+                self._encode_visual_condition(
+                    torch.from_numpy(np.array(frame)).to(vae_device).permute(2, 0, 1)[None, :, None]
+                )
                 for frame in keyframes
             ]
 
@@ -830,8 +845,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         if output_type == "latent":
             frames, audio = video_latents, audio_latents_out
         else:
-            frames = self._decode_video(video_latents, output_type, device)
-            audio = self._decode_audio(audio_latents_out, device)
+            frames = self._decode_video(video_latents, output_type, self._device_of(self.vae))
+            audio = self._decode_audio(audio_latents_out, self._device_of(self.audio_vae))
             if output_type == "np":
                 audio = audio.cpu().numpy()
         self.maybe_free_model_hooks()
@@ -844,7 +859,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _decode_video(self, video_latents, output_type, device):
         mean = torch.tensor(self.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
-        video = self.vae.decode(video_latents * std + mean, return_dict=False)[0]
+        video = self.vae.decode(video_latents.to(device) * std + mean, return_dict=False)[0]
         pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
@@ -853,7 +868,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _decode_audio(self, audio_latents, device):
         mean = torch.tensor(self.audio_vae.config.latents_mean, device=device).view(1, -1, 1)
         std = torch.tensor(self.audio_vae.config.latents_std, device=device).view(1, -1, 1)
-        audio = self.audio_vae.decode(audio_latents * std + mean, return_dict=False)[0]
+        audio = self.audio_vae.decode(audio_latents.to(device) * std + mean, return_dict=False)[0]
         return audio.float().permute(1, 0, 2)
 
     def describe_paths(self) -> Dict[str, Any]:

@@ -36,3 +36,17 @@ def test_gpu_bf16_runs_and_decodes():
     out = pipe(**{**CALL, "output_type": "pt"}, generator=torch.Generator().manual_seed(0))
     assert out.frames.shape == (1, 124, 3, 64, 96)
     assert torch.isfinite(out.frames).all() and torch.isfinite(out.audio).all()
+
+
+def test_components_on_different_devices():
+    """Text encoder and VAEs on the CPU, transformer on the GPU (as `device_map="balanced"` or a TE-on-GPU1 setup
+    places whole components): the pipeline moves tensors to each component's device."""
+    base = _run(tiny_pipeline(seed=4).to("cuda"))
+    split = tiny_pipeline(seed=4)
+    split.transformer.to("cuda")
+    split.transformer_ref.to("cuda")
+    out = _run(split)
+    assert out.frames.device.type == "cuda"
+    assert torch.allclose(out.frames.cpu(), base.frames.cpu(), atol=1e-3) and torch.allclose(
+        out.audio.cpu(), base.audio.cpu(), atol=1e-3
+    )

@@ -795,7 +795,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         ]
 
         # 8. Denoise: one transformer forward per step; only the generated rows are stepped.
-        self._current_layout = layout
         with self.progress_bar(total=len(timesteps)) as progress_bar:
             for i, t in enumerate(timesteps):
                 if self.interrupt:
@@ -850,7 +849,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             if output_type == "np":
                 audio = audio.cpu().numpy()
         self.maybe_free_model_hooks()
-        self._current_layout = None
 
         if not return_dict:
             return (frames, audio, self.audio_sampling_rate)

@@ -35,6 +35,7 @@ from .w8a16_gemm import (
     _launch,
     _m_bucket,
     gemm_configs,
+    prepare_gemm_io,
     triton_gemm_supported,
     triton_interpreter_active,
 )
@@ -221,26 +222,11 @@ def nvfp4_linear_triton(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton weight-only NVFP4 GEMM (dequantization in registers, 16-bit ``tl.dot``)."""
-    if not triton_gemm_supported(x.device):
-        raise RuntimeError(
-            f"The Triton NVFP4 GEMM needs a CUDA GPU with compute capability >= 8.0 (or CPU with TRITON_INTERPRET=1); "
-            f"got device {x.device}. Use backend='torch' or the dequantize fallback."
-        )
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"NVFP4 weight-only activations must be fp16, bf16 or fp32, got {x.dtype}.")
     n, k = packed.shape[0], packed.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features but the NVFP4 weight has {k}.")
     if k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs K % 16 == 0, got K={k}.")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, out = prepare_gemm_io("NVFP4", x, n, k, out)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}.")
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     packed = packed.contiguous()

@@ -209,6 +209,29 @@ def _launch(kernel_jit, kernel_tuned, args, m, n, meta, tile=None):
         kernel_tuned[grid](*args, **meta)
 
 
+def prepare_gemm_io(op: str, x: torch.Tensor, n: int, k: int, out: Optional[torch.Tensor]):
+    """Host-side checks shared by the weight-only Triton GEMMs: device, activation dtype and width; returns the
+    activations as contiguous rows ``[M, K]`` and the (validated or new) output ``[M, N]``."""
+    if not triton_gemm_supported(x.device):
+        raise RuntimeError(
+            f"The Triton {op} GEMM needs a CUDA GPU with compute capability >= 8.0 (or CPU with TRITON_INTERPRET=1); "
+            f"got device {x.device}. Use backend='torch' or the dequantize fallback."
+        )
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{op} activations must be fp16, bf16 or fp32, got {x.dtype}.")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features but the {op} weight has {k}.")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}.")
+    return x2, out
+
+
 def w8a16_linear_triton(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -218,29 +241,14 @@ def w8a16_linear_triton(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton path of :func:`w8a16_linear` (no dispatch; raises if Triton cannot run here)."""
-    if not triton_gemm_supported(x.device):
-        raise RuntimeError(
-            f"The Triton W8A16 GEMM needs a CUDA GPU with compute capability >= 8.0 (or CPU with TRITON_INTERPRET=1); "
-            f"got device {x.device}. Use backend='torch' or the dequantize fallback."
-        )
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"W8A16 activations must be fp16, bf16 or fp32, got {x.dtype}.")
     n, k = q.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features but the weight has {k}.")
-    group_k = 0 if scale.dim() == 1 else k // scale.shape[1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    q = q.contiguous()
-    scale = scale.float().contiguous()
+    x2, out = prepare_gemm_io("W8A16", x, n, k, out)
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}.")
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
+    group_k = 0 if scale.dim() == 1 else k // scale.shape[1]
+    q = q.contiguous()
+    scale = scale.float().contiguous()
     b = bias.contiguous() if bias is not None else scale
     args = (x2, q, scale, b, out, m, n, k, _m_bucket(m), x2.stride(0), q.stride(0), scale.stride(0), out.stride(0))
     meta = {"GROUP_K": group_k, "HAS_BIAS": bias is not None, "IEEE": x.dtype == torch.float32}

@@ -17,7 +17,7 @@ from diffusers_h3.attention_processors.fa_v100 import (
     to_fp16_with_value_scale,
 )
 from diffusers_h3.kernels.fa_v100 import FAV100BuildError, fa_v100_reference
-from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
 TINY = TINY_TRANSFORMER_CONFIG
 
@@ -70,25 +70,7 @@ def test_fallback_warns_once():
 def test_tiny_transformer_runs_with_processor():
     torch.manual_seed(0)
     model = MiniMaxH3Transformer3DModel(**TINY).eval()
-    seq_text, seq_audio, grid = 5, 4, (2, 2, 3)
-    n_video = grid[0] * grid[1] * grid[2]
-    seq = seq_text + seq_audio + n_video
-    pos = torch.zeros(seq, 3, dtype=torch.long)
-    pos[seq_text + seq_audio :] = torch.stack(
-        torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1
-    ).reshape(-1, 3)
-    inputs = dict(
-        hidden_states=torch.randn(1, n_video, 16),
-        audio_hidden_states=torch.randn(1, seq_audio, 8),
-        encoder_hidden_states=torch.randn(1, seq_text, 16),
-        timestep=torch.tensor([0.7]),
-        timestep_indices=torch.zeros(seq, dtype=torch.long),
-        token_tags=torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
-        position_ids=pos,
-        video_indices=torch.arange(seq_text + seq_audio, seq),
-        audio_indices=torch.arange(seq_text, seq_text + seq_audio),
-        text_indices=torch.arange(seq_text),
-    )
+    inputs = tiny_transformer_inputs()
     with torch.no_grad():
         expected = model(**inputs).sample
         model.set_attn_processor(MiniMaxH3FAV100Processor())

@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 import diffusers_h3._utils as h3_utils
 from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
 from diffusers_h3.pipelines.v100_mode import NonFiniteActivationError, enable_v100_mode, pow2_row_scale
-from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
 TINY = TINY_TRANSFORMER_CONFIG
 
@@ -27,26 +27,7 @@ def quiet_fallback_warnings(monkeypatch):
 
 
 def _inputs(seed=0, video_scale=1.0, text_scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    seq_text, seq_audio, grid = 5, 4, (2, 2, 3)
-    n_video = grid[0] * grid[1] * grid[2]
-    seq = seq_text + seq_audio + n_video
-    pos = torch.zeros(seq, 3, dtype=torch.long)
-    pos[seq_text + seq_audio :] = torch.stack(
-        torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1
-    ).reshape(-1, 3)
-    return dict(
-        hidden_states=torch.randn(1, n_video, 16, generator=gen) * video_scale,
-        audio_hidden_states=torch.randn(1, seq_audio, 8, generator=gen),
-        encoder_hidden_states=torch.randn(1, seq_text, 16, generator=gen) * text_scale,
-        timestep=torch.tensor([0.7]),
-        timestep_indices=torch.zeros(seq, dtype=torch.long),
-        token_tags=torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
-        position_ids=pos,
-        video_indices=torch.arange(seq_text + seq_audio, seq),
-        audio_indices=torch.arange(seq_text, seq_text + seq_audio),
-        text_indices=torch.arange(seq_text),
-    )
+    return tiny_transformer_inputs(seed, video_scale=video_scale, text_scale=text_scale)
 
 
 def _model(seed=0, hot=True):

@@ -127,6 +127,40 @@ def tiny_transformer(**overrides):
     return MiniMaxH3Transformer3DModel(**{**TINY_TRANSFORMER_CONFIG, **overrides}).eval()
 
 
+def tiny_transformer_inputs(
+    seed: int = 0,
+    seq_text: int = 5,
+    seq_audio: int = 4,
+    grid=(2, 2, 3),
+    video_scale: float = 1.0,
+    text_scale: float = 1.0,
+    video_dim: int = 16,
+    audio_dim: int = 8,
+    text_dim: int = 16,
+):
+    """Forward kwargs for a transformer with :data:`TINY_TRANSFORMER_CONFIG`'s input widths: a packed
+    ``[text | audio | video]`` sequence, video rows on an integer (t, h, w) grid, one timestep for every row."""
+    gen = torch.Generator().manual_seed(seed)
+    n_video = grid[0] * grid[1] * grid[2]
+    seq = seq_text + seq_audio + n_video
+    pos = torch.zeros(seq, 3, dtype=torch.long)
+    pos[seq_text + seq_audio :] = torch.stack(
+        torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1
+    ).reshape(-1, 3)
+    return dict(
+        hidden_states=torch.randn(1, n_video, video_dim, generator=gen) * video_scale,
+        audio_hidden_states=torch.randn(1, seq_audio, audio_dim, generator=gen),
+        encoder_hidden_states=torch.randn(1, seq_text, text_dim, generator=gen) * text_scale,
+        timestep=torch.tensor([0.7]),
+        timestep_indices=torch.zeros(seq, dtype=torch.long),
+        token_tags=torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
+        position_ids=pos,
+        video_indices=torch.arange(seq_text + seq_audio, seq),
+        audio_indices=torch.arange(seq_text, seq_text + seq_audio),
+        text_indices=torch.arange(seq_text),
+    )
+
+
 def tiny_vae():
     from diffusers import AutoencoderKLMiniMaxH3
 

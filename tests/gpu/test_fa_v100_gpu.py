@@ -5,7 +5,6 @@ compares it with an fp32 oracle on fresh random inputs: odd lengths and partial 
 strided and misaligned inputs, outputs poisoned with NaN before the call, query tiles 64 and 128, and H3 shapes.
 """
 
-import math
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ pytestmark = [
 ]
 
 from diffusers_h3.kernels.fa_v100 import fa_v100_attention, fa_v100_reference, load_extension  # noqa: E402
+from diffusers_h3.testing.tiny import tiny_transformer_inputs  # noqa: E402
 
 # fp16 inputs with unit-variance Q/K/V: the kernel's error against the fp32 oracle is the fp16 rounding of P and of
 # the output, ~5e-4 relative L2; 3e-3 leaves room without hiding an indexing bug (those give O(1) errors).
@@ -136,23 +136,8 @@ def test_v100_mode_on_gpu_uses_kernel_and_stays_close_to_fp32():
         ffn_dim=128, in_channels=4, audio_in_channels=8, text_dim=16, freq_dim=32, time_embed_hidden_dim=32,
         time_embed_dim=16, rope_freq_dim=16,
     ).cuda().eval()
-    seq_text, seq_audio, grid = 7, 6, (3, 4, 5)
-    n_video = grid[0] * grid[1] * grid[2]
-    seq = seq_text + seq_audio + n_video
-    pos = torch.zeros(seq, 3, dtype=torch.long)
-    pos[seq_text + seq_audio :] = torch.stack(torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1).reshape(-1, 3)
-    inputs = dict(
-        hidden_states=torch.randn(1, n_video, 16) * 3e4,  # beyond fp16 once packed
-        audio_hidden_states=torch.randn(1, seq_audio, 8),
-        encoder_hidden_states=torch.randn(1, seq_text, 16) * 1e5,
-        timestep=torch.tensor([0.7]),
-        timestep_indices=torch.zeros(seq, dtype=torch.long),
-        token_tags=torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
-        position_ids=pos,
-        video_indices=torch.arange(seq_text + seq_audio, seq),
-        audio_indices=torch.arange(seq_text, seq_text + seq_audio),
-        text_indices=torch.arange(seq_text),
-    )
+    # Packed inputs beyond fp16 range (video rows ~3e4, text ~1e5).
+    inputs = tiny_transformer_inputs(seq_text=7, seq_audio=6, grid=(3, 4, 5), video_scale=3e4, text_scale=1e5)
     inputs = {k: v.cuda() for k, v in inputs.items()}
     with torch.no_grad():
         ref = model(**inputs).sample

@@ -85,8 +85,26 @@ def computed_pairs(plan, mask):
     return float((keys_per_qtile * counts).sum())
 
 
-def kernel_sweep(q, k, v, plan, iters=5):
-    """Fine-kernel variants (TMA loads, two key tiles per iteration) at sparsity 0.8, autotuned warps/stages."""
+# Fine-kernel variants timed by --sweep: (name, precision, rotate, warp_specialize, num_warps, num_stages, block_m,
+# block_n). "sparse_*" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows.
+SWEEP = [
+    *[(f"sparse_bf16_r{r}_w{w}_s{st}", "bf16", bool(r), False, w, st, 64, 64)
+      for r in (0, 1) for w, st in ((4, 2), (4, 3), (4, 4))],
+    *[(f"sparse_bf16_r{r}_ws_w{w}_s{st}", "bf16", bool(r), True, w, st, 64, 64) for r in (0, 1) for w, st in ((4, 2),)],
+    ("sparse_bf16_r0_ws_w4_s3", "bf16", False, True, 4, 3, 64, 64),
+    *[(f"sparse_fp8_r{r}_w{w}_s{st}", "fp8", bool(r), False, w, st, 64, 64) for r in (0, 1) for w, st in ((4, 2), (4, 3))],
+    ("sparse_fp8_r0_ws_w4_s3", "fp8", False, True, 4, 3, 64, 64),
+    ("sparse_fp8pv8_r1_w4_s3", "fp8pv8", True, False, 4, 3, 64, 64),
+    *[(f"dense_fp8_r{r}_w8_s{st}", "dense_fp8", bool(r), False, 8, st, 128, 128) for r in (0, 1) for st in (2, 3)],
+    *[(f"dense_fp8_r0_ws_w8_s{st}", "dense_fp8", False, True, 8, st, 128, 128) for st in (2, 3)],
+    ("dense_fp8_r1_w8_s3_n64", "dense_fp8", True, False, 8, 3, 128, 64),
+    ("dense_fp8_r1_w4_s3_m64", "dense_fp8", True, False, 4, 3, 64, 128),
+    ("dense_bf16_r1_w8_s2", "dense_bf16", True, False, 8, 2, 128, 128),
+]
+
+
+def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
+    """Time the :data:`SWEEP` variants (explicit warps / stages, no autotuning); returns ``{name: result}``."""
     from diffusers_h3.kernels import block_sparse_attention as bsa
     from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
     from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8
@@ -103,42 +121,67 @@ def kernel_sweep(q, k, v, plan, iters=5):
     v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
     v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     results = {}
-    variants = [(p, t, r) for p in ("bf16", "fp8") for t in (False, True) for r in (False, True)]
-    variants += [("fp8pv8", True, False), ("fp8pv8", True, True), ("dense_fp8", False, False),
-                 ("dense_fp8", True, False), ("dense_fp8", True, True)]
-    for prec, tma, pair in variants:
-        name = f"{prec}_tma{int(tma)}_pair{int(pair)}"
+    for name, prec, rotate, ws, warps, stages, block_m, block_n in SWEEP:
+        kw = dict(rotate=rotate, warp_specialize=ws, num_warps=warps, num_stages=stages)
         if prec == "bf16":
-            fn = lambda: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, tma=tma,  # noqa
-                                                    pair=pair)
+            fn = lambda kw=kw: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, **kw)  # noqa
         elif prec == "fp8":
-            fn = lambda: bsa.block_sparse_attention(q8, k8, vp, *rows[:2], index, num, block=64,  # noqa
-                                                    q_scale=qs, k_scale=ks, tma=tma, pair=pair)
+            fn = lambda kw=kw: bsa.block_sparse_attention(q8, k8, vp, *rows[:2], index, num, block=64,  # noqa
+                                                          q_scale=qs, k_scale=ks, **kw)
         elif prec == "fp8pv8":
-            fn = lambda: bsa.block_sparse_attention(q8, k8, v8t, *rows[:2], index, num, block=64,  # noqa
-                                                    q_scale=qs, k_scale=ks, v_scale=vs, tma=tma, pair=pair)
+            fn = lambda kw=kw: bsa.block_sparse_attention(q8, k8, v8t, *rows[:2], index, num, block=64,  # noqa
+                                                          q_scale=qs, k_scale=ks, v_scale=vs, **kw)
+        elif prec == "dense_fp8":
+            fn = lambda kw=kw, bm=block_m, bn=block_n: fp8_attention(q, k, v, block_m=bm, block_n=bn, **kw)  # noqa
         else:
-            fn = lambda: fp8_attention(q, k, v, tma=tma, pair=pair)  # noqa
+            fn = lambda kw=kw, bm=block_m, bn=block_n: bsa.block_sparse_attention(  # noqa
+                q, k, v, None, None, None, None, block=bn, block_m=bm, dense=True, **kw)
+        entry = {"precision": prec, "rotate": rotate, "warp_specialize": ws, "num_warps": warps,
+                 "num_stages": stages, "block_m": block_m, "block_n": block_n}
         try:
-            ms = cuda_median_ms(fn, warmup=2, iters=iters)
-            tuned = bsa._bsa_fwd_dense_tuned if prec == "dense_fp8" else bsa._bsa_fwd_sparse_tuned
-            cfg = str(getattr(tuned, "best_config", None))
-            results[name] = {"precision": prec, "tma": tma, "pair": pair, "ms": round(ms, 3), "config": cfg}
-        except Exception as error:  # noqa: BLE001
-            results[name] = {"precision": prec, "tma": tma, "pair": pair, "ms": None,
-                             "error": f"{type(error).__name__}: {str(error)[:200]}"}
-        print(f"sweep {name:26s} {results[name].get('ms')} ms  {results[name].get('config', '')}"
-              f"{results[name].get('error', '')}", flush=True)
+            entry["ms"] = round(cuda_median_ms(fn, warmup=2, reps=iters), 3)
+        except Exception as error:  # noqa: BLE001 - a variant the compiler rejects is recorded, not fatal
+            entry["ms"] = None
+            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        results[name] = entry
+        print(f"sweep {name:32s} {entry['ms']} ms {entry.get('error', '')}", flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=2)
     return results
 
 
-def peer_vsa(q, k, v, plan, sparsity):
-    """The public ``vsa`` package (FastVideo's Triton/TK kernel) on the video rows only, if importable."""
+def kernel_options(sweep, prec):
+    """Fastest swept options for ``prec`` (keyword arguments of the kernel entry points), ``{}`` if none ran."""
+    timed = [r for r in sweep.values() if r["precision"] == prec and r.get("ms")]
+    if not timed:
+        return {}
+    r = min(timed, key=lambda r: r["ms"])
+    opts = dict(rotate=r["rotate"], warp_specialize=r["warp_specialize"], num_warps=r["num_warps"],
+                num_stages=r["num_stages"])
+    if prec.startswith("dense"):
+        opts.update(block_m=r["block_m"], block_n=r["block_n"])
+    return opts
+
+
+def peer_vsa(peer_dir):
+    """The public ``vsa`` package's Triton forward (FastVideo) loaded from its sources, or ``(None, why)``.
+
+    Its package ``__init__`` imports a CUDA extension built for one Python / torch ABI, so only the two pure Triton
+    modules are loaded, by path.
+    """
+    import importlib.util
+
+    if not peer_dir:
+        return None, "public vsa package not given (--peer-dir)"
     try:
-        from vsa import video_sparse_attn  # type: ignore
+        path = os.path.join(peer_dir, "vsa", "block_sparse_attn_triton.py")
+        spec = importlib.util.spec_from_file_location("peer_vsa_block_sparse_attn_triton", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.triton_block_sparse_attn_forward, None
     except Exception as error:  # noqa: BLE001 - any import failure means "peer not available"
-        return None, f"public vsa package not importable here ({type(error).__name__}: {error})"
-    return video_sparse_attn, None
+        return None, f"public vsa Triton kernel not importable ({type(error).__name__}: {error})"
 
 
 def main(argv=None):
@@ -151,6 +194,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer cases (CI smoke)")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                         help="time the fine-kernel variants first and use the fastest (else the defaults)")
+    parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
+    parser.add_argument("--sweep-out", default=None, help="write the sweep results here as they come")
+    parser.add_argument("--peer-dir", default=None,
+                        help="folder holding the public vsa package's python sources (vsa/block_sparse_attn_triton.py)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
@@ -188,7 +235,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
         err = errors(out[:, :, err_heads], ref) if ref is not None else {}
-        ms = cuda_median_ms(fn, iters=args.iters)
+        ms = cuda_median_ms(fn, reps=args.iters)
         flops = dense_flops if pairs is None else 4.0 * pairs * d
         cases[name] = {
             "ms": round(ms, 3),
@@ -209,25 +256,13 @@ def main(argv=None):
         return ms
 
     ref_dense = dense_reference(q, k, v, err_heads)
-    sweep = kernel_sweep(q, k, v, plan, iters=5) if args.sweep else {}
-    best = {prec: min((r for r in sweep.values() if r["precision"] == prec and r["ms"]), key=lambda r: r["ms"],
-                      default=None) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8")}
-    opts = {prec: ({"tma": r["tma"], "pair": r["pair"]} if r else {}) for prec, r in best.items()}
-    # Dense FP8 block shapes (query rows per program, key rows per step): pick the fastest in this run.
-    dense_shapes = {}
-    for block_m, block_n in ((128, 64), (128, 128), (64, 64)):
-        try:
-            ms = cuda_median_ms(lambda: fp8_attention(q, k, v, block_m=block_m, block_n=block_n, **opts["dense_fp8"]),
-                           warmup=2, iters=3)
-            dense_shapes[f"m{block_m}_n{block_n}"] = round(ms, 3)
-        except Exception as error:  # noqa: BLE001
-            dense_shapes[f"m{block_m}_n{block_n}"] = f"{type(error).__name__}: {str(error)[:120]}"
-    print("dense fp8 block shapes (ms):", dense_shapes, flush=True)
-    timed = {k_: v_ for k_, v_ in dense_shapes.items() if isinstance(v_, float)}
-    if timed:
-        m_, n_ = min(timed, key=timed.get)[1:].split("_n")
-        opts["dense_fp8"] = {**opts["dense_fp8"], "block_m": int(m_), "block_n": int(n_)}
+    sweep = kernel_sweep(q, k, v, plan, iters=5, out_path=args.sweep_out) if args.sweep else {}
+    opts = {prec: kernel_options(sweep, prec) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8")}
+    if not opts["fp8pv8"]:
+        opts["fp8pv8"] = opts["fp8"]
     print("kernel options:", opts, flush=True)
+    if args.sweep_only:
+        return {"kernel_sweep": sweep, "kernel_options": opts}
 
     def cudnn():
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -280,13 +315,42 @@ def main(argv=None):
                    lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index, num,
                                                   block=plan.block, **opts["bf16"]),
                    ref_sparse, pairs=pairs, baseline_ms=base, note="fine kernel alone (no pooling / selection)")
-            del kp, vp, index, num
-            fn, why = peer_vsa(q, k, v, plan, sparsity)
+            fn, why = peer_vsa(args.peer_dir)
             if fn is None:
                 cases["peer_vsa_sp0.8"] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
                                            "peak_gib": None}
                 notes["peer_vsa_sp0.8"] = why
                 print("peer_vsa_sp0.8           skipped:", why)
+            else:
+                # Its layout: [B, H, T*64, D] rows in tile order (ours, packed), the same tile lists and counts.
+                _, qp = tile_pool(q, *rows, pooled=False, packed=True)
+                qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (qp, kp, vp))
+                idx, cnt = index.contiguous(), num.contiguous()
+                counts = plan.tile_counts.to(torch.int32)
+                slots = plan.slot_rows.long()
+                valid = (torch.arange(plan.block, device=dev)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+
+                def peer_rows():
+                    out_h, _ = fn(qh, kh, vh, idx, cnt, counts)
+                    out = torch.zeros_like(q)
+                    out[:, slots[valid]] = out_h.transpose(1, 2)[:, valid]
+                    return out
+
+                # The timed call is the peer's kernel alone (as our fine_only case); the error uses the unpacked rows.
+                ref_out = peer_rows()
+                err = errors(ref_out[:, :, err_heads], ref_sparse)
+                ms = cuda_median_ms(lambda: fn(qh, kh, vh, idx, cnt, counts), reps=args.iters)
+                cases["peer_vsa_sp0.8"] = {
+                    "ms": round(ms, 3), "baseline": "cudnn_dense", "ratio": round(base / ms, 3) if base else None,
+                    "rel_l2": err["rel_l2"], "cosine": err["cosine"], "rel_l1": err["rel_l1"], "peak_gib": None,
+                    "tflops": round(4.0 * pairs * d / ms / 1e9, 1), "density": round(pairs / (float(s) * s * h), 4),
+                }
+                notes["peer_vsa_sp0.8"] = ("public vsa 0.0.4 Triton forward (_attn_fwd_sparse, its own autotuning), "
+                                           "fine stage alone on the same packed tiles and lists; compare with "
+                                           "vsa_bf16_sp0.8_fine_only")
+                print(f"peer_vsa_sp0.8           {ms:8.2f} ms  rel_l2 {err['rel_l2']}", flush=True)
+                del qp, qh, kh, vh, ref_out
+            del kp, vp, index, num
         del ref_sparse, mask
 
     commit = git_commit(args.commit) or "unknown"
@@ -303,7 +367,6 @@ def main(argv=None):
         "cases": cases,
         "notes": notes,
         "kernel_sweep": sweep,
-        "dense_fp8_block_shapes_ms": dense_shapes,
         "kernel_options": opts,
     }
     text = json.dumps(result, indent=2)

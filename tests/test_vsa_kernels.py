@@ -94,12 +94,12 @@ def _sparse_inputs(plan, b=2, h=3, d=32, dtype=DTYPE, sparsity_topk=3):
     return q, k_packed, v_packed, index, num
 
 
-@pytest.mark.parametrize("dtype,tma,pair", [(DTYPE, False, False), (torch.float32, False, True), (DTYPE, True, True)])
-def test_block_sparse_attention_matches_reference(plan, dtype, tma, pair):
+@pytest.mark.parametrize("dtype,tma,rotate", [(DTYPE, False, False), (torch.float32, False, True), (DTYPE, True, True)])
+def test_block_sparse_attention_matches_reference(plan, dtype, tma, rotate):
     q, k, v, index, num = _sparse_inputs(plan, dtype=dtype)
     out = _poison(torch.empty_like(q))
     block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block, out=out,
-                           backend="triton", tma=tma, pair=pair)
+                           backend="triton", tma=tma, rotate=rotate)
     ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
@@ -151,13 +151,13 @@ def test_fp8_qk_and_pv_match_reference(tma):
     assert rel_l2(out_pv, exact) < 1e-1
 
 
-@pytest.mark.parametrize("s,tma,pair", [(77, False, True), (130, True, False)])
-def test_dense_kernel_matches_sdpa(s, tma, pair):
+@pytest.mark.parametrize("s,tma,rotate", [(77, False, True), (130, True, False)])
+def test_dense_kernel_matches_sdpa(s, tma, rotate):
     q = torch.randn(2, s, 2, 32, device=DEVICE, dtype=DTYPE)
     k, v = torch.randn_like(q), torch.randn_like(q)
     out = _poison(torch.empty_like(q))
     block_sparse_attention(q, k, v, None, None, None, None, block=16, dense=True, out=out, backend="triton", tma=tma,
-                           pair=pair)
+                           rotate=rotate)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)
     ).transpose(1, 2)

@@ -51,21 +51,34 @@ if HAS_TRITON:
         return kv, cnt
 
     @triton.jit
-    def _scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, scale_rows, offs_n, offs_d, stride_ks, stride_kss, KV_ROWS,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-        """Scaled scores (base 2) of one key tile, ``-inf`` on pad / missing columns."""
+    def _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss, KV_ROWS,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, USE_TMA: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+        """``q . k`` of one key tile (times the per-key FP8 scales), before the per-row scale and the pad mask."""
         slots = kv.to(tl.int64) * BLOCK_N + offs_n
         valid = offs_n < cnt
-        if USE_TMA:  # the tile is a contiguous 2D box: one TMA load (pad rows are zeros, masked below)
+        if USE_TMA:  # the tile is a contiguous 2D box: one TMA load (pad rows are zeros, masked later)
             k = K_DESC.load([(b * KV_ROWS + kv * BLOCK_N).to(tl.int32), h * HEAD_DIM]).T
         else:
             k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=valid[None, :], other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if QK_FP8:
             qk = qk * tl.load(ks_base + slots * stride_kss, mask=valid, other=0.0)[None, :]
-        qk = qk * scale_rows[:, None]
-        return tl.where(valid[None, :], qk, float("-inf")), valid
+        return qk
+
+    @triton.jit
+    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr):
+        """One online-softmax step (base 2) on raw scores: returns ``p`` and the updated ``m``, ``l``, ``acc``.
+
+        The per-row scale is folded into the exponent (one FMA per score) and only partial key tiles pay for the pad
+        mask (``-inf`` on columns ``>= cnt``).
+        """
+        if cnt < BLOCK_N:
+            qk = tl.where((offs_n < cnt)[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_rows)
+        p = tl.math.exp2(qk * scale_rows[:, None] - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
     @triton.jit
     def _load_v(kv, valid, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
@@ -171,7 +184,8 @@ if HAS_TRITON:
         USE_TMA: tl.constexpr,
         V_CHANNEL_MAJOR: tl.constexpr,
         KV_ROWS,
-        PAIR: tl.constexpr,
+        ROTATE: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
         P_FP4: tl.constexpr = False,
         P_FP4_TWO_LEVEL: tl.constexpr = True,
         SOFT_ROUND: tl.constexpr = False,
@@ -198,7 +212,7 @@ if HAS_TRITON:
             num = tl.load(KV_NUM + (b * H + h) * tl.num_programs(0) + pid_m)
 
         q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
-        scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)
+        scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
         if QK_FP8:
             scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
 
@@ -208,51 +222,37 @@ if HAS_TRITON:
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
         ks_base = K_SCALE + b * stride_ksb + h * stride_ksh
-        if PAIR:
-            # Two key tiles per iteration: one softmax rescale of the accumulator for both.
-            for j in range(0, num, 2):
-                kv_a, cnt_a = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                has_b = j + 1 < num
-                kv_b, cnt_b = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                cnt_b = tl.where(has_b, cnt_b, 0)
-                qk_a, valid_a = _scores(q, kv_a, cnt_a, b, h, k_base, ks_base, K_DESC, scale_rows, offs_n, offs_d,
-                                        stride_ks, stride_kss, KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA,
-                                        DOT_PRECISION)
-                qk_b, valid_b = _scores(q, kv_b, cnt_b, b, h, k_base, ks_base, K_DESC, scale_rows, offs_n, offs_d,
-                                        stride_ks, stride_kss, KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA,
-                                        DOT_PRECISION)
-                m_new = tl.maximum(m_i, tl.maximum(tl.max(qk_a, 1), tl.max(qk_b, 1)))
-                p_a = tl.math.exp2(qk_a - m_new[:, None])
-                p_b = tl.math.exp2(qk_b - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p_a, 1) + tl.sum(p_b, 1)
-                acc = acc * alpha[:, None]
-                v_a = _load_v(kv_a, valid_a, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
-                              HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                if P_FP4:
-                    p_a = _fake_quant_p_fp4(p_a, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                    p_b = _fake_quant_p_fp4(p_b, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                acc = _pv(acc, p_a, v_a, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                v_b = _load_v(kv_b, valid_b, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
-                              HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                acc = _pv(acc, p_b, v_b, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                m_i = m_new
-        else:
-            for j in range(0, num):
-                kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                qk, valid = _scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, scale_rows, offs_n, offs_d, stride_ks,
-                                    stride_kss, KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA, DOT_PRECISION)
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.math.exp2(qk - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                v = _load_v(kv, valid, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
+        if ROTATE:
+            # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
+            # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
+            kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+            kv = tl.where(num > 0, kv, 0)
+            cnt = tl.where(num > 0, cnt, 0)
+            qk = _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss,
+                             KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA, DOT_PRECISION)
+            for j in tl.range(0, num, warp_specialize=WARP_SPECIALIZE):
+                kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, ks_base, K_DESC, offs_n, offs_d,
+                                      stride_ks, stride_kss, KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA,
+                                      DOT_PRECISION)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
                             HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
                     p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
                 acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                m_i = m_new
+                qk, kv, cnt = qk_next, kv_next, cnt_next
+        else:
+            for j in tl.range(0, num, warp_specialize=WARP_SPECIALIZE):
+                kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+                qk = _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss,
+                                 KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA, DOT_PRECISION)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
+                            HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                if P_FP4:
+                    p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
 
         if PV_FP8:
             v_sc = tl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d)
@@ -268,7 +268,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "PAIR"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "WARP_SPECIALIZE"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -489,14 +489,16 @@ def block_sparse_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
-    pair: bool = False,
+    rotate: Optional[bool] = None,
+    warp_specialize: bool = False,
     p_fp4: Optional[str] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
-    FP4 precision; the caller fake-quantizes Q, K and V). ``pair=True`` (two key tiles per softmax step; measured
-    slower on H200) shares the running max of the pair, so quantized P is rounded at other points than the reference's.
+    FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
+    current tile's softmax (software pipelining; default: on for GPUs), ``warp_specialize`` asks Triton to split the loop
+    into producer / consumer warps (Hopper and newer); neither changes the numerics.
 
     ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
@@ -575,7 +577,8 @@ def block_sparse_attention(
         *qs_strides, *ks_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_FP8=q_scale is not None,
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
-        USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1], PAIR=pair,
+        USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
+        ROTATE=on_gpu if rotate is None else rotate, WARP_SPECIALIZE=warp_specialize,
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,
     )

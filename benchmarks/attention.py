@@ -85,22 +85,24 @@ def computed_pairs(plan, mask):
     return float((keys_per_qtile * counts).sum())
 
 
-# Fine-kernel variants timed by --sweep: (name, precision, rotate, warp_specialize, num_warps, num_stages, block_m,
-# block_n). "sparse_*" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows.
+# Fine-kernel variants timed by --sweep: (precision, rotate, pair_q, num_warps, num_stages, block_m, block_n).
+# "bf16"/"fp8"/"fp8pv8" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows.
 SWEEP = [
-    *[(f"sparse_bf16_r{r}_w{w}_s{st}", "bf16", bool(r), False, w, st, 64, 64)
-      for r in (0, 1) for w, st in ((4, 2), (4, 3), (4, 4))],
-    *[(f"sparse_bf16_r{r}_ws_w{w}_s{st}", "bf16", bool(r), True, w, st, 64, 64) for r in (0, 1) for w, st in ((4, 2),)],
-    ("sparse_bf16_r0_ws_w4_s3", "bf16", False, True, 4, 3, 64, 64),
-    *[(f"sparse_fp8_r{r}_w{w}_s{st}", "fp8", bool(r), False, w, st, 64, 64) for r in (0, 1) for w, st in ((4, 2), (4, 3))],
-    ("sparse_fp8_r0_ws_w4_s3", "fp8", False, True, 4, 3, 64, 64),
-    ("sparse_fp8pv8_r1_w4_s3", "fp8pv8", True, False, 4, 3, 64, 64),
-    *[(f"dense_fp8_r{r}_w8_s{st}", "dense_fp8", bool(r), False, 8, st, 128, 128) for r in (0, 1) for st in (2, 3)],
-    *[(f"dense_fp8_r0_ws_w8_s{st}", "dense_fp8", False, True, 8, st, 128, 128) for st in (2, 3)],
-    ("dense_fp8_r1_w8_s3_n64", "dense_fp8", True, False, 8, 3, 128, 64),
-    ("dense_fp8_r1_w4_s3_m64", "dense_fp8", True, False, 4, 3, 64, 128),
-    ("dense_bf16_r1_w8_s2", "dense_bf16", True, False, 8, 2, 128, 128),
+    ("bf16", True, False, 4, 2, 64, 64),
+    *[("bf16", False, True, w, st, 64, 64) for w, st in ((4, 2), (4, 3), (8, 2), (8, 3))],
+    ("fp8", True, False, 4, 2, 64, 64),
+    *[("fp8", False, True, w, st, 64, 64) for w, st in ((4, 2), (8, 2), (8, 3))],
+    ("fp8pv8", True, False, 4, 3, 64, 64),
+    ("fp8pv8", False, True, 8, 2, 64, 64),
+    *[("dense_fp8", r, False, 8, st, 128, n) for r, st, n in ((False, 2, 128), (False, 2, 64), (False, 3, 64),
+                                                             (True, 2, 64), (True, 3, 64))],
+    ("dense_bf16", False, False, 8, 2, 128, 128),
+    ("dense_bf16", True, False, 8, 3, 128, 64),
 ]
+
+
+def _sweep_name(prec, rotate, pair_q, warps, stages, block_m, block_n):
+    return f"{prec}_r{int(rotate)}_pq{int(pair_q)}_w{warps}_s{stages}_m{block_m}_n{block_n}"
 
 
 def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
@@ -121,8 +123,11 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
     v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
     v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     results = {}
-    for name, prec, rotate, ws, warps, stages, block_m, block_n in SWEEP:
-        kw = dict(rotate=rotate, warp_specialize=ws, num_warps=warps, num_stages=stages)
+    for prec, rotate, pair_q, warps, stages, block_m, block_n in SWEEP:
+        name = _sweep_name(prec, rotate, pair_q, warps, stages, block_m, block_n)
+        kw = dict(rotate=rotate, num_warps=warps, num_stages=stages)
+        if pair_q:
+            kw["pair_q"] = True
         if prec == "bf16":
             fn = lambda kw=kw: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, **kw)  # noqa
         elif prec == "fp8":
@@ -136,8 +141,8 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
         else:
             fn = lambda kw=kw, bm=block_m, bn=block_n: bsa.block_sparse_attention(  # noqa
                 q, k, v, None, None, None, None, block=bn, block_m=bm, dense=True, **kw)
-        entry = {"precision": prec, "rotate": rotate, "warp_specialize": ws, "num_warps": warps,
-                 "num_stages": stages, "block_m": block_m, "block_n": block_n}
+        entry = {"precision": prec, "rotate": rotate, "pair_q": pair_q, "num_warps": warps, "num_stages": stages,
+                 "block_m": block_m, "block_n": block_n}
         try:
             entry["ms"] = round(cuda_median_ms(fn, warmup=2, reps=iters), 3)
         except Exception as error:  # noqa: BLE001 - a variant the compiler rejects is recorded, not fatal
@@ -157,10 +162,11 @@ def kernel_options(sweep, prec):
     if not timed:
         return {}
     r = min(timed, key=lambda r: r["ms"])
-    opts = dict(rotate=r["rotate"], warp_specialize=r["warp_specialize"], num_warps=r["num_warps"],
-                num_stages=r["num_stages"])
+    opts = dict(rotate=r["rotate"], num_warps=r["num_warps"], num_stages=r["num_stages"])
     if prec.startswith("dense"):
         opts.update(block_m=r["block_m"], block_n=r["block_n"])
+    elif r["pair_q"]:
+        opts["pair_q"] = True
     return opts
 
 

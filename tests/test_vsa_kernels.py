@@ -18,7 +18,11 @@ from diffusers_h3.kernels.block_sparse_attention import (  # noqa: E402
     block_sparse_attention,
     block_sparse_attention_reference,
 )
-from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel, quantize_fp8_per_token  # noqa: E402
+from diffusers_h3.kernels.quant_utils import (  # noqa: E402
+    quantize_fp8_per_block,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_token,
+)
 from diffusers_h3.kernels.vsa_pool import tile_pool, tile_pool_reference  # noqa: E402
 from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, mask_to_index_reference  # noqa: E402
 
@@ -94,12 +98,13 @@ def _sparse_inputs(plan, b=2, h=3, d=32, dtype=DTYPE, sparsity_topk=3):
     return q, k_packed, v_packed, index, num
 
 
-@pytest.mark.parametrize("dtype,tma,rotate", [(DTYPE, False, False), (torch.float32, False, True), (DTYPE, True, True)])
-def test_block_sparse_attention_matches_reference(plan, dtype, tma, rotate):
+@pytest.mark.parametrize("dtype,tma,rotate,pair_q", [(DTYPE, False, False, False), (torch.float32, False, True, False),
+                                                     (DTYPE, True, True, False), (DTYPE, False, False, True)])
+def test_block_sparse_attention_matches_reference(plan, dtype, tma, rotate, pair_q):
     q, k, v, index, num = _sparse_inputs(plan, dtype=dtype)
     out = _poison(torch.empty_like(q))
     block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block, out=out,
-                           backend="triton", tma=tma, rotate=rotate)
+                           backend="triton", tma=tma, rotate=rotate, pair_q=pair_q)
     ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
@@ -124,15 +129,15 @@ def test_block_sparse_all_tiles_equals_dense_sdpa(plan):
     assert rel_l2(out, ref) < 2e-3
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_fp8_qk_and_pv_match_reference(tma):
+@pytest.mark.parametrize("tma,pair_q", [(False, False), (True, True)])
+def test_fp8_qk_and_pv_match_reference(tma, pair_q):
     plan = build_tile_plan(_layout(), tile=(2, 4, 4), device=DEVICE)  # FP8 P.V needs tiles of >= 32 rows on GPUs
     q, k, v, index, num = _sparse_inputs(plan)
     k = k - k.float().mean(1, keepdim=True).to(k.dtype)
     q8, qs = quantize_fp8_per_token(q)
-    k8, ks = quantize_fp8_per_token(k)
+    k8, ks = quantize_fp8_per_block(k, plan.block)  # one scale per key tile
     out = block_sparse_attention(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
-                                 q_scale=qs, k_scale=ks, out_dtype=DTYPE, backend="triton", tma=tma)
+                                 q_scale=qs, k_scale=ks, out_dtype=DTYPE, backend="triton", tma=tma, pair_q=pair_q)
     ref = block_sparse_attention_reference(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num,
                                            block=plan.block, q_scale=qs, k_scale=ks, out_dtype=DTYPE)
     assert rel_l2(out, ref) < 2e-3
@@ -142,7 +147,8 @@ def test_fp8_qk_and_pv_match_reference(tma):
     v8, vs = quantize_fp8_per_channel(v, seq_dim=1)  # vs [B, H, D]
     v8_t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # channel-major strides, same logical shape
     out_pv = block_sparse_attention(q8, k8, v8_t, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
-                                    q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=DTYPE, backend="triton", tma=tma)
+                                    q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=DTYPE, backend="triton", tma=tma,
+                                    pair_q=pair_q)
     ref_pv = block_sparse_attention_reference(q8, k8, v8, plan.slot_rows, plan.tile_counts, index, num,
                                               block=plan.block, q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=DTYPE)
     # The reference walks the tiles like the kernel (P is rounded against the running max); only exp2's last bits
@@ -165,24 +171,34 @@ def test_dense_kernel_matches_sdpa(s, tma, rotate):
     assert rel_l2(out, ref) < 2e-3
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_tile_quantize_fp8_is_bitwise_reference(plan, packed):
+@pytest.mark.parametrize("packed,per_tile", [(False, False), (True, False), (False, True), (True, True)])
+def test_tile_quantize_fp8_is_bitwise_reference(plan, packed, per_tile):
     from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8, tile_quantize_fp8_reference
 
     x = torch.randn(2, plan.seq_len, 3, 32, device=DEVICE, dtype=DTYPE) * 3
     mean = torch.randn(2, 3, 32, device=DEVICE)
     args = (x, plan.slot_rows, plan.tile_counts, plan.block)
-    pooled, x8, scale = tile_quantize_fp8(*args, pooled=True, packed=packed, subtract=mean, backend="triton")
-    rp, r8, rs = tile_quantize_fp8_reference(*args, pooled=True, packed=packed, subtract=mean)
+    kw = dict(pooled=True, packed=packed, subtract=mean, per_tile=per_tile)
+    pooled, x8, scale = tile_quantize_fp8(*args, backend="triton", **kw)
+    rp, r8, rs = tile_quantize_fp8_reference(*args, **kw)
     torch.testing.assert_close(pooled, rp, rtol=1e-5, atol=1e-5)
+    valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
     if packed:
-        valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
-        x8, r8, scale, rs = x8[:, valid], r8[:, valid], scale[:, valid], rs[:, valid]
+        x8, r8 = x8[:, valid], r8[:, valid]
+        if not per_tile:
+            scale, rs = scale[:, valid], rs[:, valid]
     assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
     assert torch.equal(scale, rs)
+    assert scale.shape == ((2, plan.num_tiles, 3) if per_tile else (2, x8.shape[1], 3))
     # Dequantized values approximate the centred input (an independent sanity check of the reference).
     if not packed:
-        deq = x8.float() * scale.unsqueeze(-1)
+        row_scale = scale
+        if per_tile:  # per-tile scale of each source row
+            row_tile = torch.empty(plan.seq_len, dtype=torch.long, device=DEVICE)
+            row_tile[plan.slot_rows.long()[valid]] = torch.arange(plan.num_tiles, device=DEVICE).repeat_interleave(
+                plan.block)[valid]
+            row_scale = scale[:, row_tile]
+        deq = x8.float() * row_scale.unsqueeze(-1)
         assert rel_l2(deq, x.float() - mean.unsqueeze(1)) < 0.05
 
 

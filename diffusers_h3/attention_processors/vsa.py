@@ -38,8 +38,10 @@ from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
 from ..kernels.block_sparse_attention import block_sparse_attention
 from ..kernels.fp8_attention import fp8_attention
 from ..kernels.quant_utils import (
+    expand_block_scale,
     fake_quant_fp4,
     fake_quant_fp8_per_token,
+    quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
 from ..kernels.vsa_pool import tile_pool, tile_quantize_fp8
@@ -84,7 +86,7 @@ def vsa_attention(
     ``out_fine`` is ``[B, S, H, D]``; ``out_coarse`` is the per-tile coarse attention ``[B, H, T, D]`` when
     ``compress`` (else ``None``). ``emulate`` replaces FP8 tensor-core products by quantize-dequantize + bf16
     kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``kernel_options`` (``tma``,
-    ``pair``, ``num_warps``, ``num_stages``) are passed to the fine kernel (benchmarks / tuning). ``fp4_p``
+    ``rotate``, ``pair_q``, ``num_warps``, ``num_stages``) are passed to the fine kernel (benchmarks / tuning). ``fp4_p``
     (``"two_level"``, ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P.
     """
     if query.shape[1] != plan.seq_len:
@@ -119,7 +121,7 @@ def vsa_attention(
         counts = plan.tile_counts.to(torch.float32)
         k_mean = (pooled_k * counts[:, None]).sum(2) / counts.sum()  # [B, H, D]
     if native_fp8:
-        _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, backend=backend)
+        _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, backend=backend)
         v_arg, v_scale = v_packed, None
         if pv_precision == "fp8":
             v8, v_scale = quantize_fp8_per_channel(v_packed, seq_dim=1)
@@ -128,15 +130,18 @@ def vsa_attention(
                                      **common)
         return out, out_coarse
 
-    if k_mean is not None:
-        k_packed = (k_packed.float() - k_mean.unsqueeze(1)).to(key.dtype)
+    if k_mean is not None:  # pad slots stay zero (they must not count in the FP8 per-tile K scales)
+        valid = (torch.arange(block, device=key.device)[None] < plan.tile_counts.long()[:, None]).reshape(1, -1, 1, 1)
+        k_packed = torch.where(valid, k_packed.float() - k_mean.unsqueeze(1), 0.0).to(key.dtype)
     if precision == "fp4":
         q_e = fake_quant_fp4(query, dim=-1)
         k_e = fake_quant_fp4(k_packed, dim=-1)
         v_e = fake_quant_fp4(v_packed, dim=1)  # 16 consecutive (tile-ordered) tokens per channel
         return block_sparse_attention(q_e, k_e, v_e, *sparse_args, p_fp4=fp4_p, **common), out_coarse
-    # FP8 emulation (no FP8 tensor cores): quantize-dequantize, then the bf16 kernel.
-    q_e, k_e = fake_quant_fp8_per_token(query), fake_quant_fp8_per_token(k_packed)
+    # FP8 emulation (no FP8 tensor cores): quantize-dequantize as the native path does, then the bf16 kernel.
+    k8, k_scale = quantize_fp8_per_block(k_packed, block)
+    q_e = fake_quant_fp8_per_token(query)
+    k_e = (k8.float() * expand_block_scale(k_scale, block, k8.shape[1]).unsqueeze(-1)).to(key.dtype)
     v_e = v_packed
     if pv_precision == "fp8":
         v8, vs = quantize_fp8_per_channel(v_packed, seq_dim=1)

@@ -12,9 +12,11 @@ Contract (shared by the Triton kernel and :func:`block_sparse_attention_referenc
 Numerics: scores and the softmax run in float32 (online softmax in base 2, with the running max); ``P`` is cast to
 ``v``'s dtype for the PV product, accumulation in float32. Precision variants (all with the same contract):
 
-* **FP8 Q/K** (``q_scale``/``k_scale`` given): ``q``/``k`` are ``float8_e4m3fn`` with one float32 scale per row and
-  head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_token`; keys are usually mean-centred first, which
-  softmax does not see). Scores are ``(q8 . k8) * q_scale * k_scale``.
+* **FP8 Q/K** (``q_scale``/``k_scale`` given): ``q``/``k`` are ``float8_e4m3fn``; ``q_scale [B, S, H]`` has one float32
+  scale per query row and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_token`), ``k_scale [B, T, H]``
+  one per key tile and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_block` with ``block`` rows;
+  keys are usually mean-centred first, which softmax does not see). Scores are ``(q8 . k8) * q_scale * k_scale``, and
+  a tile's K scale is one number folded into the per-row softmax scale.
 * **FP8 PV** (``v_scale`` given): ``v`` is ``float8_e4m3fn`` with one scale per (batch, head, channel), and ``P`` is
   quantized as ``e4m3(448 * p)`` before the product; ``l`` (the softmax denominator) uses the unquantized ``p``.
 
@@ -30,6 +32,7 @@ from typing import Optional
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
+from .quant_utils import expand_block_scale
 
 FP8_E4M3_MAX = 448.0
 
@@ -51,20 +54,22 @@ if HAS_TRITON:
         return kv, cnt
 
     @triton.jit
-    def _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss, KV_ROWS,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_FP8: tl.constexpr, USE_TMA: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-        """``q . k`` of one key tile (times the per-key FP8 scales), before the per-row scale and the pad mask."""
-        slots = kv.to(tl.int64) * BLOCK_N + offs_n
-        valid = offs_n < cnt
+    def _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """``q . k`` of one key tile, before the per-row scale and the pad mask."""
         if USE_TMA:  # the tile is a contiguous 2D box: one TMA load (pad rows are zeros, masked later)
             k = K_DESC.load([(b * KV_ROWS + kv * BLOCK_N).to(tl.int32), h * HEAD_DIM]).T
         else:
-            k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=valid[None, :], other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+            slots = kv.to(tl.int64) * BLOCK_N + offs_n
+            k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=(offs_n < cnt)[None, :], other=0.0)
+        return tl.dot(q, k, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_FP8: tl.constexpr):
+        """Per-row score scale of key tile ``kv``: with FP8 keys, times the tile's one K scale."""
         if QK_FP8:
-            qk = qk * tl.load(ks_base + slots * stride_kss, mask=valid, other=0.0)[None, :]
-        return qk
+            return scale_rows * tl.load(ks_base + kv * stride_kst)
+        return scale_rows
 
     @triton.jit
     def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr):
@@ -135,6 +140,40 @@ if HAS_TRITON:
         return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
+    def _query_tile(t, n_tiles, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
+                    stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
+                    BLOCK_M: tl.constexpr, QK_FP8: tl.constexpr):
+        """Rows, tile list and scaled-ready ``q`` of query tile ``t`` (``t >= n_tiles``: an empty tile)."""
+        t_valid = t < n_tiles
+        tc = tl.minimum(t, n_tiles - 1)
+        count = tl.where(t_valid, tl.load(TILE_COUNTS + tc), 0)
+        rows = tl.load(SLOT_ROWS + tc * BLOCK_M + offs_m).to(tl.int64)
+        list_base = KV_INDEX + b * stride_ib + h * stride_ih + tc.to(tl.int64) * stride_it
+        num = tl.where(t_valid, tl.load(KV_NUM + (b * H + h) * n_tiles + tc), 0)
+        q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
+        scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
+        if QK_FP8:
+            scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
+        return rows, offs_m < count, list_base, num, q, scale_rows
+
+    @triton.jit
+    def _listed_tile(j, num, list_base, TILE_COUNTS):
+        """Entry ``j`` of a tile list and its valid row count (0 past the end of the list)."""
+        kv = tl.load(list_base + tl.maximum(tl.minimum(j, num - 1), 0))
+        kv = tl.where(num > 0, kv, 0)
+        return kv, tl.where(j < num, tl.load(TILE_COUNTS + kv), 0)
+
+    @triton.jit
+    def _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
+                    HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr):
+        if PV_FP8:
+            v_sc = tl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d)
+            acc = acc * (v_sc[None, :] / 448.0)
+        out = acc / l_i[:, None]
+        dst = O + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(O.dtype.element_ty), mask=row_valid[:, None])
+
+    @triton.jit
     def _bsa_fwd_kernel(
         Q,
         K,
@@ -184,8 +223,9 @@ if HAS_TRITON:
         USE_TMA: tl.constexpr,
         V_CHANNEL_MAJOR: tl.constexpr,
         KV_ROWS,
+        N_Q_TILES,
         ROTATE: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr,
+        PAIR_Q: tl.constexpr,
         P_FP4: tl.constexpr = False,
         P_FP4_TWO_LEVEL: tl.constexpr = True,
         SOFT_ROUND: tl.constexpr = False,
@@ -197,6 +237,50 @@ if HAS_TRITON:
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+        ks_base = K_SCALE + b * stride_ksb + h * stride_ksh
+
+        if PAIR_Q:
+            # Two query tiles per program, each with its own tile list, processed in one loop: two independent
+            # chains, so that the tensor cores run one tile's products while the other tile's softmax runs.
+            qargs = (N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
+                     stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
+                     BLOCK_M, QK_FP8)
+            rows_a, valid_a, list_a, num_a, q_a, sr_a = _query_tile(2 * pid_m, *qargs)
+            rows_b, valid_b, list_b, num_b, q_b, sr_b = _query_tile(2 * pid_m + 1, *qargs)
+            m_a = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            m_b = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_a = tl.zeros([BLOCK_M], tl.float32)
+            l_b = tl.zeros([BLOCK_M], tl.float32)
+            acc_a = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            acc_b = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for j in range(0, tl.maximum(num_a, num_b)):
+                kv_a, cnt_a = _listed_tile(j, num_a, list_a, TILE_COUNTS)
+                kv_b, cnt_b = _listed_tile(j, num_b, list_b, TILE_COUNTS)
+                qk_a = _raw_scores(q_a, kv_a, cnt_a, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
+                                   HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                qk_b = _raw_scores(q_b, kv_b, cnt_b, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
+                                   HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                p_a, m_a, l_a, acc_a = _online_softmax(qk_a, cnt_a, _row_scale(sr_a, kv_a, ks_base, stride_kss, QK_FP8),
+                                                       m_a, l_a, acc_a, offs_n, BLOCK_N)
+                v_a = _load_v(kv_a, offs_n < cnt_a, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                              KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                if P_FP4:
+                    p_a = _fake_quant_p_fp4(p_a, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                acc_a = _pv(acc_a, p_a, v_a, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+                p_b, m_b, l_b, acc_b = _online_softmax(qk_b, cnt_b, _row_scale(sr_b, kv_b, ks_base, stride_kss, QK_FP8),
+                                                       m_b, l_b, acc_b, offs_n, BLOCK_N)
+                v_b = _load_v(kv_b, offs_n < cnt_b, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                              KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                if P_FP4:
+                    p_b = _fake_quant_p_fp4(p_b, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                acc_b = _pv(acc_b, p_b, v_b, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+            _store_rows(acc_a, l_a, rows_a, valid_a, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
+                        HEAD_DIM, PV_FP8)
+            _store_rows(acc_b, l_b, rows_b, valid_b, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
+                        HEAD_DIM, PV_FP8)
+            return
 
         if DENSE:
             rows = pid_m * BLOCK_M + offs_m
@@ -204,38 +288,33 @@ if HAS_TRITON:
             rows = tl.where(row_valid, rows, 0).to(tl.int64)
             num = N_KV_BLOCKS
             list_base = KV_INDEX
+            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
+            scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
+            if QK_FP8:
+                scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
         else:
-            count = tl.load(TILE_COUNTS + pid_m)
-            rows = tl.load(SLOT_ROWS + pid_m * BLOCK_M + offs_m).to(tl.int64)
-            row_valid = offs_m < count
-            list_base = KV_INDEX + b * stride_ib + h * stride_ih + pid_m.to(tl.int64) * stride_it
-            num = tl.load(KV_NUM + (b * H + h) * tl.num_programs(0) + pid_m)
-
-        q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
-        scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
-        if QK_FP8:
-            scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
+            rows, row_valid, list_base, num, q, scale_rows = _query_tile(
+                pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
+                stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
+                BLOCK_M, QK_FP8)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        k_base = K + b * stride_kb + h * stride_kh
-        v_base = V + b * stride_vb + h * stride_vh
-        ks_base = K_SCALE + b * stride_ksb + h * stride_ksh
         if ROTATE:
             # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
             # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
             kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
             kv = tl.where(num > 0, kv, 0)
             cnt = tl.where(num > 0, cnt, 0)
-            qk = _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss,
-                             KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA, DOT_PRECISION)
-            for j in tl.range(0, num, warp_specialize=WARP_SPECIALIZE):
+            qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM, BLOCK_N,
+                             USE_TMA, DOT_PRECISION)
+            for j in range(0, num):
                 kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, ks_base, K_DESC, offs_n, offs_d,
-                                      stride_ks, stride_kss, KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA,
-                                      DOT_PRECISION)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N)
+                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
+                                      HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
                             HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
@@ -243,23 +322,20 @@ if HAS_TRITON:
                 acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
                 qk, kv, cnt = qk_next, kv_next, cnt_next
         else:
-            for j in tl.range(0, num, warp_specialize=WARP_SPECIALIZE):
+            for j in range(0, num):
                 kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                qk = _raw_scores(q, kv, cnt, b, h, k_base, ks_base, K_DESC, offs_n, offs_d, stride_ks, stride_kss,
-                                 KV_ROWS, HEAD_DIM, BLOCK_N, QK_FP8, USE_TMA, DOT_PRECISION)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N)
+                qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
+                                 BLOCK_N, USE_TMA, DOT_PRECISION)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
                             HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
                     p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
                 acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
 
-        if PV_FP8:
-            v_sc = tl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d)
-            acc = acc * (v_sc[None, :] / 448.0)
-        out = acc / l_i[:, None]
-        dst = O + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + offs_d[None, :]
-        tl.store(dst, out.to(O.dtype.element_ty), mask=row_valid[:, None])
+        _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d, HEAD_DIM,
+                    PV_FP8)
 
 
     _SPARSE_CONFIGS = [
@@ -268,7 +344,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "WARP_SPECIALIZE"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "PAIR_Q"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -298,11 +374,17 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, block: int, tma: bool):
     return None, None, False
 
 
-def _reference_scores(q, k, q_scale, k_scale, scale):
+def _dequantized_qk(q, k, q_scale, k_scale, block):
+    """float32 ``q``, ``k`` with their FP8 scales applied (``k_scale`` is per key tile of ``block`` rows)."""
     qf, kf = q.float(), k.float()
     if q_scale is not None:
         qf = qf * q_scale.float().unsqueeze(-1)
-        kf = kf * k_scale.float().unsqueeze(-1)
+        kf = kf * expand_block_scale(k_scale.float(), block, k.shape[1]).unsqueeze(-1)
+    return qf, kf
+
+
+def _reference_scores(q, k, q_scale, k_scale, scale, block):
+    qf, kf = _dequantized_qk(q, k, q_scale, k_scale, block)
     return torch.einsum("bshd,bthd->bhst", qf, kf) * scale
 
 
@@ -345,7 +427,7 @@ def block_sparse_attention_reference(
     if v_scale is not None or p_fp4 is not None:
         return _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
                                  v_scale, dense, p_fp4).to(out_dtype)
-    scores = _reference_scores(q, k, q_scale, k_scale, scale)  # [B, H, S, N]
+    scores = _reference_scores(q, k, q_scale, k_scale, scale, block)  # [B, H, S, N]
     if dense:
         allowed = torch.ones(1, 1, s, k.shape[1], dtype=torch.bool, device=q.device)
     else:
@@ -389,9 +471,7 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
     """Tile-by-tile online softmax in torch, in the kernel's order (small inputs only): float32 ``[B, S, H, D]``."""
     b, s, h, d = q.shape
     log2e = 1.4426950408889634
-    qf, kf = q.float(), k.float()
-    if q_scale is not None:
-        qf, kf = qf * q_scale.float().unsqueeze(-1), kf * k_scale.float().unsqueeze(-1)
+    qf, kf = _dequantized_qk(q, k, q_scale, k_scale, block)
     vf = v.float()
     if dense:
         n_kv = -(-k.shape[1] // block)
@@ -440,12 +520,20 @@ def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     if (q_scale is None) != (k_scale is None):
-        raise ValueError("FP8 Q/K needs both q_scale and k_scale (see quant_utils.quantize_fp8_per_token)")
+        raise ValueError("FP8 Q/K needs both q_scale and k_scale (see quant_utils.quantize_fp8_per_token / "
+                         "quantize_fp8_per_block)")
     fp8 = torch.float8_e4m3fn
     if q_scale is not None and (q.dtype != fp8 or k.dtype != fp8):
         raise ValueError("q_scale/k_scale are given, so q and k must be float8_e4m3fn")
     if q_scale is None and (q.dtype == fp8 or k.dtype == fp8):
         raise ValueError("float8 q/k need their per-row scales: pass q_scale and k_scale")
+    if k_scale is not None:
+        n_key_tiles = -(-k.shape[1] // block)
+        if k_scale.shape != (k.shape[0], n_key_tiles, k.shape[2]):
+            raise ValueError(
+                f"k_scale must hold one scale per key tile of {block} rows and head, [B, T, H] = "
+                f"{(k.shape[0], n_key_tiles, k.shape[2])}, got {tuple(k_scale.shape)} (quant_utils.quantize_fp8_per_block)"
+            )
     if (v_scale is not None) != (v.dtype == fp8):
         raise ValueError("float8 v needs v_scale [B, H, D] and v_scale needs a float8_e4m3fn v")
     if dense:
@@ -490,15 +578,15 @@ def block_sparse_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    warp_specialize: bool = False,
+    pair_q: bool = False,
     p_fp4: Optional[str] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
-    current tile's softmax (software pipelining; default: on for GPUs), ``warp_specialize`` asks Triton to split the loop
-    into producer / consumer warps (Hopper and newer); neither changes the numerics.
+    current tile's softmax (software pipelining; default: on for GPUs), ``pair_q`` runs two query tiles per program in one loop (two
+    independent dependency chains; sparse mode only); none of them changes the numerics.
 
     ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
@@ -520,6 +608,8 @@ def block_sparse_attention(
     for name, t in (("q", q), ("k", k)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
+    if pair_q and dense:
+        raise ValueError("pair_q (two query tiles per program) is for the sparse mode; dense mode uses block_m instead")
     if p_fp4 not in (None, "two_level", "single_level"):
         raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
     if p_fp4 is not None and v_scale is not None:
@@ -541,7 +631,7 @@ def block_sparse_attention(
         index_strides = (0, 0, 0)
     else:
         block_m = block
-        grid = (tile_counts.numel(), b * h)
+        grid = (triton.cdiv(tile_counts.numel(), 2 if pair_q else 1), b * h)
         n_kv_blocks = 0
         kv_num = kv_num.contiguous()
         index_strides = kv_index.stride()[:3]
@@ -578,7 +668,8 @@ def block_sparse_attention(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_FP8=q_scale is not None,
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
-        ROTATE=on_gpu if rotate is None else rotate, WARP_SPECIALIZE=warp_specialize,
+        N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=on_gpu if rotate is None else rotate,
+        PAIR_Q=pair_q,
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,
     )

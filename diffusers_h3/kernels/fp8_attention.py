@@ -4,7 +4,8 @@
 
 1. with ``smooth_k`` the per-head key mean over the sequence is subtracted (softmax is invariant to it, and the
    centred keys quantize with less error);
-2. Q and K are quantized to E4M3 with one float32 scale per row and head (``amax / 448``);
+2. Q is quantized to E4M3 with one float32 scale per row and head (``amax / 448``), K with one per key block of
+   ``block_n`` rows and head (the kernel folds it into the softmax scale);
 3. with ``pv_fp8`` V is quantized per channel and ``P`` is rounded to E4M3 inside the kernel (``e4m3(448 p)``);
 4. the dense mode of the block-sparse flash kernel (:mod:`.block_sparse_attention`) computes the attention with a
    float32 online softmax.
@@ -20,17 +21,17 @@ import torch
 
 from ._triton_utils import triton_interpreter_active, use_triton
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
-from .quant_utils import quantize_fp8_per_channel, quantize_fp8_per_token
+from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
 from .vsa_pool import tile_quantize_fp8
 
 
-def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool) -> Tuple[torch.Tensor, ...]:
+def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int) -> Tuple[torch.Tensor, ...]:
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
     if smooth_k:
         k = k.float() - torch.mean(k, dim=1, dtype=torch.float32).unsqueeze(1)
     q8, q_scale = quantize_fp8_per_token(q)
-    k8, k_scale = quantize_fp8_per_token(k)
+    k8, k_scale = quantize_fp8_per_block(k, block_n)
     v_scale = None
     if pv_fp8:
         v, v_scale = quantize_fp8_per_channel(v, seq_dim=1)
@@ -48,11 +49,12 @@ def fp8_attention_reference(
 ) -> torch.Tensor:
     """Torch reference of :func:`fp8_attention` (materialises the score matrix: small inputs only).
 
-    ``block_n`` matters only with ``pv_fp8`` (P is rounded per key block against the running max, as in the kernel).
+    ``block_n`` is the key block of the K scales (and, with ``pv_fp8``, of P's rounding against the running max).
     """
-    q8, k8, v_, qs, ks, vs = _quantize(q, k, v, smooth_k, pv_fp8)
+    block_n = block_n or _default_block_n(q)
+    q8, k8, v_, qs, ks, vs = _quantize(q, k, v, smooth_k, pv_fp8, block_n)
     return block_sparse_attention_reference(
-        q8, k8, v_, None, None, None, None, block=block_n or _default_block_n(q), scale=scale, q_scale=qs,
+        q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs,
         k_scale=ks, v_scale=vs, dense=True, out_dtype=q.dtype,
     )
 
@@ -71,7 +73,6 @@ def fp8_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    warp_specialize: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype."""
@@ -80,15 +81,15 @@ def fp8_attention(
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
     block_n = block_n or _default_block_n(q)
-    # Quantize with the fused Triton pass (rows in 64-row chunks; exact same rounding as quantize_fp8_per_token).
+    # Quantize with the fused Triton pass over key-block chunks (same rounding as quantize_fp8_per_token / _per_block).
     s = q.shape[1]
-    n_chunks = -(-s // 64)
-    slot_rows = torch.arange(n_chunks * 64, device=q.device, dtype=torch.int32).clamp_max(s - 1)
-    counts = torch.full((n_chunks,), 64, device=q.device, dtype=torch.int32)
-    counts[-1] = s - 64 * (n_chunks - 1)
+    n_chunks = -(-s // block_n)
+    slot_rows = torch.arange(n_chunks * block_n, device=q.device, dtype=torch.int32).clamp_max(s - 1)
+    counts = torch.full((n_chunks,), block_n, device=q.device, dtype=torch.int32)
+    counts[-1] = s - block_n * (n_chunks - 1)
     mean = torch.mean(k, dim=1, dtype=torch.float32) if smooth_k else None
-    _, q8, qs = tile_quantize_fp8(q, slot_rows, counts, 64, backend="triton")
-    _, k8, ks = tile_quantize_fp8(k, slot_rows, counts, 64, subtract=mean, backend="triton")
+    _, q8, qs = tile_quantize_fp8(q, slot_rows, counts, block_n, backend="triton")
+    _, k8, ks = tile_quantize_fp8(k, slot_rows, counts, block_n, subtract=mean, per_tile=True, backend="triton")
     v_, vs = v, None
     if pv_fp8:
         v_, vs = quantize_fp8_per_channel(v, seq_dim=1)
@@ -101,5 +102,5 @@ def fp8_attention(
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
         dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-        tma=tma, rotate=rotate, warp_specialize=warp_specialize,
+        tma=tma, rotate=rotate,
     )

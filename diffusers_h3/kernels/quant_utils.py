@@ -2,6 +2,8 @@
 
 * :func:`quantize_fp8_per_token`: E4M3 with one float32 scale ``amax / 448`` per vector along ``dim`` (Q and K rows).
 * :func:`quantize_fp8_per_channel`: E4M3 with one scale per channel over the sequence (V for FP8 PV).
+* :func:`quantize_fp8_per_block`: E4M3 with one scale per block of rows and head (K: one scale per key tile, so that
+  the attention kernels apply it as one number per tile instead of one per key column).
 * :func:`fake_quant_fp4`: NVFP4-style emulation: groups of 16 consecutive elements along ``dim`` share an E4M3 scale
   ``round_e4m3(amax / 6)``; values are rounded to E2M1 (``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, ties to even) and
   multiplied back. This is the numerics of SageAttention3-style FP4 attention (FastVideo's Blackwell kernel); we run
@@ -34,6 +36,24 @@ def quantize_fp8_per_token(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -
 def quantize_fp8_per_channel(x: torch.Tensor, seq_dim: int = 1, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
     """E4M3 with one scale per channel: the amax is taken over ``seq_dim`` only (``scale`` keeps the other dims)."""
     return quantize_fp8_per_token(x, dim=seq_dim, eps=eps)
+
+
+def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, N, H, D]`` -> ``(x8, scale [B, ceil(N / block), H])``: one ``amax / 448`` per ``block`` rows and head."""
+    b, n, h, d = x.shape
+    n_blocks = -(-n // block)
+    xf = x.float()
+    padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, n_blocks * block - n))
+    amax = padded.view(b, n_blocks, block, h, d).abs().amax(dim=(2, 4))
+    scale = amax.clamp_min(eps) * (1.0 / FP8_E4M3_MAX)
+    per_row = scale.repeat_interleave(block, dim=1)[:, :n].unsqueeze(-1)  # [B, N, H, 1]
+    x8 = (xf / per_row).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def expand_block_scale(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
+    """Per-block scales ``[B, T, H]`` as per-row scales ``[B, rows, H]``."""
+    return scale.repeat_interleave(block, dim=1)[:, :rows]
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:

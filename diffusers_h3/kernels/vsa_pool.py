@@ -64,6 +64,7 @@ if HAS_TRITON:
         WRITE_PACKED: tl.constexpr,
         QUANT_FP8: tl.constexpr,
         SUBTRACT: tl.constexpr,
+        PER_TILE: tl.constexpr = False,
         SOFT_ROUND: tl.constexpr = False,
     ):
         tile = tl.program_id(0)
@@ -88,8 +89,12 @@ if HAS_TRITON:
             if SUBTRACT:
                 xf = xf - tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
             xf = tl.where(valid, xf, 0.0)
-            scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) * (1.0 / 448.0)  # as quantize_fp8_per_token
-            y = tl.math.div_rn(xf, scale[:, None])
+            if PER_TILE:  # one scale for the whole tile (quantize_fp8_per_block)
+                scale = tl.maximum(tl.max(tl.max(tl.abs(xf), axis=1), axis=0), 1e-12) * (1.0 / 448.0)
+                y = tl.math.div_rn(xf, tl.full([BLOCK, BLOCK_D], 1.0, tl.float32) * scale)
+            else:  # one scale per row (quantize_fp8_per_token)
+                scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) * (1.0 / 448.0)
+                y = tl.math.div_rn(xf, scale[:, None])
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
             if SOFT_ROUND:  # the interpreter's float8 cast truncates: round in software first (exact cast after)
                 y = round_to_e4m3(y)
@@ -99,12 +104,15 @@ if HAS_TRITON:
             slots = tile.to(tl.int64) * BLOCK + offs_m
             dst = PACKED + b.to(tl.int64) * stride_pb + slots[:, None] * stride_ps + h * stride_ph + offs_d[None, :]
             tl.store(dst, x, mask=(offs_d < D)[None, :])
-            if QUANT_FP8:
+            if QUANT_FP8 and not PER_TILE:
                 tl.store(SCALE + b.to(tl.int64) * stride_sb + slots * stride_ss + h * stride_sh, scale)
         elif QUANT_FP8:
             dst = PACKED + b.to(tl.int64) * stride_pb + rows[:, None] * stride_ps + h * stride_ph + offs_d[None, :]
             tl.store(dst, x, mask=valid)
-            tl.store(SCALE + b.to(tl.int64) * stride_sb + rows * stride_ss + h * stride_sh, scale, mask=row_valid)
+            if not PER_TILE:
+                tl.store(SCALE + b.to(tl.int64) * stride_sb + rows * stride_ss + h * stride_sh, scale, mask=row_valid)
+        if QUANT_FP8 and PER_TILE:
+            tl.store(SCALE + b.to(tl.int64) * stride_sb + tile * stride_ss + h * stride_sh, scale)
 
 
 def _check(x: torch.Tensor, slot_rows: torch.Tensor, tile_counts: torch.Tensor, block: int) -> None:
@@ -176,15 +184,24 @@ def tile_pool(
 
 def tile_quantize_fp8_reference(
     x: torch.Tensor, slot_rows: torch.Tensor, tile_counts: torch.Tensor, block: int, *, pooled: bool = False,
-    packed: bool = False, subtract: Optional[torch.Tensor] = None,
+    packed: bool = False, subtract: Optional[torch.Tensor] = None, per_tile: bool = False,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`tile_quantize_fp8`."""
-    from .quant_utils import quantize_fp8_per_token
+    from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
 
     pooled_out, _ = tile_pool_reference(x, slot_rows, tile_counts, block, pooled=pooled)
     xf = x.float()
     if subtract is not None:
         xf = xf - subtract.float().unsqueeze(1)  # [B, H, D] -> [B, 1, H, D]
+    if per_tile:
+        _, xp = tile_pool_reference(xf, slot_rows, tile_counts, block, pooled=False, packed=True)  # zero pads
+        x8p, scale = quantize_fp8_per_block(xp, block)
+        if packed:
+            return pooled_out, x8p, scale
+        valid = (torch.arange(block, device=x.device)[None] < tile_counts.long()[:, None]).reshape(-1)
+        x8 = torch.empty(x.shape, device=x.device, dtype=torch.uint8)
+        x8[:, slot_rows.long()[valid]] = x8p.view(torch.uint8)[:, valid]
+        return pooled_out, x8.view(torch.float8_e4m3fn), scale
     x8, scale = quantize_fp8_per_token(xf)
     if packed:
         _, x8p = tile_pool_reference(x8.view(torch.uint8), slot_rows, tile_counts, block, pooled=False, packed=True)
@@ -204,9 +221,14 @@ def tile_quantize_fp8(
     pooled: bool = False,
     packed: bool = False,
     subtract: Optional[torch.Tensor] = None,
+    per_tile: bool = False,
     backend: str = "auto",
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """FP8 E4M3 per-(row, head) quantization of ``x [B, S, H, D]`` fused with tile pooling / packing.
+
+    With ``per_tile`` one scale covers each (tile, head) instead (``scale [B, T, H]``, as
+    :func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_block` of the packed tiles): the key side of the FP8
+    attention kernels, which then scale a whole key tile's scores by one number.
 
     ``subtract [B, H, D]`` is removed from every row first (key smoothing). Returns ``(pooled, x8, scale)``: the float32
     tile means of the *unsubtracted* ``x`` when ``pooled``; ``x8`` and ``scale`` (``amax / 448`` per row and head) at the
@@ -215,7 +237,7 @@ def tile_quantize_fp8(
     """
     if not use_triton("tile_quantize_fp8", x, backend=backend):
         return tile_quantize_fp8_reference(x, slot_rows, tile_counts, block, pooled=pooled, packed=packed,
-                                           subtract=subtract)
+                                           subtract=subtract, per_tile=per_tile)
     _check(x, slot_rows, tile_counts, block)
     check_interpreter_dtype("tile_quantize_fp8", x)
     b, s, h, d = x.shape
@@ -223,7 +245,9 @@ def tile_quantize_fp8(
     rows = n_tiles * block if packed else s
     pooled_out = torch.empty(b, h, n_tiles, d, device=x.device, dtype=torch.float32) if pooled else None
     x8 = torch.empty(b, rows, h, d, device=x.device, dtype=torch.float8_e4m3fn)
-    if packed:  # head-major, so that the attention kernel reads one key tile's scales with one coalesced load
+    if per_tile:
+        scale = torch.empty(b, n_tiles, h, device=x.device, dtype=torch.float32)
+    elif packed:  # head-major, so that the attention kernel reads one key tile's scales with one coalesced load
         scale = torch.empty(b, h, rows, device=x.device, dtype=torch.float32).permute(0, 2, 1)
     else:
         scale = torch.empty(b, rows, h, device=x.device, dtype=torch.float32)
@@ -237,6 +261,6 @@ def tile_quantize_fp8(
         x, slot_rows, tile_counts, pooled_out if pooled else dummy_f, x8, scale, mean, h, d, *x.stride(),
         *x8.stride()[:3], *scale.stride(),
         BLOCK=block, BLOCK_D=triton.next_power_of_2(d), WRITE_POOLED=pooled, WRITE_PACKED=packed, QUANT_FP8=True,
-        SUBTRACT=subtract is not None, SOFT_ROUND=triton_interpreter_active(), num_warps=4,
+        SUBTRACT=subtract is not None, PER_TILE=per_tile, SOFT_ROUND=triton_interpreter_active(), num_warps=4,
     )
     return pooled_out, x8, scale

@@ -119,7 +119,7 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
     _, q8, qs = tile_quantize_fp8(q, *rows)
     counts = plan.tile_counts.float()
     mean = (pk * counts[:, None]).sum(2) / counts.sum()
-    _, k8, ks = tile_quantize_fp8(k, *rows, packed=True, subtract=mean)
+    _, k8, ks = tile_quantize_fp8(k, *rows, packed=True, subtract=mean, per_tile=True)
     v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
     v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     results = {}

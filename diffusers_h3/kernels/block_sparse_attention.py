@@ -244,11 +244,14 @@ if HAS_TRITON:
         if PAIR_Q:
             # Two query tiles per program, each with its own tile list, processed in one loop: two independent
             # chains, so that the tensor cores run one tile's products while the other tile's softmax runs.
-            qargs = (N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
-                     stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
-                     BLOCK_M, QK_FP8)
-            rows_a, valid_a, list_a, num_a, q_a, sr_a = _query_tile(2 * pid_m, *qargs)
-            rows_b, valid_b, list_b, num_b, q_b, sr_b = _query_tile(2 * pid_m + 1, *qargs)
+            rows_a, valid_a, list_a, num_a, q_a, sr_a = _query_tile(
+                2 * pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
+                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
+                offs_d, BLOCK_M, QK_FP8)
+            rows_b, valid_b, list_b, num_b, q_b, sr_b = _query_tile(
+                2 * pid_m + 1, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
+                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
+                offs_d, BLOCK_M, QK_FP8)
             m_a = tl.full([BLOCK_M], float("-inf"), tl.float32)
             m_b = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_a = tl.zeros([BLOCK_M], tl.float32)
@@ -262,15 +265,15 @@ if HAS_TRITON:
                                    HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
                 qk_b = _raw_scores(q_b, kv_b, cnt_b, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
                                    HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                p_a, m_a, l_a, acc_a = _online_softmax(qk_a, cnt_a, _row_scale(sr_a, kv_a, ks_base, stride_kss, QK_FP8),
-                                                       m_a, l_a, acc_a, offs_n, BLOCK_N)
+                rs_a = _row_scale(sr_a, kv_a, ks_base, stride_kss, QK_FP8)
+                p_a, m_a, l_a, acc_a = _online_softmax(qk_a, cnt_a, rs_a, m_a, l_a, acc_a, offs_n, BLOCK_N)
                 v_a = _load_v(kv_a, offs_n < cnt_a, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                               KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
                     p_a = _fake_quant_p_fp4(p_a, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
                 acc_a = _pv(acc_a, p_a, v_a, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                p_b, m_b, l_b, acc_b = _online_softmax(qk_b, cnt_b, _row_scale(sr_b, kv_b, ks_base, stride_kss, QK_FP8),
-                                                       m_b, l_b, acc_b, offs_n, BLOCK_N)
+                rs_b = _row_scale(sr_b, kv_b, ks_base, stride_kss, QK_FP8)
+                p_b, m_b, l_b, acc_b = _online_softmax(qk_b, cnt_b, rs_b, m_b, l_b, acc_b, offs_n, BLOCK_N)
                 v_b = _load_v(kv_b, offs_n < cnt_b, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                               KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
@@ -280,62 +283,62 @@ if HAS_TRITON:
                         HEAD_DIM, PV_FP8)
             _store_rows(acc_b, l_b, rows_b, valid_b, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
                         HEAD_DIM, PV_FP8)
-            return
-
-        if DENSE:
-            rows = pid_m * BLOCK_M + offs_m
-            row_valid = rows < S
-            rows = tl.where(row_valid, rows, 0).to(tl.int64)
-            num = N_KV_BLOCKS
-            list_base = KV_INDEX
-            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
-            scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
-            if QK_FP8:
-                scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
         else:
-            rows, row_valid, list_base, num, q, scale_rows = _query_tile(
-                pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
-                stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
-                BLOCK_M, QK_FP8)
+            if DENSE:
+                rows = pid_m * BLOCK_M + offs_m
+                row_valid = rows < S
+                rows = tl.where(row_valid, rows, 0).to(tl.int64)
+                num = N_KV_BLOCKS
+                list_base = KV_INDEX
+                q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
+                scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale)
+                if QK_FP8:
+                    scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
+            else:
+                rows, row_valid, list_base, num, q, scale_rows = _query_tile(
+                    pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
+                    stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
+                    offs_d, BLOCK_M, QK_FP8)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if ROTATE:
-            # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
-            # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
-            kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-            kv = tl.where(num > 0, kv, 0)
-            cnt = tl.where(num > 0, cnt, 0)
-            qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM, BLOCK_N,
-                             USE_TMA, DOT_PRECISION)
-            for j in range(0, num):
-                kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
-                                      HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
-                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
-                            HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                if P_FP4:
-                    p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                qk, kv, cnt = qk_next, kv_next, cnt_next
-        else:
-            for j in range(0, num):
-                kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            if ROTATE:
+                # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
+                # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
+                kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+                kv = tl.where(num > 0, kv, 0)
+                cnt = tl.where(num > 0, cnt, 0)
                 qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
-                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
-                            HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                if P_FP4:
-                    p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+                for j in range(0, num):
+                    kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S,
+                                                 BLOCK_N)
+                    qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
+                                          KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                    row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                    p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
+                    v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                                KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                    if P_FP4:
+                        p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                    acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+                    qk, kv, cnt = qk_next, kv_next, cnt_next
+            else:
+                for j in range(0, num):
+                    kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+                    qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
+                                     BLOCK_N, USE_TMA, DOT_PRECISION)
+                    row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                    p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
+                    v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                                KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                    if P_FP4:
+                        p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                    acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
 
-        _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d, HEAD_DIM,
-                    PV_FP8)
+            _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
+                        HEAD_DIM, PV_FP8)
 
 
     _SPARSE_CONFIGS = [

@@ -72,15 +72,24 @@ if HAS_TRITON:
         return scale_rows
 
     @triton.jit
-    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr):
+    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
         """One online-softmax step (base 2) on raw scores: returns ``p`` and the updated ``m``, ``l``, ``acc``.
 
         The per-row scale is folded into the exponent (one FMA per score) and only partial key tiles pay for the pad
-        mask (``-inf`` on columns ``>= cnt``).
+        mask (``-inf`` on columns ``>= cnt``). ``LAZY``: the running max is only moved (and ``acc``, ``l`` rescaled)
+        when some row's max grew by more than 8 (in log2 units), so ``p <= 256``.
         """
         if cnt < BLOCK_N:
             qk = tl.where((offs_n < cnt)[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_rows)
+        if LAZY:
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.math.exp2(qk * scale_rows[:, None] - m_i[:, None])
+            return p, m_i, l_i + tl.sum(p, 1), acc
         p = tl.math.exp2(qk * scale_rows[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
@@ -143,25 +152,16 @@ if HAS_TRITON:
     def _query_tile(t, n_tiles, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
                     stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
                     BLOCK_M: tl.constexpr, QK_FP8: tl.constexpr):
-        """Rows, tile list and scaled-ready ``q`` of query tile ``t`` (``t >= n_tiles``: an empty tile)."""
-        t_valid = t < n_tiles
-        tc = tl.minimum(t, n_tiles - 1)
-        count = tl.where(t_valid, tl.load(TILE_COUNTS + tc), 0)
-        rows = tl.load(SLOT_ROWS + tc * BLOCK_M + offs_m).to(tl.int64)
-        list_base = KV_INDEX + b * stride_ib + h * stride_ih + tc.to(tl.int64) * stride_it
-        num = tl.where(t_valid, tl.load(KV_NUM + (b * H + h) * n_tiles + tc), 0)
+        """Rows, tile list, ``q`` and per-row score scale of query tile ``t``."""
+        count = tl.load(TILE_COUNTS + t)
+        rows = tl.load(SLOT_ROWS + t * BLOCK_M + offs_m).to(tl.int64)
+        list_base = KV_INDEX + b * stride_ib + h * stride_ih + t.to(tl.int64) * stride_it
+        num = tl.load(KV_NUM + (b * H + h) * n_tiles + t)
         q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
         scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
         if QK_FP8:
             scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
         return rows, offs_m < count, list_base, num, q, scale_rows
-
-    @triton.jit
-    def _listed_tile(j, num, list_base, TILE_COUNTS):
-        """Entry ``j`` of a tile list and its valid row count (0 past the end of the list)."""
-        kv = tl.load(list_base + tl.maximum(tl.minimum(j, num - 1), 0))
-        kv = tl.where(num > 0, kv, 0)
-        return kv, tl.where(j < num, tl.load(TILE_COUNTS + kv), 0)
 
     @triton.jit
     def _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
@@ -225,7 +225,7 @@ if HAS_TRITON:
         KV_ROWS,
         N_Q_TILES,
         ROTATE: tl.constexpr,
-        PAIR_Q: tl.constexpr,
+        LAZY_RESCALE: tl.constexpr,
         P_FP4: tl.constexpr = False,
         P_FP4_TWO_LEVEL: tl.constexpr = True,
         SOFT_ROUND: tl.constexpr = False,
@@ -241,104 +241,61 @@ if HAS_TRITON:
         v_base = V + b * stride_vb + h * stride_vh
         ks_base = K_SCALE + b * stride_ksb + h * stride_ksh
 
-        if PAIR_Q:
-            # Two query tiles per program, each with its own tile list, processed in one loop: two independent
-            # chains, so that the tensor cores run one tile's products while the other tile's softmax runs.
-            rows_a, valid_a, list_a, num_a, q_a, sr_a = _query_tile(
-                2 * pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
-                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
-                offs_d, BLOCK_M, QK_FP8)
-            rows_b, valid_b, list_b, num_b, q_b, sr_b = _query_tile(
-                2 * pid_m + 1, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
-                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
-                offs_d, BLOCK_M, QK_FP8)
-            m_a = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            m_b = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_a = tl.zeros([BLOCK_M], tl.float32)
-            l_b = tl.zeros([BLOCK_M], tl.float32)
-            acc_a = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            acc_b = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for j in range(0, tl.maximum(num_a, num_b)):
-                kv_a, cnt_a = _listed_tile(j, num_a, list_a, TILE_COUNTS)
-                kv_b, cnt_b = _listed_tile(j, num_b, list_b, TILE_COUNTS)
-                qk_a = _raw_scores(q_a, kv_a, cnt_a, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
-                                   HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                qk_b = _raw_scores(q_b, kv_b, cnt_b, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS,
-                                   HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                rs_a = _row_scale(sr_a, kv_a, ks_base, stride_kss, QK_FP8)
-                p_a, m_a, l_a, acc_a = _online_softmax(qk_a, cnt_a, rs_a, m_a, l_a, acc_a, offs_n, BLOCK_N)
-                v_a = _load_v(kv_a, offs_n < cnt_a, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
-                              KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                if P_FP4:
-                    p_a = _fake_quant_p_fp4(p_a, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                acc_a = _pv(acc_a, p_a, v_a, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                rs_b = _row_scale(sr_b, kv_b, ks_base, stride_kss, QK_FP8)
-                p_b, m_b, l_b, acc_b = _online_softmax(qk_b, cnt_b, rs_b, m_b, l_b, acc_b, offs_n, BLOCK_N)
-                v_b = _load_v(kv_b, offs_n < cnt_b, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
-                              KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                if P_FP4:
-                    p_b = _fake_quant_p_fp4(p_b, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                acc_b = _pv(acc_b, p_b, v_b, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-            _store_rows(acc_a, l_a, rows_a, valid_a, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
-                        HEAD_DIM, PV_FP8)
-            _store_rows(acc_b, l_b, rows_b, valid_b, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
-                        HEAD_DIM, PV_FP8)
+        if DENSE:
+            rows = pid_m * BLOCK_M + offs_m
+            row_valid = rows < S
+            rows = tl.where(row_valid, rows, 0).to(tl.int64)
+            num = N_KV_BLOCKS
+            list_base = KV_INDEX
+            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
+            scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale)
+            if QK_FP8:
+                scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
         else:
-            if DENSE:
-                rows = pid_m * BLOCK_M + offs_m
-                row_valid = rows < S
-                rows = tl.where(row_valid, rows, 0).to(tl.int64)
-                num = N_KV_BLOCKS
-                list_base = KV_INDEX
-                q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
-                scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale)
-                if QK_FP8:
-                    scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
-            else:
-                rows, row_valid, list_base, num, q, scale_rows = _query_tile(
-                    pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
-                    stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
-                    offs_d, BLOCK_M, QK_FP8)
+            rows, row_valid, list_base, num, q, scale_rows = _query_tile(
+                pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
+                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
+                offs_d, BLOCK_M, QK_FP8)
 
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            if ROTATE:
-                # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
-                # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
-                kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                kv = tl.where(num > 0, kv, 0)
-                cnt = tl.where(num > 0, cnt, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if ROTATE:
+            # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
+            # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
+            kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+            kv = tl.where(num > 0, kv, 0)
+            cnt = tl.where(num > 0, cnt, 0)
+            qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
+                             BLOCK_N, USE_TMA, DOT_PRECISION)
+            for j in range(0, num):
+                kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S,
+                                             BLOCK_N)
+                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
+                                      KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N, LAZY_RESCALE)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                            KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                if P_FP4:
+                    p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+                qk, kv, cnt = qk_next, kv_next, cnt_next
+        else:
+            for j in range(0, num):
+                kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
                 qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
-                for j in range(0, num):
-                    kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S,
-                                                 BLOCK_N)
-                    qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
-                                          KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                    row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                    p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
-                    v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
-                                KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                    if P_FP4:
-                        p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                    acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                    qk, kv, cnt = qk_next, kv_next, cnt_next
-            else:
-                for j in range(0, num):
-                    kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
-                    qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
-                                     BLOCK_N, USE_TMA, DOT_PRECISION)
-                    row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                    p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
-                    v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
-                                KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
-                    if P_FP4:
-                        p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
-                    acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N, LAZY_RESCALE)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                            KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                if P_FP4:
+                    p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
+                acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
 
-            _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
-                        HEAD_DIM, PV_FP8)
+        _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
+                    HEAD_DIM, PV_FP8)
 
 
     _SPARSE_CONFIGS = [
@@ -347,7 +304,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "PAIR_Q"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "LAZY_RESCALE"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -581,15 +538,18 @@ def block_sparse_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    pair_q: bool = False,
+    lazy_rescale: Optional[bool] = None,
+    maxnreg: Optional[int] = None,
     p_fp4: Optional[str] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
-    current tile's softmax (software pipelining; default: on for GPUs), ``pair_q`` runs two query tiles per program in one loop (two
-    independent dependency chains; sparse mode only); none of them changes the numerics.
+    current tile's softmax (software pipelining; default: on for GPUs). ``lazy_rescale`` keeps a stale running max until
+    some row's max grows by more than 2**8 (P then stays below 256), so most key tiles skip the rescaling of the
+    accumulator (default: on for GPUs with bf16 P; never with FP8 / FP4 P, which need P <= 1). Neither changes the
+    result beyond rounding.
 
     ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
@@ -611,8 +571,6 @@ def block_sparse_attention(
     for name, t in (("q", q), ("k", k)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
-    if pair_q and dense:
-        raise ValueError("pair_q (two query tiles per program) is for the sparse mode; dense mode uses block_m instead")
     if p_fp4 not in (None, "two_level", "single_level"):
         raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
     if p_fp4 is not None and v_scale is not None:
@@ -634,7 +592,7 @@ def block_sparse_attention(
         index_strides = (0, 0, 0)
     else:
         block_m = block
-        grid = (triton.cdiv(tile_counts.numel(), 2 if pair_q else 1), b * h)
+        grid = (tile_counts.numel(), b * h)
         n_kv_blocks = 0
         kv_num = kv_num.contiguous()
         index_strides = kv_index.stride()[:3]
@@ -652,12 +610,14 @@ def block_sparse_attention(
     on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}
-    if on_gpu and num_warps is None and num_stages is None:
+    if on_gpu and num_warps is None and num_stages is None and maxnreg is None:
         kernel = _bsa_fwd_dense_tuned if dense else _bsa_fwd_sparse_tuned
     else:
         kernel = _bsa_fwd_kernel
         launch_config = dict(num_warps=num_warps or (8 if (dense and block_m >= 128) else 4),
                              num_stages=num_stages or (3 if on_gpu else 1))
+        if maxnreg is not None:  # register cap per thread (more programs per SM)
+            launch_config["maxnreg"] = maxnreg
     kernel[grid](
         q, k, v, k_desc if k_desc is not None else k, v_desc if v_desc is not None else v, out, qs, ks, vs,
         slot_rows, tile_counts, kv_index, kv_num,
@@ -672,7 +632,7 @@ def block_sparse_attention(
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
         N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=on_gpu if rotate is None else rotate,
-        PAIR_Q=pair_q,
+        LAZY_RESCALE=(on_gpu if lazy_rescale is None else lazy_rescale) and v_scale is None and p_fp4 is None,
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,
     )

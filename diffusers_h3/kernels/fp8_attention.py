@@ -73,6 +73,8 @@ def fp8_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
+    lazy_rescale: Optional[bool] = None,
+    maxnreg: Optional[int] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype."""
@@ -102,5 +104,5 @@ def fp8_attention(
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
         dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-        tma=tma, rotate=rotate,
+        tma=tma, rotate=rotate, lazy_rescale=lazy_rescale, maxnreg=maxnreg,
     )

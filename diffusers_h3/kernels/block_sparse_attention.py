@@ -72,24 +72,15 @@ if HAS_TRITON:
         return scale_rows
 
     @triton.jit
-    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
+    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr):
         """One online-softmax step (base 2) on raw scores: returns ``p`` and the updated ``m``, ``l``, ``acc``.
 
         The per-row scale is folded into the exponent (one FMA per score) and only partial key tiles pay for the pad
-        mask (``-inf`` on columns ``>= cnt``). ``LAZY``: the running max is only moved (and ``acc``, ``l`` rescaled)
-        when some row's max grew by more than 8 (in log2 units), so ``p <= 256``.
+        mask (``-inf`` on columns ``>= cnt``).
         """
         if cnt < BLOCK_N:
             qk = tl.where((offs_n < cnt)[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_rows)
-        if LAZY:
-            if tl.max(m_new - m_i, 0) > 8.0:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(qk * scale_rows[:, None] - m_i[:, None])
-            return p, m_i, l_i + tl.sum(p, 1), acc
         p = tl.math.exp2(qk * scale_rows[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
@@ -225,7 +216,6 @@ if HAS_TRITON:
         KV_ROWS,
         N_Q_TILES,
         ROTATE: tl.constexpr,
-        LAZY_RESCALE: tl.constexpr,
         P_FP4: tl.constexpr = False,
         P_FP4_TWO_LEVEL: tl.constexpr = True,
         SOFT_ROUND: tl.constexpr = False,
@@ -274,7 +264,7 @@ if HAS_TRITON:
                 qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
                                       KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
                 row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N, LAZY_RESCALE)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                             KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
@@ -287,7 +277,7 @@ if HAS_TRITON:
                 qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
                 row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
-                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N, LAZY_RESCALE)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                             KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
@@ -304,7 +294,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE", "LAZY_RESCALE"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -538,18 +528,14 @@ def block_sparse_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    lazy_rescale: Optional[bool] = None,
-    maxnreg: Optional[int] = None,
     p_fp4: Optional[str] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
-    current tile's softmax (software pipelining; default: on for GPUs). ``lazy_rescale`` keeps a stale running max until
-    some row's max grows by more than 2**8 (P then stays below 256), so most key tiles skip the rescaling of the
-    accumulator (default: on for GPUs with bf16 P; never with FP8 / FP4 P, which need P <= 1). Neither changes the
-    result beyond rounding.
+    current tile's softmax (software pipelining; default: on for sparse attention on GPUs, where it measured ~5 % faster on
+    an H200; off for the dense mode, where it measured slower). It does not change the result.
 
     ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
@@ -610,14 +596,12 @@ def block_sparse_attention(
     on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}
-    if on_gpu and num_warps is None and num_stages is None and maxnreg is None:
+    if on_gpu and num_warps is None and num_stages is None:
         kernel = _bsa_fwd_dense_tuned if dense else _bsa_fwd_sparse_tuned
     else:
         kernel = _bsa_fwd_kernel
         launch_config = dict(num_warps=num_warps or (8 if (dense and block_m >= 128) else 4),
                              num_stages=num_stages or (3 if on_gpu else 1))
-        if maxnreg is not None:  # register cap per thread (more programs per SM)
-            launch_config["maxnreg"] = maxnreg
     kernel[grid](
         q, k, v, k_desc if k_desc is not None else k, v_desc if v_desc is not None else v, out, qs, ks, vs,
         slot_rows, tile_counts, kv_index, kv_num,
@@ -631,8 +615,8 @@ def block_sparse_attention(
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_FP8=q_scale is not None,
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
-        N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=on_gpu if rotate is None else rotate,
-        LAZY_RESCALE=(on_gpu if lazy_rescale is None else lazy_rescale) and v_scale is None and p_fp4 is None,
+        N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=(on_gpu and not dense) if rotate is None else rotate,
+
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,
     )

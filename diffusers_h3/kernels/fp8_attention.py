@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._triton_utils import triton_interpreter_active, use_triton
+from ._triton_utils import use_triton
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
 from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
 from .vsa_pool import tile_quantize_fp8
@@ -39,8 +39,9 @@ def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int) -> Tuple[torc
 
 
 def _default_block_n(q: torch.Tensor) -> int:
-    """128x128 blocks measured fastest on an H200 (benchmarks/results/attention_h200.json); 64 elsewhere."""
-    return 128 if q.is_cuda and not triton_interpreter_active() else 64
+    """64-key blocks (with 128 query rows per program) measured fastest on an H200
+    (benchmarks/results/attention_sweep_h200.json)."""
+    return 64
 
 
 def fp8_attention_reference(
@@ -73,8 +74,6 @@ def fp8_attention(
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    lazy_rescale: Optional[bool] = None,
-    maxnreg: Optional[int] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype."""
@@ -104,5 +103,5 @@ def fp8_attention(
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
         dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-        tma=tma, rotate=rotate, lazy_rescale=lazy_rescale, maxnreg=maxnreg,
+        tma=tma, rotate=rotate,
     )

@@ -183,6 +183,33 @@ def peer_vsa(peer_dir):
         return None, f"public vsa Triton kernel not importable ({type(error).__name__}: {error})"
 
 
+def flex_block_sparse(plan, mask):
+    """``fn(q, k, v)`` running torch FlexAttention over the tile lists of ``mask`` on packed ``[B, H, T*64, D]`` rows.
+
+    Full tiles go in the BlockMask's full lists (no mask_mod); tiles with pad slots in the partial lists, where the
+    mask_mod hides the pad keys. Returns ``None`` when FlexAttention is not available.
+    """
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError:
+        return None
+    block = plan.block
+    full_tile = plan.tile_counts == block
+    full_idx, full_num = mask_to_index(mask & full_tile)
+    part_idx, part_num = mask_to_index(mask & ~full_tile)
+    slot_valid = (torch.arange(block, device=mask.device)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+
+    def key_is_real(b, h, q_idx, kv_idx):  # (the tile test only matters to eager flex, which ignores block lists)
+        return slot_valid[kv_idx] & mask[b, h, q_idx // block, kv_idx // block]
+
+    n = plan.num_tiles * block
+    block_mask = BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                          mask_mod=key_is_real, seq_lengths=(n, n))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    options = {"BLOCK_M": block, "BLOCK_N": block}
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, kernel_options=options)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
@@ -314,6 +341,34 @@ def main(argv=None):
                    lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index, num,
                                                   block=plan.block, **opts["bf16"]),
                    ref_sparse, pairs=pairs, baseline_ms=base, note="fine kernel alone (no pooling / selection)")
+            # Peers on the packed tile-ordered rows ([B, H, T*64, D], pad slots zero): timed alone like fine_only.
+            _, qp = tile_pool(q, *rows, pooled=False, packed=True)
+            qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (qp, kp, vp))
+            slots = plan.slot_rows.long()
+            valid = (torch.arange(plan.block, device=dev)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+
+            def record_packed(name, kernel, note, ref):
+                try:
+                    out_h = kernel()
+                    out = torch.zeros_like(q)
+                    out[:, slots[valid]] = out_h.transpose(1, 2)[:, valid].to(q.dtype)
+                    err = errors(out[:, :, err_heads], ref)
+                    del out, out_h
+                    ms = cuda_median_ms(kernel, reps=args.iters)
+                    cases[name] = {
+                        "ms": round(ms, 3), "baseline": "cudnn_dense",
+                        "ratio": round(base / ms, 3) if base else None, "rel_l2": err["rel_l2"],
+                        "cosine": err["cosine"], "rel_l1": err["rel_l1"], "peak_gib": None,
+                        "tflops": round(4.0 * pairs * d / ms / 1e9, 1), "density": round(pairs / (float(s) * s * h), 4),
+                    }
+                    notes[name] = note
+                    print(f"{name:24s} {ms:8.2f} ms  rel_l2 {err['rel_l2']}", flush=True)
+                except Exception as error:  # noqa: BLE001 - a peer that fails must not lose our cases
+                    cases[name] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
+                                   "peak_gib": None}
+                    notes[name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                    print(f"{name:24s} FAILED {notes[name]}", flush=True)
+
             fn, why = peer_vsa(args.peer_dir)
             if fn is None:
                 cases["peer_vsa_sp0.8"] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
@@ -321,34 +376,17 @@ def main(argv=None):
                 notes["peer_vsa_sp0.8"] = why
                 print("peer_vsa_sp0.8           skipped:", why)
             else:
-                # Its layout: [B, H, T*64, D] rows in tile order (ours, packed), the same tile lists and counts.
-                _, qp = tile_pool(q, *rows, pooled=False, packed=True)
-                qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (qp, kp, vp))
-                idx, cnt = index.contiguous(), num.contiguous()
-                counts = plan.tile_counts.to(torch.int32)
-                slots = plan.slot_rows.long()
-                valid = (torch.arange(plan.block, device=dev)[None] < plan.tile_counts[:, None].long()).reshape(-1)
-
-                def peer_rows():
-                    out_h, _ = fn(qh, kh, vh, idx, cnt, counts)
-                    out = torch.zeros_like(q)
-                    out[:, slots[valid]] = out_h.transpose(1, 2)[:, valid]
-                    return out
-
-                # The timed call is the peer's kernel alone (as our fine_only case); the error uses the unpacked rows.
-                ref_out = peer_rows()
-                err = errors(ref_out[:, :, err_heads], ref_sparse)
-                ms = cuda_median_ms(lambda: fn(qh, kh, vh, idx, cnt, counts), reps=args.iters)
-                cases["peer_vsa_sp0.8"] = {
-                    "ms": round(ms, 3), "baseline": "cudnn_dense", "ratio": round(base / ms, 3) if base else None,
-                    "rel_l2": err["rel_l2"], "cosine": err["cosine"], "rel_l1": err["rel_l1"], "peak_gib": None,
-                    "tflops": round(4.0 * pairs * d / ms / 1e9, 1), "density": round(pairs / (float(s) * s * h), 4),
-                }
-                notes["peer_vsa_sp0.8"] = ("public vsa 0.0.4 Triton forward (_attn_fwd_sparse, its own autotuning), "
-                                           "fine stage alone on the same packed tiles and lists; compare with "
-                                           "vsa_bf16_sp0.8_fine_only")
-                print(f"peer_vsa_sp0.8           {ms:8.2f} ms  rel_l2 {err['rel_l2']}", flush=True)
-                del qp, qh, kh, vh, ref_out
+                idx, cnt, counts = index.contiguous(), num.contiguous(), plan.tile_counts.to(torch.int32)
+                record_packed("peer_vsa_sp0.8", lambda: fn(qh, kh, vh, idx, cnt, counts)[0],
+                              "public vsa 0.0.4 Triton forward (_attn_fwd_sparse, its own autotuning), fine stage "
+                              "alone on the same packed tiles and lists; compare with vsa_bf16_sp0.8_fine_only", ref_sparse)
+            flex = flex_block_sparse(plan, mask)
+            if flex is not None:
+                record_packed("flex_attention_sp0.8", lambda: flex(qh, kh, vh),
+                              "torch FlexAttention (torch.compile'd) with a BlockMask of the same tile lists (64x64 "
+                              "blocks, full tiles without mask_mod, partial tiles masked): torch's own block-sparse "
+                              "kernel as a second peer; fine stage alone", ref_sparse)
+            del qp, qh, kh, vh
             del kp, vp, index, num
         del ref_sparse, mask
 

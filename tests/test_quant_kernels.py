@@ -143,6 +143,19 @@ def test_fp8_linear_emulation_and_dispatch():
         fp8_linear(x, wq, ws, backend="nope")
 
 
+@pytest.mark.parametrize("rows,chunk", [(1, 2048), (5, 48)])
+def test_fp8_small_m_product_matches_emulation(rows, chunk):
+    from diffusers_h3.kernels.fp8_gemm import fp8_quantize_per_token_reference, fp8_small_m_product
+
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    wq, ws = fp8_quantize_weight(torch.randn(130, 96))
+    bias = torch.randn(130, dtype=torch.bfloat16)
+    xq, xs = fp8_quantize_per_token_reference(x)
+    out = torch.full((rows, 130), float("nan"), dtype=torch.bfloat16)
+    out.copy_(fp8_small_m_product(xq, xs, wq, ws, bias, torch.bfloat16, chunk=chunk))
+    torch.testing.assert_close(out, fp8_linear_reference(x, wq, ws, bias), rtol=0, atol=0)
+
+
 def test_w4a4_emulation_is_close_to_weight_only():
     x = torch.randn(9, 64, device=DEVICE)
     p, s, g = nvfp4_quantize(torch.randn(24, 64, device=DEVICE))

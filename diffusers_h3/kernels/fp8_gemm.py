@@ -141,7 +141,30 @@ def fp8_linear_reference(
     return out.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
-SCALED_MM_MIN_ROWS = 16
+# cuBLASLt finds no row-wise-scaled FP8 algorithm for a handful of rows (H200, CUDA 13: NOT_SUPPORTED at M=1, and at
+# M=1 zero-padded to 16 rows with a bias), so calls with fewer rows take the exact small-M product below instead.
+SCALED_MM_MIN_ROWS = 64
+
+
+def fp8_small_m_product(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype, chunk: int = 2048,
+) -> torch.Tensor:
+    """``(xq @ wq.T) * xs * w_scale + bias`` for a few rows: E4M3 codes upcast to float32 (exact), float32 GEMM.
+
+    The same math as the FP8 tensor-core GEMM (exact products, float32 accumulation) without cuBLASLt's FP8 path;
+    the weight is upcast ``chunk`` output rows at a time to bound the scratch memory. Memory-bound, like any GEMM
+    with a few rows.
+    """
+    m, n = xq.shape[0], wq.shape[0]
+    x32 = xq.float()
+    out = torch.empty(m, n, device=xq.device, dtype=torch.float32)
+    for a in range(0, n, chunk):
+        out[:, a:a + chunk] = x32 @ wq[a:a + chunk].float().T
+    out = out * xs.float() * w_scale.float().reshape(1, n)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 def fp8_scaled_mm_supported(device: torch.device, n: int, k: int) -> bool:
@@ -156,7 +179,10 @@ def fp8_linear_scaled_mm(
     use_fast_accum: bool = True,
     quant_backend: str = "auto",
 ) -> torch.Tensor:
-    """Fused per-token quantization + ``torch._scaled_mm`` (row-wise scales). CUDA SM89+ only."""
+    """Fused per-token quantization + ``torch._scaled_mm`` (row-wise scales). CUDA SM89+ only.
+
+    Calls with fewer than :data:`SCALED_MM_MIN_ROWS` rows use :func:`fp8_small_m_product` (same math, no cuBLASLt FP8).
+    """
     n, k = wq.shape
     if not fp8_scaled_mm_supported(x.device, n, k):
         raise RuntimeError(
@@ -165,13 +191,10 @@ def fp8_linear_scaled_mm(
         )
     x2 = x.reshape(-1, k)
     xq, xs = fp8_quantize_per_token(x2, backend=quant_backend)
-    m = xq.shape[0]
-    if m < SCALED_MM_MIN_ROWS:
-        # cuBLASLt has no row-wise-scaled FP8 algorithm for tiny M (seen on H200 for M=1: NOT_SUPPORTED); pad the
-        # rows with zeros (scale 1) and drop them from the output. Cheap: only ever a handful of rows.
-        xq = torch.cat([xq, xq.new_zeros(SCALED_MM_MIN_ROWS - m, k)])
-        xs = torch.cat([xs, xs.new_ones(SCALED_MM_MIN_ROWS - m, 1)])
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if xq.shape[0] < SCALED_MM_MIN_ROWS:
+        out = fp8_small_m_product(xq, xs, wq, w_scale, bias, out_dtype)
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
     out = torch._scaled_mm(
         xq,
         wq.t(),
@@ -180,7 +203,7 @@ def fp8_linear_scaled_mm(
         bias=bias.to(out_dtype) if bias is not None else None,
         out_dtype=out_dtype,
         use_fast_accum=use_fast_accum,
-    )[:m]
+    )
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -338,7 +338,8 @@ class FP8Linear(H3QuantizedLinear):
             return self.backend, f"forced by config (backend={self.backend!r})"
         if device.type == "cuda":
             if fp8_scaled_mm_supported(device, self.out_features, self.in_features):
-                return "scaled_mm", "fused per-token FP8 quantization (Triton) + torch._scaled_mm row-wise"
+                return "scaled_mm", ("fused per-token FP8 quantization (Triton) + torch._scaled_mm row-wise "
+                                      "(calls with < 64 rows: exact float32 product of the E4M3 codes)")
             if not has_fp8_tensor_cores(device):
                 return "dequant", _fallback_reason(device, "FP8 tensor cores")
             return "dequant", "fallback: N or K not a multiple of 16 for torch._scaled_mm; dequantize + cuBLAS"

@@ -96,6 +96,23 @@ def test_fp8_scaled_mm_gpu():
     assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 63, 64, 65, 333])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_scaled_mm_every_row_count(rows, with_bias):
+    # Few rows take the exact small-M product, many the cuBLASLt FP8 GEMM: both must run and match the emulation.
+    from diffusers_h3._utils import has_fp8_tensor_cores
+    from diffusers_h3.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_scaled_mm, fp8_quantize_weight
+
+    if not has_fp8_tensor_cores():
+        pytest.skip("needs SM89+")
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    wq, ws = fp8_quantize_weight(torch.randn(6144, 2048, device="cuda"))
+    bias = torch.randn(6144, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    out = fp8_linear_scaled_mm(x, wq, ws, bias, use_fast_accum=False)
+    assert out.shape == (rows, 6144) and not out.isnan().any()
+    assert _rel(out, fp8_linear_reference(x, wq, ws, bias)) < 1e-2
+
+
 @pytest.mark.parametrize("rows", [200, 1500])
 @pytest.mark.parametrize("method", ["w8a16", "nvfp4", "fp8"])
 def test_layers_pick_kernels_on_gpu(method, rows):

@@ -19,9 +19,8 @@ Dense calls (``sparsity=0``, ``dense_layers``, the first ``dense_first_steps`` s
 dense FP8 kernel, FP4 through emulation.
 
 Measured on one H200 at the H3 shape (38,222 rows, 56 heads; ``benchmarks/results/attention_h200.json``): cuDNN dense
-72.7 ms; VSA bf16 32.3 ms at sparsity 0.8 and 20.4 ms at 0.9; VSA FP8 30.3 / 20.1 ms; dense FP8 110.7 ms, i.e.
-*slower* than cuDNN bf16 (the Triton kernels reach ~300-380 TFLOP/s). FP8 Q/K costs ~3.7e-2 relative L2 on Gaussian
-inputs (bf16: 2.3e-3).
+74.3 ms; VSA bf16 30.5 ms at sparsity 0.8 and 19.5 ms at 0.9; VSA FP8 27.4 / 17.6 ms; dense FP8 69.7 ms (1.07x cuDNN
+bf16; the Triton kernels reach ~340-600 TFLOP/s). FP8 Q/K costs ~3.8e-2 relative L2 on Gaussian inputs (bf16: 2.3e-3).
 """
 
 from __future__ import annotations

@@ -45,3 +45,27 @@ def test_pipeline_runs_with_vsa(pipe):
     from diffusers_h3.attention_processors.vsa import disable_vsa
 
     disable_vsa(pipe.transformer)
+
+
+def test_regional_torch_compile_with_vsa_and_fp8_layers():
+    # diffusers' compile_repeated_blocks around our processors and quantized layers: the kernels are eager islands
+    # (torch.compiler.disable), everything else compiles, and the result equals the eager run over several steps.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from diffusers_h3 import FP8Config, quantize
+
+    pipe = tiny_pipeline(seed=3)
+    quantize(pipe.transformer, FP8Config())
+    pipe.enable_vsa(sparsity=0.75)
+    eager = _run(pipe)
+    torch._dynamo.reset()
+    counters.clear()
+    pipe.transformer.compile_repeated_blocks(fullgraph=False, backend="aot_eager")
+    compiled = _run(pipe)
+    assert counters["stats"]["unique_graphs"] > 0  # dynamo really compiled the blocks
+    breaks = " ".join(counters["graph_break"])
+    assert "torch.compiler.disable" in breaks  # ... and stopped at our kernels
+    torch.testing.assert_close(compiled.frames, eager.frames, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.audio, eager.audio, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -33,7 +33,7 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
-from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
+from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
 from ..kernels.block_sparse_attention import block_sparse_attention
 from ..kernels.fp8_attention import fp8_attention
 from ..kernels.quant_utils import (
@@ -64,6 +64,7 @@ def _fp8_native(device: torch.device) -> bool:
     return triton_interpreter_active()
 
 
+@opaque_to_compile
 def vsa_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels of this package: import guard, interpreter detection, backend choice."""
+"""Helpers shared by the kernels of this package: import guard, interpreter detection, backend choice, and the
+``torch.compile`` boundary."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import torch
 from .._utils import is_package_available, warn_once
 
 HAS_TRITON = is_package_available("triton")
+
+# Kernel entry points do host-side work (TMA descriptors, autotuning, shape dispatch) that torch.compile should not
+# trace: under torch.compile (e.g. diffusers' ``transformer.compile_repeated_blocks()``) they run as eager islands and
+# the surrounding projections, norms and elementwise ops compile around them.
+opaque_to_compile = torch.compiler.disable
 
 
 def triton_interpreter_active() -> bool:

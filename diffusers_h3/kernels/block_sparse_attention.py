@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
+from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
 from .quant_utils import expand_block_scale
 
 FP8_E4M3_MAX = 448.0
@@ -505,6 +505,7 @@ def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_
         )
 
 
+@opaque_to_compile
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,

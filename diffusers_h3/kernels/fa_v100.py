@@ -32,6 +32,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .._utils import cuda_capability
+from ._triton_utils import opaque_to_compile
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -212,6 +213,7 @@ def fa_v100_reference(
     return torch.cat(outputs, dim=2).transpose(1, 2).to(query.dtype)
 
 
+@opaque_to_compile
 def fa_v100_attention(
     query: torch.Tensor,
     key: torch.Tensor,

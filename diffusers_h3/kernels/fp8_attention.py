@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._triton_utils import use_triton
+from ._triton_utils import opaque_to_compile, use_triton
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
 from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
 from .vsa_pool import tile_quantize_fp8
@@ -60,6 +60,7 @@ def fp8_attention_reference(
     )
 
 
+@opaque_to_compile
 def fp8_attention(
     q: torch.Tensor,
     k: torch.Tensor,

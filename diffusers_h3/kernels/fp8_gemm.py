@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._utils import has_fp8_tensor_cores
+from ._triton_utils import opaque_to_compile
 from .fp4_format import E4M3_MAX, to_e4m3
 from .w8a16_gemm import _TRITON, check_2d_weight, triton_interpreter_active
 
@@ -207,6 +208,7 @@ def fp8_linear_scaled_mm(
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+@opaque_to_compile
 def fp8_linear(
     x: torch.Tensor,
     wq: torch.Tensor,

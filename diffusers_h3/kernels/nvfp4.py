@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from .._utils import has_fp4_tensor_cores, is_package_available, warn_once
+from ._triton_utils import opaque_to_compile
 from .fp4_format import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, pack_nibbles, to_e4m3, unpack_nibbles
 from .w8a16_gemm import (
     _TRITON,
@@ -300,6 +301,7 @@ def nvfp4_w4a4_flashinfer(
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+@opaque_to_compile
 def nvfp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 
 from .._utils import cuda_capability
 from ._triton_utils import HAS_TRITON as _TRITON
-from ._triton_utils import triton_interpreter_active
+from ._triton_utils import opaque_to_compile, triton_interpreter_active
 
 if _TRITON:
     import triton
@@ -278,6 +278,7 @@ def w8a16_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return out
 
 
+@opaque_to_compile
 def w8a16_linear(
     x: torch.Tensor,
     q: torch.Tensor,

@@ -220,6 +220,9 @@ class MiniMaxH3VSAProcessor:
         self.precision = precision
         self.layer_index = layer_index
         self.dense_layers = frozenset(int(i) for i in dense_layers)
+        # A plain attribute (not derived from layer_index at call time), so that torch.compile traces one version of
+        # __call__ for every sparse block instead of specializing on each block's index.
+        self.layer_dense = self.sparsity == 0.0 or (layer_index is not None and layer_index in self.dense_layers)
         self.dense_first_steps = int(dense_first_steps)
         self.smooth_k = bool(smooth_k)
         self.pv_precision = pv_precision
@@ -236,9 +239,19 @@ class MiniMaxH3VSAProcessor:
             )
 
     # -- which path -------------------------------------------------------------------------------------------------
-    @property
-    def layer_dense(self) -> bool:
-        return self.sparsity == 0.0 or (self.layer_index is not None and self.layer_index in self.dense_layers)
+    @opaque_to_compile
+    def _route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
+        """``("dense", None)`` or ``("sparse", plan)`` for this call (reads the published layout and the plan cache;
+        opaque to torch.compile, which would otherwise specialize on every layout / denoising step)."""
+        if self.layer_dense:
+            return "dense", None
+        layout = require_packed_layout("MiniMaxH3VSAProcessor", seq_len)
+        if layout.step_index is not None and layout.step_index < self.dense_first_steps:
+            return "dense", None
+        plan = self._plans.get(layout, self.tile, device)
+        if plan.num_video_tiles == 0:
+            return "dense", None
+        return "sparse", plan
 
     def _emulate(self, device: torch.device) -> bool:
         """Whether FP8 runs as quantize-dequantize emulation on ``device`` (warns once, or raises when strict)."""
@@ -329,18 +342,13 @@ class MiniMaxH3VSAProcessor:
                 "MiniMaxH3VSAProcessor does not support context/sequence parallelism yet (it needs the whole packed "
                 "sequence to tile it); disable VSA (diffusers_h3.disable_vsa) or the parallel config"
             )
-        if self.layer_dense:
-            return self._dense_attention(attn, hidden_states, None, None, None, rotary_emb, attention_mask)
-        layout = require_packed_layout("MiniMaxH3VSAProcessor", hidden_states.shape[1])
-        if layout.step_index is not None and layout.step_index < self.dense_first_steps:
+        mode, plan = self._route(hidden_states.shape[1], hidden_states.device)
+        if mode == "dense":
             return self._dense_attention(attn, hidden_states, None, None, None, rotary_emb, attention_mask)
         if attention_mask is not None:
             raise ValueError(
                 "MiniMaxH3VSAProcessor got an attention_mask; VSA attends over one packed document and takes none"
             )
-        plan = self._plans.get(layout, self.tile, hidden_states.device)
-        if plan.num_video_tiles == 0:
-            return self._dense_attention(attn, hidden_states, None, None, None, rotary_emb, attention_mask)
         query, key, value = project_qkv(attn, hidden_states, rotary_emb)
         value = value.contiguous()
         gate = getattr(attn, "to_gate_compress", None)

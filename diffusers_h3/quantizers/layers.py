@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .._utils import cuda_capability, has_fp8_tensor_cores, warn_once
+from ..kernels._triton_utils import opaque_to_compile
 from ..kernels.fp8_gemm import fp8_dequantize, fp8_linear, fp8_quantize_weight, fp8_scaled_mm_supported
 from ..kernels.nvfp4 import flashinfer_fp4_available, nvfp4_dequantize, nvfp4_linear, nvfp4_quantize
 from ..kernels.w8a16_gemm import (
@@ -135,6 +136,7 @@ class H3QuantizedLinear(nn.Module):
         return value
 
     # -- run ---------------------------------------------------------------------------------------------------------
+    @opaque_to_compile  # path choice + kernels: one eager island under torch.compile (no per-shape recompiles)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, got {x.shape[-1]}.")

@@ -302,7 +302,7 @@ def main(argv=None):
     if base is not None:
         cases["cudnn_dense"]["ratio"] = 1.0
     record("fp8_dense", lambda: fp8_attention(q, k, v, **opts["dense_fp8"]), ref_dense, baseline_ms=base,
-           note="E4M3 Q/K per-token scales, K mean-centred, bf16 PV, fp32 softmax")
+           note="E4M3 Q per-token and K per-64-row-block scales, K mean-centred, bf16 PV, fp32 softmax")
     record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True, **opts["dense_fp8"]), ref_dense,
            baseline_ms=base,
            note="as fp8_dense plus E4M3 P and per-channel E4M3 V")

@@ -159,8 +159,8 @@ class MiniMaxH3VSAProcessor:
             (``0`` = dense attention).
         tile (`tuple[int, int, int]`, defaults to `(4, 4, 4)`): video cube in latent tokens (t, h, w); its volume
             (a power of two ≥ 16) is also the chunk length of non-video rows.
-        precision (`str`, defaults to `"bf16"`): ``"bf16"`` (the activations' dtype), ``"fp8"`` (E4M3 Q/K with
-            per-token scales) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native
+        precision (`str`, defaults to `"bf16"`): ``"bf16"`` (the activations' dtype), ``"fp8"`` (E4M3 Q with
+            per-token scales, K with one scale per key tile) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native
             FP4 attention is not implemented and not run on hardware).
         layer_index (`int`, *optional*): index of the transformer block (for ``dense_layers``).
         dense_layers (`Sequence[int]`): block indices that stay dense.
@@ -277,7 +277,8 @@ class MiniMaxH3VSAProcessor:
         else:
             kernel = "Triton kernels"
         if self.precision == "fp8":
-            prec = f"FP8 E4M3 Q/K per-token{' (K mean-centred)' if self.smooth_k else ''}, {self.pv_precision} PV"
+            prec = (f"FP8 E4M3 Q per token, K per tile{' (mean-centred)' if self.smooth_k else ''}, "
+                    f"{self.pv_precision} PV")
             if self._emulated is not None:  # what the last call ran
                 native = not self._emulated
             else:

@@ -9,6 +9,13 @@ import time
 from typing import List, Optional
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+QUANT_METHODS = ("fp8", "w8a16", "nvfp4")
+
+
+def _quant_config(method: str):
+    from diffusers_h3 import FP8Config, NVFP4Config, W8A16Config
+
+    return {"fp8": FP8Config, "w8a16": W8A16Config, "nvfp4": NVFP4Config}[method]()
 
 
 def _parse_reference(value: str):
@@ -44,12 +51,50 @@ def _load_pipeline(args):
     else:
         model = args.model
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    quant_mapping = {}
+    if getattr(args, "quantize", None):
+        quant_mapping["transformer_ref" if task == "ref2va" else "transformer"] = _quant_config(args.quantize)
+    if getattr(args, "quantize_text_encoder", None):
+        quant_mapping["text_encoder"] = _quant_config(args.quantize_text_encoder)
+    if quant_mapping:  # quantized while loading: the bf16 weights never sit on the GPU whole
+        from diffusers.quantizers import PipelineQuantizationConfig
+
+        kwargs["quantization_config"] = PipelineQuantizationConfig(quant_mapping=quant_mapping)
     pipe = MiniMaxH3Pipeline.from_pretrained(model, task=task, **kwargs)
     if args.cpu_offload:
         pipe.enable_model_cpu_offload(device=args.device)
     else:
         pipe.to(args.device)
     return pipe
+
+
+def _apply_fast_paths(pipe, args) -> None:
+    """LoRA, V100 mode, attention (VSA / FP8) and regional torch.compile, in the order they must be applied."""
+    if args.lora:
+        report = pipe.load_lora_weights(args.lora, adapter_name="cli")
+        pipe.set_adapters(["cli"], [args.lora_scale])
+        print(f"LoRA {args.lora}: {report}", file=sys.stderr)
+    if args.v100:
+        pipe.enable_v100_mode()
+    if args.vsa is not None or args.attention_precision is not None:
+        if args.v100:
+            raise SystemExit("--v100 installs the FA-V100 attention; it cannot be combined with --vsa/--attention-precision")
+        sparsity = 0.0 if args.vsa is None else args.vsa
+        pipe.enable_vsa(sparsity=sparsity, precision=args.attention_precision or "bf16",
+                        dense_first_steps=args.dense_first_steps)
+    if args.compile:
+        for _, model in pipe._partitions():
+            model.compile_repeated_blocks(fullgraph=False)
+
+
+def _print_paths(pipe) -> None:
+    """One line per distinct attention / quantized-linear path the transformer ran (honest about what ran)."""
+    from diffusers_h3 import describe
+
+    for name, info in describe(pipe).get("components", {}).items():
+        for kind in ("attention", "quantized_layers"):
+            for path, count in info.get(kind, {}).items():
+                print(f"  {name} {kind.replace('_', ' ')} x{count}: {path}")
 
 
 def cmd_generate(args) -> int:
@@ -59,6 +104,7 @@ def cmd_generate(args) -> int:
     from diffusers_h3 import export_to_video
 
     pipe = _load_pipeline(args)
+    _apply_fast_paths(pipe, args)
     call = dict(
         prompt=args.prompt,
         num_frames=args.frames,
@@ -82,6 +128,8 @@ def cmd_generate(args) -> int:
     path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0], sampling_rate=output.sampling_rate)
     frames = output.frames.shape[1]
     print(f"wrote {path}: {frames} frames at 24 fps + stereo audio at {output.sampling_rate} Hz ({seconds:.1f} s)")
+    print("paths:")
+    _print_paths(pipe)
     return 0
 
 
@@ -118,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frames", type=int, default=124, help="frames at 24 fps (17n+5, 5-15 s)")
     gen.add_argument("--steps", type=int, default=None, help="sigma grid points (default 50, or a LoRA preset)")
     gen.add_argument("--seed", type=int, default=0)
+    fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
+    fast.add_argument("--vsa", type=_sparsity, default=None, metavar="SPARSITY",
+                      help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")
+    fast.add_argument("--attention-precision", choices=("bf16", "fp8", "fp4"), default=None,
+                      help="VSA precision; without --vsa: dense attention in this precision (fp8: Hopper+)")
+    fast.add_argument("--dense-first-steps", type=int, default=0, help="with --vsa: dense attention for these steps")
+    fast.add_argument("--quantize", choices=QUANT_METHODS, default=None, help="quantize the DiT while loading")
+    fast.add_argument("--quantize-text-encoder", choices=QUANT_METHODS, default=None,
+                      help="quantize the Qwen3-VL text encoder while loading")
+    fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
+    fast.add_argument("--lora-scale", type=float, default=1.0)
+    fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")
+    fast.add_argument("--compile", action="store_true",
+                      help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)
 
     des = sub.add_parser("describe", help="print versions, devices and which attention/quantization paths run")
@@ -126,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     des.add_argument("--json", action="store_true")
     des.set_defaults(func=cmd_describe)
     return parser
+
+
+def _sparsity(value: str) -> float:
+    sparsity = float(value)
+    if not 0.0 <= sparsity < 1.0:
+        raise argparse.ArgumentTypeError(f"sparsity must be in [0, 1), got {value}")
+    return sparsity
 
 
 def _cuda() -> bool:

@@ -74,3 +74,38 @@ def test_cli_describe_json(tmp_path, monkeypatch, capsys):
     assert "transformer" in report["components"]
     assert report["pipeline"]["partitions"] == ["transformer"]
     assert any("backend" in path for path in report["components"]["transformer"]["attention"])
+
+
+def test_cli_generate_with_fast_paths(tmp_path, monkeypatch, capsys):
+    # VSA in FP8 (emulated on CPU), the DiT quantized to W8A16 while loading, a LoRA on the quantized layers and the
+    # compile switch; the CLI reports the path each part ran.
+    from safetensors.torch import save_file
+
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compiled = []
+    monkeypatch.setattr(MiniMaxH3Transformer3DModel, "compile_repeated_blocks",
+                        lambda self, **kw: compiled.append(kw), raising=False)
+    lora = tmp_path / "style.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4)}, str(lora))
+    out = tmp_path / "fast.mp4"
+    argv = ["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--device", "cpu", "--vsa", "0.75",
+            "--attention-precision", "fp8", "--quantize", "w8a16", "--lora", str(lora), "--compile"]
+    assert main(argv) == 0
+    assert _read_back(out)["num_frames"] == 124
+    printed = capsys.readouterr()
+    assert "VSA sparsity=0.75" in printed.out and "FP8" in printed.out
+    assert "w8a16" in printed.out.lower() and "quantized layers" in printed.out
+    assert "LoRA adapter 'cli'" in printed.err and "transformer: 1 modules" in printed.err
+    assert "LoRA [cli(r=4" in printed.out  # the wrapped quantized layer reports its LoRA
+    assert compiled == [{"fullgraph": False}]
+
+
+def test_cli_rejects_bad_fast_path_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--vsa", "1.5"])
+    assert "sparsity must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--quantize", "int3"])

@@ -92,12 +92,14 @@ def test_cli_generate_with_fast_paths(tmp_path, monkeypatch, capsys):
                "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4)}, str(lora))
     out = tmp_path / "fast.mp4"
     argv = ["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--device", "cpu", "--vsa", "0.75",
-            "--attention-precision", "fp8", "--quantize", "w8a16", "--lora", str(lora), "--compile"]
+            "--attention-precision", "fp8", "--quantize", "w8a16", "--quantize-text-encoder", "fp8", "--lora", str(lora),
+            "--compile"]
     assert main(argv) == 0
     assert _read_back(out)["num_frames"] == 124
     printed = capsys.readouterr()
     assert "VSA sparsity=0.75" in printed.out and "FP8" in printed.out
-    assert "w8a16" in printed.out.lower() and "quantized layers" in printed.out
+    assert "transformer quantized layers" in printed.out and "W8A16Linear" in printed.out
+    assert "text_encoder quantized layers" in printed.out and "FP8Linear" in printed.out
     assert "LoRA adapter 'cli'" in printed.err and "transformer: 1 modules" in printed.err
     assert "LoRA [cli(r=4" in printed.out  # the wrapped quantized layer reports its LoRA
     assert compiled == [{"fullgraph": False}]

@@ -197,7 +197,7 @@ def flex_block_sparse(plan, mask):
     full_tile = plan.tile_counts == block
     full_idx, full_num = mask_to_index(mask & full_tile)
     part_idx, part_num = mask_to_index(mask & ~full_tile)
-    slot_valid = (torch.arange(block, device=mask.device)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+    slot_valid = plan.valid_slots
 
     def key_is_real(b, h, q_idx, kv_idx):  # (the tile test only matters to eager flex, which ignores block lists)
         return slot_valid[kv_idx] & mask[b, h, q_idx // block, kv_idx // block]
@@ -345,7 +345,7 @@ def main(argv=None):
             _, qp = tile_pool(q, *rows, pooled=False, packed=True)
             qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (qp, kp, vp))
             slots = plan.slot_rows.long()
-            valid = (torch.arange(plan.block, device=dev)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+            valid = plan.valid_slots
 
             def record_packed(name, kernel, note, ref):
                 try:

@@ -119,7 +119,7 @@ def test_block_sparse_all_tiles_equals_dense_sdpa(plan):
     # Dense attention on the unpacked rows is the same thing when every tile is selected.
     k_rows = torch.empty_like(q)
     v_rows = torch.empty_like(q)
-    valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+    valid = plan.valid_slots
     k_rows[:, plan.slot_rows.long()[valid]] = k[:, valid]
     v_rows[:, plan.slot_rows.long()[valid]] = v[:, valid]
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -181,7 +181,7 @@ def test_tile_quantize_fp8_is_bitwise_reference(plan, packed, per_tile):
     pooled, x8, scale = tile_quantize_fp8(*args, backend="triton", **kw)
     rp, r8, rs = tile_quantize_fp8_reference(*args, **kw)
     torch.testing.assert_close(pooled, rp, rtol=1e-5, atol=1e-5)
-    valid = (torch.arange(plan.block, device=DEVICE)[None] < plan.tile_counts[:, None].long()).reshape(-1)
+    valid = plan.valid_slots
     if packed:
         x8, r8 = x8[:, valid], r8[:, valid]
         if not per_tile:

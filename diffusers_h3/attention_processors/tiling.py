@@ -20,6 +20,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from ..kernels.vsa_pool import valid_slots
 from .layout import PackedLayout
 
 
@@ -50,6 +51,11 @@ class TilePlan:
     @property
     def padded_rows(self) -> int:
         return self.num_tiles * self.block
+
+    @property
+    def valid_slots(self) -> torch.Tensor:
+        """``bool [padded_rows]``: which slots hold a row (the rest are tile padding)."""
+        return valid_slots(self.tile_counts, self.block)
 
     def describe(self) -> str:
         return (

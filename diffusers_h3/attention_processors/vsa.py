@@ -37,7 +37,7 @@ from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interp
 from ..kernels.block_sparse_attention import block_sparse_attention
 from ..kernels.fp8_attention import fp8_attention
 from ..kernels.quant_utils import (
-    expand_block_scale,
+    dequantize_fp8_per_block,
     fake_quant_fp4,
     fake_quant_fp8_per_token,
     quantize_fp8_per_block,
@@ -131,7 +131,7 @@ def vsa_attention(
         return out, out_coarse
 
     if k_mean is not None:  # pad slots stay zero (they must not count in the FP8 per-tile K scales)
-        valid = (torch.arange(block, device=key.device)[None] < plan.tile_counts.long()[:, None]).reshape(1, -1, 1, 1)
+        valid = plan.valid_slots.reshape(1, -1, 1, 1)
         k_packed = torch.where(valid, k_packed.float() - k_mean.unsqueeze(1), 0.0).to(key.dtype)
     if precision == "fp4":
         q_e = fake_quant_fp4(query, dim=-1)
@@ -141,7 +141,7 @@ def vsa_attention(
     # FP8 emulation (no FP8 tensor cores): quantize-dequantize as the native path does, then the bf16 kernel.
     k8, k_scale = quantize_fp8_per_block(k_packed, block)
     q_e = fake_quant_fp8_per_token(query)
-    k_e = (k8.float() * expand_block_scale(k_scale, block, k8.shape[1]).unsqueeze(-1)).to(key.dtype)
+    k_e = dequantize_fp8_per_block(k8, k_scale, block).to(key.dtype)
     v_e = v_packed
     if pv_precision == "fp8":
         v8, vs = quantize_fp8_per_channel(v_packed, seq_dim=1)

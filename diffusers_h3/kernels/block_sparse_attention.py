@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
-from .quant_utils import expand_block_scale
+from .quant_utils import dequantize_fp8_per_block
+from .vsa_pool import valid_slots
 
 FP8_E4M3_MAX = 448.0
 
@@ -326,11 +327,9 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, block: int, tma: bool):
 
 def _dequantized_qk(q, k, q_scale, k_scale, block):
     """float32 ``q``, ``k`` with their FP8 scales applied (``k_scale`` is per key tile of ``block`` rows)."""
-    qf, kf = q.float(), k.float()
-    if q_scale is not None:
-        qf = qf * q_scale.float().unsqueeze(-1)
-        kf = kf * expand_block_scale(k_scale.float(), block, k.shape[1]).unsqueeze(-1)
-    return qf, kf
+    if q_scale is None:
+        return q.float(), k.float()
+    return q.float() * q_scale.float().unsqueeze(-1), dequantize_fp8_per_block(k, k_scale, block)
 
 
 def _reference_scores(q, k, q_scale, k_scale, scale, block):
@@ -387,7 +386,7 @@ def block_sparse_attention_reference(
         listed = width < kv_num.long().unsqueeze(-1)
         tile_mask.scatter_(-1, torch.where(listed, kv_index.long(), n_tiles), True)  # unlisted -> spare column
         tile_mask = tile_mask[..., :n_tiles]
-        slot_valid = (torch.arange(block, device=q.device) < tile_counts.long()[:, None]).reshape(-1)
+        slot_valid = valid_slots(tile_counts, block)
         row_tile = torch.empty(s, dtype=torch.long, device=q.device)
         slot_tile = torch.arange(n_tiles, device=q.device).repeat_interleave(block)
         row_tile[slot_rows.long()[slot_valid]] = slot_tile[slot_valid]

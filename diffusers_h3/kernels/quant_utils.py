@@ -46,7 +46,7 @@ def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12) -> T
     padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, n_blocks * block - n))
     amax = padded.view(b, n_blocks, block, h, d).abs().amax(dim=(2, 4))
     scale = amax.clamp_min(eps) * (1.0 / FP8_E4M3_MAX)
-    per_row = scale.repeat_interleave(block, dim=1)[:, :n].unsqueeze(-1)  # [B, N, H, 1]
+    per_row = expand_block_scale(scale, block, n).unsqueeze(-1)  # [B, N, H, 1]
     x8 = (xf / per_row).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return x8, scale
 
@@ -54,6 +54,11 @@ def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12) -> T
 def expand_block_scale(scale: torch.Tensor, block: int, rows: int) -> torch.Tensor:
     """Per-block scales ``[B, T, H]`` as per-row scales ``[B, rows, H]``."""
     return scale.repeat_interleave(block, dim=1)[:, :rows]
+
+
+def dequantize_fp8_per_block(x8: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 values of :func:`quantize_fp8_per_block` output ``(x8 [B, N, H, D], scale [B, T, H])``."""
+    return x8.float() * expand_block_scale(scale.float(), block, x8.shape[1]).unsqueeze(-1)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,11 @@ if HAS_TRITON:
             tl.store(SCALE + b.to(tl.int64) * stride_sb + tile * stride_ss + h * stride_sh, scale)
 
 
+def valid_slots(tile_counts: torch.Tensor, block: int) -> torch.Tensor:
+    """``bool [n_tiles * block]``: which slots hold a row (slot ``i`` of tile ``t`` is valid when ``i < tile_counts[t]``)."""
+    return (torch.arange(block, device=tile_counts.device)[None, :] < tile_counts.long()[:, None]).reshape(-1)
+
+
 def _check(x: torch.Tensor, slot_rows: torch.Tensor, tile_counts: torch.Tensor, block: int) -> None:
     if x.ndim != 4:
         raise ValueError(f"x must be [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
@@ -136,8 +141,7 @@ def tile_pool_reference(
     b, _, h, d = x.shape
     n_tiles = tile_counts.numel()
     gathered = x.index_select(1, slot_rows.long())  # [B, T * block, H, D]
-    valid = torch.arange(block, device=x.device)[None, :] < tile_counts.long()[:, None]  # [T, block]
-    gathered = gathered * valid.reshape(1, -1, 1, 1).to(gathered.dtype)
+    gathered = gathered * valid_slots(tile_counts, block).reshape(1, -1, 1, 1).to(gathered.dtype)
     pooled_out = packed_out = None
     if pooled:
         sums = gathered.float().view(b, n_tiles, block, h, d).sum(2)  # [B, T, H, D]
@@ -198,7 +202,7 @@ def tile_quantize_fp8_reference(
         x8p, scale = quantize_fp8_per_block(xp, block)
         if packed:
             return pooled_out, x8p, scale
-        valid = (torch.arange(block, device=x.device)[None] < tile_counts.long()[:, None]).reshape(-1)
+        valid = valid_slots(tile_counts, block)
         x8 = torch.empty(x.shape, device=x.device, dtype=torch.uint8)
         x8[:, slot_rows.long()[valid]] = x8p.view(torch.uint8)[:, valid]
         return pooled_out, x8.view(torch.float8_e4m3fn), scale
@@ -206,7 +210,7 @@ def tile_quantize_fp8_reference(
     if packed:
         _, x8p = tile_pool_reference(x8.view(torch.uint8), slot_rows, tile_counts, block, pooled=False, packed=True)
         _, sp = tile_pool_reference(scale.unsqueeze(-1), slot_rows, tile_counts, block, pooled=False, packed=True)
-        valid = (torch.arange(block, device=x.device)[None] < tile_counts.long()[:, None]).reshape(1, -1, 1)
+        valid = valid_slots(tile_counts, block).reshape(1, -1, 1)
         sp = torch.where(valid, sp.squeeze(-1), torch.tensor(1e-12, dtype=torch.float32) * (1.0 / 448.0))
         return pooled_out, x8p.view(torch.float8_e4m3fn), sp
     return pooled_out, x8, scale

@@ -245,21 +245,28 @@ def main(argv=None):
     cases: Dict[str, Dict[str, Optional[float]]] = {}
     notes: Dict[str, str] = {}
 
-    def record(name, fn, ref, pairs=None, note=None, baseline_ms=None):
+    def not_measured(name, why):
+        cases[name] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None, "peak_gib": None}
+        notes[name] = why
+
+    def record(name, fn, ref, pairs=None, note=None, baseline_ms=None, to_rows=None):
+        """Time ``fn`` and measure its error; ``to_rows`` maps an output in another layout to ``[B, S, H, D]`` rows
+        for the error only (the timed call stays ``fn`` alone)."""
         try:
-            return _record(name, fn, ref, pairs, note, baseline_ms)
+            return _record(name, fn, ref, pairs, note, baseline_ms, to_rows)
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
-            cases[name] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None, "peak_gib": None}
-            notes[name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+            not_measured(name, f"failed: {type(error).__name__}: {str(error)[:300]}")
             print(f"{name:24s} FAILED {notes[name]}", flush=True)
             return None
 
-    def _record(name, fn, ref, pairs, note, baseline_ms):
+    def _record(name, fn, ref, pairs, note, baseline_ms, to_rows):
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
         out = fn()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+        if to_rows is not None:
+            out = to_rows(out)
         err = errors(out[:, :, err_heads], ref) if ref is not None else {}
         ms = cuda_median_ms(fn, reps=args.iters)
         flops = dense_flops if pairs is None else 4.0 * pairs * d
@@ -347,45 +354,28 @@ def main(argv=None):
             slots = plan.slot_rows.long()
             valid = plan.valid_slots
 
-            def record_packed(name, kernel, note, ref):
-                try:
-                    out_h = kernel()
-                    out = torch.zeros_like(q)
-                    out[:, slots[valid]] = out_h.transpose(1, 2)[:, valid].to(q.dtype)
-                    err = errors(out[:, :, err_heads], ref)
-                    del out, out_h
-                    ms = cuda_median_ms(kernel, reps=args.iters)
-                    cases[name] = {
-                        "ms": round(ms, 3), "baseline": "cudnn_dense",
-                        "ratio": round(base / ms, 3) if base else None, "rel_l2": err["rel_l2"],
-                        "cosine": err["cosine"], "rel_l1": err["rel_l1"], "peak_gib": None,
-                        "tflops": round(4.0 * pairs * d / ms / 1e9, 1), "density": round(pairs / (float(s) * s * h), 4),
-                    }
-                    notes[name] = note
-                    print(f"{name:24s} {ms:8.2f} ms  rel_l2 {err['rel_l2']}", flush=True)
-                except Exception as error:  # noqa: BLE001 - a peer that fails must not lose our cases
-                    cases[name] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
-                                   "peak_gib": None}
-                    notes[name] = f"failed: {type(error).__name__}: {str(error)[:300]}"
-                    print(f"{name:24s} FAILED {notes[name]}", flush=True)
+            def packed_to_rows(out_h):
+                out = torch.zeros_like(q)
+                out[:, slots[valid]] = out_h.transpose(1, 2)[:, valid].to(q.dtype)
+                return out
 
             fn, why = peer_vsa(args.peer_dir)
             if fn is None:
-                cases["peer_vsa_sp0.8"] = {"ms": None, "baseline": "cudnn_dense", "ratio": None, "rel_l2": None,
-                                           "peak_gib": None}
-                notes["peer_vsa_sp0.8"] = why
+                not_measured("peer_vsa_sp0.8", why)
                 print("peer_vsa_sp0.8           skipped:", why)
             else:
                 idx, cnt, counts = index.contiguous(), num.contiguous(), plan.tile_counts.to(torch.int32)
-                record_packed("peer_vsa_sp0.8", lambda: fn(qh, kh, vh, idx, cnt, counts)[0],
-                              "public vsa 0.0.4 Triton forward (_attn_fwd_sparse, its own autotuning), fine stage "
-                              "alone on the same packed tiles and lists; compare with vsa_bf16_sp0.8_fine_only", ref_sparse)
+                record("peer_vsa_sp0.8", lambda: fn(qh, kh, vh, idx, cnt, counts)[0], ref_sparse, pairs=pairs,
+                       baseline_ms=base, to_rows=packed_to_rows,
+                       note="public vsa 0.0.4 Triton forward (_attn_fwd_sparse, its own autotuning), fine stage alone "
+                            "on the same packed tiles and lists; compare with vsa_bf16_sp0.8_fine_only")
             flex = flex_block_sparse(plan, mask)
             if flex is not None:
-                record_packed("flex_attention_sp0.8", lambda: flex(qh, kh, vh),
-                              "torch FlexAttention (torch.compile'd) with a BlockMask of the same tile lists (64x64 "
-                              "blocks, full tiles without mask_mod, partial tiles masked): torch's own block-sparse "
-                              "kernel as a second peer; fine stage alone", ref_sparse)
+                record("flex_attention_sp0.8", lambda: flex(qh, kh, vh), ref_sparse, pairs=pairs, baseline_ms=base,
+                       to_rows=packed_to_rows,
+                       note="torch FlexAttention (torch.compile'd) with a BlockMask of the same tile lists (64x64 "
+                            "blocks, full tiles without mask_mod, partial tiles masked): torch's own block-sparse "
+                            "kernel as a second peer; fine stage alone")
             del qp, qh, kh, vh
             del kp, vp, index, num
         del ref_sparse, mask

@@ -85,21 +85,34 @@ def computed_pairs(plan, mask):
     return float((keys_per_qtile * counts).sum())
 
 
-# Fine-kernel variants timed by --sweep: (precision, rotate, num_warps, num_stages, block_m, block_n). "bf16", "fp8"
-# and "fp8pv8" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows. Earlier sweeps
-# (two query tiles per program, lazy rescaling, register caps, Triton warp specialization: all slower or equal) are
-# in benchmarks/results/attention_sweep_h200.json.
+# Fine-kernel variants timed by --sweep: (kernel, precision, rotate, num_warps, num_stages, block_m, block_n).
+# "bf16", "fp8" and "fp8pv8" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows.
+# kernel "triton" is the portable Triton kernel, "sm90" the Hopper Gluon kernel (no rotate / num_warps knobs).
+# Earlier sweeps (two query tiles per program, lazy rescaling, register caps, Triton warp specialization: all slower or
+# equal) are in benchmarks/results/attention_sweep_h200.json.
 SWEEP = [
-    *[("bf16", r, 4, st, 64, 64) for r, st in ((False, 2), (True, 2), (True, 3))],
-    *[("fp8", r, 4, st, 64, 64) for r, st in ((False, 2), (True, 2), (True, 3))],
-    ("fp8pv8", True, 4, 3, 64, 64),
-    *[("dense_fp8", r, 8, st, 128, n) for r, st, n in ((False, 3, 64), (True, 3, 64), (False, 2, 128))],
-    *[("dense_bf16", r, 8, 3, 128, 64) for r in (False, True)],
+    *[("triton", "bf16", True, 4, st, 64, 64) for st in (2, 3)],
+    *[("sm90", "bf16", None, None, st, 64, 64) for st in (2, 3, 4)],
+    *[("triton", "fp8", True, 4, st, 64, 64) for st in (2, 3)],
+    *[("sm90", "fp8", None, None, st, 64, 64) for st in (2, 3, 4)],
+    ("triton", "fp8pv8", True, 4, 3, 64, 64),
+    ("triton", "dense_fp8", False, 8, 3, 128, 64),
+    *[("sm90", "dense_fp8", None, None, st, bm, 64) for st, bm in ((2, 128), (3, 128), (4, 128), (3, 64))],
+    ("triton", "dense_bf16", False, 8, 3, 128, 64),
+    *[("sm90", "dense_bf16", None, None, st, 128, 64) for st in (2, 3)],
 ]
 
 
-def _sweep_name(prec, rotate, warps, stages, block_m, block_n):
+def _sweep_name(kernel, prec, rotate, warps, stages, block_m, block_n):
+    if kernel == "sm90":
+        return f"{prec}_sm90_s{stages}_m{block_m}_n{block_n}"
     return f"{prec}_r{int(rotate)}_w{warps}_s{stages}_m{block_m}_n{block_n}"
+
+
+def _kernel_kwargs(kernel, rotate, warps, stages):
+    if kernel == "sm90":
+        return dict(kernel="sm90", num_stages=stages)
+    return dict(kernel="triton", rotate=rotate, num_warps=warps, num_stages=stages)
 
 
 def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
@@ -120,9 +133,9 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
     v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
     v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     results = {}
-    for prec, rotate, warps, stages, block_m, block_n in SWEEP:
-        name = _sweep_name(prec, rotate, warps, stages, block_m, block_n)
-        kw = dict(rotate=rotate, num_warps=warps, num_stages=stages)
+    for kernel, prec, rotate, warps, stages, block_m, block_n in SWEEP:
+        name = _sweep_name(kernel, prec, rotate, warps, stages, block_m, block_n)
+        kw = _kernel_kwargs(kernel, rotate, warps, stages)
         if prec == "bf16":
             fn = lambda kw=kw: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, **kw)  # noqa
         elif prec == "fp8":
@@ -136,8 +149,8 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
         else:
             fn = lambda kw=kw, bm=block_m, bn=block_n: bsa.block_sparse_attention(  # noqa
                 q, k, v, None, None, None, None, block=bn, block_m=bm, dense=True, **kw)
-        entry = {"precision": prec, "rotate": rotate, "num_warps": warps, "num_stages": stages, "block_m": block_m,
-                 "block_n": block_n}
+        entry = {"kernel": kernel, "precision": prec, "rotate": rotate, "num_warps": warps, "num_stages": stages,
+                 "block_m": block_m, "block_n": block_n}
         try:
             entry["ms"] = round(cuda_median_ms(fn, warmup=2, reps=iters), 3)
         except Exception as error:  # noqa: BLE001 - a variant the compiler rejects is recorded, not fatal
@@ -157,7 +170,7 @@ def kernel_options(sweep, prec):
     if not timed:
         return {}
     r = min(timed, key=lambda r: r["ms"])
-    opts = dict(rotate=r["rotate"], num_warps=r["num_warps"], num_stages=r["num_stages"])
+    opts = _kernel_kwargs(r.get("kernel", "triton"), r["rotate"], r["num_warps"], r["num_stages"])
     if prec.startswith("dense"):
         opts.update(block_m=r["block_m"], block_n=r["block_n"])
     return opts

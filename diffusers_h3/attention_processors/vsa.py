@@ -85,8 +85,8 @@ def vsa_attention(
 
     ``out_fine`` is ``[B, S, H, D]``; ``out_coarse`` is the per-tile coarse attention ``[B, H, T, D]`` when
     ``compress`` (else ``None``). ``emulate`` replaces FP8 tensor-core products by quantize-dequantize + bf16
-    kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``kernel_options`` (``tma``,
-    ``rotate``, ``pair_q``, ``num_warps``, ``num_stages``) are passed to the fine kernel (benchmarks / tuning). ``fp4_p``
+    kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``kernel_options`` (``kernel``,
+    ``tma``, ``rotate``, ``num_warps``, ``num_stages``) are passed to the fine kernel (benchmarks / tuning). ``fp4_p``
     (``"two_level"``, ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P.
     """
     if query.shape[1] != plan.seq_len:

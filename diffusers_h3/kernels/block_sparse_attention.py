@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
+from .block_sparse_attention_sm90 import block_sparse_attention_sm90, sm90_kernel_available
 from .quant_utils import dequantize_fp8_per_block
 from .vsa_pool import valid_slots
 
@@ -301,6 +302,22 @@ if HAS_TRITON:
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
 
 
+def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v_scale=None, p_fp4=None,
+                         block: int = 64):
+    """``(True, "")`` when the Hopper kernel can run these inputs, else ``(False, reason)``."""
+    if triton_interpreter_active() or not sm90_kernel_available(q.device):
+        return False, "it needs a compute capability 9.x GPU (Hopper) and Triton with Gluon"
+    if v_scale is not None or p_fp4 is not None:
+        return False, "it runs P.V in bf16/fp16 (FP8 P.V and the FP4 emulation run on the Triton kernel)"
+    if v.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (v.dtype, torch.float8_e4m3fn):
+        return False, f"it takes bf16/fp16 (or E4M3 Q/K) inputs, got q {q.dtype}, v {v.dtype}"
+    if q.shape[-1] not in (64, 128) or block not in (64, 128):
+        return False, f"it is built for head_dim 64/128 and 64/128-row tiles, got {q.shape[-1]} and {block}"
+    if not (k.is_contiguous() and v.is_contiguous()):
+        return False, "it reads k and v by TMA and needs them contiguous"
+    return True, ""
+
+
 def _tma_default(q: torch.Tensor) -> bool:
     """TMA descriptor loads on Hopper and newer GPUs."""
     return q.is_cuda and not triton_interpreter_active() and torch.cuda.get_device_capability(q.device)[0] >= 9
@@ -529,8 +546,14 @@ def block_sparse_attention(
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
     p_fp4: Optional[str] = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
+
+    ``kernel`` picks the GPU implementation: ``"sm90"`` the Hopper Gluon kernel
+    (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K with
+    bf16 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
+    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
@@ -561,6 +584,11 @@ def block_sparse_attention(
         raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
     if p_fp4 is not None and v_scale is not None:
         raise ValueError("p_fp4 (FP4 P) and v_scale (FP8 P.V) exclude each other")
+    if kernel not in ("auto", "triton", "sm90"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'sm90', got {kernel!r}")
+    sm90_ok, sm90_why = sm90_kernel_supports(q, k, v, v_scale=v_scale, p_fp4=p_fp4, block=block)
+    if kernel == "sm90" and not sm90_ok:
+        raise ValueError(f"kernel='sm90' cannot run here: {sm90_why}; pass kernel='triton'")
     if v_scale is not None and block < 32:
         raise ValueError(f"FP8 P.V needs key blocks of at least 32 rows (the FP8 MMA K dimension), got {block}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -593,6 +621,15 @@ def block_sparse_attention(
     ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
     if q_scale is not None and q_scale.stride(2) != 1:
         raise ValueError("q_scale must be [B, S, H] with a contiguous head dimension")
+    triton_knobs = num_warps is not None or tma is not None or rotate is not None
+    if kernel == "sm90" and triton_knobs:
+        raise ValueError("num_warps, tma and rotate are knobs of the Triton kernel; kernel='sm90' takes block_m and "
+                         "num_stages")
+    if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
+        return block_sparse_attention_sm90(
+            q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
+            k_scale=k_scale, dense=dense, block_m=block_m, stages=num_stages,
+        )
     on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}

@@ -76,8 +76,13 @@ def fp8_attention(
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
     backend: str = "auto",
+    kernel: str = "auto",
 ) -> torch.Tensor:
-    """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype."""
+    """Dense attention with E4M3 Q/K (and optionally E4M3 P·V); returns ``[B, S, H, D]`` in ``q``'s dtype.
+
+    ``kernel`` chooses the flash kernel (``"auto"``, ``"sm90"``, ``"triton"``; see
+    :func:`~.block_sparse_attention.block_sparse_attention`).
+    """
     if not use_triton("fp8_attention", q, k, v, backend=backend):
         return fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n)
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
@@ -104,5 +109,5 @@ def fp8_attention(
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
         dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-        tma=tma, rotate=rotate,
+        tma=tma, rotate=rotate, kernel=kernel,
     )

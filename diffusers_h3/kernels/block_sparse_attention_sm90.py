@@ -1,0 +1,289 @@
+"""Hopper (SM90) block-sparse flash attention forward, written in Gluon (Triton's explicit-layout dialect).
+
+Same contract and numerics as :mod:`.block_sparse_attention` (whose torch reference it is tested against); this
+kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 does on Hopper:
+
+* K and V tiles arrive by TMA into a ring of ``STAGES`` shared-memory buffers, each with its own mbarrier, issued
+  ``STAGES - 1`` key tiles ahead of their use (the tile index is read from the list in time for the copy);
+* ``q`` stays in registers as the wgmma A operand (only the K tile is read from shared memory for ``Q K^T``: with
+  64-key tiles an all-shared-memory ``Q K^T`` is bound by shared-memory bandwidth);
+* the wgmma calls are asynchronous and ordered so that the softmax of key tile ``j + 1`` runs on the CUDA cores
+  while the tensor cores compute ``P_j V_j``:
+
+      S_{j+1} = Q K_{j+1}^T   (async)       O += P_j V_j   (async)
+      wait S_{j+1}; online softmax -> P_{j+1}, alpha;  wait O; O *= alpha
+
+Query programs own one 64-row query tile (sparse) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two
+warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 Q/K (per-row Q scales, one K scale per key tile, folded into the
+per-row softmax scale) with bf16 P·V. FP8 P·V and the FP4 emulation stay on the portable Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._triton_utils import HAS_TRITON
+
+try:  # Gluon ships with Triton >= 3.5; without it this module only answers "not available".
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = HAS_TRITON
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAS_GLUON = False
+
+
+def sm90_kernel_available(device: torch.device) -> bool:
+    """True when the Gluon kernel can run: Triton with Gluon, and a compute capability 9.x GPU (wgmma, TMA)."""
+    return (
+        HAS_GLUON and device.type == "cuda" and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device)[0] == 9
+    )
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, tile, kv, b, h, KV_ROWS,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """TMA copies of key tile ``kv`` (list position ``tile``) into ring slot ``tile % STAGES``."""
+        slot = tile % STAGES
+        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
+        col = h * HEAD_DIM
+        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, col], k_bars.index(slot), k_bufs.index(slot))
+        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, col], v_bars.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _tile_at(j, DENSE: gl.constexpr, list_base, S, BLOCK_N: gl.constexpr):
+        """Key tile index of list position ``j`` (``j`` itself in dense mode)."""
+        if DENSE:
+            return j
+        return gl.load(list_base + j)
+
+    @gluon.jit
+    def _tile_rows(kv, DENSE: gl.constexpr, TILE_COUNTS, S, BLOCK_N: gl.constexpr):
+        """Valid rows of key tile ``kv``."""
+        if DENSE:
+            return gl.minimum(S - kv * BLOCK_N, BLOCK_N)
+        return gl.load(TILE_COUNTS + kv)
+
+    @gluon.jit
+    def _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N: gl.constexpr):
+        """Online softmax (base 2) of raw scores ``s``: returns ``p``, new ``m``, new ``l`` and ``alpha``."""
+        if cnt < BLOCK_N:
+            s = gl.where(gl.expand_dims(offs_n < cnt, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)
+        p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _bsa_fwd_sm90_kernel(
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
+        qk_scale, S, H, N_KV_BLOCKS, N_Q_TILES, KV_ROWS,
+        stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
+        stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        DENSE: gl.constexpr, QK_FP8: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # Register layouts: one wgmma accumulator layout for S = Q K^T [M, N] and one for O [M, D]; q and p are
+        # their A operands in registers; row statistics live in the slice of the S layout.
+        q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 256 // q_bits])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // q_bits)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=32 // v_desc.dtype.primitive_bitwidth)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        b64 = b.to(gl.int64)
+
+        # 1. Query rows, the key-tile list, q (registers) and the per-row score scale.
+        offs_m_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if DENSE:
+            rows_q = pid_m * BLOCK_M + offs_m_q
+            rows_q = gl.where(rows_q < S, rows_q, 0).to(gl.int64)
+            rows = pid_m * BLOCK_M + offs_m
+            row_valid = rows < S
+            rows = gl.where(row_valid, rows, 0).to(gl.int64)
+            num = N_KV_BLOCKS
+            list_base = KV_INDEX
+        else:
+            count = gl.load(TILE_COUNTS + pid_m)
+            rows_q = gl.load(SLOT_ROWS + pid_m * BLOCK_M + offs_m_q).to(gl.int64)
+            rows = gl.load(SLOT_ROWS + pid_m * BLOCK_M + offs_m).to(gl.int64)
+            row_valid = offs_m < count
+            list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + pid_m.to(gl.int64) * stride_it
+            num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + pid_m)
+        q_ptrs = (Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
+                  + gl.expand_dims(offs_d_q, 0))
+        q = gl.load(q_ptrs)
+        row_scale_q = gl.full([BLOCK_M], qk_scale, gl.float32, layout=row_layout)
+        if QK_FP8:
+            row_scale_q = row_scale_q * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
+        ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
+
+        # 2. Shared-memory rings and their barriers; the first STAGES - 1 tiles are requested at once.
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+        for i in gl.static_range(STAGES - 1):
+            if i < num:
+                _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, i,
+                                 _tile_at(i, DENSE, list_base, S, BLOCK_N), b, h, KV_ROWS, HEAD_DIM, BLOCK_N, STAGES)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        if num > 0:
+            # 3. Scores and softmax of the first tile.
+            kv = _tile_at(0, DENSE, list_base, S, BLOCK_N)
+            cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
+            row_scale = row_scale_q
+            if QK_FP8:
+                row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
+            mbarrier.wait(k_bars.index(0), 0)
+            s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
+            p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+
+            # 4. Steady state: S_{j+1} and P_j V_j in flight together, the softmax of tile j+1 under P_j V_j.
+            for j in range(0, num - 1):
+                ahead = j + STAGES - 1
+                if ahead < num:  # its ring slot held tile j - 1, whose products are complete
+                    _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
+                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, KV_ROWS, HEAD_DIM,
+                                     BLOCK_N, STAGES)
+                nxt = j + 1
+                kv = _tile_at(nxt, DENSE, list_base, S, BLOCK_N)
+                cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
+                row_scale = row_scale_q
+                if QK_FP8:
+                    row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
+                slot_n = nxt % STAGES
+                mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
+                s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                slot = j % STAGES
+                mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
+                o_tok = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+
+            # 5. P V of the last tile.
+            last = num - 1
+            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # 6. Normalise and write the valid rows.
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.expand_dims(l_o, 1)
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
+        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + b64 * stride_ob + gl.expand_dims(rows_o * stride_os, 1) + h * stride_oh
+                  + gl.expand_dims(offs_d_o, 0))
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
+
+
+def block_sparse_attention_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_rows: Optional[torch.Tensor],
+    tile_counts: Optional[torch.Tensor],
+    kv_index: Optional[torch.Tensor],
+    kv_num: Optional[torch.Tensor],
+    out: torch.Tensor,
+    *,
+    block: int,
+    scale: float,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    dense: bool = False,
+    block_m: Optional[int] = None,
+    stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
+    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows."""
+    if not HAS_GLUON:
+        raise RuntimeError("the SM90 attention kernel needs Triton with Gluon (triton >= 3.5)")
+    b, s, h, d = q.shape
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("the SM90 kernel reads k and v by TMA: pass contiguous [B, N, H, D] tensors")
+    if v.dtype == torch.float8_e4m3fn:
+        raise ValueError("the SM90 kernel runs P.V in bf16/fp16; FP8 P.V runs on the Triton kernel")
+    n = k.shape[1]
+    v_gl = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[v.dtype]
+    k_gl = gl.float8e4nv if k.dtype == torch.float8_e4m3fn else v_gl
+    k_layout = gl.NVMMASharedLayout.get_default_for([block, d], k_gl)
+    v_layout = gl.NVMMASharedLayout.get_default_for([block, d], v_gl)
+    k_desc = TensorDescriptor.from_tensor(k.view(b * n, h * d), [block, d], k_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d], v_layout)
+    dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
+    dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
+    if dense:
+        block_m = block_m or 128
+        grid = (math.ceil(s / block_m), b * h)
+        slot_rows = tile_counts = kv_index = kv_num = dummy_i
+        index_strides = (0, 0, 0)
+        n_kv_blocks, n_q_tiles = math.ceil(n / block), 0
+    else:
+        block_m = block
+        grid = (tile_counts.numel(), b * h)
+        kv_num = kv_num.contiguous()
+        if kv_index.stride(-1) != 1:
+            kv_index = kv_index.contiguous()
+        index_strides = kv_index.stride()[:3]
+        n_kv_blocks, n_q_tiles = 0, tile_counts.numel()
+    qs = q_scale if q_scale is not None else dummy_f
+    ks = k_scale if k_scale is not None else dummy_f
+    qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
+    ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
+    _bsa_fwd_sm90_kernel[grid](
+        q, k_desc, v_desc, out, qs, ks, slot_rows, tile_counts, kv_index, kv_num,
+        scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *qs_strides, *ks_strides, *index_strides,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
+        QK_FP8=q_scale is not None, num_warps=block_m // 16,
+    )
+    return out

@@ -1,0 +1,130 @@
+"""The Hopper (Gluon) block-sparse attention kernel against the torch reference and the Triton kernel.
+
+Run on an SM90 GPU with ``pytest -m gpu tests/gpu/test_bsa_sm90_gpu.py``.
+"""
+
+import math
+
+import pytest
+import torch
+
+from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
+from diffusers_h3.attention_processors.tiling import build_tile_plan
+from diffusers_h3.kernels.block_sparse_attention import (
+    block_sparse_attention,
+    block_sparse_attention_reference,
+    sm90_kernel_supports,
+)
+from diffusers_h3.kernels.quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
+from diffusers_h3.kernels.vsa_pool import tile_pool_reference
+from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an SM90 GPU"
+    ),
+]
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _plan():
+    # ref2va-like interleaving; every segment leaves partial 4x4x4 tiles or partial 64-row chunks.
+    segs = (
+        LayoutSegment("text", "prompt", 0, 100),
+        LayoutSegment("video", "reference", 100, 100 + 2 * 5 * 7, grid=(2, 5, 7)),
+        LayoutSegment("audio", "reference", 170, 207, channels=2),
+        LayoutSegment("video", "target", 207, 207 + 5 * 9 * 11, grid=(5, 9, 11)),
+        LayoutSegment("audio", "target", 702, 742, channels=2),
+    )
+    return build_tile_plan(PackedLayout(segs, seq_len=742), device="cuda")
+
+
+def _inputs(plan, b=2, h=3, d=128, topk=4, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(b, plan.seq_len, h, d, device="cuda", dtype=torch.bfloat16)
+    k = (torch.randn_like(q) + 0.3).to(torch.bfloat16)
+    v = torch.randn_like(q)
+    rows = (plan.slot_rows, plan.tile_counts, plan.block)
+    pq, _ = tile_pool_reference(q, *rows)
+    pk, k_packed = tile_pool_reference(k, *rows, packed=True)
+    _, v_packed = tile_pool_reference(v, *rows, pooled=False, packed=True)
+    mask = build_block_mask(pq @ pk.transpose(-1, -2) / math.sqrt(d), plan.num_prefix_tiles, topk)
+    index, num = mask_to_index_reference(mask)
+    return q, k_packed, v_packed, index, num
+
+
+@pytest.mark.parametrize("d,stages", [(128, 3), (64, 2), (128, 4)])
+def test_sparse_bf16_matches_reference(d, stages):
+    plan = _plan()
+    q, k, v, index, num = _inputs(plan, d=d)
+    assert sm90_kernel_supports(q, k, v)[0]
+    out = torch.full_like(q, float("nan"))
+    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, out=out, kernel="sm90",
+                           num_stages=stages)
+    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
+                                           out_dtype=torch.float32)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 5e-3
+
+
+def test_sparse_fp8_qk_matches_reference():
+    plan = _plan()
+    q, k, v, index, num = _inputs(plan, seed=1)
+    k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+    q8, qs = quantize_fp8_per_token(q)
+    k8, ks = quantize_fp8_per_block(k, 64)
+    out = torch.full_like(q, float("nan"))
+    block_sparse_attention(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64, q_scale=qs,
+                           k_scale=ks, out=out, kernel="sm90")
+    ref = block_sparse_attention_reference(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
+                                           q_scale=qs, k_scale=ks, out_dtype=torch.float32)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("s,block_m,fp8", [(333, 128, False), (1000, 64, False), (1000, 128, True)])
+def test_dense_matches_reference(s, block_m, fp8):
+    torch.manual_seed(2)
+    q = torch.randn(1, s, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    kw = {}
+    if fp8:
+        q, qs = quantize_fp8_per_token(q)
+        k, ks = quantize_fp8_per_block(k, 64)
+        kw = dict(q_scale=qs, k_scale=ks)
+    out = torch.full(v.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    block_sparse_attention(q, k, v, None, None, None, None, block=64, dense=True, out=out, kernel="sm90",
+                           block_m=block_m, **kw)
+    ref = block_sparse_attention_reference(q, k, v, None, None, None, None, block=64, dense=True,
+                                           out_dtype=torch.float32, **kw)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 5e-3
+
+
+def test_sm90_and_triton_kernels_agree_at_h3_length():
+    segs = (
+        LayoutSegment("text", "prompt", 0, 512),
+        LayoutSegment("audio", "target", 512, 926, channels=2),
+        LayoutSegment("video", "target", 926, 926 + 37 * 24 * 42, grid=(37, 24, 42)),
+    )
+    plan = build_tile_plan(PackedLayout(segs, seq_len=926 + 37 * 24 * 42), device="cuda")
+    q, k, v, index, num = _inputs(plan, b=1, h=2, topk=132, seed=3)
+    args = (q, k, v, plan.slot_rows, plan.tile_counts, index, num)
+    a = block_sparse_attention(*args, block=64, kernel="sm90")
+    b = block_sparse_attention(*args, block=64, kernel="triton")
+    assert rel_l2(a, b) < 2e-3
+
+
+def test_sm90_refuses_what_it_cannot_run():
+    plan = _plan()
+    q, k, v, index, num = _inputs(plan)
+    with pytest.raises(ValueError, match="kernel='sm90' cannot run here"):
+        block_sparse_attention(q, k, v.float(), plan.slot_rows, plan.tile_counts, index, num, block=64,
+                               kernel="sm90")
+    with pytest.raises(ValueError, match="knobs of the Triton kernel"):
+        block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, kernel="sm90",
+                               rotate=True)

@@ -87,35 +87,39 @@ def computed_pairs(plan, mask):
 
 # Fine-kernel variants timed by --sweep: (kernel, precision, rotate, num_warps, num_stages, block_m, block_n).
 # "bf16", "fp8" and "fp8pv8" run the VSA fine stage at sparsity 0.8, "dense_*" the dense mode on the unpacked rows.
-# kernel "triton" is the portable Triton kernel, "sm90" the Hopper Gluon kernel (no rotate / num_warps knobs).
+# kernel "triton" is the portable Triton kernel, "sm90" the Hopper Gluon kernel (no rotate knob; its warps follow
+# block_m, and the warps column holds its register cap per thread, None = uncapped).
 # Earlier sweeps (two query tiles per program, lazy rescaling, register caps, Triton warp specialization: all slower or
 # equal) are in benchmarks/results/attention_sweep_h200.json.
 SWEEP = [
     *[("triton", "bf16", True, 4, st, 64, 64) for st in (2, 3)],
-    *[("sm90", "bf16", None, None, st, 64, 64) for st in (2, 3, 4)],
+    *[("sm90", "bf16", None, None, st, 64, 64) for st in (2, 3)],
+    ("sm90", "bf16", None, 168, 2, 64, 64),
     *[("triton", "fp8", True, 4, st, 64, 64) for st in (2, 3)],
-    *[("sm90", "fp8", None, None, st, 64, 64) for st in (2, 3, 4)],
+    *[("sm90", "fp8", None, None, st, 64, 64) for st in (2, 3)],
+    *[("sm90", "fp8", None, 168, st, 64, 64) for st in (2, 3)],
     ("triton", "fp8pv8", True, 4, 3, 64, 64),
     ("triton", "dense_fp8", False, 8, 3, 128, 64),
-    *[("sm90", "dense_fp8", None, None, st, bm, 64) for st, bm in ((2, 128), (3, 128), (4, 128), (3, 64))],
+    *[("sm90", "dense_fp8", None, None, st, bm, 64) for st, bm in ((3, 64), (3, 128))],
+    ("sm90", "dense_fp8", None, 168, 2, 64, 64),
     ("triton", "dense_bf16", False, 8, 3, 128, 64),
-    *[("sm90", "dense_bf16", None, None, st, 128, 64) for st in (2, 3)],
+    ("sm90", "dense_bf16", None, None, 3, 64, 64),
 ]
 
 
 def _sweep_name(kernel, prec, rotate, warps, stages, block_m, block_n):
     if kernel == "sm90":
-        return f"{prec}_sm90_s{stages}_m{block_m}_n{block_n}"
+        return f"{prec}_sm90_s{stages}_m{block_m}_n{block_n}" + (f"_reg{warps}" if warps else "")
     return f"{prec}_r{int(rotate)}_w{warps}_s{stages}_m{block_m}_n{block_n}"
 
 
 def _kernel_kwargs(kernel, rotate, warps, stages):
     if kernel == "sm90":
-        return dict(kernel="sm90", num_stages=stages)
+        return dict(kernel="sm90", num_stages=stages, **({"max_registers": warps} if warps else {}))
     return dict(kernel="triton", rotate=rotate, num_warps=warps, num_stages=stages)
 
 
-def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
+def kernel_sweep(q, k, v, plan, iters=5, out_path=None, only=None):
     """Time the :data:`SWEEP` variants (explicit warps / stages, no autotuning); returns ``{name: result}``."""
     from diffusers_h3.kernels import block_sparse_attention as bsa
     from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
@@ -135,6 +139,8 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None):
     results = {}
     for kernel, prec, rotate, warps, stages, block_m, block_n in SWEEP:
         name = _sweep_name(kernel, prec, rotate, warps, stages, block_m, block_n)
+        if only and not any(part in name for part in only.split(",")):
+            continue
         kw = _kernel_kwargs(kernel, rotate, warps, stages)
         if prec == "bf16":
             fn = lambda kw=kw: bsa.block_sparse_attention(q, kp, vp, *rows[:2], index, num, block=64, **kw)  # noqa
@@ -235,6 +241,8 @@ def main(argv=None):
                         help="time the fine-kernel variants first and use the fastest (else the defaults)")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     parser.add_argument("--sweep-out", default=None, help="write the sweep results here as they come")
+    parser.add_argument("--sweep-only-cases", default=None,
+                        help="comma list of name fragments: time only the sweep variants whose name contains one")
     parser.add_argument("--peer-dir", default=None,
                         help="folder holding the public vsa package's python sources (vsa/block_sparse_attn_triton.py)")
     args = parser.parse_args(argv)
@@ -302,7 +310,7 @@ def main(argv=None):
         return ms
 
     ref_dense = dense_reference(q, k, v, err_heads)
-    sweep = kernel_sweep(q, k, v, plan, iters=5, out_path=args.sweep_out) if args.sweep else {}
+    sweep = kernel_sweep(q, k, v, plan, iters=5, out_path=args.sweep_out, only=args.sweep_only_cases) if args.sweep else {}
     opts = {prec: kernel_options(sweep, prec) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8")}
     if not opts["fp8pv8"]:
         opts["fp8pv8"] = opts["fp8"]

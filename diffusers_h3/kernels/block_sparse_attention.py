@@ -547,13 +547,15 @@ def block_sparse_attention(
     rotate: Optional[bool] = None,
     p_fp4: Optional[str] = None,
     kernel: str = "auto",
+    max_registers: Optional[int] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``kernel`` picks the GPU implementation: ``"sm90"`` the Hopper Gluon kernel
     (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K with
     bf16 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
-    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere.
+    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere. ``max_registers`` (SM90 kernel)
+    caps the registers per thread.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
@@ -628,8 +630,10 @@ def block_sparse_attention(
     if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
         return block_sparse_attention_sm90(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, dense=dense, block_m=block_m, stages=num_stages,
+            k_scale=k_scale, dense=dense, block_m=block_m, stages=num_stages, max_registers=max_registers,
         )
+    if max_registers is not None:
+        raise ValueError("max_registers is a knob of the SM90 kernel, which does not run here (kernel='sm90')")
     on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}

@@ -241,9 +241,11 @@ def block_sparse_attention_sm90(
     dense: bool = False,
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
+    max_registers: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
-    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows."""
+    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows. ``max_registers``
+    caps registers per thread (more programs per multiprocessor)."""
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton with Gluon (triton >= 3.5)")
     b, s, h, d = q.shape
@@ -285,5 +287,6 @@ def block_sparse_attention_sm90(
         *qs_strides, *ks_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
         QK_FP8=q_scale is not None, num_warps=block_m // 16,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     return out

@@ -100,10 +100,10 @@ SWEEP = [
     *[("sm90", "fp8", None, 168, st, 64, 64) for st in (2, 3)],
     ("triton", "fp8pv8", True, 4, 3, 64, 64),
     ("triton", "dense_fp8", False, 8, 3, 128, 64),
-    *[("sm90", "dense_fp8", None, None, st, bm, 64) for st, bm in ((3, 64), (3, 128))],
-    ("sm90", "dense_fp8", None, 168, 2, 64, 64),
+    *[("sm90", "dense_fp8", None, None, st, bm, bn) for st, bm, bn in ((3, 64, 64), (3, 128, 64), (4, 128, 64),
+                                                                       (2, 128, 128), (3, 128, 128))],
     ("triton", "dense_bf16", False, 8, 3, 128, 64),
-    ("sm90", "dense_bf16", None, None, 3, 64, 64),
+    *[("sm90", "dense_bf16", None, None, st, 128, bn) for st, bn in ((3, 64), (2, 128))],
 ]
 
 

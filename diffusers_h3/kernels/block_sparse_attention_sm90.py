@@ -224,6 +224,158 @@ if HAS_GLUON:
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
 
 
+    @gluon.jit
+    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+                           pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+                           stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
+        """Producer warp: streams every key block into the ring once both consumers released the slot."""
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        for j in range(0, N_KV_BLOCKS):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+            row = (b * KV_ROWS + j * BLOCK_N).to(gl.int32)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+                     pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+                     stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh,
+                     WG: gl.constexpr):
+        """One consumer warpgroup: rows ``[WG * 64, WG * 64 + 64)`` of the program's 128 query rows, every key
+        block, the same asynchronous wgmma order as :func:`_bsa_fwd_sm90_kernel`."""
+        # (constexprs do not cross gl.warp_specialize: they are read back from the buffer and pointer types)
+        WG_ROWS: gl.constexpr = 64
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
+        q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 256 // q_bits])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // q_bits)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=32 // v_desc.dtype.primitive_bitwidth)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        b64 = b.to(gl.int64)
+        first_row = pid_m * (2 * WG_ROWS) + WG * WG_ROWS
+
+        rows_q = first_row + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, q_layout))
+        rows_q = gl.where(rows_q < S, rows_q, 0).to(gl.int64)
+        offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        q = gl.load(Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
+                    + gl.expand_dims(offs_d_q, 0))
+        rows = first_row + gl.arange(0, WG_ROWS, layout=row_layout)
+        row_valid = rows < S
+        rows = gl.where(row_valid, rows, 0).to(gl.int64)
+        row_scale_q = gl.full([WG_ROWS], qk_scale, gl.float32, layout=row_layout)
+        if QK_FP8:
+            row_scale_q = row_scale_q * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
+        ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+        m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
+        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+        row_scale = row_scale_q
+        if QK_FP8:
+            row_scale = row_scale_q * gl.load(ks_base)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        p, m_i, l_i, alpha = _softmax_step(s, gl.minimum(S, BLOCK_N), row_scale, m_i, l_i, offs_n, BLOCK_N)
+        p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+        for j in range(0, N_KV_BLOCKS - 1):
+            nxt = j + 1
+            row_scale = row_scale_q
+            if QK_FP8:
+                row_scale = row_scale_q * gl.load(ks_base + nxt * stride_kss)
+            slot_n = nxt % STAGES
+            mbarrier.wait(k_ready.index(slot_n), (nxt // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            slot = j % STAGES
+            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            cnt = gl.minimum(S - nxt * BLOCK_N, BLOCK_N)
+            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+        last = N_KV_BLOCKS - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(empty.index(last % STAGES), count=1)
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.expand_dims(l_o, 1)
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
+        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + b64 * stride_ob + gl.expand_dims(rows_o * stride_os, 1) + h * stride_oh
+                 + gl.expand_dims(offs_d_o, 0), out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
+
+    @gluon.jit
+    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+                       pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+                       stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h,
+                     S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                     stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
+
+    @gluon.jit
+    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+                       pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+                       stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h,
+                     S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                     stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
+
+    @gluon.jit
+    def _dense_fwd_sm90_ws_kernel(
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, qk_scale, S, H, N_KV_BLOCKS, KV_ROWS,
+        stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
+        stride_ksb, stride_kss, stride_ksh,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_FP8: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """Dense attention, FlashAttention-3 style: a 1-warp TMA producer and two independent consumer warpgroups
+        (64 query rows each) sharing one K/V ring; the warp schedulers interleave one consumer's softmax with the
+        other's wgmma."""
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # released by both consumers
+        fence_async_shared()
+        args = (Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h, S, H,
+                N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
+        gl.warp_specialize([
+            (_ws_consumer_0, args),
+            (_ws_consumer_1, args),
+            (_ws_load_partition, args),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def block_sparse_attention_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -245,7 +397,9 @@ def block_sparse_attention_sm90(
 ) -> torch.Tensor:
     """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
     (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows. ``max_registers``
-    caps registers per thread (more programs per multiprocessor)."""
+    caps registers per thread (more programs per multiprocessor). The dense mode with ``block_m=128`` (its
+    default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer warpgroups of 64 query rows and a TMA
+    producer warp; ``block_m=64`` runs one warpgroup per program."""
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton with Gluon (triton >= 3.5)")
     b, s, h, d = q.shape
@@ -264,6 +418,8 @@ def block_sparse_attention_sm90(
     dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
     if dense:
         block_m = block_m or 128
+        if block_m not in (64, 128):
+            raise ValueError(f"the SM90 dense kernel takes block_m 64 or 128, got {block_m}")
         grid = (math.ceil(s / block_m), b * h)
         slot_rows = tile_counts = kv_index = kv_num = dummy_i
         index_strides = (0, 0, 0)
@@ -280,6 +436,16 @@ def block_sparse_attention_sm90(
     ks = k_scale if k_scale is not None else dummy_f
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
     ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
+    if dense and block_m == 128:
+        # 4 + 4 + 1 warps round up to 12 (three warpgroups): 168 registers each on average; the consumers get 232.
+        _dense_fwd_sm90_ws_kernel[(math.ceil(s / 128), b * h)](
+            q, k_desc, v_desc, out, qs, ks, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            *qs_strides, *ks_strides,
+            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
+            CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=max_registers or 168,
+        )
+        return out
     _bsa_fwd_sm90_kernel[grid](
         q, k_desc, v_desc, out, qs, ks, slot_rows, tile_counts, kv_index, kv_num,
         scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,

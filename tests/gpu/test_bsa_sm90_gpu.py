@@ -86,20 +86,23 @@ def test_sparse_fp8_qk_matches_reference():
     assert rel_l2(out, ref) < 5e-3
 
 
-@pytest.mark.parametrize("s,block_m,fp8", [(333, 128, False), (1000, 64, False), (1000, 128, True)])
-def test_dense_matches_reference(s, block_m, fp8):
+# block_m=128 is the warp-specialized kernel (two consumer warpgroups + a TMA producer warp), 64 the plain one.
+@pytest.mark.parametrize("s,block_m,block_n,fp8", [(333, 128, 64, False), (1000, 64, 64, False),
+                                                   (1000, 128, 64, True), (1000, 128, 128, True),
+                                                   (70, 128, 128, False), (4099, 128, 128, False)])
+def test_dense_matches_reference(s, block_m, block_n, fp8):
     torch.manual_seed(2)
     q = torch.randn(1, s, 2, 128, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     kw = {}
     if fp8:
         q, qs = quantize_fp8_per_token(q)
-        k, ks = quantize_fp8_per_block(k, 64)
+        k, ks = quantize_fp8_per_block(k, block_n)
         kw = dict(q_scale=qs, k_scale=ks)
     out = torch.full(v.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    block_sparse_attention(q, k, v, None, None, None, None, block=64, dense=True, out=out, kernel="sm90",
+    block_sparse_attention(q, k, v, None, None, None, None, block=block_n, dense=True, out=out, kernel="sm90",
                            block_m=block_m, **kw)
-    ref = block_sparse_attention_reference(q, k, v, None, None, None, None, block=64, dense=True,
+    ref = block_sparse_attention_reference(q, k, v, None, None, None, None, block=block_n, dense=True,
                                            out_dtype=torch.float32, **kw)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 5e-3
@@ -128,3 +131,16 @@ def test_sm90_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="knobs of the Triton kernel"):
         block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, kernel="sm90",
                                rotate=True)
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_fp8_attention_through_the_sm90_kernel(block_n):
+    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+
+    torch.manual_seed(4)
+    q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k = (torch.randn_like(q) + 0.7).to(torch.bfloat16)
+    v = torch.randn_like(q)
+    out = fp8_attention(q, k, v, block_n=block_n, kernel="sm90")
+    ref = fp8_attention_reference(q, k, v, block_n=block_n)
+    assert rel_l2(out, ref) < 5e-3

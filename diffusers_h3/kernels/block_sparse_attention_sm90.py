@@ -81,6 +81,17 @@ if HAS_GLUON:
         return gl.load(TILE_COUNTS + kv)
 
     @gluon.jit
+    def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
+        """``p`` as the 16-bit A operand of the P·V wgmma, converted two values per instruction."""
+        if dtype == gl.bfloat16:
+            p16 = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                            is_pure=True, pack=2)
+        else:
+            p16 = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                            is_pure=True, pack=2)
+        return gl.convert_layout(p16, layout)
+
+    @gluon.jit
     def _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N: gl.constexpr):
         """Online softmax (base 2) of raw scores ``s``: returns ``p``, new ``m``, new ``l`` and ``alpha``."""
         if cnt < BLOCK_N:
@@ -175,7 +186,7 @@ if HAS_GLUON:
             s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-            p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+            p_op = _p_operand(p, v_desc.dtype, p_layout)
 
             # 4. Steady state: S_{j+1} and P_j V_j in flight together, the softmax of tile j+1 under P_j V_j.
             for j in range(0, num - 1):
@@ -201,7 +212,7 @@ if HAS_GLUON:
                 p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
                 acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+                p_op = _p_operand(p, v_desc.dtype, p_layout)
 
             # 5. P V of the last tile.
             last = num - 1
@@ -225,7 +236,7 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
                            pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                            stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
         """Producer warp: streams every key block into the ring once both consumers released the slot."""
@@ -242,7 +253,7 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
-    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
                      pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                      stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh,
                      WG: gl.constexpr):
@@ -254,6 +265,7 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
         QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
+        PINGPONG: gl.constexpr = turn.type.shape[0] == 2
         q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 256 // q_bits])
@@ -284,6 +296,9 @@ if HAS_GLUON:
         l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        if PINGPONG:
+            if WG == 1:
+                mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
 
         row_scale = row_scale_q
         if QK_FP8:
@@ -292,25 +307,29 @@ if HAS_GLUON:
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         p, m_i, l_i, alpha = _softmax_step(s, gl.minimum(S, BLOCK_N), row_scale, m_i, l_i, offs_n, BLOCK_N)
-        p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+        p_op = _p_operand(p, v_desc.dtype, p_layout)
         for j in range(0, N_KV_BLOCKS - 1):
             nxt = j + 1
             row_scale = row_scale_q
             if QK_FP8:
                 row_scale = row_scale_q * gl.load(ks_base + nxt * stride_kss)
             slot_n = nxt % STAGES
-            mbarrier.wait(k_ready.index(slot_n), (nxt // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             slot = j % STAGES
+            mbarrier.wait(k_ready.index(slot_n), (nxt // STAGES) & 1)
             mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+            if PINGPONG:  # take turns issuing: one warpgroup's GEMMs run under the other's softmax
+                mbarrier.wait(turn.index(WG), j & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             cnt = gl.minimum(S - nxt * BLOCK_N, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
             acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
             mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(p.to(v_desc.dtype), p_layout)
+            p_op = _p_operand(p, v_desc.dtype, p_layout)
         last = N_KV_BLOCKS - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
@@ -326,18 +345,18 @@ if HAS_GLUON:
                  + gl.expand_dims(offs_d_o, 0), out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
 
     @gluon.jit
-    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
 
     @gluon.jit
-    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty,
+    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
 
@@ -347,7 +366,7 @@ if HAS_GLUON:
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_FP8: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = True,
     ):
         """Dense attention, FlashAttention-3 style: a 1-warp TMA producer and two independent consumer warpgroups
         (64 query rows each) sharing one K/V ring; the warp schedulers interleave one consumer's softmax with the
@@ -361,12 +380,18 @@ if HAS_GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # Issue turns of the two consumers; a one-slot array switches the ping-pong off (constexprs do not cross
+        # gl.warp_specialize, shapes do).
+        TURNS: gl.constexpr = 1 + PINGPONG
+        turn = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # released by both consumers
+        for i in gl.static_range(TURNS):
+            mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
-        args = (Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, pid_m, b, h, S, H,
+        args = (Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h, S, H,
                 N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
                 stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
         gl.warp_specialize([
@@ -394,6 +419,7 @@ def block_sparse_attention_sm90(
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
     max_registers: Optional[int] = None,
+    pingpong: bool = True,
 ) -> torch.Tensor:
     """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
     (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows. ``max_registers``
@@ -443,7 +469,7 @@ def block_sparse_attention_sm90(
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
-            CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=max_registers or 168,
+            CONSUMER_REGS=232, PRODUCER_REGS=40, PINGPONG=pingpong, num_warps=4, maxnreg=max_registers or 168,
         )
         return out
     _bsa_fwd_sm90_kernel[grid](

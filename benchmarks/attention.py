@@ -99,9 +99,11 @@ SWEEP = [
     *[("sm90", "fp8", None, None, st, 64, 64) for st in (2, 3)],
     *[("sm90", "fp8", None, 168, st, 64, 64) for st in (2, 3)],
     ("triton", "fp8pv8", True, 4, 3, 64, 64),
+    *[("sm90", "fp8pv8", None, None, st, 64, 64) for st in (2, 3)],
     ("triton", "dense_fp8", False, 8, 3, 128, 64),
-    *[("sm90", "dense_fp8", None, None, st, bm, bn) for st, bm, bn in ((3, 64, 64), (3, 128, 64), (4, 128, 64),
-                                                                       (2, 128, 128), (3, 128, 128))],
+    *[("sm90", "dense_fp8", None, None, st, bm, bn) for st, bm, bn in ((3, 64, 64), (3, 128, 64), (2, 128, 128),
+                                                                       (3, 128, 128))],
+    *[("sm90", "dense_fp8pv8", None, None, st, 128, bn) for st, bn in ((3, 64), (3, 128), (4, 128))],
     ("triton", "dense_bf16", False, 8, 3, 128, 64),
     *[("sm90", "dense_bf16", None, None, st, 128, bn) for st, bn in ((3, 64), (2, 128))],
 ]
@@ -150,8 +152,9 @@ def kernel_sweep(q, k, v, plan, iters=5, out_path=None, only=None):
         elif prec == "fp8pv8":
             fn = lambda kw=kw: bsa.block_sparse_attention(q8, k8, v8t, *rows[:2], index, num, block=64,  # noqa
                                                           q_scale=qs, k_scale=ks, v_scale=vs, **kw)
-        elif prec == "dense_fp8":
-            fn = lambda kw=kw, bm=block_m, bn=block_n: fp8_attention(q, k, v, block_m=bm, block_n=bn, **kw)  # noqa
+        elif prec in ("dense_fp8", "dense_fp8pv8"):
+            fn = lambda kw=kw, bm=block_m, bn=block_n, pv8=prec.endswith("pv8"): fp8_attention(  # noqa
+                q, k, v, pv_fp8=pv8, block_m=bm, block_n=bn, **kw)
         else:
             fn = lambda kw=kw, bm=block_m, bn=block_n: bsa.block_sparse_attention(  # noqa
                 q, k, v, None, None, None, None, block=bn, block_m=bm, dense=True, **kw)
@@ -311,7 +314,7 @@ def main(argv=None):
 
     ref_dense = dense_reference(q, k, v, err_heads)
     sweep = kernel_sweep(q, k, v, plan, iters=5, out_path=args.sweep_out, only=args.sweep_only_cases) if args.sweep else {}
-    opts = {prec: kernel_options(sweep, prec) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8")}
+    opts = {prec: kernel_options(sweep, prec) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8", "dense_fp8pv8")}
     if not opts["fp8pv8"]:
         opts["fp8pv8"] = opts["fp8"]
     print("kernel options:", opts, flush=True)
@@ -331,7 +334,8 @@ def main(argv=None):
         cases["cudnn_dense"]["ratio"] = 1.0
     record("fp8_dense", lambda: fp8_attention(q, k, v, **opts["dense_fp8"]), ref_dense, baseline_ms=base,
            note="E4M3 Q per-token and K per-64-row-block scales, K mean-centred, bf16 PV, fp32 softmax")
-    record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True, **opts["dense_fp8"]), ref_dense,
+    record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True, **(opts["dense_fp8pv8"] or opts["dense_fp8"])),
+           ref_dense,
            baseline_ms=base,
            note="as fp8_dense plus E4M3 P and per-channel E4M3 V")
 

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
-from .block_sparse_attention_sm90 import block_sparse_attention_sm90, sm90_kernel_available
+from .block_sparse_attention_sm90 import _channel_major_rows, block_sparse_attention_sm90, sm90_kernel_available
 from .quant_utils import dequantize_fp8_per_block
 from .vsa_pool import valid_slots
 
@@ -307,14 +307,19 @@ def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     """``(True, "")`` when the Hopper kernel can run these inputs, else ``(False, reason)``."""
     if triton_interpreter_active() or not sm90_kernel_available(q.device):
         return False, "it needs a compute capability 9.x GPU (Hopper) and Triton with Gluon"
-    if v_scale is not None or p_fp4 is not None:
-        return False, "it runs P.V in bf16/fp16 (FP8 P.V and the FP4 emulation run on the Triton kernel)"
-    if v.dtype not in (torch.bfloat16, torch.float16) or q.dtype not in (v.dtype, torch.float8_e4m3fn):
-        return False, f"it takes bf16/fp16 (or E4M3 Q/K) inputs, got q {q.dtype}, v {v.dtype}"
+    if p_fp4 is not None:
+        return False, "the FP4 P emulation runs on the Triton kernel"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return False, f"it takes bf16/fp16 (or E4M3 Q/K) inputs, got q {q.dtype}"
+    if v_scale is not None:
+        if v.dtype != torch.float8_e4m3fn or _channel_major_rows(v) is None:
+            return False, "FP8 P.V needs a channel-major E4M3 v ([B, H, D, N] storage, 16-byte aligned rows)"
+    elif v.dtype not in (torch.bfloat16, torch.float16) or not v.is_contiguous():
+        return False, f"it reads v by TMA and needs a contiguous bf16/fp16 v, got {v.dtype}"
     if q.shape[-1] not in (64, 128) or block not in (64, 128):
         return False, f"it is built for head_dim 64/128 and 64/128-row tiles, got {q.shape[-1]} and {block}"
-    if not (k.is_contiguous() and v.is_contiguous()):
-        return False, "it reads k and v by TMA and needs them contiguous"
+    if not k.is_contiguous():
+        return False, "it reads k by TMA and needs it contiguous"
     return True, ""
 
 
@@ -552,8 +557,8 @@ def block_sparse_attention(
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``kernel`` picks the GPU implementation: ``"sm90"`` the Hopper Gluon kernel
-    (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K with
-    bf16 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
+    (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K, bf16 or
+    FP8 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
     where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere. ``max_registers`` (SM90 kernel)
     caps the registers per thread.
 
@@ -630,7 +635,7 @@ def block_sparse_attention(
     if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
         return block_sparse_attention_sm90(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, dense=dense, block_m=block_m, stages=num_stages, max_registers=max_registers,
+            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages, max_registers=max_registers,
         )
     if max_registers is not None:
         raise ValueError("max_registers is a knob of the SM90 kernel, which does not run here (kernel='sm90')")

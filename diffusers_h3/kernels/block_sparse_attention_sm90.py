@@ -15,7 +15,8 @@ kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 doe
 
 Query programs own one 64-row query tile (sparse) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two
 warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 Q/K (per-row Q scales, one K scale per key tile, folded into the
-per-row softmax scale) with bf16 P·V. FP8 P·V and the FP4 emulation stay on the portable Triton kernel.
+per-row softmax scale), with bf16 P·V or FP8 P·V (channel-major E4M3 V with per-channel scales, ``e4m3(448 p)``).
+The FP4 emulation stays on the portable Triton kernel.
 """
 
 from __future__ import annotations
@@ -55,16 +56,47 @@ def sm90_kernel_available(device: torch.device) -> bool:
 if HAS_GLUON:
 
     @gluon.jit
-    def _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, tile, kv, b, h, KV_ROWS,
+    def _copy_kv(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, kv, b, h, H, KV_ROWS, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+        """TMA copies of key tile ``kv`` of (batch, head) into one ring slot; FP8 V is channel-major
+        (``[B*H*D, N]`` rows: the FP8 wgmma wants its B operand K-major)."""
+        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
+        mbarrier.expect(k_bar, k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], k_bar, k_buf)
+        mbarrier.expect(v_bar, v_desc.block_type.nbytes)
+        PV_FP8: gl.constexpr = v_desc.dtype == gl.float8e4nv
+        if PV_FP8:
+            tma.async_copy_global_to_shared(v_desc, [((b * H + h) * HEAD_DIM).to(gl.int32), kv * BLOCK_N], v_bar,
+                                            v_buf)
+        else:
+            tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_bar, v_buf)
+
+    @gluon.jit
+    def _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, tile, kv, b, h, H, KV_ROWS,
                          HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """TMA copies of key tile ``kv`` (list position ``tile``) into ring slot ``tile % STAGES``."""
         slot = tile % STAGES
-        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
-        col = h * HEAD_DIM
-        mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, col], k_bars.index(slot), k_bufs.index(slot))
-        mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, col], v_bars.index(slot), v_bufs.index(slot))
+        _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot), v_bars.index(slot), kv,
+                 b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
+
+    @gluon.jit
+    def _v_operand(v_buf, PV_FP8: gl.constexpr):
+        """The ``[keys, D]`` B operand of P·V from a ring slot (FP8 V sits channel-major: a transposed view)."""
+        if PV_FP8:
+            operand = v_buf.permute((1, 0))
+        else:
+            operand = v_buf
+        return operand
+
+    @gluon.jit
+    def _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           PV_FP8: gl.constexpr):
+        """``acc / l`` (times the per-channel V scale / 448 with FP8 P·V)."""
+        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        if PV_FP8:
+            v_sc = gl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d_o)
+            acc = acc * gl.expand_dims(v_sc / 448.0, 0)
+        return acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
 
     @gluon.jit
     def _tile_at(j, DENSE: gl.constexpr, list_base, S, BLOCK_N: gl.constexpr):
@@ -81,15 +113,30 @@ if HAS_GLUON:
         return gl.load(TILE_COUNTS + kv)
 
     @gluon.jit
-    def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
-        """``p`` as the 16-bit A operand of the P·V wgmma, converted two values per instruction."""
-        if dtype == gl.bfloat16:
-            p16 = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
-                                            is_pure=True, pack=2)
+    def _p_operand(p, p_buf, dtype: gl.constexpr, layout: gl.constexpr):
+        """``p`` as the A operand of the P·V wgmma: 16-bit registers (two values per conversion instruction), or
+        ``e4m3(448 p)`` staged in shared memory ``p_buf`` for FP8 P·V (an 8-bit register operand cannot be kept
+        alive across the asynchronous wgmma)."""
+        if dtype == gl.float8e4nv:
+            p_buf.store((p * 448.0).to(gl.float8e4nv))
+            fence_async_shared()
+            operand = p_buf
+        elif dtype == gl.bfloat16:
+            operand = gl.convert_layout(gl.inline_asm_elementwise(
+                "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16, is_pure=True, pack=2), layout)
         else:
-            p16 = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
-                                            is_pure=True, pack=2)
-        return gl.convert_layout(p16, layout)
+            operand = gl.convert_layout(gl.inline_asm_elementwise(
+                "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16, is_pure=True, pack=2), layout)
+        return operand
+
+    @gluon.jit
+    def _wait_pv(o_tok, p_op, PV_FP8: gl.constexpr):
+        """Wait for ``P V``; a register ``P`` stays alive until then."""
+        if PV_FP8:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        return acc
 
     @gluon.jit
     def _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N: gl.constexpr):
@@ -103,7 +150,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _bsa_fwd_sm90_kernel(
-        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
         qk_scale, S, H, N_KV_BLOCKS, N_Q_TILES, KV_ROWS,
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
@@ -115,11 +162,12 @@ if HAS_GLUON:
         q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 256 // q_bits])
+        v_bits: gl.constexpr = v_desc.dtype.primitive_bitwidth
+        PV_FP8: gl.constexpr = v_desc.dtype == gl.float8e4nv
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+                                                           instr_shape=[16, HEAD_DIM, 256 // v_bits])
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // q_bits)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                     k_width=32 // v_desc.dtype.primitive_bitwidth)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // v_bits)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         pid_m = gl.program_id(0)
@@ -158,7 +206,12 @@ if HAS_GLUON:
 
         # 2. Shared-memory rings and their barriers; the first STAGES - 1 tiles are requested at once.
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if PV_FP8:  # E4M3 P, double-buffered: P_{j+1} is written while P_j V_j runs
+            p_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv))
+        else:
+            p_bufs = v_bufs
         k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -168,7 +221,8 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES - 1):
             if i < num:
                 _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, i,
-                                 _tile_at(i, DENSE, list_base, S, BLOCK_N), b, h, KV_ROWS, HEAD_DIM, BLOCK_N, STAGES)
+                                 _tile_at(i, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
+                                 STAGES)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
@@ -186,15 +240,15 @@ if HAS_GLUON:
             s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-            p_op = _p_operand(p, v_desc.dtype, p_layout)
+            p_op = _p_operand(p, p_bufs.index(0), v_desc.dtype, p_layout)
 
             # 4. Steady state: S_{j+1} and P_j V_j in flight together, the softmax of tile j+1 under P_j V_j.
             for j in range(0, num - 1):
                 ahead = j + STAGES - 1
                 if ahead < num:  # its ring slot held tile j - 1, whose products are complete
                     _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
-                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, KV_ROWS, HEAD_DIM,
-                                     BLOCK_N, STAGES)
+                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS,
+                                     HEAD_DIM, BLOCK_N, STAGES)
                 nxt = j + 1
                 kv = _tile_at(nxt, DENSE, list_base, S, BLOCK_N)
                 cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
@@ -207,17 +261,17 @@ if HAS_GLUON:
                                       is_async=True)
                 slot = j % STAGES
                 mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
-                o_tok = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+                o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-                acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+                acc = _wait_pv(o_tok, p_op, PV_FP8)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p_op = _p_operand(p, v_desc.dtype, p_layout)
+                p_op = _p_operand(p, p_bufs.index(nxt % 2), v_desc.dtype, p_layout)
 
             # 5. P V of the last tile.
             last = num - 1
             mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
+            o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), PV_FP8), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
 
         for i in gl.static_range(STAGES):
@@ -225,8 +279,7 @@ if HAS_GLUON:
             mbarrier.invalidate(v_bars.index(i))
 
         # 6. Normalise and write the valid rows.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / gl.expand_dims(l_o, 1)
+        out = _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout, HEAD_DIM, PV_FP8)
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
         offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -236,7 +289,7 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
+    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
                            pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                            stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
         """Producer warp: streams every key block into the ring once both consumers released the slot."""
@@ -246,14 +299,11 @@ if HAS_GLUON:
         for j in range(0, N_KV_BLOCKS):
             slot = j % STAGES
             mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-            row = (b * KV_ROWS + j * BLOCK_N).to(gl.int32)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_ready.index(slot), v_bufs.index(slot))
+            _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_ready.index(slot),
+                     v_ready.index(slot), j, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
 
     @gluon.jit
-    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
                      pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                      stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh,
                      WG: gl.constexpr):
@@ -265,15 +315,16 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
         QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
+        PV_FP8: gl.constexpr = v_bufs.dtype == gl.float8e4nv
+        v_bits: gl.constexpr = v_bufs.dtype.primitive_bitwidth
         PINGPONG: gl.constexpr = turn.type.shape[0] == 2
         q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 256 // q_bits])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+                                                           instr_shape=[16, HEAD_DIM, 256 // v_bits])
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // q_bits)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                     k_width=32 // v_desc.dtype.primitive_bitwidth)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // v_bits)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         b64 = b.to(gl.int64)
         first_row = pid_m * (2 * WG_ROWS) + WG * WG_ROWS
@@ -307,7 +358,7 @@ if HAS_GLUON:
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
         p, m_i, l_i, alpha = _softmax_step(s, gl.minimum(S, BLOCK_N), row_scale, m_i, l_i, offs_n, BLOCK_N)
-        p_op = _p_operand(p, v_desc.dtype, p_layout)
+        p_op = _p_operand(p, p_bufs.index(2 * WG), v_desc.dtype, p_layout)
         for j in range(0, N_KV_BLOCKS - 1):
             nxt = j + 1
             row_scale = row_scale_q
@@ -320,24 +371,23 @@ if HAS_GLUON:
             if PINGPONG:  # take turns issuing: one warpgroup's GEMMs run under the other's softmax
                 mbarrier.wait(turn.index(WG), j & 1)
             s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+            o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             cnt = gl.minimum(S - nxt * BLOCK_N, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-            acc, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            acc = _wait_pv(o_tok, p_op, PV_FP8)
             mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = _p_operand(p, v_desc.dtype, p_layout)
+            p_op = _p_operand(p, p_bufs.index(2 * WG + nxt % 2), v_desc.dtype, p_layout)
         last = N_KV_BLOCKS - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_bufs.index(last % STAGES), acc, is_async=True)
+        o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), PV_FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(last % STAGES), count=1)
 
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc / gl.expand_dims(l_o, 1)
+        out = _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout, HEAD_DIM, PV_FP8)
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
         offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -345,24 +395,24 @@ if HAS_GLUON:
                  + gl.expand_dims(offs_d_o, 0), out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
 
     @gluon.jit
-    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
 
     @gluon.jit
-    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
 
     @gluon.jit
     def _dense_fwd_sm90_ws_kernel(
-        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, qk_scale, S, H, N_KV_BLOCKS, KV_ROWS,
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, qk_scale, S, H, N_KV_BLOCKS, KV_ROWS,
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_FP8: gl.constexpr,
@@ -376,7 +426,12 @@ if HAS_GLUON:
         b = pid_bh // H
         h = pid_bh % H
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if v_desc.dtype == gl.float8e4nv:  # E4M3 P: two buffers per consumer warpgroup
+            p_bufs = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, BLOCK_N],
+                                               gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv))
+        else:
+            p_bufs = v_bufs
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -391,7 +446,7 @@ if HAS_GLUON:
         for i in gl.static_range(TURNS):
             mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
-        args = (Q, O, Q_SCALE, K_SCALE, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, turn, pid_m, b, h, S, H,
+        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h, S, H,
                 N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
                 stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
         gl.warp_specialize([
@@ -399,6 +454,16 @@ if HAS_GLUON:
             (_ws_consumer_1, args),
             (_ws_load_partition, args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _channel_major_rows(v: torch.Tensor) -> Optional[torch.Tensor]:
+    """``v [B, N, H, D]`` viewed as ``[B*H*D, N]`` rows when its storage is channel-major with 16-byte aligned
+    rows (the layout FP8 P·V reads by TMA), else ``None``."""
+    b, n, h, d = v.shape
+    sb, ss, sh, sd = v.stride()
+    if ss != 1 or sh != d * sd or sb != h * sh or (sd * v.element_size()) % 16 or v.data_ptr() % 16:
+        return None
+    return v.as_strided((b * h * d, n), (sd, 1))
 
 
 def block_sparse_attention_sm90(
@@ -415,6 +480,7 @@ def block_sparse_attention_sm90(
     scale: float,
     q_scale: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
     dense: bool = False,
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
@@ -429,17 +495,26 @@ def block_sparse_attention_sm90(
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton with Gluon (triton >= 3.5)")
     b, s, h, d = q.shape
-    if not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("the SM90 kernel reads k and v by TMA: pass contiguous [B, N, H, D] tensors")
-    if v.dtype == torch.float8_e4m3fn:
-        raise ValueError("the SM90 kernel runs P.V in bf16/fp16; FP8 P.V runs on the Triton kernel")
     n = k.shape[1]
-    v_gl = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[v.dtype]
-    k_gl = gl.float8e4nv if k.dtype == torch.float8_e4m3fn else v_gl
-    k_layout = gl.NVMMASharedLayout.get_default_for([block, d], k_gl)
-    v_layout = gl.NVMMASharedLayout.get_default_for([block, d], v_gl)
-    k_desc = TensorDescriptor.from_tensor(k.view(b * n, h * d), [block, d], k_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d], v_layout)
+    if not k.is_contiguous():
+        raise ValueError("the SM90 kernel reads k by TMA: pass a contiguous [B, N, H, D] tensor")
+    k_gl = gl.float8e4nv if k.dtype == torch.float8_e4m3fn else {torch.bfloat16: gl.bfloat16,
+                                                                 torch.float16: gl.float16}[q.dtype]
+    k_desc = TensorDescriptor.from_tensor(k.view(b * n, h * d), [block, d],
+                                          gl.NVMMASharedLayout.get_default_for([block, d], k_gl))
+    if v.dtype == torch.float8_e4m3fn:  # channel-major rows (batch, head, channel) x keys
+        rows = _channel_major_rows(v)
+        if rows is None or v_scale is None:
+            raise ValueError("FP8 P.V on the SM90 kernel needs a channel-major E4M3 v (a view of a [B, H, D, N] "
+                             "buffer with 16-byte aligned rows) and v_scale")
+        v_desc = TensorDescriptor.from_tensor(rows, [d, block], gl.NVMMASharedLayout.get_default_for(
+            [d, block], gl.float8e4nv))
+    else:
+        if not v.is_contiguous():
+            raise ValueError("the SM90 kernel reads v by TMA: pass a contiguous [B, N, H, D] tensor")
+        v_gl = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[v.dtype]
+        v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d],
+                                              gl.NVMMASharedLayout.get_default_for([block, d], v_gl))
     dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
     dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
     if dense:
@@ -460,12 +535,13 @@ def block_sparse_attention_sm90(
         n_kv_blocks, n_q_tiles = 0, tile_counts.numel()
     qs = q_scale if q_scale is not None else dummy_f
     ks = k_scale if k_scale is not None else dummy_f
+    vs = v_scale.contiguous() if v_scale is not None else dummy_f
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
     ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
     if dense and block_m == 128:
         # 4 + 4 + 1 warps round up to 12 (three warpgroups): 168 registers each on average; the consumers get 232.
         _dense_fwd_sm90_ws_kernel[(math.ceil(s / 128), b * h)](
-            q, k_desc, v_desc, out, qs, ks, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
+            q, k_desc, v_desc, out, qs, ks, vs, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
@@ -473,7 +549,7 @@ def block_sparse_attention_sm90(
         )
         return out
     _bsa_fwd_sm90_kernel[grid](
-        q, k_desc, v_desc, out, qs, ks, slot_rows, tile_counts, kv_index, kv_num,
+        q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
         scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *qs_strides, *ks_strides, *index_strides,

@@ -144,3 +144,43 @@ def test_fp8_attention_through_the_sm90_kernel(block_n):
     out = fp8_attention(q, k, v, block_n=block_n, kernel="sm90")
     ref = fp8_attention_reference(q, k, v, block_n=block_n)
     assert rel_l2(out, ref) < 5e-3
+
+
+def _channel_major(v8):
+    return v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+def test_sparse_fp8_pv_matches_reference():
+    from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
+
+    plan = _plan()
+    q, k, v, index, num = _inputs(plan, seed=5)
+    k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+    q8, qs = quantize_fp8_per_token(q)
+    k8, ks = quantize_fp8_per_block(k, 64)
+    v8, vs = quantize_fp8_per_channel(v, seq_dim=1)
+    out = torch.full_like(q, float("nan"))
+    block_sparse_attention(q8, k8, _channel_major(v8), plan.slot_rows, plan.tile_counts, index, num, block=64,
+                           q_scale=qs, k_scale=ks, v_scale=vs, out=out, kernel="sm90")
+    ref = block_sparse_attention_reference(q8, k8, v8, plan.slot_rows, plan.tile_counts, index, num, block=64,
+                                           q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=torch.float32)
+    exact = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
+                                             out_dtype=torch.float32)
+    assert not out.isnan().any()
+    # P is rounded to E4M3 against the running max like the reference; exp2's last bits flip an occasional code.
+    assert rel_l2(out, ref) < 1e-2
+    assert rel_l2(out, exact) < 1e-1
+
+
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 64)])
+def test_dense_fp8_pv_matches_reference(block_m, block_n):
+    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+
+    torch.manual_seed(6)
+    q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k = (torch.randn_like(q) + 0.7).to(torch.bfloat16)
+    v = torch.randn_like(q)
+    out = fp8_attention(q, k, v, pv_fp8=True, block_m=block_m, block_n=block_n, kernel="sm90")
+    ref = fp8_attention_reference(q, k, v, pv_fp8=True, block_n=block_n)
+    assert not out.isnan().any()
+    assert rel_l2(out, ref) < 1e-2

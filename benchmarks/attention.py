@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
+from diffusers_h3.kernels.block_sparse_attention_sm90 import sm90_kernel_available  # noqa: E402
 from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
 from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
 from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
@@ -420,6 +421,9 @@ def main(argv=None):
         "notes": notes,
         "kernel_sweep": sweep,
         "kernel_options": opts,
+        "flash_kernel": ("Hopper Gluon kernels (block_sparse_attention_sm90: TMA ring, async wgmma; dense FP8 "
+                         "warp-specialized) unless a case's kernel_options say otherwise; FP4 emulation on Triton"
+                         if sm90_kernel_available(q.device) else "Triton kernels"),
     }
     text = json.dumps(result, indent=2)
     if args.out:

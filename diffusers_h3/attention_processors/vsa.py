@@ -35,6 +35,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
 from ..kernels.block_sparse_attention import block_sparse_attention
+from ..kernels.block_sparse_attention_sm90 import sm90_kernel_available
 from ..kernels.fp8_attention import fp8_attention
 from ..kernels.quant_utils import (
     dequantize_fp8_per_block,
@@ -175,6 +176,9 @@ class MiniMaxH3VSAProcessor:
         strict (`bool`, defaults to `False`): when the GPU cannot run ``precision`` natively, raise instead of running
             the emulated path with a one-time warning.
         backend (`str`, defaults to `"auto"`): ``"triton"`` / ``"torch"`` (reference kernels) / ``"auto"``.
+        kernel (`str`, defaults to `"auto"`): the flash kernel of the fine stage and of FP8 dense layers: ``"sm90"``
+            (Hopper Gluon kernel: TMA ring, asynchronous wgmma, warp-specialized dense mode), ``"triton"`` (portable
+            Triton kernel) or ``"auto"`` (the Hopper kernel on compute capability 9.x GPUs, else Triton).
     """
 
     _attention_backend = None
@@ -194,7 +198,10 @@ class MiniMaxH3VSAProcessor:
         fp4_p: Optional[str] = "two_level",
         strict: bool = False,
         backend: str = "auto",
+        kernel: str = "auto",
     ):
+        if kernel not in ("auto", "sm90", "triton"):
+            raise ValueError(f"kernel must be 'auto', 'sm90' or 'triton', got {kernel!r}")
         if fp4_p not in (None, "two_level", "single_level"):
             raise ValueError(f"fp4_p must be 'two_level', 'single_level' or None (bf16 P), got {fp4_p!r}")
         if not isinstance(sparsity, (int, float)) or not 0.0 <= float(sparsity) < 1.0:
@@ -229,6 +236,7 @@ class MiniMaxH3VSAProcessor:
         self.fp4_p = fp4_p
         self.strict = bool(strict)
         self.backend = backend
+        self.kernel = kernel
         self._plans = TilePlanCache()
         self._dense = MiniMaxH3AttnProcessor()
         self._emulated: Optional[bool] = None
@@ -275,7 +283,7 @@ class MiniMaxH3VSAProcessor:
         if self.backend == "torch" or not (HAS_TRITON and (torch.cuda.is_available() or triton_interpreter_active())):
             kernel = "torch reference kernels (no CUDA / triton)" if self.backend != "torch" else "torch reference kernels"
         else:
-            kernel = "Triton kernels"
+            kernel = self._kernel_label()
         if self.precision == "fp8":
             prec = (f"FP8 E4M3 Q per token, K per tile{' (mean-centred)' if self.smooth_k else ''}, "
                     f"{self.pv_precision} PV")
@@ -301,6 +309,14 @@ class MiniMaxH3VSAProcessor:
         return (f"{layer}VSA sparsity={self.sparsity} tile={self.tile} {prec} via {kernel}"
                 f"{extra}; coarse gate when to_gate_compress exists")
 
+    def _kernel_label(self) -> str:
+        """Which flash kernel the GPU paths run (pooling, selection and quantization are Triton either way)."""
+        hopper = torch.cuda.is_available() and sm90_kernel_available(torch.device("cuda"))
+        fp4 = self.precision == "fp4" and self.fp4_p is not None
+        if self.kernel == "triton" or not hopper or fp4 or self.backend == "torch":
+            return "Triton kernels"
+        return "Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma)"
+
     # -- attention ----------------------------------------------------------------------------------------------------
     def _dense_attention(self, attn, hidden_states, query, key, value, rotary_emb, attention_mask):
         if self.precision == "bf16":
@@ -312,7 +328,7 @@ class MiniMaxH3VSAProcessor:
             value = value.contiguous()
         if self.precision == "fp8" and not self._emulate(query.device) and _kernel_available(query.device):
             out = fp8_attention(query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
-                                backend=self.backend)
+                                backend=self.backend, kernel=self.kernel)
         else:
             if self.precision == "fp4":
                 if self.smooth_k:
@@ -362,7 +378,7 @@ class MiniMaxH3VSAProcessor:
         out, out_coarse = vsa_attention(
             query, key, value, plan, sparsity=self.sparsity, precision=self.precision, smooth_k=self.smooth_k,
             pv_precision=self.pv_precision, compress=gate is not None, emulate=emulate, backend=backend,
-            fp4_p=self.fp4_p,
+            fp4_p=self.fp4_p, kernel_options={"kernel": self.kernel},
         )
         if gate is not None:
             g = gate(hidden_states).unflatten(-1, (attn.heads, -1))  # [B, S, H, D]
@@ -407,6 +423,7 @@ def enable_vsa(
     fp4_p: Optional[str] = "two_level",
     strict: bool = False,
     backend: str = "auto",
+    kernel: str = "auto",
 ) -> Dict[str, Any]:
     """Install one :class:`MiniMaxH3VSAProcessor` per transformer block (the token refiner keeps its processor).
 
@@ -428,7 +445,7 @@ def enable_vsa(
         processor = MiniMaxH3VSAProcessor(
             sparsity=sparsity, tile=tile, precision=precision, layer_index=i, dense_layers=dense_layers,
             dense_first_steps=dense_first_steps, smooth_k=smooth_k, pv_precision=pv_precision, fp4_p=fp4_p,
-            strict=strict, backend=backend,
+            strict=strict, backend=backend, kernel=kernel,
         )
         if strict:
             device = next(block.parameters()).device

@@ -38,9 +38,13 @@ def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int) -> Tuple[torc
     return q8, k8, v, q_scale, k_scale, v_scale
 
 
-def _default_block_n(q: torch.Tensor) -> int:
-    """64-key blocks (with 128 query rows per program) measured fastest on an H200
-    (benchmarks/results/attention_sweep_h200.json)."""
+def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:
+    """Key block (and K-scale block) measured fastest on an H200 (benchmarks/results/attention_sweep_h200.json):
+    128 keys on the warp-specialized Hopper kernel, 64 on the Triton kernel."""
+    from .block_sparse_attention_sm90 import sm90_kernel_available
+
+    if kernel != "triton" and q.is_cuda and sm90_kernel_available(q.device):
+        return 128
     return 64
 
 
@@ -87,7 +91,7 @@ def fp8_attention(
         return fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n)
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
-    block_n = block_n or _default_block_n(q)
+    block_n = block_n or _default_block_n(q, kernel)
     # Quantize with the fused Triton pass over key-block chunks (same rounding as quantize_fp8_per_token / _per_block).
     s = q.shape[1]
     n_chunks = -(-s // block_n)

@@ -289,7 +289,7 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
+    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
                            pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                            stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
         """Producer warp: streams every key block into the ring once both consumers released the slot."""
@@ -303,7 +303,7 @@ if HAS_GLUON:
                      v_ready.index(slot), j, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
 
     @gluon.jit
-    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
                      pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                      stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh,
                      WG: gl.constexpr):
@@ -317,7 +317,6 @@ if HAS_GLUON:
         QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
         PV_FP8: gl.constexpr = v_bufs.dtype == gl.float8e4nv
         v_bits: gl.constexpr = v_bufs.dtype.primitive_bitwidth
-        PINGPONG: gl.constexpr = turn.type.shape[0] == 2
         q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 256 // q_bits])
@@ -347,9 +346,6 @@ if HAS_GLUON:
         l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        if PINGPONG:
-            if WG == 1:
-                mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
 
         row_scale = row_scale_q
         if QK_FP8:
@@ -368,12 +364,8 @@ if HAS_GLUON:
             slot = j % STAGES
             mbarrier.wait(k_ready.index(slot_n), (nxt // STAGES) & 1)
             mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-            if PINGPONG:  # take turns issuing: one warpgroup's GEMMs run under the other's softmax
-                mbarrier.wait(turn.index(WG), j & 1)
             s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
             s = warpgroup_mma_wait(1, deps=[s_tok])
             cnt = gl.minimum(S - nxt * BLOCK_N, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
@@ -395,18 +387,18 @@ if HAS_GLUON:
                  + gl.expand_dims(offs_d_o, 0), out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
 
     @gluon.jit
-    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
 
     @gluon.jit
-    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn,
+    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
                        pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h,
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h,
                      S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
                      stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
 
@@ -416,7 +408,7 @@ if HAS_GLUON:
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_FP8: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr = True,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """Dense attention, FlashAttention-3 style: a 1-warp TMA producer and two independent consumer warpgroups
         (64 query rows each) sharing one K/V ring; the warp schedulers interleave one consumer's softmax with the
@@ -435,18 +427,12 @@ if HAS_GLUON:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # Issue turns of the two consumers; a one-slot array switches the ping-pong off (constexprs do not cross
-        # gl.warp_specialize, shapes do).
-        TURNS: gl.constexpr = 1 + PINGPONG
-        turn = gl.allocate_shared_memory(gl.int64, [TURNS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # released by both consumers
-        for i in gl.static_range(TURNS):
-            mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
-        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, turn, pid_m, b, h, S, H,
+        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h, S, H,
                 N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
                 stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
         gl.warp_specialize([
@@ -485,7 +471,6 @@ def block_sparse_attention_sm90(
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
     max_registers: Optional[int] = None,
-    pingpong: bool = True,
 ) -> torch.Tensor:
     """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
     (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows. ``max_registers``
@@ -545,7 +530,7 @@ def block_sparse_attention_sm90(
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
-            CONSUMER_REGS=232, PRODUCER_REGS=40, PINGPONG=pingpong, num_warps=4, maxnreg=max_registers or 168,
+            CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=max_registers or 168,
         )
         return out
     _bsa_fwd_sm90_kernel[grid](

@@ -414,6 +414,7 @@ def main(argv=None):
         "triton": __import__("triton").__version__,
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python3 " + " ".join(sys.argv),
         "shape": {"batch": b, "rows": s, "heads": h, "head_dim": d, "layout": layout.describe(),
                   "tiles": plan.describe(), "error_heads": err_heads},
         "reference": "fp32 attention (dense, or over the same selected tiles for sparse cases) on error_heads",

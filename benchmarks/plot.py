@@ -1,7 +1,6 @@
 """Plot the committed benchmark results: `python benchmarks/plot.py` -> benchmarks/results/summary.png.
 
-Reads end_to_end_h200.json (+ the compiled cases of end_to_end_compile_h200.json, ratios against that run's own
-native baseline), attention_h200.json and gemm_h200.json (one H200, same-run baselines) and draws one panel per suite: time per case with the baseline marked, and the speed-up over it. Needs matplotlib.
+Reads end_to_end_h200.json, attention_h200.json and gemm_h200.json (one H200, same-run baselines) and draws one panel per suite: time per case with the baseline marked, and the speed-up over it. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -41,11 +40,8 @@ def main():
 
     e2e, attention, gemm = _load("end_to_end_h200.json"), _load("attention_h200.json"), _load("gemm_h200.json")
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    compiled = _load("end_to_end_compile_h200.json")
     if e2e:
         cases = dict(e2e["cases"])
-        if compiled:
-            cases.update({f"{k} ({compiled['commit']})": v for k, v in compiled["cases"].items() if k.endswith("+compile")})
         _bars(axes[0], f"Full 50-block DiT forward, {e2e['shape']['rows']:,} rows ({e2e['device']}, {e2e['commit']})",
               list(cases), [c["ms"] / 1000 for c in cases.values()], [c["ratio"] for c in cases.values()], "s")  # fmt: skip
     if attention:

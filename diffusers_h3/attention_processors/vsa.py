@@ -8,7 +8,8 @@ Semantics follow FastH3 (FastVideo's H3 VSA backend):
 * coarse stage: Q and K are mean-pooled per tile in float32, tile scores are ``q̄ k̄ᵀ / sqrt(d)``, and every video query
   tile keeps the top ``ceil((1 - sparsity) * n_video_tiles)`` video key tiles plus every non-video key tile; non-video
   query rows stay dense;
-* fine stage: block-sparse flash attention over the selected tiles (Triton, :mod:`diffusers_h3.kernels`);
+* fine stage: block-sparse flash attention over the selected tiles (on Hopper the Gluon kernel of
+  :mod:`diffusers_h3.kernels.block_sparse_attention_sm90`, elsewhere the Triton kernel; ``kernel=`` picks);
 * when the attention module has a ``to_gate_compress`` linear (VSA-distilled FastH3 checkpoints; see
   :func:`add_gate_compress`), the coarse output ``softmax(scores) v̄`` of each row's tile is added through it:
   ``out = out_fine + to_gate_compress(x) * out_coarse``. Base checkpoints have no gate and run pure sparse.
@@ -19,8 +20,9 @@ Dense calls (``sparsity=0``, ``dense_layers``, the first ``dense_first_steps`` s
 dense FP8 kernel, FP4 through emulation.
 
 Measured on one H200 at the H3 shape (38,222 rows, 56 heads; ``benchmarks/results/attention_h200.json``): cuDNN dense
-74.3 ms; VSA bf16 30.5 ms at sparsity 0.8 and 19.5 ms at 0.9; VSA FP8 27.4 / 17.6 ms; dense FP8 69.7 ms (1.07x cuDNN
-bf16; the Triton kernels reach ~340-600 TFLOP/s). FP8 Q/K costs ~3.8e-2 relative L2 on Gaussian inputs (bf16: 2.3e-3).
+74.2 ms; VSA bf16 29.7 ms at sparsity 0.8 and 18.5 ms at 0.9; VSA FP8 24.9 / 15.9 ms; dense FP8 61.3 ms (1.21x cuDNN
+bf16). The 64-row fine stage is bound by L2 bandwidth (docs/attention.md). FP8 Q/K costs ~3.8e-2 relative L2 on
+Gaussian inputs (bf16: 2.3e-3).
 """
 
 from __future__ import annotations

@@ -142,19 +142,27 @@ if HAS_TRITON:
         return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
-    def _query_tile(t, n_tiles, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale, stride_qb,
-                    stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
-                    BLOCK_M: tl.constexpr, QK_FP8: tl.constexpr):
-        """Rows, tile list, ``q`` and per-row score scale of query tile ``t``."""
-        count = tl.load(TILE_COUNTS + t)
-        rows = tl.load(SLOT_ROWS + t * BLOCK_M + offs_m).to(tl.int64)
-        list_base = KV_INDEX + b * stride_ib + h * stride_ih + t.to(tl.int64) * stride_it
-        num = tl.load(KV_NUM + (b * H + h) * n_tiles + t)
+    def _query_tile(t, n_tiles, b, h, H, S, N_KV_BLOCKS, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
+                    qk_scale, stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it,
+                    offs_m, offs_d, BLOCK_M: tl.constexpr, QK_FP8: tl.constexpr, DENSE: tl.constexpr):
+        """Rows, tile list, ``q`` and per-row score scale of query tile ``t`` (dense: rows ``t * BLOCK_M + i``,
+        every key block)."""
+        if DENSE:
+            rows = t * BLOCK_M + offs_m
+            row_valid = rows < S
+            rows = tl.where(row_valid, rows, 0).to(tl.int64)
+            num = N_KV_BLOCKS
+            list_base = KV_INDEX
+        else:
+            row_valid = offs_m < tl.load(TILE_COUNTS + t)
+            rows = tl.load(SLOT_ROWS + t * BLOCK_M + offs_m).to(tl.int64)
+            list_base = KV_INDEX + b * stride_ib + h * stride_ih + t.to(tl.int64) * stride_it
+            num = tl.load(KV_NUM + (b * H + h) * n_tiles + t)
         q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
         scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
         if QK_FP8:
             scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
-        return rows, offs_m < count, list_base, num, q, scale_rows
+        return rows, row_valid, list_base, num, q, scale_rows
 
     @triton.jit
     def _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
@@ -233,21 +241,10 @@ if HAS_TRITON:
         v_base = V + b * stride_vb + h * stride_vh
         ks_base = K_SCALE + b * stride_ksb + h * stride_ksh
 
-        if DENSE:
-            rows = pid_m * BLOCK_M + offs_m
-            row_valid = rows < S
-            rows = tl.where(row_valid, rows, 0).to(tl.int64)
-            num = N_KV_BLOCKS
-            list_base = KV_INDEX
-            q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
-            scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale)
-            if QK_FP8:
-                scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
-        else:
-            rows, row_valid, list_base, num, q, scale_rows = _query_tile(
-                pid_m, N_Q_TILES, b, h, H, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
-                stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m,
-                offs_d, BLOCK_M, QK_FP8)
+        rows, row_valid, list_base, num, q, scale_rows = _query_tile(
+            pid_m, N_Q_TILES, b, h, H, S, N_KV_BLOCKS, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
+            stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
+            BLOCK_M, QK_FP8, DENSE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -89,28 +89,22 @@ if HAS_GLUON:
         return operand
 
     @gluon.jit
-    def _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           PV_FP8: gl.constexpr):
-        """``acc / l`` (times the per-channel V scale / 448 with FP8 P·V)."""
-        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        if PV_FP8:
-            v_sc = gl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d_o)
-            acc = acc * gl.expand_dims(v_sc / 448.0, 0)
-        return acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-
-    @gluon.jit
     def _tile_at(j, DENSE: gl.constexpr, list_base, S, BLOCK_N: gl.constexpr):
         """Key tile index of list position ``j`` (``j`` itself in dense mode)."""
         if DENSE:
-            return j
-        return gl.load(list_base + j)
+            kv = j
+        else:
+            kv = gl.load(list_base + j)
+        return kv
 
     @gluon.jit
     def _tile_rows(kv, DENSE: gl.constexpr, TILE_COUNTS, S, BLOCK_N: gl.constexpr):
         """Valid rows of key tile ``kv``."""
         if DENSE:
-            return gl.minimum(S - kv * BLOCK_N, BLOCK_N)
-        return gl.load(TILE_COUNTS + kv)
+            cnt = gl.minimum(S - kv * BLOCK_N, BLOCK_N)
+        else:
+            cnt = gl.load(TILE_COUNTS + kv)
+        return cnt
 
     @gluon.jit
     def _p_operand(p, p_buf, dtype: gl.constexpr, layout: gl.constexpr):
@@ -149,6 +143,107 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
+    def _key_tile(j, DENSE: gl.constexpr, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
+                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr):
+        """Valid rows and per-row score scale of the key tile at list position ``j``."""
+        kv = _tile_at(j, DENSE, list_base, S, BLOCK_N)
+        cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
+        row_scale = row_scale_q
+        if QK_FP8:
+            row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
+        return cnt, row_scale
+
+    @gluon.jit
+    def _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, empty, p_base, k_desc, v_desc,
+                      list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DENSE: gl.constexpr,
+                      QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr):
+        """Online-softmax attention of one warpgroup's 64 query rows over ``num >= 1`` key tiles of the ring.
+
+        Order (FlashAttention-3's intra-warpgroup overlap): ``S_{j+1} = Q K_{j+1}^T`` and ``P_j V_j`` in flight
+        together, the softmax of tile ``j + 1`` under ``P_j V_j``. Without a producer warp the warpgroup requests
+        tile ``j + STAGES - 1`` itself (its slot held tile ``j - 1``, whose products are complete); with one
+        (``PRODUCER_WARP``) it releases each slot on ``empty`` once ``P_j V_j`` is done. Returns ``acc, l``.
+        """
+        STAGES: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
+        ROWS: gl.constexpr = q.type.shape[0]
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+        cnt, row_scale = _key_tile(0, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss, BLOCK_N,
+                                   QK_FP8)
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
+        p_op = _p_operand(p, p_bufs.index(p_base), v_desc.dtype, p_layout)
+        for j in range(0, num - 1):
+            if not PRODUCER_WARP:
+                ahead = j + STAGES - 1
+                if ahead < num:
+                    _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
+                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS, HEAD_DIM,
+                                     BLOCK_N, STAGES)
+            nxt = j + 1
+            cnt, row_scale = _key_tile(nxt, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
+                                       BLOCK_N, QK_FP8)
+            slot_n = nxt % STAGES
+            mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            slot = j % STAGES
+            mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
+            acc = _wait_pv(o_tok, p_op, PV_FP8)
+            if PRODUCER_WARP:
+                mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = _p_operand(p, p_bufs.index(p_base + nxt % 2), v_desc.dtype, p_layout)
+        last = num - 1
+        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), PV_FP8), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        if PRODUCER_WARP:
+            mbarrier.arrive(empty.index(last % STAGES), count=1)
+        return acc, l_i
+
+    @gluon.jit
+    def _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh,
+                    o_layout: gl.constexpr, PV_FP8: gl.constexpr):
+        """Normalise (``acc / l``, times the per-channel V scale / 448 with FP8 P·V) and write the valid rows."""
+        HEAD_DIM: gl.constexpr = acc.type.shape[1]
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        if PV_FP8:
+            v_sc = gl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d)
+            acc = acc * gl.expand_dims(v_sc / 448.0, 0)
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
+        ptrs = (O + b.to(gl.int64) * stride_ob + gl.expand_dims(rows_o * stride_os, 1) + h * stride_oh
+                + gl.expand_dims(offs_d, 0))
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
+
+    @gluon.jit
+    def _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh, stride_qsb,
+                    stride_qss, q_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    QK_FP8: gl.constexpr):
+        """``q`` of the given rows as the wgmma A operand (registers) and their per-row score scale
+        (softmax scale * log2(e), times the FP8 Q scale)."""
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        q = gl.load(Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
+                    + gl.expand_dims(offs_d, 0))
+        row_scale = gl.full(rows.shape, qk_scale, gl.float32, layout=row_layout)
+        if QK_FP8:
+            row_scale = row_scale * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
+        return q, row_scale
+
+    @gluon.jit
     def _bsa_fwd_sm90_kernel(
         Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
         qk_scale, S, H, N_KV_BLOCKS, N_Q_TILES, KV_ROWS,
@@ -178,9 +273,7 @@ if HAS_GLUON:
 
         # 1. Query rows, the key-tile list, q (registers) and the per-row score scale.
         offs_m_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
         offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if DENSE:
             rows_q = pid_m * BLOCK_M + offs_m_q
             rows_q = gl.where(rows_q < S, rows_q, 0).to(gl.int64)
@@ -196,12 +289,8 @@ if HAS_GLUON:
             row_valid = offs_m < count
             list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + pid_m.to(gl.int64) * stride_it
             num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + pid_m)
-        q_ptrs = (Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
-                  + gl.expand_dims(offs_d_q, 0))
-        q = gl.load(q_ptrs)
-        row_scale_q = gl.full([BLOCK_M], qk_scale, gl.float32, layout=row_layout)
-        if QK_FP8:
-            row_scale_q = row_scale_q * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
+        q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
+                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_FP8)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
 
         # 2. Shared-memory rings and their barriers; the first STAGES - 1 tiles are requested at once.
@@ -224,68 +313,16 @@ if HAS_GLUON:
                                  _tile_at(i, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
                                  STAGES)
 
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-        if num > 0:
-            # 3. Scores and softmax of the first tile.
-            kv = _tile_at(0, DENSE, list_base, S, BLOCK_N)
-            cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
-            row_scale = row_scale_q
-            if QK_FP8:
-                row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
-            mbarrier.wait(k_bars.index(0), 0)
-            s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-            p_op = _p_operand(p, p_bufs.index(0), v_desc.dtype, p_layout)
-
-            # 4. Steady state: S_{j+1} and P_j V_j in flight together, the softmax of tile j+1 under P_j V_j.
-            for j in range(0, num - 1):
-                ahead = j + STAGES - 1
-                if ahead < num:  # its ring slot held tile j - 1, whose products are complete
-                    _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
-                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS,
-                                     HEAD_DIM, BLOCK_N, STAGES)
-                nxt = j + 1
-                kv = _tile_at(nxt, DENSE, list_base, S, BLOCK_N)
-                cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
-                row_scale = row_scale_q
-                if QK_FP8:
-                    row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
-                slot_n = nxt % STAGES
-                mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
-                s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                slot = j % STAGES
-                mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
-                o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=[s_tok])
-                p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-                acc = _wait_pv(o_tok, p_op, PV_FP8)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p_op = _p_operand(p, p_bufs.index(nxt % 2), v_desc.dtype, p_layout)
-
-            # 5. P V of the last tile.
-            last = num - 1
-            mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), PV_FP8), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-
+        # 3. The tiles (a tile with no keys cannot occur: non-video tiles are always listed).
+        acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, k_bars, 0, k_desc,
+                                 v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout,
+                                 o_layout, p_layout, DENSE, QK_FP8, PV_FP8, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        # 6. Normalise and write the valid rows.
-        out = _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout, HEAD_DIM, PV_FP8)
-        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
-        valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
-        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (O + b64 * stride_ob + gl.expand_dims(rows_o * stride_os, 1) + h * stride_oh
-                  + gl.expand_dims(offs_d_o, 0))
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
+        # 4. Normalise and write the valid rows.
+        _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
 
     @gluon.jit
@@ -308,10 +345,9 @@ if HAS_GLUON:
                      stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh,
                      WG: gl.constexpr):
         """One consumer warpgroup: rows ``[WG * 64, WG * 64 + 64)`` of the program's 128 query rows, every key
-        block, the same asynchronous wgmma order as :func:`_bsa_fwd_sm90_kernel`."""
+        block (:func:`_attend_tiles` with the producer warp's ring)."""
         # (constexprs do not cross gl.warp_specialize: they are read back from the buffer and pointer types)
         WG_ROWS: gl.constexpr = 64
-        STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
         QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
@@ -330,61 +366,16 @@ if HAS_GLUON:
 
         rows_q = first_row + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, q_layout))
         rows_q = gl.where(rows_q < S, rows_q, 0).to(gl.int64)
-        offs_d_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        q = gl.load(Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
-                    + gl.expand_dims(offs_d_q, 0))
         rows = first_row + gl.arange(0, WG_ROWS, layout=row_layout)
         row_valid = rows < S
         rows = gl.where(row_valid, rows, 0).to(gl.int64)
-        row_scale_q = gl.full([WG_ROWS], qk_scale, gl.float32, layout=row_layout)
-        if QK_FP8:
-            row_scale_q = row_scale_q * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
+        q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
+                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_FP8)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-        m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_layout)
-        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-        row_scale = row_scale_q
-        if QK_FP8:
-            row_scale = row_scale_q * gl.load(ks_base)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        p, m_i, l_i, alpha = _softmax_step(s, gl.minimum(S, BLOCK_N), row_scale, m_i, l_i, offs_n, BLOCK_N)
-        p_op = _p_operand(p, p_bufs.index(2 * WG), v_desc.dtype, p_layout)
-        for j in range(0, N_KV_BLOCKS - 1):
-            nxt = j + 1
-            row_scale = row_scale_q
-            if QK_FP8:
-                row_scale = row_scale_q * gl.load(ks_base + nxt * stride_kss)
-            slot_n = nxt % STAGES
-            slot = j % STAGES
-            mbarrier.wait(k_ready.index(slot_n), (nxt // STAGES) & 1)
-            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            cnt = gl.minimum(S - nxt * BLOCK_N, BLOCK_N)
-            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
-            acc = _wait_pv(o_tok, p_op, PV_FP8)
-            mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = _p_operand(p, p_bufs.index(2 * WG + nxt % 2), v_desc.dtype, p_layout)
-        last = N_KV_BLOCKS - 1
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(last % STAGES), PV_FP8), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(empty.index(last % STAGES), count=1)
-
-        out = _normalised_output(acc, l_i, V_SCALE, b, h, H, o_layout, HEAD_DIM, PV_FP8)
-        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
-        valid_o = gl.convert_layout(row_valid, gl.SliceLayout(1, o_layout))
-        offs_d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + b64 * stride_ob + gl.expand_dims(rows_o * stride_os, 1) + h * stride_oh
-                 + gl.expand_dims(offs_d_o, 0), out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
+        acc, l_i = _attend_tiles(q, row_scale_q, N_KV_BLOCKS, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
+                                 k_desc, v_desc, Q, Q, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout, o_layout,
+                                 p_layout, True, QK_FP8, PV_FP8, True)
+        _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
     @gluon.jit
     def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,

@@ -233,6 +233,33 @@ def flex_block_sparse(plan, mask):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, kernel_options=options)
 
 
+def profile_vsa(q, k, v, plan, out_path, sparsity=0.8):
+    """CUDA time per kernel of one VSA core call (pooling, selection, quantization, fine stage) per precision."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for prec, pv in (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8")):
+        def fn(prec=prec, pv=pv):
+            return vsa_attention(q, k, v, plan, sparsity=sparsity, precision=prec, pv_precision=pv)[0]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        rows = sorted(((e.key, e.device_time_total / 5e3) for e in prof.key_averages()), key=lambda r: -r[1])
+        name = f"vsa_{prec}{'pv8' if pv == 'fp8' else ''}_sp{sparsity}"
+        result[name] = {"total_ms": round(sum(ms for _, ms in rows), 3),
+                        "kernels_ms": {key[:90]: round(ms, 3) for key, ms in rows if ms > 0.01}}
+        print(name, result[name]["total_ms"], "ms", flush=True)
+        for key, ms in rows[:10]:
+            print(f"   {ms:8.3f} ms  {key[:100]}", flush=True)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
@@ -245,6 +272,8 @@ def main(argv=None):
                         help="time the fine-kernel variants first and use the fastest (else the defaults)")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     parser.add_argument("--sweep-out", default=None, help="write the sweep results here as they come")
+    parser.add_argument("--profile-vsa", default=None, metavar="JSON",
+                        help="only profile the VSA core (CUDA time per kernel, torch.profiler) and write it here")
     parser.add_argument("--sweep-only-cases", default=None,
                         help="comma list of name fragments: time only the sweep variants whose name contains one")
     parser.add_argument("--peer-dir", default=None,
@@ -313,6 +342,8 @@ def main(argv=None):
         del out
         return ms
 
+    if args.profile_vsa:
+        return profile_vsa(q, k, v, plan, args.profile_vsa)
     ref_dense = dense_reference(q, k, v, err_heads)
     sweep = kernel_sweep(q, k, v, plan, iters=5, out_path=args.sweep_out, only=args.sweep_only_cases) if args.sweep else {}
     opts = {prec: kernel_options(sweep, prec) for prec in ("bf16", "fp8", "fp8pv8", "dense_fp8", "dense_fp8pv8")}

@@ -24,7 +24,12 @@ from diffusers_h3.kernels.quant_utils import (  # noqa: E402
     quantize_fp8_per_token,
 )
 from diffusers_h3.kernels.vsa_pool import tile_pool, tile_pool_reference  # noqa: E402
-from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, mask_to_index_reference  # noqa: E402
+from diffusers_h3.kernels.vsa_select import (  # noqa: E402
+    build_block_mask,
+    mask_to_index,
+    mask_to_index_reference,
+    select_tiles,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
@@ -84,6 +89,26 @@ def test_mask_to_index_matches_reference():
     rebuilt.scatter_(-1, torch.where(listed, index, 37).long(), True)
     assert torch.equal(rebuilt[..., :37], mask)
     assert (index.gather(-1, (num - 1).clamp_min(0).unsqueeze(-1).long()) >= 0).all()
+
+
+@pytest.mark.parametrize("b,h,t,prefix,topk", [(2, 3, 37, 5, 7), (1, 2, 20, 0, 4), (1, 1, 9, 9, 0),
+                                                (1, 2, 40, 3, 37), (1, 1, 33, 4, 1)])
+def test_select_tiles_matches_mask_then_index(b, h, t, prefix, topk):
+    scores = torch.randn(b, h, t, t, device=DEVICE)
+    scores[..., 2:6] = 0.5  # ties at and around the threshold: the lower tile index wins
+    scores[..., 7] = -0.0
+    scores[..., 8] = 0.0
+    index, num = select_tiles(scores, prefix, topk, backend="triton")
+    ref_index, ref_num = mask_to_index_reference(build_block_mask(scores, prefix, topk))
+    assert torch.equal(num, ref_num)
+    assert (num[:, :, prefix:] == prefix + topk).all()
+    listed = torch.arange(t, device=DEVICE) < num.unsqueeze(-1)
+    assert torch.equal(torch.where(listed, index, -1), torch.where(listed, ref_index, -1))
+
+
+def test_select_tiles_rejects_a_topk_beyond_the_video_tiles():
+    with pytest.raises(ValueError, match="topk must be in"):
+        select_tiles(torch.randn(1, 1, 10, 10, device=DEVICE), 4, 7)
 
 
 def _sparse_inputs(plan, b=2, h=3, d=32, dtype=DTYPE, sparsity_topk=3):
@@ -241,3 +266,18 @@ def test_fp4_p_reference_agrees_with_generic_fp4():
     small = p * 1e-3
     two_err = rel_l2(fake_quant_p_fp4_reference(small, two_level=True), small)
     assert two_err < 0.2 < rel_l2(fake_quant_p_fp4_reference(small, two_level=False), small)
+
+
+@pytest.mark.parametrize("n,dtype", [(77, DTYPE), (128, torch.float32), (5, DTYPE)])
+def test_channel_major_fp8_v_is_bitwise_reference(n, dtype):
+    from diffusers_h3.kernels.fp8_value import quantize_v_fp8_channel_major, quantize_v_fp8_channel_major_reference
+
+    v = torch.randn(2, n, 3, 32, device=DEVICE, dtype=dtype) * torch.linspace(0.1, 4, 32, device=DEVICE).to(dtype)
+    v8, scale = quantize_v_fp8_channel_major(v, backend="triton")
+    r8, rscale = quantize_v_fp8_channel_major_reference(v)
+    assert torch.equal(scale, rscale)
+    # Keys contiguous ([B, H, D, N] storage) and rows padded to 16 bytes, as TMA reads them.
+    assert v8.shape == v.shape and v8.stride(1) == 1 and v8.stride(3) % 16 == 0
+    assert torch.equal(v8.view(torch.uint8), r8.view(torch.uint8))
+    recon = v8.float() * scale.unsqueeze(1)
+    assert ((recon - v.float()).abs() <= v.float().abs() * 0.0625 + scale.unsqueeze(1) * 2 ** -9).all()

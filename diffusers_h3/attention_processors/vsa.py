@@ -38,6 +38,7 @@ from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores
 from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
 from ..kernels.block_sparse_attention import block_sparse_attention
 from ..kernels.block_sparse_attention_sm90 import sm90_kernel_available
+from ..kernels.fp8_value import quantize_v_fp8_channel_major
 from ..kernels.fp8_attention import fp8_attention
 from ..kernels.quant_utils import (
     dequantize_fp8_per_block,
@@ -47,7 +48,7 @@ from ..kernels.quant_utils import (
     quantize_fp8_per_channel,
 )
 from ..kernels.vsa_pool import tile_pool, tile_quantize_fp8
-from ..kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity
+from ..kernels.vsa_select import select_tiles, topk_for_sparsity
 from ._projections import project_output, project_qkv
 from .layout import require_packed_layout
 from .tiling import TilePlan, TilePlanCache
@@ -107,8 +108,7 @@ def vsa_attention(
     pooled_v, v_packed = tile_pool(value, *rows, pooled=compress, packed=True, backend=backend)
     scores = torch.matmul(pooled_q, pooled_k.transpose(-1, -2)) * scale  # [B, H, T, T] float32
     topk = topk_for_sparsity(sparsity, plan.num_video_tiles)
-    mask = build_block_mask(scores, plan.num_prefix_tiles, topk)
-    kv_index, kv_num = mask_to_index(mask, backend=backend)
+    kv_index, kv_num = select_tiles(scores, plan.num_prefix_tiles, topk, backend=backend)
     out_coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled_v) if compress else None
 
     common = dict(block=block, scale=scale, out_dtype=query.dtype, backend=backend, **(kernel_options or {}))
@@ -126,9 +126,8 @@ def vsa_attention(
     if native_fp8:
         _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, backend=backend)
         v_arg, v_scale = v_packed, None
-        if pv_precision == "fp8":
-            v8, v_scale = quantize_fp8_per_channel(v_packed, seq_dim=1)
-            v_arg = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # channel-major for the FP8 PV MMA
+        if pv_precision == "fp8":  # channel-major E4M3 for the FP8 P.V MMA
+            v_arg, v_scale = quantize_v_fp8_channel_major(v_packed, backend=backend)
         out = block_sparse_attention(q8, k8, v_arg, *sparse_args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                      **common)
         return out, out_coarse

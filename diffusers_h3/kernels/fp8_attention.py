@@ -22,6 +22,7 @@ import torch
 from ._triton_utils import opaque_to_compile, use_triton
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
 from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
+from .fp8_value import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
 
 
@@ -102,14 +103,8 @@ def fp8_attention(
     _, q8, qs = tile_quantize_fp8(q, slot_rows, counts, block_n, backend="triton")
     _, k8, ks = tile_quantize_fp8(k, slot_rows, counts, block_n, subtract=mean, per_tile=True, backend="triton")
     v_, vs = v, None
-    if pv_fp8:
-        v_, vs = quantize_fp8_per_channel(v, seq_dim=1)
-    if pv_fp8:
-        # Channel-major for the FP8 P·V MMA, the sequence padded to 16 bytes so that TMA can read it.
-        b, s_, h, d = v_.shape
-        v_t = torch.zeros(b, h, d, -(-s_ // 16) * 16, device=v_.device, dtype=v_.dtype)
-        v_t[..., :s_] = v_.permute(0, 2, 3, 1)
-        v_ = v_t[..., :s_].permute(0, 3, 1, 2)
+    if pv_fp8:  # channel-major E4M3 (rows padded to 16 bytes) for the FP8 P.V MMA
+        v_, vs = quantize_v_fp8_channel_major(v, backend="triton")
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
         dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,

@@ -134,3 +134,21 @@ def test_fp8_dense_matches_reference_on_a_slice(pv_fp8):
     # The reference rounds P per key block against the running max, like the kernel (same default block size).
     assert rel_l2(out, ref) < 5e-3
     assert rel_l2(out, _dense_fp32(q, k, v)) < (4.5e-2 if not pv_fp8 else 7e-2)
+
+
+def test_select_tiles_and_fp8_v_at_h3_shape(setup):
+    from diffusers_h3.kernels.fp8_value import quantize_v_fp8_channel_major, quantize_v_fp8_channel_major_reference
+    from diffusers_h3.kernels.vsa_select import select_tiles
+
+    plan, q, k, v = setup
+    scores = torch.randn(1, HEADS, plan.num_tiles, plan.num_tiles, device="cuda")
+    scores[..., 100:110] = 0.25  # ties
+    index, num = select_tiles(scores, plan.num_prefix_tiles, 120)
+    ref_index, ref_num = mask_to_index_reference(build_block_mask(scores, plan.num_prefix_tiles, 120))
+    assert torch.equal(num, ref_num)
+    listed = torch.arange(plan.num_tiles, device="cuda") < num.unsqueeze(-1)
+    assert torch.equal(torch.where(listed, index, -1), torch.where(listed, ref_index, -1))
+    v8, scale = quantize_v_fp8_channel_major(v)
+    r8, rscale = quantize_v_fp8_channel_major_reference(v)
+    assert torch.equal(scale, rscale)
+    assert torch.equal(v8.view(torch.uint8), r8.view(torch.uint8))

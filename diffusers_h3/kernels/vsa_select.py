@@ -49,8 +49,9 @@ if HAS_TRITON:
         key = tl.where(video, key, -1)  # non-video and padding never count
         # Largest threshold t with at least TOPK video keys >= t, built bit by bit from the top.
         t = tl.zeros([], tl.int64)
+        one = tl.full([], 1, tl.int64)  # (an int32 1 << 31 would wrap negative)
         for bit in range(31, -1, -1):
-            candidate = t | (1 << bit)
+            candidate = t | (one << bit)
             if tl.sum((key >= candidate).to(tl.int32), axis=0) >= TOPK:
                 t = candidate
         above = key > t

@@ -20,7 +20,7 @@ Dense calls (``sparsity=0``, ``dense_layers``, the first ``dense_first_steps`` s
 dense FP8 kernel, FP4 through emulation.
 
 Measured on one H200 at the H3 shape (38,222 rows, 56 heads; ``benchmarks/results/attention_h200.json``): cuDNN dense
-74.2 ms; VSA bf16 29.7 ms at sparsity 0.8 and 18.5 ms at 0.9; VSA FP8 24.9 / 15.9 ms; dense FP8 61.3 ms (1.21x cuDNN
+73.5 ms; VSA bf16 28.3 ms at sparsity 0.8 and 17.7 ms at 0.9; VSA FP8 23.2 / 15.1 ms; dense FP8 59.8 ms (1.23x cuDNN
 bf16). The 64-row fine stage is bound by L2 bandwidth (docs/attention.md). FP8 Q/K costs ~3.8e-2 relative L2 on
 Gaussian inputs (bf16: 2.3e-3).
 """

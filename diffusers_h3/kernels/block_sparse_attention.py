@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
-from .block_sparse_attention_sm90 import _channel_major_rows, block_sparse_attention_sm90, sm90_kernel_available
+from .block_sparse_attention_sm90 import block_sparse_attention_sm90, channel_major_rows, sm90_kernel_available
 from .quant_utils import dequantize_fp8_per_block
 from .vsa_pool import valid_slots
 
@@ -309,7 +309,7 @@ def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         return False, f"it takes bf16/fp16 (or E4M3 Q/K) inputs, got q {q.dtype}"
     if v_scale is not None:
-        if v.dtype != torch.float8_e4m3fn or _channel_major_rows(v) is None:
+        if v.dtype != torch.float8_e4m3fn or channel_major_rows(v) is None:
             return False, "FP8 P.V needs a channel-major E4M3 v ([B, H, D, N] storage, 16-byte aligned rows)"
     elif v.dtype not in (torch.bfloat16, torch.float16) or not v.is_contiguous():
         return False, f"it reads v by TMA and needs a contiguous bf16/fp16 v, got {v.dtype}"
@@ -549,15 +549,13 @@ def block_sparse_attention(
     rotate: Optional[bool] = None,
     p_fp4: Optional[str] = None,
     kernel: str = "auto",
-    max_registers: Optional[int] = None,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
     ``kernel`` picks the GPU implementation: ``"sm90"`` the Hopper Gluon kernel
     (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K, bf16 or
     FP8 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
-    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere. ``max_registers`` (SM90 kernel)
-    caps the registers per thread.
+    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere.
 
     ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
     FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
@@ -632,10 +630,8 @@ def block_sparse_attention(
     if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
         return block_sparse_attention_sm90(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages, max_registers=max_registers,
+            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages,
         )
-    if max_registers is not None:
-        raise ValueError("max_registers is a knob of the SM90 kernel, which does not run here (kernel='sm90')")
     on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}

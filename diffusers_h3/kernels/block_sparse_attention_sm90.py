@@ -433,7 +433,7 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _channel_major_rows(v: torch.Tensor) -> Optional[torch.Tensor]:
+def channel_major_rows(v: torch.Tensor) -> Optional[torch.Tensor]:
     """``v [B, N, H, D]`` viewed as ``[B*H*D, N]`` rows when its storage is channel-major with 16-byte aligned
     rows (the layout FP8 P·V reads by TMA), else ``None``."""
     b, n, h, d = v.shape
@@ -461,11 +461,10 @@ def block_sparse_attention_sm90(
     dense: bool = False,
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
-    max_registers: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
-    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows. ``max_registers``
-    caps registers per thread (more programs per multiprocessor). The dense mode with ``block_m=128`` (its
+    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows (FP8 V: channel-major).
+    The dense mode with ``block_m=128`` (its
     default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer warpgroups of 64 query rows and a TMA
     producer warp; ``block_m=64`` runs one warpgroup per program."""
     if not HAS_GLUON:
@@ -479,7 +478,7 @@ def block_sparse_attention_sm90(
     k_desc = TensorDescriptor.from_tensor(k.view(b * n, h * d), [block, d],
                                           gl.NVMMASharedLayout.get_default_for([block, d], k_gl))
     if v.dtype == torch.float8_e4m3fn:  # channel-major rows (batch, head, channel) x keys
-        rows = _channel_major_rows(v)
+        rows = channel_major_rows(v)
         if rows is None or v_scale is None:
             raise ValueError("FP8 P.V on the SM90 kernel needs a channel-major E4M3 v (a view of a [B, H, D, N] "
                              "buffer with 16-byte aligned rows) and v_scale")
@@ -521,7 +520,7 @@ def block_sparse_attention_sm90(
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
-            CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=max_registers or 168,
+            CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
         )
         return out
     _bsa_fwd_sm90_kernel[grid](
@@ -531,6 +530,5 @@ def block_sparse_attention_sm90(
         *qs_strides, *ks_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
         QK_FP8=q_scale is not None, num_warps=block_m // 16,
-        **({"maxnreg": max_registers} if max_registers else {}),
     )
     return out

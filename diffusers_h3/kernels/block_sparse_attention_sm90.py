@@ -326,9 +326,10 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
-                           pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
-                           stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
+    def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready,
+                           v_ready, empty, pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs,
+                           stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss,
+                           stride_ksh):
         """Producer warp: streams every key block into the ring once both consumers released the slot."""
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -377,21 +378,22 @@ if HAS_GLUON:
                                  p_layout, True, QK_FP8, PV_FP8, True)
         _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
+    # gl.warp_specialize takes one function per partition and no constexpr arguments: one thin entry per consumer.
     @gluon.jit
-    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
-                       pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+    def _ws_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready,
+                       empty, pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h,
-                     S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
-                     stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
+                     pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob,
+                     stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 0)
 
     @gluon.jit
-    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
-                       pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
+    def _ws_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready,
+                       empty, pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh,
                        stride_ob, stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh):
-        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h,
-                     S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
-                     stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
+        _ws_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
+                     pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob,
+                     stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, 1)
 
     @gluon.jit
     def _dense_fwd_sm90_ws_kernel(
@@ -423,9 +425,9 @@ if HAS_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # released by both consumers
         fence_async_shared()
-        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, pid_m, b, h, S, H,
-                N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
-                stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
+        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty,
+                pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob,
+                stride_os, stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh)
         gl.warp_specialize([
             (_ws_consumer_0, args),
             (_ws_consumer_1, args),

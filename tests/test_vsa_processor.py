@@ -254,6 +254,10 @@ def test_errors_and_describe(model):
         MiniMaxH3VSAProcessor(precision="bf16", pv_precision="fp8")
     with pytest.raises(ValueError, match="32"):
         MiniMaxH3VSAProcessor(precision="fp8", pv_precision="fp8", tile=(2, 2, 4))
+    with pytest.raises(ValueError, match="kernel must be"):
+        MiniMaxH3VSAProcessor(kernel="cuda")
+    if not torch.cuda.is_available():  # no Hopper here: the path names the Triton kernels
+        assert "via Triton kernels" in MiniMaxH3VSAProcessor(kernel="sm90").describe_path()
     with pytest.raises(ValueError, match="dense_layers"):
         enable_vsa(model, dense_layers=[7])
     with pytest.raises(NotImplementedError, match="strict=False"):

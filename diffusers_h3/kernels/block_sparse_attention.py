@@ -303,7 +303,7 @@ def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
                          block: int = 64):
     """``(True, "")`` when the Hopper kernel can run these inputs, else ``(False, reason)``."""
     if triton_interpreter_active() or not sm90_kernel_available(q.device):
-        return False, "it needs a compute capability 9.x GPU (Hopper) and Triton with Gluon"
+        return False, "it needs a compute capability 9.x GPU (Hopper) and Triton >= 3.6 (Gluon)"
     if p_fp4 is not None:
         return False, "the FP4 P emulation runs on the Triton kernel"
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):

@@ -21,6 +21,7 @@ import torch
 
 from ._triton_utils import opaque_to_compile, use_triton
 from .block_sparse_attention import block_sparse_attention, block_sparse_attention_reference
+from .block_sparse_attention_sm90 import sm90_kernel_available
 from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
 from .fp8_value import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
@@ -42,8 +43,6 @@ def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int) -> Tuple[torc
 def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:
     """Key block (and K-scale block) measured fastest on an H200 (benchmarks/results/attention_sweep_h200.json):
     128 keys on the warp-specialized Hopper kernel, 64 on the Triton kernel."""
-    from .block_sparse_attention_sm90 import sm90_kernel_available
-
     if kernel != "triton" and q.is_cuda and sm90_kernel_available(q.device):
         return 128
     return 64

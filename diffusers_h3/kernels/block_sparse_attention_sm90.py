@@ -48,6 +48,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
     HAS_GLUON = HAS_TRITON
 except (ImportError, ValueError):  # pragma: no cover - depends on the installed Triton
     HAS_GLUON = False
@@ -97,7 +99,7 @@ if HAS_GLUON:
         return operand
 
     @gluon.jit
-    def _tile_at(j, DENSE: gl.constexpr, list_base, S, BLOCK_N: gl.constexpr):
+    def _tile_at(j, DENSE: gl.constexpr, list_base):
         """Key tile index of list position ``j`` (``j`` itself in dense mode)."""
         if DENSE:
             kv = j
@@ -154,7 +156,7 @@ if HAS_GLUON:
     def _key_tile(j, DENSE: gl.constexpr, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
                   BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr):
         """Valid rows and per-row score scale of the key tile at list position ``j``."""
-        kv = _tile_at(j, DENSE, list_base, S, BLOCK_N)
+        kv = _tile_at(j, DENSE, list_base)
         cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
         row_scale = row_scale_q
         if QK_FP8:
@@ -195,7 +197,7 @@ if HAS_GLUON:
                 ahead = j + STAGES - 1
                 if ahead < num:
                     _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
-                                     _tile_at(ahead, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS, HEAD_DIM,
+                                     _tile_at(ahead, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM,
                                      BLOCK_N, STAGES)
             nxt = j + 1
             cnt, row_scale = _key_tile(nxt, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
@@ -318,7 +320,7 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES - 1):
             if i < num:
                 _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, i,
-                                 _tile_at(i, DENSE, list_base, S, BLOCK_N), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
+                                 _tile_at(i, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
                                  STAGES)
 
         # 3. The tiles (a tile with no keys cannot occur: non-video tiles are always listed).
@@ -472,34 +474,24 @@ def block_sparse_attention_sm90(
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
 ) -> torch.Tensor:
-    """Launch the Gluon kernel. Inputs are already validated by :func:`.block_sparse_attention.block_sparse_attention`
-    (same contract); this adds the layout conditions of TMA: contiguous packed ``k``/``v`` rows (FP8 V: channel-major).
-    The dense mode with ``block_m=128`` (its
-    default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer warpgroups of 64 query rows and a TMA
-    producer warp; ``block_m=64`` runs one warpgroup per program."""
+    """Launch the Gluon kernel on inputs that :func:`.block_sparse_attention.block_sparse_attention` validated, TMA
+    layouts included (``sm90_kernel_supports``: contiguous packed ``k``/``v``, FP8 V channel-major).
+
+    The dense mode with ``block_m=128`` (its default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer
+    warpgroups of 64 query rows and a TMA producer warp; ``block_m=64`` runs one warpgroup per program."""
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton >= 3.6 (Gluon); pass kernel='triton'")
     b, s, h, d = q.shape
     n = k.shape[1]
-    if not k.is_contiguous():
-        raise ValueError("the SM90 kernel reads k by TMA: pass a contiguous [B, N, H, D] tensor")
-    k_gl = gl.float8e4nv if k.dtype == torch.float8_e4m3fn else {torch.bfloat16: gl.bfloat16,
-                                                                 torch.float16: gl.float16}[q.dtype]
+    k_gl = _GL_DTYPES[k.dtype]
     k_desc = TensorDescriptor.from_tensor(k.view(b * n, h * d), [block, d],
                                           gl.NVMMASharedLayout.get_default_for([block, d], k_gl))
     if v.dtype == torch.float8_e4m3fn:  # channel-major rows (batch, head, channel) x keys
-        rows = channel_major_rows(v)
-        if rows is None or v_scale is None:
-            raise ValueError("FP8 P.V on the SM90 kernel needs a channel-major E4M3 v (a view of a [B, H, D, N] "
-                             "buffer with 16-byte aligned rows) and v_scale")
-        v_desc = TensorDescriptor.from_tensor(rows, [d, block], gl.NVMMASharedLayout.get_default_for(
-            [d, block], gl.float8e4nv))
+        v_desc = TensorDescriptor.from_tensor(channel_major_rows(v), [d, block],
+                                              gl.NVMMASharedLayout.get_default_for([d, block], gl.float8e4nv))
     else:
-        if not v.is_contiguous():
-            raise ValueError("the SM90 kernel reads v by TMA: pass a contiguous [B, N, H, D] tensor")
-        v_gl = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[v.dtype]
         v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d],
-                                              gl.NVMMASharedLayout.get_default_for([block, d], v_gl))
+                                              gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPES[v.dtype]))
     dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
     dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
     if dense:
@@ -525,7 +517,7 @@ def block_sparse_attention_sm90(
     ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
     if dense and block_m == 128:
         # 4 + 4 + 1 warps round up to 12 (three warpgroups): 168 registers each on average; the consumers get 232.
-        _dense_fwd_sm90_ws_kernel[(math.ceil(s / 128), b * h)](
+        _dense_fwd_sm90_ws_kernel[grid](
             q, k_desc, v_desc, out, qs, ks, vs, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,

@@ -368,14 +368,17 @@ def main(argv=None):
            ref_dense,
            baseline_ms=base,
            note="as fp8_dense plus E4M3 P and per-channel E4M3 V")
+    record("int8_dense", lambda: fp8_attention(q, k, v, qk_dtype=torch.int8, **opts["dense_fp8"]), ref_dense,
+           baseline_ms=base, note="as fp8_dense with symmetric INT8 Q/K (amax/127 scales; INT8 wgmma, int32 sums)")
 
     # Accuracy gates: every tile selected (sparsity 0) vs dense fp32.
-    for prec in ("bf16", "fp8"):
+    for prec in ("bf16", "fp8", "int8"):
         record(f"vsa_{prec}_sp0", lambda prec=prec: vsa_attention(q, k, v, plan, sparsity=0.0, precision=prec)[0],
                ref_dense, baseline_ms=base, note="every tile selected: checks the sparse kernel against dense fp32")
 
     variants = [("bf16", 0.8, "bf16"), ("fp8", 0.8, "bf16"), ("bf16", 0.9, "bf16"), ("fp8", 0.9, "bf16"),
-                ("fp8", 0.8, "fp8"), ("fp8", 0.9, "fp8"), ("fp4", 0.8, "bf16")]
+                ("fp8", 0.8, "fp8"), ("fp8", 0.9, "fp8"), ("int8", 0.8, "bf16"), ("int8", 0.9, "bf16"),
+                ("int8", 0.8, "fp8"), ("fp4", 0.8, "bf16")]
     if args.quick:
         variants = variants[:2]
     for sparsity in sorted({sp for _, sp, _ in variants}):
@@ -388,7 +391,7 @@ def main(argv=None):
             name = f"vsa_{prec}{'pv8' if pv == 'fp8' else ''}_sp{sp}"
             note = {"fp4": "FP4 (E2M1, 16-element E4M3 scales) Q/K/V emulated with quantize-dequantize + bf16 "
                            "kernel; native FP4 not run on hardware (H200 has no FP4 MMA)"}.get(prec)
-            ko = opts["fp8pv8" if pv == "fp8" else ("fp8" if prec == "fp8" else "bf16")]
+            ko = opts["fp8pv8" if pv == "fp8" else ("fp8" if prec in ("fp8", "int8") else "bf16")]
             record(name, lambda prec=prec, sp=sp, pv=pv, ko=ko: vsa_attention(
                        q, k, v, plan, sparsity=sp, precision=prec, pv_precision=pv, kernel_options=ko)[0],
                    ref_sparse, pairs=pairs, baseline_ms=base, note=note)

@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
     fast.add_argument("--vsa", type=_sparsity, default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")
-    fast.add_argument("--attention-precision", choices=("bf16", "fp8", "fp4"), default=None,
-                      help="VSA precision; without --vsa: dense attention in this precision (fp8: Hopper+)")
+    fast.add_argument("--attention-precision", choices=("bf16", "fp8", "int8", "fp4"), default=None,
+                      help="VSA precision; without --vsa: dense attention in this precision (fp8: Ada/Hopper+, int8: Ampere+)")
     fast.add_argument("--dense-first-steps", type=int, default=0, help="with --vsa: dense attention for these steps")
     fast.add_argument("--quantize", choices=QUANT_METHODS, default=None, help="quantize the DiT while loading")
     fast.add_argument("--quantize-text-encoder", choices=QUANT_METHODS, default=None,

@@ -23,7 +23,7 @@ def _compile(fn, consts, q_dtype, v_fp8, block_n, num_warps, **options):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    gl_dtype = {"bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv}
+    gl_dtype = {"bf16": gl.bfloat16, "fp8e4nv": gl.float8e4nv, "i8": gl.int8}
     k_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], gl_dtype[q_dtype])
     v_shape = [D, block_n] if v_fp8 else [block_n, D]
     v_dtype = "fp8e4nv" if v_fp8 else "bf16"
@@ -61,12 +61,12 @@ def main(variant, q_dtype, v_fp8, dense_or_block_n):
     v_fp8 = v_fp8 == "1"
     if variant == "single":
         dense = dense_or_block_n == "dense"
-        consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=3, DENSE=dense, QK_FP8=q_dtype != "bf16",
+        consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=3, DENSE=dense, QK_8BIT=q_dtype != "bf16",
                       num_warps=4)
         kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4)
     else:
         block_n = int(dense_or_block_n)
-        consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=3, QK_FP8=True, CONSUMER_REGS=232, PRODUCER_REGS=40)
+        consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=3, QK_8BIT=True, CONSUMER_REGS=232, PRODUCER_REGS=40)
         kernel = _compile(sm90._dense_fwd_sm90_ws_kernel, consts, q_dtype, v_fp8, block_n, 4, maxnreg=168)
     code, report = _ptxas_report(kernel)
     print(json.dumps({"ptx": kernel.asm["ptx"], "ptxas_rc": code, "ptxas": report}))

@@ -35,19 +35,27 @@ def _compile(*args):
     return out["ptx"], out["ptxas"]
 
 
-@pytest.mark.parametrize("q_dtype,v_fp8,mode", [("bf16", 0, "sparse"), ("fp8e4nv", 0, "sparse"),
-                                                ("fp8e4nv", 1, "sparse"), ("fp8e4nv", 0, "dense")])
-def test_single_warpgroup_kernel_compiles_without_spills(q_dtype, v_fp8, mode):
-    ptx, report = _compile("single", q_dtype, v_fp8, mode)
+def _assert_mma_kinds(ptx, report, q_dtype):
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     if q_dtype == "fp8e4nv":
         assert ".e4m3.e4m3" in ptx  # the QK^T product runs on FP8 tensor cores
+    if q_dtype == "i8":
+        assert ".s32.s8.s8" in ptx  # ... on INT8 tensor cores, int32 accumulation
     assert "0 bytes spill stores" in report
+    assert "wgmma.mma_async instructions are serialized" not in report  # ptxas's C7512 performance warning
 
 
-@pytest.mark.parametrize("v_fp8,block_n", [(0, 128), (1, 128), (0, 64)])
-def test_warp_specialized_dense_kernel_compiles(v_fp8, block_n):
-    ptx, report = _compile("ws", "fp8e4nv", v_fp8, block_n)
+@pytest.mark.parametrize("q_dtype,v_fp8,mode", [("bf16", 0, "sparse"), ("fp8e4nv", 0, "sparse"),
+                                                ("fp8e4nv", 1, "sparse"), ("fp8e4nv", 0, "dense"), ("i8", 0, "sparse"),
+                                                ("i8", 1, "sparse")])
+def test_single_warpgroup_kernel_compiles_without_spills(q_dtype, v_fp8, mode):
+    ptx, report = _compile("single", q_dtype, v_fp8, mode)
+    _assert_mma_kinds(ptx, report, q_dtype)
+
+
+@pytest.mark.parametrize("q_dtype,v_fp8,block_n", [("fp8e4nv", 0, 128), ("fp8e4nv", 1, 128), ("fp8e4nv", 0, 64),
+                                                   ("i8", 0, 128)])
+def test_warp_specialized_dense_kernel_compiles(q_dtype, v_fp8, block_n):
+    ptx, report = _compile("ws", q_dtype, v_fp8, block_n)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)  # consumers take the producer's registers
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "0 bytes spill stores" in report
+    _assert_mma_kinds(ptx, report, q_dtype)

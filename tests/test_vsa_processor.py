@@ -225,13 +225,32 @@ def test_low_precision_paths_are_close_but_not_exact(model):
     _reset(model)
     ref = _run(model)[0]
     errors = {}
-    for precision, sparsity in [("fp8", 0.0), ("fp8", 0.001), ("fp4", 0.001), ("fp4", 0.0)]:
+    for precision, sparsity in [("fp8", 0.0), ("fp8", 0.001), ("int8", 0.0), ("int8", 0.001), ("fp4", 0.001),
+                                ("fp4", 0.0)]:
         enable_vsa(model, sparsity=sparsity, tile=(2, 2, 4), precision=precision)
         errors[precision, sparsity] = rel_l2(_run(model)[0], ref)
     enable_vsa(model, sparsity=0.001, tile=(2, 4, 4), precision="fp8", pv_precision="fp8")  # FP8 P.V: >= 32 rows
     errors["fp8pv"] = rel_l2(_run(model)[0], ref)
     for key, err in errors.items():
         assert 1e-6 < err < (0.25 if "fp4" in key else 0.08), (key, err)
+    assert errors["int8", 0.001] < errors["fp8", 0.001]  # INT8 Q/K rounds ~4x finer than E4M3
+    _reset(model)
+
+
+def test_int8_without_tensor_cores_warns_or_raises_and_describes(model, monkeypatch):
+    _reset(model)
+    assert "INT8 Q per token" in MiniMaxH3VSAProcessor(precision="int8").describe_path()
+    monkeypatch.setattr(vsa_module, "_qk_native", lambda precision, device: False)
+    with pytest.raises(RuntimeError, match="INT8 tensor cores"):
+        enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="int8", strict=True)
+    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="int8")
+    from diffusers_h3 import _utils
+
+    _utils._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="INT8 attention runs as emulation"):
+        out = _run(model)[0]
+    assert torch.isfinite(out).all()
+    assert "emulated here: no INT8 tensor cores" in model.transformer_blocks[0].attn.processor.describe_path()
     _reset(model)
 
 
@@ -252,6 +271,7 @@ def test_errors_and_describe(model):
         MiniMaxH3VSAProcessor(precision="int4")
     with pytest.raises(ValueError, match="pv_precision"):
         MiniMaxH3VSAProcessor(precision="bf16", pv_precision="fp8")
+    MiniMaxH3VSAProcessor(precision="int8", pv_precision="fp8")  # INT8 Q/K with E4M3 P.V is a valid mix
     with pytest.raises(ValueError, match="32"):
         MiniMaxH3VSAProcessor(precision="fp8", pv_precision="fp8", tile=(2, 2, 4))
     with pytest.raises(ValueError, match="kernel must be"):

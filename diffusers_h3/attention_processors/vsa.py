@@ -53,8 +53,10 @@ from ._projections import project_output, project_qkv
 from .layout import require_packed_layout
 from .tiling import TilePlan, TilePlanCache
 
-PRECISIONS = ("bf16", "fp8", "fp4")
+PRECISIONS = ("bf16", "fp8", "int8", "fp4")
 PV_PRECISIONS = ("bf16", "fp8")
+# The 8-bit Q/K precisions and their operand dtype (same kernels; INT8 has ~4x less rounding error than E4M3).
+QK_8BIT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def _kernel_available(device: torch.device) -> bool:
@@ -66,6 +68,16 @@ def _fp8_native(device: torch.device) -> bool:
     if device.type == "cuda":
         return HAS_TRITON and has_fp8_tensor_cores(device)
     return triton_interpreter_active()
+
+
+def _qk_native(precision: str, device: torch.device) -> bool:
+    """Whether the 8-bit Q/K ``precision`` has tensor cores on ``device``: FP8 on SM89+, INT8 ``tl.dot`` on SM80+."""
+    if precision != "int8":
+        return _fp8_native(device)
+    if device.type != "cuda":
+        return triton_interpreter_active()
+    cap = cuda_capability(device)
+    return HAS_TRITON and cap is not None and tuple(cap) >= (8, 0)
 
 
 @opaque_to_compile
@@ -98,9 +110,10 @@ def vsa_attention(
     block = plan.block
     scale = 1.0 / math.sqrt(query.shape[-1])
     rows = (plan.slot_rows, plan.tile_counts, block)
-    native_fp8 = precision == "fp8" and not emulate
-    if native_fp8:  # Q is pooled and quantized in one pass; K is pooled first (its mean is needed to smooth it)
-        pooled_q, q8, q_scale = tile_quantize_fp8(query, *rows, pooled=True, backend=backend)
+    qk_dtype = QK_8BIT.get(precision)
+    native_8bit = qk_dtype is not None and not emulate
+    if native_8bit:  # Q is pooled and quantized in one pass; K is pooled first (its mean is needed to smooth it)
+        pooled_q, q8, q_scale = tile_quantize_fp8(query, *rows, pooled=True, dtype=qk_dtype, backend=backend)
         pooled_k, _ = tile_pool(key, *rows, backend=backend)
     else:
         pooled_q, _ = tile_pool(query, *rows, backend=backend)
@@ -115,7 +128,7 @@ def vsa_attention(
     sparse_args = (plan.slot_rows, plan.tile_counts, kv_index, kv_num)
     if precision == "bf16":
         return block_sparse_attention(query, k_packed, v_packed, *sparse_args, **common), out_coarse
-    if precision not in ("fp8", "fp4"):
+    if precision not in ("fp8", "int8", "fp4"):
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
     k_mean = None
@@ -123,8 +136,9 @@ def vsa_attention(
         # Per-head key mean over the valid rows, from the tile means (softmax is invariant to this shift).
         counts = plan.tile_counts.to(torch.float32)
         k_mean = (pooled_k * counts[:, None]).sum(2) / counts.sum()  # [B, H, D]
-    if native_fp8:
-        _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, backend=backend)
+    if native_8bit:
+        _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, dtype=qk_dtype,
+                                           backend=backend)
         v_arg, v_scale = v_packed, None
         if pv_precision == "fp8":  # channel-major E4M3 for the FP8 P.V MMA
             v_arg, v_scale = quantize_v_fp8_channel_major(v_packed, backend=backend)
@@ -140,9 +154,9 @@ def vsa_attention(
         k_e = fake_quant_fp4(k_packed, dim=-1)
         v_e = fake_quant_fp4(v_packed, dim=1)  # 16 consecutive (tile-ordered) tokens per channel
         return block_sparse_attention(q_e, k_e, v_e, *sparse_args, p_fp4=fp4_p, **common), out_coarse
-    # FP8 emulation (no FP8 tensor cores): quantize-dequantize as the native path does, then the bf16 kernel.
-    k8, k_scale = quantize_fp8_per_block(k_packed, block)
-    q_e = fake_quant_fp8_per_token(query)
+    # 8-bit emulation (no FP8 / INT8 tensor cores): quantize-dequantize as the native path does, then the bf16 kernel.
+    k8, k_scale = quantize_fp8_per_block(k_packed, block, dtype=qk_dtype)
+    q_e = fake_quant_fp8_per_token(query, dtype=qk_dtype)
     k_e = dequantize_fp8_per_block(k8, k_scale, block).to(key.dtype)
     v_e = v_packed
     if pv_precision == "fp8":
@@ -162,8 +176,10 @@ class MiniMaxH3VSAProcessor:
         tile (`tuple[int, int, int]`, defaults to `(4, 4, 4)`): video cube in latent tokens (t, h, w); its volume
             (a power of two ≥ 16) is also the chunk length of non-video rows.
         precision (`str`, defaults to `"bf16"`): ``"bf16"`` (the activations' dtype), ``"fp8"`` (E4M3 Q with
-            per-token scales, K with one scale per key tile) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native
-            FP4 attention is not implemented and not run on hardware).
+            per-token scales, K with one scale per key tile; FP8 tensor cores, SM89+), ``"int8"`` (the same with
+            symmetric INT8 Q/K, SageAttention's choice: same speed on Ampere/Hopper tensor cores, ~4x less error than
+            E4M3) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native FP4
+            attention is not implemented and not run on hardware).
         layer_index (`int`, *optional*): index of the transformer block (for ``dense_layers``).
         dense_layers (`Sequence[int]`): block indices that stay dense.
         dense_first_steps (`int`): the first denoising steps (``PackedLayout.step_index``) that stay dense.
@@ -211,8 +227,8 @@ class MiniMaxH3VSAProcessor:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if pv_precision not in PV_PRECISIONS:
             raise ValueError(f"pv_precision must be one of {PV_PRECISIONS}, got {pv_precision!r}")
-        if pv_precision == "fp8" and precision != "fp8":
-            raise ValueError("pv_precision='fp8' needs precision='fp8'")
+        if pv_precision == "fp8" and precision not in QK_8BIT:
+            raise ValueError("pv_precision='fp8' needs precision='fp8' or 'int8'")
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
         tile = tuple(int(t) for t in tile)
@@ -263,20 +279,22 @@ class MiniMaxH3VSAProcessor:
         return "sparse", plan
 
     def _emulate(self, device: torch.device) -> bool:
-        """Whether FP8 runs as quantize-dequantize emulation on ``device`` (warns once, or raises when strict)."""
-        if self.precision != "fp8" or _fp8_native(device):
+        """Whether FP8 / INT8 runs as quantize-dequantize emulation on ``device`` (warns once, or raises when strict)."""
+        if self.precision not in QK_8BIT or _qk_native(self.precision, device):
             self._emulated = self.precision == "fp4"
             return self._emulated
         self._emulated = True
         cap = cuda_capability(device)
         where = f"sm_{cap[0]}{cap[1]}" if cap else device.type
+        name, needs = ("FP8", "SM89+") if self.precision == "fp8" else ("INT8", "SM80+")
         if self.strict:
             raise RuntimeError(
-                f"precision='fp8' needs FP8 tensor cores (SM89+) and Triton; {where} has none. Pass strict=False to "
-                "run the FP8 numerics as emulation (quantize-dequantize + bf16 kernels), or use precision='bf16'"
+                f"precision={self.precision!r} needs {name} tensor cores ({needs}) and Triton; {where} has none. Pass "
+                f"strict=False to run the {name} numerics as emulation (quantize-dequantize + bf16 kernels), or use "
+                "precision='bf16'"
             )
-        warn_once(f"vsa-fp8-emulated-{where}", f"MiniMaxH3VSAProcessor: no FP8 tensor cores on {where}; FP8 "
-                  "attention runs as emulation (quantize-dequantize + bf16 kernels)")
+        warn_once(f"vsa-{self.precision}-emulated-{where}", f"MiniMaxH3VSAProcessor: no {name} tensor cores on "
+                  f"{where}; {name} attention runs as emulation (quantize-dequantize + bf16 kernels)")
         return True
 
     def describe_path(self) -> str:
@@ -285,15 +303,18 @@ class MiniMaxH3VSAProcessor:
             kernel = "torch reference kernels (no CUDA / triton)" if self.backend != "torch" else "torch reference kernels"
         else:
             kernel = self._kernel_label()
-        if self.precision == "fp8":
-            prec = (f"FP8 E4M3 Q per token, K per tile{' (mean-centred)' if self.smooth_k else ''}, "
+        if self.precision in QK_8BIT:
+            name = "FP8 E4M3" if self.precision == "fp8" else "INT8"
+            prec = (f"{name} Q per token, K per tile{' (mean-centred)' if self.smooth_k else ''}, "
                     f"{self.pv_precision} PV")
             if self._emulated is not None:  # what the last call ran
                 native = not self._emulated
+            elif torch.cuda.is_available():
+                native = _qk_native(self.precision, torch.device("cuda"))
             else:
-                native = _fp8_native(torch.device("cuda")) if torch.cuda.is_available() else triton_interpreter_active()
+                native = triton_interpreter_active()
             if not native:
-                prec += " [emulated here: no FP8 tensor cores]"
+                prec += f" [emulated here: no {name.split()[0]} tensor cores]"
         elif self.precision == "fp4":
             p_part = f"{self.fp4_p.replace('_', '-')} FP4 P" if self.fp4_p else "bf16 P"
             prec = (f"FP4 E2M1/E4M3-16 Q/K/V + {p_part} emulated (quantize-dequantize + bf16 kernels; native FP4 "
@@ -327,9 +348,9 @@ class MiniMaxH3VSAProcessor:
         if query is None:
             query, key, value = project_qkv(attn, hidden_states, rotary_emb)
             value = value.contiguous()
-        if self.precision == "fp8" and not self._emulate(query.device) and _kernel_available(query.device):
+        if self.precision in QK_8BIT and not self._emulate(query.device) and _kernel_available(query.device):
             out = fp8_attention(query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
-                                backend=self.backend, kernel=self.kernel)
+                                qk_dtype=QK_8BIT[self.precision], backend=self.backend, kernel=self.kernel)
         else:
             if self.precision == "fp4":
                 if self.smooth_k:
@@ -340,7 +361,9 @@ class MiniMaxH3VSAProcessor:
                                                  p_fp4=self.fp4_p, backend="triton")
                     return project_output(attn, out, hidden_states.dtype)
             else:
-                query, key = fake_quant_fp8_per_token(query), fake_quant_fp8_per_token(key)
+                qk_dtype = QK_8BIT[self.precision]
+                query = fake_quant_fp8_per_token(query, dtype=qk_dtype)
+                key = fake_quant_fp8_per_token(key, dtype=qk_dtype)
             out = torch.nn.functional.scaled_dot_product_attention(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             ).transpose(1, 2)

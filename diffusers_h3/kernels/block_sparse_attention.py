@@ -16,7 +16,9 @@ Numerics: scores and the softmax run in float32 (online softmax in base 2, with 
   scale per query row and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_token`), ``k_scale [B, T, H]``
   one per key tile and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_block` with ``block`` rows;
   keys are usually mean-centred first, which softmax does not see). Scores are ``(q8 . k8) * q_scale * k_scale``, and
-  a tile's K scale is one number folded into the per-row softmax scale.
+  a tile's K scale is one number folded into the per-row softmax scale. **INT8 Q/K** is the same with ``int8`` ``q``/``k``
+  (``dtype=torch.int8`` in those quantizers: ``amax / 127``; exact int32 products): the same bytes and tensor-core rate,
+  ~4x less rounding error than E4M3.
 * **FP8 PV** (``v_scale`` given): ``v`` is ``float8_e4m3fn`` with one scale per (batch, head, channel), and ``P`` is
   quantized as ``e4m3(448 * p)`` before the product; ``l`` (the softmax denominator) uses the unquantized ``p``.
 
@@ -33,7 +35,7 @@ import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
 from .block_sparse_attention_sm90 import block_sparse_attention_sm90, channel_major_rows, sm90_kernel_available
-from .quant_utils import dequantize_fp8_per_block
+from .quant_utils import QK_8BIT_DTYPES, dequantize_fp8_per_block
 from .vsa_pool import valid_slots
 
 FP8_E4M3_MAX = 448.0
@@ -64,12 +66,14 @@ if HAS_TRITON:
         else:
             slots = kv.to(tl.int64) * BLOCK_N + offs_n
             k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=(offs_n < cnt)[None, :], other=0.0)
+        if q.dtype == tl.int8:  # exact int32 sums (|q . k| <= D * 127^2 < 2^24), then float32
+            return tl.dot(q, k).to(tl.float32)
         return tl.dot(q, k, input_precision=DOT_PRECISION)
 
     @triton.jit
-    def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_FP8: tl.constexpr):
+    def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_8BIT: tl.constexpr):
         """Per-row score scale of key tile ``kv``: with FP8 keys, times the tile's one K scale."""
-        if QK_FP8:
+        if QK_8BIT:
             return scale_rows * tl.load(ks_base + kv * stride_kst)
         return scale_rows
 
@@ -144,7 +148,7 @@ if HAS_TRITON:
     @triton.jit
     def _query_tile(t, n_tiles, b, h, H, S, N_KV_BLOCKS, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
                     qk_scale, stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it,
-                    offs_m, offs_d, BLOCK_M: tl.constexpr, QK_FP8: tl.constexpr, DENSE: tl.constexpr):
+                    offs_m, offs_d, BLOCK_M: tl.constexpr, QK_8BIT: tl.constexpr, DENSE: tl.constexpr):
         """Rows, tile list, ``q`` and per-row score scale of query tile ``t`` (dense: rows ``t * BLOCK_M + i``,
         every key block)."""
         if DENSE:
@@ -160,7 +164,7 @@ if HAS_TRITON:
             num = tl.load(KV_NUM + (b * H + h) * n_tiles + t)
         q = tl.load(Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + offs_d[None, :])
         scale_rows = tl.full([BLOCK_M], qk_scale, tl.float32)  # softmax scale * log2(e) (* FP8 q scale) per row
-        if QK_FP8:
+        if QK_8BIT:
             scale_rows = scale_rows * tl.load(Q_SCALE + b * stride_qsb + rows * stride_qss + h)
         return rows, row_valid, list_base, num, q, scale_rows
 
@@ -218,7 +222,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DENSE: tl.constexpr,
-        QK_FP8: tl.constexpr,
+        QK_8BIT: tl.constexpr,
         PV_FP8: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_TMA: tl.constexpr,
@@ -244,7 +248,7 @@ if HAS_TRITON:
         rows, row_valid, list_base, num, q, scale_rows = _query_tile(
             pid_m, N_Q_TILES, b, h, H, S, N_KV_BLOCKS, Q, Q_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, qk_scale,
             stride_qb, stride_qs, stride_qh, stride_qsb, stride_qss, stride_ib, stride_ih, stride_it, offs_m, offs_d,
-            BLOCK_M, QK_FP8, DENSE)
+            BLOCK_M, QK_8BIT, DENSE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -262,7 +266,7 @@ if HAS_TRITON:
                                              BLOCK_N)
                 qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
                                       KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
                 p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                             KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
@@ -275,7 +279,7 @@ if HAS_TRITON:
                 kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
                 qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_FP8)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
                 p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
                 v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
                             KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
@@ -293,7 +297,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_FP8", "PV_FP8", "USE_TMA", "ROTATE"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_8BIT", "PV_FP8", "USE_TMA", "ROTATE"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -306,8 +310,8 @@ def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
         return False, "it needs a compute capability 9.x GPU (Hopper) and Triton >= 3.6 (Gluon)"
     if p_fp4 is not None:
         return False, "the FP4 P emulation runs on the Triton kernel"
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-        return False, f"it takes bf16/fp16 (or E4M3 Q/K) inputs, got q {q.dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
+        return False, f"it takes bf16/fp16 (or E4M3 / INT8 Q/K) inputs, got q {q.dtype}"
     if v_scale is not None:
         if v.dtype != torch.float8_e4m3fn or channel_major_rows(v) is None:
             return False, "FP8 P.V needs a channel-major E4M3 v ([B, H, D, N] storage, 16-byte aligned rows)"
@@ -391,7 +395,7 @@ def block_sparse_attention_reference(
     _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out_dtype = out_dtype or (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+    out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
     if v_scale is not None or p_fp4 is not None:
         return _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
                                  v_scale, dense, p_fp4).to(out_dtype)
@@ -491,10 +495,11 @@ def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_
         raise ValueError("FP8 Q/K needs both q_scale and k_scale (see quant_utils.quantize_fp8_per_token / "
                          "quantize_fp8_per_block)")
     fp8 = torch.float8_e4m3fn
-    if q_scale is not None and (q.dtype != fp8 or k.dtype != fp8):
-        raise ValueError("q_scale/k_scale are given, so q and k must be float8_e4m3fn")
-    if q_scale is None and (q.dtype == fp8 or k.dtype == fp8):
-        raise ValueError("float8 q/k need their per-row scales: pass q_scale and k_scale")
+    if q_scale is not None and (q.dtype not in QK_8BIT_DTYPES or k.dtype != q.dtype):
+        raise ValueError(f"q_scale/k_scale are given, so q and k must both be float8_e4m3fn or both int8, got "
+                         f"{q.dtype} and {k.dtype}")
+    if q_scale is None and (q.dtype in QK_8BIT_DTYPES or k.dtype in QK_8BIT_DTYPES):
+        raise ValueError("8-bit (float8 / int8) q/k need their per-row scales: pass q_scale and k_scale")
     if k_scale is not None:
         n_key_tiles = -(-k.shape[1] // block)
         if k_scale.shape != (k.shape[0], n_key_tiles, k.shape[2]):
@@ -594,7 +599,7 @@ def block_sparse_attention(
     if v_scale is not None and block < 32:
         raise ValueError(f"FP8 P.V needs key blocks of at least 32 rows (the FP8 MMA K dimension), got {block}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out_dtype = out_dtype or (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+    out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
     if out is None:
         out = torch.empty(b, s, h, d, device=q.device, dtype=out_dtype)
     elif out.shape != (b, s, h, d) or out.stride(-1) != 1:
@@ -651,7 +656,7 @@ def block_sparse_attention(
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         *qs_strides, *ks_strides, *index_strides,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_FP8=q_scale is not None,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_8BIT=q_scale is not None,
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
         N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=(on_gpu and not dense) if rotate is None else rotate,

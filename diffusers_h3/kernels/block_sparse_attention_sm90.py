@@ -14,7 +14,7 @@ kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 doe
       wait S_{j+1}; online softmax -> P_{j+1}, alpha;  wait O; O *= alpha
 
 Query programs own one 64-row query tile (sparse) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two
-warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 Q/K (per-row Q scales, one K scale per key tile, folded into the
+warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 / INT8 Q/K (per-row Q scales, one K scale per key tile, folded into the
 per-row softmax scale), with bf16 P·V or FP8 P·V (channel-major E4M3 V with per-channel scales, ``e4m3(448 p)``).
 The FP4 emulation stays on the portable Triton kernel.
 """
@@ -48,7 +48,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                  torch.int8: gl.int8}
 
     HAS_GLUON = HAS_TRITON
 except (ImportError, ValueError):  # pragma: no cover - depends on the installed Triton
@@ -145,6 +146,7 @@ if HAS_GLUON:
     @gluon.jit
     def _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N: gl.constexpr):
         """Online softmax (base 2) of raw scores ``s``: returns ``p``, new ``m``, new ``l`` and ``alpha``."""
+        s = s.to(gl.float32)  # int32 scores of INT8 Q/K (exact: |q . k| <= D * 127^2 < 2^24)
         if cnt < BLOCK_N:
             s = gl.where(gl.expand_dims(offs_n < cnt, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)
@@ -154,12 +156,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _key_tile(j, DENSE: gl.constexpr, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
-                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr):
+                  BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
         """Valid rows and per-row score scale of the key tile at list position ``j``."""
         kv = _tile_at(j, DENSE, list_base)
         cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
         row_scale = row_scale_q
-        if QK_FP8:
+        if QK_8BIT:
             row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
         return cnt, row_scale
 
@@ -167,7 +169,7 @@ if HAS_GLUON:
     def _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, empty, p_base, k_desc, v_desc,
                       list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DENSE: gl.constexpr,
-                      QK_FP8: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr):
+                      QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr):
         """Online-softmax attention of one warpgroup's 64 query rows over ``num >= 1`` key tiles of the ring.
 
         Order (FlashAttention-3's intra-warpgroup overlap): ``S_{j+1} = Q K_{j+1}^T`` and ``P_j V_j`` in flight
@@ -183,10 +185,11 @@ if HAS_GLUON:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        S_DTYPE: gl.constexpr = gl.int32 if q.dtype == gl.int8 else gl.float32  # INT8 Q K^T accumulates exactly
+        s_zero = gl.zeros([ROWS, BLOCK_N], S_DTYPE, layout=s_layout)
 
         cnt, row_scale = _key_tile(0, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss, BLOCK_N,
-                                   QK_FP8)
+                                   QK_8BIT)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
@@ -201,7 +204,7 @@ if HAS_GLUON:
                                      BLOCK_N, STAGES)
             nxt = j + 1
             cnt, row_scale = _key_tile(nxt, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
-                                       BLOCK_N, QK_FP8)
+                                       BLOCK_N, QK_8BIT)
             slot_n = nxt % STAGES
             mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
             s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -242,14 +245,14 @@ if HAS_GLUON:
     @gluon.jit
     def _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh, stride_qsb,
                     stride_qss, q_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    QK_FP8: gl.constexpr):
+                    QK_8BIT: gl.constexpr):
         """``q`` of the given rows as the wgmma A operand (registers) and their per-row score scale
         (softmax scale * log2(e), times the FP8 Q scale)."""
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
         q = gl.load(Q + b64 * stride_qb + gl.expand_dims(rows_q * stride_qs, 1) + h * stride_qh
                     + gl.expand_dims(offs_d, 0))
         row_scale = gl.full(rows.shape, qk_scale, gl.float32, layout=row_layout)
-        if QK_FP8:
+        if QK_8BIT:
             row_scale = row_scale * gl.load(Q_SCALE + b64 * stride_qsb + rows * stride_qss + h)
         return q, row_scale
 
@@ -260,7 +263,7 @@ if HAS_GLUON:
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        DENSE: gl.constexpr, QK_FP8: gl.constexpr, num_warps: gl.constexpr,
+        DENSE: gl.constexpr, QK_8BIT: gl.constexpr, num_warps: gl.constexpr,
     ):
         # Register layouts: one wgmma accumulator layout for S = Q K^T [M, N] and one for O [M, D]; q and p are
         # their A operands in registers; row statistics live in the slice of the S layout.
@@ -300,7 +303,7 @@ if HAS_GLUON:
             list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + pid_m.to(gl.int64) * stride_it
             num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + pid_m)
         q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
-                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_FP8)
+                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
 
         # 2. Shared-memory rings and their barriers; the first STAGES - 1 tiles are requested at once.
@@ -326,7 +329,7 @@ if HAS_GLUON:
         # 3. The tiles (a tile with no keys cannot occur: non-video tiles are always listed).
         acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, k_bars, 0, k_desc,
                                  v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout,
-                                 o_layout, p_layout, DENSE, QK_FP8, PV_FP8, False)
+                                 o_layout, p_layout, DENSE, QK_8BIT, PV_FP8, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
@@ -361,7 +364,7 @@ if HAS_GLUON:
         WG_ROWS: gl.constexpr = 64
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = k_bufs.type.shape[2]
-        QK_FP8: gl.constexpr = Q.dtype.element_ty == gl.float8e4nv
+        QK_8BIT: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth == 8
         PV_FP8: gl.constexpr = v_bufs.dtype == gl.float8e4nv
         v_bits: gl.constexpr = v_bufs.dtype.primitive_bitwidth
         q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
@@ -381,11 +384,11 @@ if HAS_GLUON:
         row_valid = rows < S
         rows = gl.where(row_valid, rows, 0).to(gl.int64)
         q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
-                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_FP8)
+                                     stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
         acc, l_i = _attend_tiles(q, row_scale_q, N_KV_BLOCKS, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
                                  k_desc, v_desc, Q, Q, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout, o_layout,
-                                 p_layout, True, QK_FP8, PV_FP8, True)
+                                 p_layout, True, QK_8BIT, PV_FP8, True)
         _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
     # gl.warp_specialize takes one function per partition and no constexpr arguments: one thin entry per consumer.
@@ -410,7 +413,7 @@ if HAS_GLUON:
         Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, qk_scale, S, H, N_KV_BLOCKS, KV_ROWS,
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh,
-        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_FP8: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QK_8BIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """Dense attention, FlashAttention-3 style: a 1-warp TMA producer and two independent consumer warpgroups
@@ -521,7 +524,7 @@ def block_sparse_attention_sm90(
             q, k_desc, v_desc, out, qs, ks, vs, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *qs_strides, *ks_strides,
-            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_FP8=q_scale is not None,
+            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_8BIT=q_scale is not None,
             CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
         )
         return out
@@ -531,6 +534,6 @@ def block_sparse_attention_sm90(
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *qs_strides, *ks_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
-        QK_FP8=q_scale is not None, num_warps=block_m // 16,
+        QK_8BIT=q_scale is not None, num_warps=block_m // 16,
     )
     return out

@@ -89,14 +89,20 @@ if HAS_TRITON:
             if SUBTRACT:
                 xf = xf - tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
             xf = tl.where(valid, xf, 0.0)
+            INT8: tl.constexpr = PACKED.dtype.element_ty == tl.int8
+            QMAX: tl.constexpr = 127.0 if INT8 else 448.0
             if PER_TILE:  # one scale for the whole tile (quantize_fp8_per_block)
-                scale = tl.maximum(tl.max(tl.max(tl.abs(xf), axis=1), axis=0), 1e-12) * (1.0 / 448.0)
+                scale = tl.maximum(tl.max(tl.max(tl.abs(xf), axis=1), axis=0), 1e-12) * (1.0 / QMAX)
                 y = tl.math.div_rn(xf, tl.full([BLOCK, BLOCK_D], 1.0, tl.float32) * scale)
             else:  # one scale per row (quantize_fp8_per_token)
-                scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) * (1.0 / 448.0)
+                scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) * (1.0 / QMAX)
                 y = tl.math.div_rn(xf, scale[:, None])
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            if SOFT_ROUND:  # the interpreter's float8 cast truncates: round in software first (exact cast after)
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            if INT8:  # round half to even (torch.round), then an exact cast
+                r = tl.floor(y + 0.5)
+                odd_tie = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
+                y = tl.where(odd_tie, r - 1.0, r)
+            elif SOFT_ROUND:  # the interpreter's float8 cast truncates: round in software first (exact cast after)
                 y = round_to_e4m3(y)
             x = y.to(PACKED.dtype.element_ty)  # GPUs: cvt.rn.satfinite, round to nearest even
         if WRITE_PACKED:
@@ -189,6 +195,7 @@ def tile_pool(
 def tile_quantize_fp8_reference(
     x: torch.Tensor, slot_rows: torch.Tensor, tile_counts: torch.Tensor, block: int, *, pooled: bool = False,
     packed: bool = False, subtract: Optional[torch.Tensor] = None, per_tile: bool = False,
+    dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`tile_quantize_fp8`."""
     from .quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
@@ -199,20 +206,21 @@ def tile_quantize_fp8_reference(
         xf = xf - subtract.float().unsqueeze(1)  # [B, H, D] -> [B, 1, H, D]
     if per_tile:
         _, xp = tile_pool_reference(xf, slot_rows, tile_counts, block, pooled=False, packed=True)  # zero pads
-        x8p, scale = quantize_fp8_per_block(xp, block)
+        x8p, scale = quantize_fp8_per_block(xp, block, dtype=dtype)
         if packed:
             return pooled_out, x8p, scale
         valid = valid_slots(tile_counts, block)
         x8 = torch.empty(x.shape, device=x.device, dtype=torch.uint8)
         x8[:, slot_rows.long()[valid]] = x8p.view(torch.uint8)[:, valid]
-        return pooled_out, x8.view(torch.float8_e4m3fn), scale
-    x8, scale = quantize_fp8_per_token(xf)
+        return pooled_out, x8.view(dtype), scale
+    x8, scale = quantize_fp8_per_token(xf, dtype=dtype)
     if packed:
         _, x8p = tile_pool_reference(x8.view(torch.uint8), slot_rows, tile_counts, block, pooled=False, packed=True)
         _, sp = tile_pool_reference(scale.unsqueeze(-1), slot_rows, tile_counts, block, pooled=False, packed=True)
         valid = valid_slots(tile_counts, block).reshape(1, -1, 1)
-        sp = torch.where(valid, sp.squeeze(-1), torch.tensor(1e-12, dtype=torch.float32) * (1.0 / 448.0))
-        return pooled_out, x8p.view(torch.float8_e4m3fn), sp
+        qmax = 127.0 if dtype == torch.int8 else 448.0
+        sp = torch.where(valid, sp.squeeze(-1), torch.tensor(1e-12, dtype=torch.float32) * (1.0 / qmax))
+        return pooled_out, x8p.view(dtype), sp
     return pooled_out, x8, scale
 
 
@@ -226,9 +234,11 @@ def tile_quantize_fp8(
     packed: bool = False,
     subtract: Optional[torch.Tensor] = None,
     per_tile: bool = False,
+    dtype: torch.dtype = torch.float8_e4m3fn,
     backend: str = "auto",
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """FP8 E4M3 per-(row, head) quantization of ``x [B, S, H, D]`` fused with tile pooling / packing.
+    """FP8 E4M3 (or, with ``dtype=torch.int8``, symmetric INT8: ``amax / 127``, round to nearest even) per-(row, head)
+    quantization of ``x [B, S, H, D]`` fused with tile pooling / packing.
 
     With ``per_tile`` one scale covers each (tile, head) instead (``scale [B, T, H]``, as
     :func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_block` of the packed tiles): the key side of the FP8
@@ -241,14 +251,16 @@ def tile_quantize_fp8(
     """
     if not use_triton("tile_quantize_fp8", x, backend=backend):
         return tile_quantize_fp8_reference(x, slot_rows, tile_counts, block, pooled=pooled, packed=packed,
-                                           subtract=subtract, per_tile=per_tile)
+                                           subtract=subtract, per_tile=per_tile, dtype=dtype)
+    if dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"tile_quantize_fp8 writes float8_e4m3fn or int8, got {dtype}")
     _check(x, slot_rows, tile_counts, block)
     check_interpreter_dtype("tile_quantize_fp8", x)
     b, s, h, d = x.shape
     n_tiles = tile_counts.numel()
     rows = n_tiles * block if packed else s
     pooled_out = torch.empty(b, h, n_tiles, d, device=x.device, dtype=torch.float32) if pooled else None
-    x8 = torch.empty(b, rows, h, d, device=x.device, dtype=torch.float8_e4m3fn)
+    x8 = torch.empty(b, rows, h, d, device=x.device, dtype=dtype)
     if per_tile:
         scale = torch.empty(b, n_tiles, h, device=x.device, dtype=torch.float32)
     elif packed:  # head-major, so that the attention kernel reads one key tile's scales with one coalesced load

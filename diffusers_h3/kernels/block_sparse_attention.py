@@ -66,9 +66,9 @@ if HAS_TRITON:
         else:
             slots = kv.to(tl.int64) * BLOCK_N + offs_n
             k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=(offs_n < cnt)[None, :], other=0.0)
-        if q.dtype == tl.int8:  # exact int32 sums (|q . k| <= D * 127^2 < 2^24), then float32
-            return tl.dot(q, k).to(tl.float32)
-        return tl.dot(q, k, input_precision=DOT_PRECISION)
+        # INT8 Q/K: exact int32 sums (|q . k| <= D * 127^2 < 2^24), then float32 (a no-op for float scores); one
+        # return statement, as Triton type-checks every return even under a constexpr condition.
+        return tl.dot(q, k, input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
     def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_8BIT: tl.constexpr):

@@ -16,9 +16,9 @@ Numerics: scores and the softmax run in float32 (online softmax in base 2, with 
   scale per query row and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_token`), ``k_scale [B, T, H]``
   one per key tile and head (:func:`~diffusers_h3.kernels.quant_utils.quantize_fp8_per_block` with ``block`` rows;
   keys are usually mean-centred first, which softmax does not see). Scores are ``(q8 . k8) * q_scale * k_scale``, and
-  a tile's K scale is one number folded into the per-row softmax scale. **INT8 Q/K** is the same with ``int8`` ``q``/``k``
-  (``dtype=torch.int8`` in those quantizers: ``amax / 127``; exact int32 products): the same bytes and tensor-core rate,
-  ~4x less rounding error than E4M3.
+  a tile's K scale is one number folded into the per-row softmax scale. **INT8 Q/K** is the same with ``int8``
+  ``q``/``k`` (``dtype=torch.int8`` in those quantizers: ``amax / 127``; exact int32 products): the same bytes and
+  tensor-core rate, ~4x less rounding error than E4M3.
 * **FP8 PV** (``v_scale`` given): ``v`` is ``float8_e4m3fn`` with one scale per (batch, head, channel), and ``P`` is
   quantized as ``e4m3(448 * p)`` before the product; ``l`` (the softmax denominator) uses the unquantized ``p``.
 
@@ -72,7 +72,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_8BIT: tl.constexpr):
-        """Per-row score scale of key tile ``kv``: with FP8 keys, times the tile's one K scale."""
+        """Per-row score scale of key tile ``kv``: with 8-bit keys, times the tile's one K scale."""
         if QK_8BIT:
             return scale_rows * tl.load(ks_base + kv * stride_kst)
         return scale_rows

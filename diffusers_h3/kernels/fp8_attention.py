@@ -28,7 +28,8 @@ from .fp8_value import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
 
 
-def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int, qk_dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int,
+              qk_dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
     if smooth_k:

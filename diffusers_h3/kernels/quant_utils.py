@@ -1,8 +1,8 @@
 """FP8 / FP4 quantization helpers for the attention kernels (pure torch: exact, deterministic, device-agnostic).
 
 * :func:`quantize_fp8_per_token`: E4M3 with one float32 scale ``amax / 448`` per vector along ``dim`` (Q and K rows);
-  with ``dtype=torch.int8`` symmetric INT8 instead (``amax / 127``, round to nearest even): the same bytes and tensor-core
-  rate on Ampere/Hopper, ~4x smaller rounding error than E4M3 on Q/K (SageAttention's choice for ``Q K^T``).
+  with ``dtype=torch.int8`` symmetric INT8 instead (``amax / 127``, round to nearest even): the same bytes and
+  tensor-core rate on Ampere/Hopper, ~4x smaller rounding error than E4M3 on Q/K (SageAttention's choice for ``Q K^T``).
 * :func:`quantize_fp8_per_channel`: E4M3 with one scale per channel over the sequence (V for FP8 PV).
 * :func:`quantize_fp8_per_block`: E4M3 with one scale per block of rows and head (K: one scale per key tile, so that
   the attention kernels apply it as one number per tile instead of one per key column).

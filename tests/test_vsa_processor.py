@@ -237,23 +237,6 @@ def test_low_precision_paths_are_close_but_not_exact(model):
     _reset(model)
 
 
-def test_int8_without_tensor_cores_warns_or_raises_and_describes(model, monkeypatch):
-    _reset(model)
-    assert "INT8 Q per token" in MiniMaxH3VSAProcessor(precision="int8").describe_path()
-    monkeypatch.setattr(vsa_module, "_qk_native", lambda precision, device: False)
-    with pytest.raises(RuntimeError, match="INT8 tensor cores"):
-        enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="int8", strict=True)
-    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="int8")
-    from diffusers_h3 import _utils
-
-    _utils._WARNED.clear()
-    with pytest.warns(RuntimeWarning, match="INT8 attention runs as emulation"):
-        out = _run(model)[0]
-    assert torch.isfinite(out).all()
-    assert "emulated here: no INT8 tensor cores" in model.transformer_blocks[0].attn.processor.describe_path()
-    _reset(model)
-
-
 def test_errors_and_describe(model):
     _reset(model)
     enable_vsa(model, sparsity=0.8)
@@ -294,7 +277,21 @@ def test_errors_and_describe(model):
     _reset(model)
 
 
-def test_fp8_without_tensor_cores_warns_or_raises(model, monkeypatch):
+@pytest.mark.parametrize("precision,name,format_name", [("fp8", "FP8", "FP8 E4M3"), ("int8", "INT8", "INT8")])
+def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision, name, format_name):
+    _reset(model)
+    assert f"{format_name} Q per token" in MiniMaxH3VSAProcessor(precision=precision).describe_path()
+    monkeypatch.setattr(vsa_module, "_qk_native", lambda precision, device: False)
+    with pytest.raises(RuntimeError, match=f"{name} tensor cores.*strict=False"):
+        enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision, strict=True)
+    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision)
+    from diffusers_h3 import _utils
+
+    _utils._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match=f"{name} attention runs as emulation"):
+        out = _run(model)[0]
+    assert torch.isfinite(out).all()
+    assert f"emulated here: no {name} tensor cores" in model.transformer_blocks[0].attn.processor.describe_path()
     _reset(model)
     monkeypatch.setattr(vsa_module, "_fp8_native", lambda device: False)
     with pytest.raises(RuntimeError, match="strict=False"):

@@ -27,7 +27,8 @@ INT8_MAX = 127.0
 QK_8BIT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
-def _qmax(dtype: torch.dtype) -> float:
+def qmax_of(dtype: torch.dtype) -> float:
+    """Largest code of an 8-bit attention operand dtype: 448 (E4M3) or 127 (INT8)."""
     if dtype not in QK_8BIT_DTYPES:
         raise ValueError(f"8-bit attention operands are float8_e4m3fn or int8, got {dtype}")
     return FP8_E4M3_MAX if dtype == torch.float8_e4m3fn else INT8_MAX
@@ -48,7 +49,7 @@ def quantize_fp8_per_token(x: torch.Tensor, dim: int = -1, eps: float = 1e-12,
     The scale is a float32 product with the float32 reciprocal (torch's CUDA division by a scalar does the same, so
     CPU, GPU and the Triton kernels agree bit for bit); ``x / scale`` is a true division, rounded to nearest even.
     """
-    qmax = _qmax(dtype)
+    qmax = qmax_of(dtype)
     xf = x.float()
     scale = xf.abs().amax(dim=dim, keepdim=True).clamp_min(eps) * (1.0 / qmax)
     x8 = _cast_8bit((xf / scale).clamp(-qmax, qmax), dtype)
@@ -64,7 +65,7 @@ def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12,
                            dtype: torch.dtype = torch.float8_e4m3fn) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [B, N, H, D]`` -> ``(x8, scale [B, ceil(N / block), H])``: one ``amax / 448`` (``/ 127`` for int8) per
     ``block`` rows and head."""
-    qmax = _qmax(dtype)
+    qmax = qmax_of(dtype)
     b, n, h, d = x.shape
     n_blocks = -(-n // block)
     xf = x.float()

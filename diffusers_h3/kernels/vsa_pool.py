@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
+from .quant_utils import qmax_of
 
 if HAS_TRITON:
     import triton
@@ -218,8 +219,7 @@ def tile_quantize_fp8_reference(
         _, x8p = tile_pool_reference(x8.view(torch.uint8), slot_rows, tile_counts, block, pooled=False, packed=True)
         _, sp = tile_pool_reference(scale.unsqueeze(-1), slot_rows, tile_counts, block, pooled=False, packed=True)
         valid = valid_slots(tile_counts, block).reshape(1, -1, 1)
-        qmax = 127.0 if dtype == torch.int8 else 448.0
-        sp = torch.where(valid, sp.squeeze(-1), torch.tensor(1e-12, dtype=torch.float32) * (1.0 / qmax))
+        sp = torch.where(valid, sp.squeeze(-1), torch.tensor(1e-12, dtype=torch.float32) * (1.0 / qmax_of(dtype)))
         return pooled_out, x8p.view(dtype), sp
     return pooled_out, x8, scale
 
@@ -252,8 +252,7 @@ def tile_quantize_fp8(
     if not use_triton("tile_quantize_fp8", x, backend=backend):
         return tile_quantize_fp8_reference(x, slot_rows, tile_counts, block, pooled=pooled, packed=packed,
                                            subtract=subtract, per_tile=per_tile, dtype=dtype)
-    if dtype not in (torch.float8_e4m3fn, torch.int8):
-        raise ValueError(f"tile_quantize_fp8 writes float8_e4m3fn or int8, got {dtype}")
+    qmax_of(dtype)  # raises for anything but float8_e4m3fn / int8
     _check(x, slot_rows, tile_counts, block)
     check_interpreter_dtype("tile_quantize_fp8", x)
     b, s, h, d = x.shape

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ._attention_launch import index_args, scale_args
 from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
 from .block_sparse_attention_sm90 import block_sparse_attention_sm90, channel_major_rows, sm90_kernel_available
 from .quant_utils import QK_8BIT_DTYPES, dequantize_fp8_per_block
@@ -615,17 +616,8 @@ def block_sparse_attention(
         block_m = block
         grid = (tile_counts.numel(), b * h)
         n_kv_blocks = 0
-        kv_num = kv_num.contiguous()
-        index_strides = kv_index.stride()[:3]
-        if kv_index.stride(-1) != 1:
-            kv_index = kv_index.contiguous()
-            index_strides = kv_index.stride()[:3]
-    dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
-    qs = q_scale if q_scale is not None else dummy_f
-    ks = k_scale if k_scale is not None else dummy_f
-    vs = v_scale.contiguous() if v_scale is not None else dummy_f
-    qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
-    ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
+        kv_index, kv_num, index_strides = index_args(kv_index, kv_num)
+    (qs, ks, vs), scale_strides = scale_args(q_scale, k_scale, v_scale, q.device)
     if q_scale is not None and q_scale.stride(2) != 1:
         raise ValueError("q_scale must be [B, S, H] with a contiguous head dimension")
     triton_knobs = num_warps is not None or tma is not None or rotate is not None
@@ -655,7 +647,7 @@ def block_sparse_attention(
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        *qs_strides, *ks_strides, *index_strides,
+        *scale_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, DENSE=dense, QK_8BIT=q_scale is not None,
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ._attention_launch import index_args, scale_args
 from ._triton_utils import HAS_TRITON
 
 # Gluon's API moves between Triton releases: these kernels are compiled in CI with the installed Triton (3.8) and run
@@ -496,7 +497,6 @@ def block_sparse_attention_sm90(
         v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d],
                                               gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPES[v.dtype]))
     dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
-    dummy_f = torch.zeros(1, device=q.device, dtype=torch.float32)
     if dense:
         block_m = block_m or 128
         if block_m not in (64, 128):
@@ -508,22 +508,15 @@ def block_sparse_attention_sm90(
     else:
         block_m = block
         grid = (tile_counts.numel(), b * h)
-        kv_num = kv_num.contiguous()
-        if kv_index.stride(-1) != 1:
-            kv_index = kv_index.contiguous()
-        index_strides = kv_index.stride()[:3]
+        kv_index, kv_num, index_strides = index_args(kv_index, kv_num)
         n_kv_blocks, n_q_tiles = 0, tile_counts.numel()
-    qs = q_scale if q_scale is not None else dummy_f
-    ks = k_scale if k_scale is not None else dummy_f
-    vs = v_scale.contiguous() if v_scale is not None else dummy_f
-    qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_scale is not None else (0, 0)
-    ks_strides = tuple(k_scale.stride()) if k_scale is not None else (0, 0, 0)
+    (qs, ks, vs), scale_strides = scale_args(q_scale, k_scale, v_scale, q.device)
     if dense and block_m == 128:
         # 4 + 4 + 1 warps round up to 12 (three warpgroups): 168 registers each on average; the consumers get 232.
         _dense_fwd_sm90_ws_kernel[grid](
             q, k_desc, v_desc, out, qs, ks, vs, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            *qs_strides, *ks_strides,
+            *scale_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_8BIT=q_scale is not None,
             CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
         )
@@ -532,7 +525,7 @@ def block_sparse_attention_sm90(
         q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
         scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *qs_strides, *ks_strides, *index_strides,
+        *scale_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
         QK_8BIT=q_scale is not None, num_warps=block_m // 16,
     )

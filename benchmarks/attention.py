@@ -33,6 +33,22 @@ from diffusers_h3.pipelines.packing import t2va_fl2va_layout  # noqa: E402
 from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 
+def h3_inputs(heads: int = 56, device="cuda"):
+    """``(layout, plan, (q, k, v))``: the benchmark's packed H3 sequence and its seeded random bf16 ``[1, S, H, 128]``
+    inputs (shared by every attention benchmark so that their cases are comparable)."""
+    torch.manual_seed(0)
+    # [text | audio | target video] as the t2va pipeline packs 768x1344x124 (37 latent frames of 48x84 latents).
+    layout = t2va_fl2va_layout(512, 0, 37, 48, 84, 207, (1, 2, 2), 2)
+    dev = torch.device(device)
+    plan = build_tile_plan(layout, (4, 4, 4), device=dev)
+    q = torch.randn(1, layout.seq_len, heads, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    # Give the keys a shared offset (real H3 keys are far from zero-mean; K smoothing exists for that).
+    k = (k + 0.5 * torch.randn(1, 1, heads, 128, device=dev)).to(torch.bfloat16)
+    return layout, plan, (q, k, v)
+
+
 def errors(out: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
     a, b = out.float().flatten(), ref.float().flatten()
     return {
@@ -280,17 +296,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
 
-    torch.manual_seed(0)
-    # [text | audio | target video] as the t2va pipeline packs 768x1344x124 (37 latent frames of 48x84 latents).
-    layout = t2va_fl2va_layout(512, 0, 37, 48, 84, 207, (1, 2, 2), 2)
-    dev = torch.device("cuda")
-    plan = build_tile_plan(layout, (4, 4, 4), device=dev)
-    b, s, h, d = 1, layout.seq_len, args.heads, 128
-    q = torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16)
-    k = torch.randn_like(q)
-    v = torch.randn_like(q)
-    # Give the keys a shared offset (real H3 keys are far from zero-mean; K smoothing exists for that).
-    k = (k + 0.5 * torch.randn(1, 1, h, d, device=dev)).to(torch.bfloat16)
+    layout, plan, (q, k, v) = h3_inputs(args.heads)
+    b, s, h, d = q.shape
     err_heads = torch.linspace(0, h - 1, args.error_heads).round().long().tolist()
     dense_flops = 4.0 * s * s * d * h
 

@@ -410,11 +410,13 @@ def main(argv=None):
         if sparsity == 0.8:
             from diffusers_h3.kernels.block_sparse_attention import block_sparse_attention
 
-            record("vsa_bf16_sp0.8_unpaired", lambda: vsa_attention(
-                       q, k, v, plan, sparsity=0.8, precision="bf16", pair_small_tiles=False,
-                       kernel_options=opts["bf16"])[0],
-                   ref_sparse, pairs=pairs, baseline_ms=base,
-                   note="as vsa_bf16_sp0.8 without pairing the small key tiles: each costs a whole key block (A/B)")
+            for prec in ("bf16", "fp8"):  # the same cases without pairing the small key tiles (A/B)
+                record(f"vsa_{prec}_sp0.8_unpaired", lambda prec=prec: vsa_attention(
+                           q, k, v, plan, sparsity=0.8, precision=prec, pair_small_tiles=False,
+                           kernel_options=opts["fp8" if prec == "fp8" else "bf16"])[0],
+                       ref_sparse, pairs=pairs, baseline_ms=base,
+                       note="as the case without the suffix, but every selected key tile costs a whole key block "
+                            "(small edge tiles not paired)")
 
             rows = (plan.slot_rows, plan.tile_counts, plan.block)
             _, kp = tile_pool(k, *rows, pooled=False, packed=True)

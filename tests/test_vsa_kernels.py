@@ -166,35 +166,34 @@ def test_block_sparse_attention_matches_reference(plan, dtype, tma, rotate):
     assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
 
 
-@pytest.mark.parametrize("dtype,rotate", [(DTYPE, False), (torch.float32, True)])
-def test_paired_small_tiles_give_the_unpaired_result(plan, dtype, rotate):
+@pytest.mark.parametrize("qk,dtype,rotate", [(None, DTYPE, False), (None, torch.float32, True),
+                                             (torch.float8_e4m3fn, DTYPE, True), (torch.int8, DTYPE, False)])
+def test_paired_small_tiles_give_the_unpaired_result(plan, qk, dtype, rotate):
     q, k, v, index, num = _sparse_inputs(plan, dtype=dtype, sparsity_topk=6)
     pairs, pairs_num = pair_small_tiles(index, num, plan.tile_counts, plan.block, backend="triton")
     assert (pairs_num < num).any()  # the plan's partial tiles do get paired
-    out = _poison(torch.empty_like(q))
+    kw = {}
+    if qk is not None:
+        k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+        q, qs = quantize_fp8_per_token(q, dtype=qk)
+        k, ks = quantize_fp8_per_block(k, plan.block, dtype=qk)
+        kw = dict(q_scale=qs, k_scale=ks, out_dtype=DTYPE)
+    out = _poison(torch.empty(q.shape, device=DEVICE, dtype=kw.get("out_dtype", dtype)))
     block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, pairs, pairs_num, block=plan.block, out=out,
-                           backend="triton", rotate=rotate, paired=True)
-    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
+                           backend="triton", rotate=rotate, paired=True, **kw)
+    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
+                                           **kw)
     assert not out.isnan().any()
-    assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
-    # The reference takes paired lists too (it unpairs them).
-    ref_paired = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, pairs, pairs_num,
-                                                  block=plan.block, paired=True)
-    assert torch.equal(ref_paired, ref)
+    assert rel_l2(out, ref) < (2e-3 if out.dtype == torch.float16 else 1e-5)
 
 
-def test_paired_lists_are_refused_outside_16_bits(plan):
+def test_paired_lists_are_refused_where_p_is_rounded(plan):
     q, k, v, index, num = _sparse_inputs(plan)
-    args = (plan.slot_rows, plan.tile_counts, index, num)
+    args = (q, k, v, plan.slot_rows, plan.tile_counts, index, num)
     with pytest.raises(ValueError, match="paired key-tile lists"):
-        block_sparse_attention(q, k, v, *args, block=plan.block, backend="triton", paired=True, p_fp4="two_level")
-    q8, qs = quantize_fp8_per_token(q, dtype=torch.int8)
-    k8, ks = quantize_fp8_per_block(k, plan.block, dtype=torch.int8)
-    with pytest.raises(ValueError, match="8-bit Q/K"):
-        block_sparse_attention(q8, k8, v, *args, block=plan.block, q_scale=qs, k_scale=ks, backend="triton",
-                               paired=True)
+        block_sparse_attention(*args, block=plan.block, backend="triton", paired=True, p_fp4="two_level")
     with pytest.raises(ValueError, match="tma=True"):
-        block_sparse_attention(q, k, v, *args, block=plan.block, backend="triton", paired=True, tma=True)
+        block_sparse_attention(*args, block=plan.block, backend="triton", paired=True, tma=True)
 
 
 def test_block_sparse_all_tiles_equals_dense_sdpa(plan):

@@ -108,7 +108,7 @@ def vsa_attention(
     (``"two_level"``, ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P.
     ``pair_small_tiles`` lets the flash kernels compute two selected key tiles of at most half a block in one key
     block (:func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`; same result, fewer blocks on grids that are not
-    multiples of the tile) for ``precision="bf16"`` on the Triton / Hopper kernels.
+    multiples of the tile) where P stays bf16 and the Triton kernels run.
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
@@ -128,7 +128,8 @@ def vsa_attention(
     topk = topk_for_sparsity(sparsity, plan.num_video_tiles)
     kv_index, kv_num = select_tiles(scores, plan.num_prefix_tiles, topk, backend=backend)
     out_coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled_v) if compress else None
-    paired = pair_small_tiles and precision == "bf16" and use_triton("block_sparse_attention", query, backend=backend)
+    paired = (pair_small_tiles and pv_precision == "bf16" and precision != "fp4"
+              and use_triton("block_sparse_attention", query, backend=backend))
     if paired:
         kv_index, kv_num = pair_tiles(kv_index, kv_num, plan.tile_counts, block, backend=backend)
 
@@ -344,7 +345,7 @@ class MiniMaxH3VSAProcessor:
         """Which flash kernel the GPU paths run (pooling, selection and quantization are Triton either way)."""
         hopper = torch.cuda.is_available() and sm90_kernel_available(torch.device("cuda"))
         fp4 = self.precision == "fp4" and self.fp4_p is not None
-        pairs = "; small key tiles in pairs" if self.precision == "bf16" else ""
+        pairs = "" if self.pv_precision == "fp8" or self.precision == "fp4" else "; small key tiles in pairs"
         if self.kernel == "triton" or not hopper or fp4 or self.backend == "torch":
             return "torch reference kernels" if self.backend == "torch" else f"Triton kernels{pairs}"
         return f"Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma{pairs})"

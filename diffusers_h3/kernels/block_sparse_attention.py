@@ -10,8 +10,8 @@ Contract (shared by the Triton kernel and :func:`block_sparse_attention_referenc
 * ``out[b, row, h] = softmax(scale * q k^T) v`` over the selected rows, written for every packed row.
 * ``paired=True``: a list entry ``e >= 1 << 16`` stands for two key tiles of at most ``block / 2`` valid rows,
   ``e & 0xFFFF`` and ``(e >> 16) - 1`` (:func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`), computed as one
-  key block (their valid rows in its two halves). Same result; 16-bit Q/K/V only (8-bit K has one scale per key
-  block; FP8 P·V and the FP4 P emulation round P per block).
+  key block (their valid rows in its two halves). Same result; bf16 P only (not with FP8 P·V or the FP4 P emulation,
+  whose rounding depends on the block).
 
 Numerics: scores and the softmax run in float32 (online softmax in base 2, with the running max); ``P`` is cast to
 ``v``'s dtype for the PV product, accumulation in float32. Precision variants (all with the same contract):
@@ -100,11 +100,19 @@ if HAS_TRITON:
         return tl.dot(q, k, input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
-    def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_8BIT: tl.constexpr):
-        """Per-row score scale of key tile ``kv``: with 8-bit keys, times the tile's one K scale."""
+    def _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kst, offs_n, QK_8BIT: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Scores and their per-row scale: with 8-bit keys a lone tile's one K scale joins the row scale; a pair of
+        small tiles has two, applied per column (only then: a multiply per score)."""
+        row_scale = scale_rows
         if QK_8BIT:
-            return scale_rows * tl.load(ks_base + kv * stride_kst)
-        return scale_rows
+            ks = tl.load(ks_base + kv * stride_kst)
+            if kv_b != kv:
+                ks_b = tl.load(ks_base + kv_b * stride_kst)
+                qk = qk * tl.where(offs_n < BLOCK_N // 2, ks, ks_b)[None, :]
+            else:
+                row_scale = scale_rows * ks
+        return qk, row_scale
 
     @triton.jit
     def _online_softmax(qk, valid, lo, hi, scale_rows, m_i, l_i, acc, BLOCK_N: tl.constexpr):
@@ -299,7 +307,7 @@ if HAS_TRITON:
                 slots_n, valid_n = _block_slots(kv_n, kv_b_n, lo_n, hi_n, offs_n, BLOCK_N)
                 qk_next = _raw_scores(q, kv_n, slots_n, valid_n, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS,
                                       HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
+                qk, row_scale = _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kss, offs_n, QK_8BIT, BLOCK_N)
                 p, m_i, l_i, acc = _online_softmax(qk, valid, lo, hi, row_scale, m_i, l_i, acc, BLOCK_N)
                 v = _load_v(kv, slots, valid, b, h, H, v_base, V_DESC, offs_d, stride_vs, stride_vd, KV_ROWS,
                             HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
@@ -313,7 +321,7 @@ if HAS_TRITON:
                 slots, valid = _block_slots(kv, kv_b, lo, hi, offs_n, BLOCK_N)
                 qk = _raw_scores(q, kv, slots, valid, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
-                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
+                qk, row_scale = _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kss, offs_n, QK_8BIT, BLOCK_N)
                 p, m_i, l_i, acc = _online_softmax(qk, valid, lo, hi, row_scale, m_i, l_i, acc, BLOCK_N)
                 v = _load_v(kv, slots, valid, b, h, H, v_base, V_DESC, offs_d, stride_vs, stride_vd, KV_ROWS,
                             HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
@@ -525,10 +533,9 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
 
 def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense, paired=False,
            p_fp4=None):
-    if paired and (dense or q_scale is not None or v_scale is not None or p_fp4 is not None):
-        raise ValueError("paired key-tile lists are for sparse attention in 16 bits: not with dense=True, 8-bit Q/K "
-                         "(one K scale per key block), FP8 P.V (v_scale) or the FP4 P emulation (p_fp4); pass "
-                         "unpaired lists there")
+    if paired and (dense or v_scale is not None or p_fp4 is not None):
+        raise ValueError("paired key-tile lists are for sparse attention with bf16 P: not with dense=True, FP8 P.V "
+                         "(v_scale) or the FP4 P emulation (p_fp4); pass unpaired lists there")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [batch, seq, heads, head_dim] tensors")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:

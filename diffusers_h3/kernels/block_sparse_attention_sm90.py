@@ -84,47 +84,47 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_bar, v_buf)
 
     @gluon.jit
-    def _copy_kv_halves(k_half, v_half, k_buf, v_buf, k_bar, v_bar, row, row_hi, h, HEAD_DIM: gl.constexpr,
-                        BLOCK_N: gl.constexpr):
-        """TMA copies of a key block as two half-tile boxes, rows ``row`` and ``row_hi`` of the packed K/V, into the
-        two halves of one ring slot (16-bit V; one barrier per operand, the bytes of one whole tile)."""
+    def _copy_kv_pair(k_half, v_half, k_buf, v_buf, k_bar, v_bar, kv, kv_b, b, h, KV_ROWS, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+        """TMA copies of the valid halves of small key tiles ``kv`` and ``kv_b`` into the two halves of one ring slot
+        (bf16/fp16 V; one barrier per operand, the same byte count as a whole tile)."""
         HALF: gl.constexpr = BLOCK_N // 2
+        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
+        row_b = (b * KV_ROWS + kv_b * BLOCK_N).to(gl.int32)
         mbarrier.expect(k_bar, 2 * k_half.block_type.nbytes)
         tma.async_copy_global_to_shared(k_half, [row, h * HEAD_DIM], k_bar, k_buf.slice(0, HALF))
-        tma.async_copy_global_to_shared(k_half, [row_hi, h * HEAD_DIM], k_bar, k_buf.slice(HALF, HALF))
+        tma.async_copy_global_to_shared(k_half, [row_b, h * HEAD_DIM], k_bar, k_buf.slice(HALF, HALF))
         mbarrier.expect(v_bar, 2 * v_half.block_type.nbytes)
         tma.async_copy_global_to_shared(v_half, [row, h * HEAD_DIM], v_bar, v_buf.slice(0, HALF))
-        tma.async_copy_global_to_shared(v_half, [row_hi, h * HEAD_DIM], v_bar, v_buf.slice(HALF, HALF))
+        tma.async_copy_global_to_shared(v_half, [row_b, h * HEAD_DIM], v_bar, v_buf.slice(HALF, HALF))
 
     @gluon.jit
     def _decode(entry, PAIRED: gl.constexpr):
-        """``(kv, kv_b, pair)`` of a list entry: ``(kv, kv, 0)`` for one tile, ``(a, b, 1)`` for a pair of small
-        tiles (``entry = a + ((b + 1) << 16)``, :func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`).
-        Branch-free: a runtime branch in the key loop cost more than the pairs save (measured on an H200)."""
+        """The two key tiles of a list entry: ``(kv, kv)`` for one tile, ``(a, b)`` for a pair of small tiles
+        (``entry = a + ((b + 1) << 16)``, :func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`)."""
         kv = entry
         kv_b = entry
-        pair = 0
-        if PAIRED:
+        if PAIRED:  # branch-free (a lone tile's entry is below 1 << 16): kv_b = kv for a lone tile
             high = entry >> 16
-            pair = gl.minimum(high, 1)
             kv = entry & 0xFFFF
-            kv_b = kv + (high - 1 - kv) * pair
-        return kv, kv_b, pair
+            kv_b = kv + (high - 1 - kv) * gl.minimum(high, 1)
+        return kv, kv_b
 
     @gluon.jit
     def _issue_tile_copy(k_desc, v_desc, k_half, v_half, k_bufs, v_bufs, k_bars, v_bars, tile, entry, b, h, H,
                          KV_ROWS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          PAIRED: gl.constexpr):
         """TMA copies of the key block of list entry ``entry`` (list position ``tile``) into ring slot
-        ``tile % STAGES``; with paired lists every block arrives as two half tiles (a lone tile's two halves, or
-        the valid half of each tile of a pair), so that the loop keeps one code path."""
+        ``tile % STAGES``."""
         slot = tile % STAGES
-        kv, kv_b, pair = _decode(entry, PAIRED)
-        if PAIRED:
-            row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
-            row_hi = row + BLOCK_N // 2 + ((kv_b - kv) * BLOCK_N - BLOCK_N // 2) * pair
-            _copy_kv_halves(k_half, v_half, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot),
-                            v_bars.index(slot), row, row_hi.to(gl.int32), h, HEAD_DIM, BLOCK_N)
+        kv, kv_b = _decode(entry, PAIRED)
+        if PAIRED:  # (compile-time: unpaired kernels carry no half-tile copies, whose boxes would not fit)
+            if kv_b != kv:
+                _copy_kv_pair(k_half, v_half, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot),
+                              v_bars.index(slot), kv, kv_b, b, h, KV_ROWS, HEAD_DIM, BLOCK_N)
+            else:
+                _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot),
+                         v_bars.index(slot), kv, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
         else:
             _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot), v_bars.index(slot),
                      kv, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
@@ -191,33 +191,46 @@ if HAS_GLUON:
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _key_tile(j, DENSE: gl.constexpr, PAIRED: gl.constexpr, list_base, TILE_COUNTS, S, row_scale_q, ks_base,
-                  stride_kss, BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
+    def _key_tile(j, DENSE: gl.constexpr, PAIRED: gl.constexpr, list_base, TILE_COUNTS, S, ks_base, stride_kss,
+                  BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
         """What the softmax needs of the key block at list position ``j``: the valid rows of its two halves
-        (``lo``, ``hi``; a lone tile of ``cnt`` rows: ``min(cnt, BLOCK_N / 2)``, ``cnt - BLOCK_N / 2``; a pair: each
-        tile's count) and the per-row score scale (with 8-bit K, times the tile's one K scale)."""
+        (``lo``, ``hi``; a lone tile of ``cnt`` rows: ``min(cnt, BLOCK_N / 2)``, ``cnt - BLOCK_N / 2``), whether it
+        is a pair of small tiles, and the 8-bit K scale of each half."""
         HALF: gl.constexpr = BLOCK_N // 2
-        kv, kv_b, pair = _decode(_tile_at(j, DENSE, list_base), PAIRED)
+        kv, kv_b = _decode(_tile_at(j, DENSE, list_base), PAIRED)
         cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
         lo = gl.minimum(cnt, HALF)
         hi = cnt - HALF
-        if PAIRED:  # (compile-time: the dense kernels pass no tile counts)
-            lo = lo + (cnt - lo) * pair
-            hi = hi + (gl.load(TILE_COUNTS + kv_b) - hi) * pair
-        row_scale = row_scale_q
+        pair = kv_b != kv  # (always false for unpaired lists: the compiler folds it away)
+        ks = 1.0
         if QK_8BIT:
-            row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
-        return lo, hi, row_scale
+            ks = gl.load(ks_base + kv * stride_kss)
+        ks_b = ks
+        if PAIRED:  # (compile-time: the dense kernels pass no tile counts)
+            if pair:
+                lo = cnt
+                hi = gl.load(TILE_COUNTS + kv_b)
+                if QK_8BIT:
+                    ks_b = gl.load(ks_base + kv_b * stride_kss)
+        return lo, hi, pair, ks, ks_b
 
     @gluon.jit
-    def _masked_scores(s, lo, hi, offs_n, BLOCK_N: gl.constexpr):
-        """Raw scores of a key block as float32 with ``-inf`` on its pad columns (only blocks that have any pay)."""
+    def _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
+        """Raw scores of a key block -> masked float32 scores and their per-row scale: a lone tile's 8-bit K scale
+        joins the row scale, a pair's two scales apply per column (a multiply per score, for pairs only); pad columns
+        get ``-inf`` (only blocks that have them pay for the mask)."""
         HALF: gl.constexpr = BLOCK_N // 2
         s = s.to(gl.float32)  # int32 scores of INT8 Q/K (exact: |q . k| <= D * 127^2 < 2^24)
+        row_scale = row_scale_q
+        if QK_8BIT:
+            if pair:
+                s = s * gl.expand_dims(ks + (ks_b - ks) * (offs_n >= HALF).to(gl.float32), 0)
+            else:
+                row_scale = row_scale_q * ks
         if (lo < HALF) | (hi < HALF):
             valid = gl.where(offs_n < HALF, offs_n < lo, offs_n - HALF < hi)
             s = gl.where(gl.expand_dims(valid, 0), s, float("-inf"))
-        return s
+        return s, row_scale
 
     @gluon.jit
     def _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, empty, p_base, k_desc, v_desc,
@@ -243,12 +256,12 @@ if HAS_GLUON:
         S_DTYPE: gl.constexpr = gl.int32 if q.dtype == gl.int8 else gl.float32  # INT8 Q K^T accumulates exactly
         s_zero = gl.zeros([ROWS, BLOCK_N], S_DTYPE, layout=s_layout)
 
-        lo, hi, row_scale = _key_tile(0, DENSE, PAIRED, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss, BLOCK_N,
+        lo, hi, pair, ks, ks_b = _key_tile(0, DENSE, PAIRED, list_base, TILE_COUNTS, S, ks_base, stride_kss, BLOCK_N,
                                            QK_8BIT)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        s = _masked_scores(s, lo, hi, offs_n, BLOCK_N)
+        s, row_scale = _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N, QK_8BIT)
         p, m_i, l_i, alpha = _softmax_step(s, row_scale, m_i, l_i)
         p_op = _p_operand(p, p_bufs.index(p_base), v_desc.dtype, p_layout)
         for j in range(0, num - 1):
@@ -259,7 +272,7 @@ if HAS_GLUON:
                                      _tile_at(ahead, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N, STAGES,
                                      PAIRED)
             nxt = j + 1
-            lo, hi, row_scale = _key_tile(nxt, DENSE, PAIRED, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
+            lo, hi, pair, ks, ks_b = _key_tile(nxt, DENSE, PAIRED, list_base, TILE_COUNTS, S, ks_base, stride_kss,
                                                BLOCK_N, QK_8BIT)
             slot_n = nxt % STAGES
             mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
@@ -268,7 +281,7 @@ if HAS_GLUON:
             mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
             o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            s = _masked_scores(s, lo, hi, offs_n, BLOCK_N)
+            s, row_scale = _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N, QK_8BIT)
             p, m_i, l_i, alpha = _softmax_step(s, row_scale, m_i, l_i)
             acc = _wait_pv(o_tok, p_op, PV_FP8)
             if PRODUCER_WARP:
@@ -553,9 +566,9 @@ def block_sparse_attention_sm90(
         v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d],
                                               gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPES[v.dtype]))
     k_half, v_half = k_desc, v_desc  # (unused unless paired)
-    if paired:  # half-tile boxes: every key block arrives as two halves (a lone tile's, or one of each tile of a pair)
-        if dense or v.dtype == torch.float8_e4m3fn or q_scale is not None:
-            raise ValueError("paired key-tile lists need sparse attention with 16-bit Q/K and V")
+    if paired:  # half-tile boxes: each tile of a pair fills half of a ring slot
+        if dense or v.dtype == torch.float8_e4m3fn:
+            raise ValueError("paired key-tile lists need sparse attention with a bf16/fp16 v")
         half = block // 2
         k_half = TensorDescriptor.from_tensor(k.view(b * n, h * d), [half, d],
                                               gl.NVMMASharedLayout.get_default_for([half, d], k_gl))

@@ -104,10 +104,10 @@ if HAS_GLUON:
         (``entry = a + ((b + 1) << 16)``, :func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`)."""
         kv = entry
         kv_b = entry
-        if PAIRED:  # branch-free (a lone tile's entry is below 1 << 16): kv_b = kv for a lone tile
-            high = entry >> 16
-            kv = entry & 0xFFFF
-            kv_b = kv + (high - 1 - kv) * gl.minimum(high, 1)
+        if PAIRED:
+            if entry >= 65536:
+                kv = entry & 0xFFFF
+                kv_b = (entry >> 16) - 1
         return kv, kv_b
 
     @gluon.jit
@@ -202,16 +202,14 @@ if HAS_GLUON:
         lo = gl.minimum(cnt, HALF)
         hi = cnt - HALF
         pair = kv_b != kv  # (always false for unpaired lists: the compiler folds it away)
+        if pair:
+            lo = cnt
+            hi = gl.load(TILE_COUNTS + kv_b)
         ks = 1.0
+        ks_b = 1.0
         if QK_8BIT:
             ks = gl.load(ks_base + kv * stride_kss)
-        ks_b = ks
-        if PAIRED:  # (compile-time: the dense kernels pass no tile counts)
-            if pair:
-                lo = cnt
-                hi = gl.load(TILE_COUNTS + kv_b)
-                if QK_8BIT:
-                    ks_b = gl.load(ks_base + kv_b * stride_kss)
+            ks_b = gl.load(ks_base + kv_b * stride_kss)
         return lo, hi, pair, ks, ks_b
 
     @gluon.jit

@@ -28,12 +28,7 @@ from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
 from diffusers_h3.kernels.block_sparse_attention_sm90 import sm90_kernel_available  # noqa: E402
 from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
 from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
-from diffusers_h3.kernels.vsa_select import (  # noqa: E402
-    build_block_mask,
-    mask_to_index,
-    pair_small_tiles,
-    topk_for_sparsity,
-)
+from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
 from diffusers_h3.pipelines.packing import t2va_fl2va_layout  # noqa: E402
 from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
@@ -410,14 +405,6 @@ def main(argv=None):
         if sparsity == 0.8:
             from diffusers_h3.kernels.block_sparse_attention import block_sparse_attention
 
-            for prec in ("bf16", "fp8"):  # the same cases without pairing the small key tiles (A/B)
-                record(f"vsa_{prec}_sp0.8_unpaired", lambda prec=prec: vsa_attention(
-                           q, k, v, plan, sparsity=0.8, precision=prec, pair_small_tiles=False,
-                           kernel_options=opts["fp8" if prec == "fp8" else "bf16"])[0],
-                       ref_sparse, pairs=pairs, baseline_ms=base,
-                       note="as the case without the suffix, but every selected key tile costs a whole key block "
-                            "(small edge tiles not paired)")
-
             rows = (plan.slot_rows, plan.tile_counts, plan.block)
             _, kp = tile_pool(k, *rows, pooled=False, packed=True)
             _, vp = tile_pool(v, *rows, pooled=False, packed=True)
@@ -425,14 +412,7 @@ def main(argv=None):
             record("vsa_bf16_sp0.8_fine_only",
                    lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index, num,
                                                   block=plan.block, **opts["bf16"]),
-                   ref_sparse, pairs=pairs, baseline_ms=base,
-                   note="fine kernel alone (no pooling / selection), unpaired lists like the peers below")
-            index_p, num_p = pair_small_tiles(index, num, plan.tile_counts, plan.block)
-            record("vsa_bf16_sp0.8_fine_only_paired",
-                   lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index_p, num_p,
-                                                  block=plan.block, paired=True, **opts["bf16"]),
-                   ref_sparse, pairs=pairs, baseline_ms=base,
-                   note="fine kernel alone with the small key tiles paired (what vsa_attention runs)")
+                   ref_sparse, pairs=pairs, baseline_ms=base, note="fine kernel alone (no pooling / selection)")
             # Peers on the packed tile-ordered rows ([B, H, T*64, D], pad slots zero): timed alone like fine_only.
             _, qp = tile_pool(q, *rows, pooled=False, packed=True)
             qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (qp, kp, vp))

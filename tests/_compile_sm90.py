@@ -18,7 +18,7 @@ from diffusers_h3.kernels import block_sparse_attention_sm90 as sm90
 D = 128
 
 
-def _compile(fn, consts, q_dtype, v_fp8, block_n, num_warps, paired=False, **options):
+def _compile(fn, consts, q_dtype, v_fp8, block_n, num_warps, **options):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -28,11 +28,6 @@ def _compile(fn, consts, q_dtype, v_fp8, block_n, num_warps, paired=False, **opt
     v_shape = [D, block_n] if v_fp8 else [block_n, D]
     v_dtype = "fp8e4nv" if v_fp8 else "bf16"
     v_layout = gl.NVMMASharedLayout.get_default_for(v_shape, gl_dtype[v_dtype])
-    # The half-tile descriptors of paired lists (the full ones stand in for them otherwise, as in the launcher).
-    half = block_n // 2 if paired else block_n
-    k_half_layout = gl.NVMMASharedLayout.get_default_for([half, D], gl_dtype[q_dtype])
-    v_half_shape = v_shape if not paired else [half, D]
-    v_half_layout = gl.NVMMASharedLayout.get_default_for(v_half_shape, gl_dtype[v_dtype])
     pointers = {"Q": f"*{q_dtype}", "O": "*bf16", "Q_SCALE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
                 "SLOT_ROWS": "*i32", "TILE_COUNTS": "*i32", "KV_INDEX": "*i32", "KV_NUM": "*i32"}
     names = list(inspect.signature(fn.fn).parameters)
@@ -44,10 +39,6 @@ def _compile(fn, consts, q_dtype, v_fp8, block_n, num_warps, paired=False, **opt
             signature[name] = f"tensordesc<{q_dtype}[{block_n}, {D}],{k_layout!r}>"
         elif name == "v_desc":
             signature[name] = f"tensordesc<{v_dtype}[{v_shape[0]}, {v_shape[1]}],{v_layout!r}>"
-        elif name == "k_half":
-            signature[name] = f"tensordesc<{q_dtype}[{half}, {D}],{k_half_layout!r}>"
-        elif name == "v_half":
-            signature[name] = f"tensordesc<{v_dtype}[{v_half_shape[0]}, {v_half_shape[1]}],{v_half_layout!r}>"
         elif name in consts:
             signature[name] = "constexpr"
         else:
@@ -68,12 +59,11 @@ def _ptxas_report(kernel):
 
 def main(variant, q_dtype, v_fp8, dense_or_block_n):
     v_fp8 = v_fp8 == "1"
-    if variant == "single":  # dense_or_block_n: "dense", "sparse" or "paired" (sparse with paired small tiles)
+    if variant == "single":
         dense = dense_or_block_n == "dense"
-        paired = dense_or_block_n == "paired"
         consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=3, DENSE=dense, QK_8BIT=q_dtype != "bf16",
-                      PAIRED=paired, num_warps=4)
-        kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4, paired=paired)
+                      num_warps=4)
+        kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4)
     else:
         block_n = int(dense_or_block_n)
         consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=3, QK_8BIT=True, CONSUMER_REGS=232, PRODUCER_REGS=40)

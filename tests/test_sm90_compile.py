@@ -47,8 +47,7 @@ def _assert_mma_kinds(ptx, report, q_dtype):
 
 @pytest.mark.parametrize("q_dtype,v_fp8,mode", [("bf16", 0, "sparse"), ("fp8e4nv", 0, "sparse"),
                                                 ("fp8e4nv", 1, "sparse"), ("fp8e4nv", 0, "dense"), ("i8", 0, "sparse"),
-                                                ("i8", 1, "sparse"), ("bf16", 0, "paired"), ("fp8e4nv", 0, "paired"),
-                                                ("i8", 0, "paired")])
+                                                ("i8", 1, "sparse")])
 def test_single_warpgroup_kernel_compiles_without_spills(q_dtype, v_fp8, mode):
     ptx, report = _compile("single", q_dtype, v_fp8, mode)
     _assert_mma_kinds(ptx, report, q_dtype)

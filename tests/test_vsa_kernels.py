@@ -25,14 +25,10 @@ from diffusers_h3.kernels.quant_utils import (  # noqa: E402
 )
 from diffusers_h3.kernels.vsa_pool import tile_pool, tile_pool_reference  # noqa: E402
 from diffusers_h3.kernels.vsa_select import (  # noqa: E402
-    PAIR_SHIFT,
     build_block_mask,
     mask_to_index,
     mask_to_index_reference,
-    pair_small_tiles,
-    pair_small_tiles_reference,
     select_tiles,
-    unpair_index,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,34 +111,6 @@ def test_select_tiles_rejects_a_topk_beyond_the_video_tiles():
         select_tiles(torch.randn(1, 1, 10, 10, device=DEVICE), 4, 7)
 
 
-@pytest.mark.parametrize("b,h,t,density", [(2, 3, 37, 0.4), (1, 1, 5, 1.0), (1, 2, 64, 0.1), (1, 1, 9, 0.0)])
-def test_pair_small_tiles_matches_reference(b, h, t, density):
-    counts = torch.randint(1, 17, (t,), dtype=torch.int32, device=DEVICE)  # block 16: tiles of <= 8 rows are small
-    mask = torch.rand(b, h, t, t, device=DEVICE) < density
-    index, num = mask_to_index_reference(mask)
-    out, out_num = pair_small_tiles(index, num, counts, 16, backend="triton")
-    ref, ref_num = pair_small_tiles_reference(index, num, counts, 16)
-    assert torch.equal(out_num, ref_num)
-    listed = torch.arange(t, device=DEVICE) < out_num.unsqueeze(-1)
-    assert torch.equal(out[listed], ref[listed])
-    # Every small tile is in a pair but at most one per list; large tiles never are; nothing is lost or added.
-    small = (counts <= 8).long()
-    n_small = (mask.long() * small).sum(-1)
-    assert torch.equal(out_num.long(), mask.sum(-1) - n_small // 2)
-    assert (out[listed] >= 1 << PAIR_SHIFT).sum() == (n_small // 2).sum()
-    plain, plain_num = unpair_index(out, out_num, t)
-    assert torch.equal(plain_num, num)
-    within = torch.arange(t, device=DEVICE) < num.unsqueeze(-1)
-    assert torch.equal(plain[within], index[within])
-
-
-def test_pair_small_tiles_rejects_tile_ids_beyond_its_encoding():
-    index = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="16 bits"):
-        pair_small_tiles_reference(index, torch.ones(1, 1, 1, dtype=torch.int32),
-                                   torch.ones(1 << PAIR_SHIFT, dtype=torch.int32), 64)
-
-
 def _sparse_inputs(plan, b=2, h=3, d=32, dtype=DTYPE, sparsity_topk=3):
     q = torch.randn(b, plan.seq_len, h, d, device=DEVICE, dtype=dtype)
     k = torch.randn_like(q)
@@ -164,36 +132,6 @@ def test_block_sparse_attention_matches_reference(plan, dtype, tma, rotate):
     ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (2e-3 if dtype == torch.float16 else 1e-5)
-
-
-@pytest.mark.parametrize("qk,dtype,rotate", [(None, DTYPE, False), (None, torch.float32, True),
-                                             (torch.float8_e4m3fn, DTYPE, True), (torch.int8, DTYPE, False)])
-def test_paired_small_tiles_give_the_unpaired_result(plan, qk, dtype, rotate):
-    q, k, v, index, num = _sparse_inputs(plan, dtype=dtype, sparsity_topk=6)
-    pairs, pairs_num = pair_small_tiles(index, num, plan.tile_counts, plan.block, backend="triton")
-    assert (pairs_num < num).any()  # the plan's partial tiles do get paired
-    kw = {}
-    if qk is not None:
-        k = k - k.float().mean(1, keepdim=True).to(k.dtype)
-        q, qs = quantize_fp8_per_token(q, dtype=qk)
-        k, ks = quantize_fp8_per_block(k, plan.block, dtype=qk)
-        kw = dict(q_scale=qs, k_scale=ks, out_dtype=DTYPE)
-    out = _poison(torch.empty(q.shape, device=DEVICE, dtype=kw.get("out_dtype", dtype)))
-    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, pairs, pairs_num, block=plan.block, out=out,
-                           backend="triton", rotate=rotate, paired=True, **kw)
-    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=plan.block,
-                                           **kw)
-    assert not out.isnan().any()
-    assert rel_l2(out, ref) < (2e-3 if out.dtype == torch.float16 else 1e-5)
-
-
-def test_paired_lists_are_refused_where_p_is_rounded(plan):
-    q, k, v, index, num = _sparse_inputs(plan)
-    args = (q, k, v, plan.slot_rows, plan.tile_counts, index, num)
-    with pytest.raises(ValueError, match="paired key-tile lists"):
-        block_sparse_attention(*args, block=plan.block, backend="triton", paired=True, p_fp4="two_level")
-    with pytest.raises(ValueError, match="tma=True"):
-        block_sparse_attention(*args, block=plan.block, backend="triton", paired=True, tma=True)
 
 
 def test_block_sparse_all_tiles_equals_dense_sdpa(plan):

@@ -35,7 +35,7 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
-from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active, use_triton
+from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
 from ..kernels.block_sparse_attention import block_sparse_attention
 from ..kernels.block_sparse_attention_sm90 import sm90_kernel_available
 from ..kernels.fp8_value import quantize_v_fp8_channel_major
@@ -48,7 +48,6 @@ from ..kernels.quant_utils import (
     quantize_fp8_per_channel,
 )
 from ..kernels.vsa_pool import tile_pool, tile_quantize_fp8
-from ..kernels.vsa_select import pair_small_tiles as pair_tiles
 from ..kernels.vsa_select import select_tiles, topk_for_sparsity
 from ._projections import project_output, project_qkv
 from .layout import require_packed_layout
@@ -97,7 +96,6 @@ def vsa_attention(
     backend: str = "auto",
     kernel_options: Optional[Dict[str, Any]] = None,
     fp4_p: Optional[str] = "two_level",
-    pair_small_tiles: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The VSA core on ``[B, S, H, D]`` rows (after QK-norm and rotary): returns ``(out_fine, out_coarse)``.
 
@@ -106,9 +104,6 @@ def vsa_attention(
     kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``kernel_options`` (``kernel``,
     ``tma``, ``rotate``, ``num_warps``, ``num_stages``) are passed to the fine kernel (benchmarks / tuning). ``fp4_p``
     (``"two_level"``, ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P.
-    ``pair_small_tiles`` lets the flash kernels compute two selected key tiles of at most half a block in one key
-    block (:func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`; same result, fewer blocks on grids that are not
-    multiples of the tile) where P stays bf16 and the Triton kernels run.
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
@@ -128,13 +123,8 @@ def vsa_attention(
     topk = topk_for_sparsity(sparsity, plan.num_video_tiles)
     kv_index, kv_num = select_tiles(scores, plan.num_prefix_tiles, topk, backend=backend)
     out_coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled_v) if compress else None
-    paired = (pair_small_tiles and pv_precision == "bf16" and precision != "fp4"
-              and use_triton("block_sparse_attention", query, backend=backend))
-    if paired:
-        kv_index, kv_num = pair_tiles(kv_index, kv_num, plan.tile_counts, block, backend=backend)
 
-    common = dict(block=block, scale=scale, out_dtype=query.dtype, backend=backend, paired=paired,
-                  **(kernel_options or {}))
+    common = dict(block=block, scale=scale, out_dtype=query.dtype, backend=backend, **(kernel_options or {}))
     sparse_args = (plan.slot_rows, plan.tile_counts, kv_index, kv_num)
     if precision == "bf16":
         return block_sparse_attention(query, k_packed, v_packed, *sparse_args, **common), out_coarse
@@ -345,10 +335,9 @@ class MiniMaxH3VSAProcessor:
         """Which flash kernel the GPU paths run (pooling, selection and quantization are Triton either way)."""
         hopper = torch.cuda.is_available() and sm90_kernel_available(torch.device("cuda"))
         fp4 = self.precision == "fp4" and self.fp4_p is not None
-        pairs = "" if self.pv_precision == "fp8" or self.precision == "fp4" else "; small key tiles in pairs"
         if self.kernel == "triton" or not hopper or fp4 or self.backend == "torch":
-            return "torch reference kernels" if self.backend == "torch" else f"Triton kernels{pairs}"
-        return f"Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma{pairs})"
+            return "Triton kernels"
+        return "Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma)"
 
     # -- attention ----------------------------------------------------------------------------------------------------
     def _dense_attention(self, attn, hidden_states, query, key, value, rotary_emb, attention_mask):

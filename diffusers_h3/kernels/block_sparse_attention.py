@@ -8,10 +8,6 @@ Contract (shared by the Triton kernel and :func:`block_sparse_attention_referenc
 * ``kv_index [B, H, T, >=n] / kv_num [B, H, T]``: query tile ``t`` of head ``h`` attends to the valid rows of key tiles
   ``kv_index[b, h, t, :kv_num[b, h, t]]`` (:func:`~diffusers_h3.kernels.vsa_select.mask_to_index`).
 * ``out[b, row, h] = softmax(scale * q k^T) v`` over the selected rows, written for every packed row.
-* ``paired=True``: a list entry ``e >= 1 << 16`` stands for two key tiles of at most ``block / 2`` valid rows,
-  ``e & 0xFFFF`` and ``(e >> 16) - 1`` (:func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`), computed as one
-  key block (their valid rows in its two halves). Same result; bf16 P only (not with FP8 P·V or the FP4 P emulation,
-  whose rounding depends on the block).
 
 Numerics: scores and the softmax run in float32 (online softmax in base 2, with the running max); ``P`` is cast to
 ``v``'s dtype for the PV product, accumulation in float32. Precision variants (all with the same contract):
@@ -42,7 +38,6 @@ from ._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compil
 from .block_sparse_attention_sm90 import block_sparse_attention_sm90, channel_major_rows, sm90_kernel_available
 from .quant_utils import QK_8BIT_DTYPES, dequantize_fp8_per_block
 from .vsa_pool import valid_slots
-from .vsa_select import unpair_index
 
 FP8_E4M3_MAX = 448.0
 
@@ -53,83 +48,52 @@ if HAS_TRITON:
     from .vsa_pool import round_to_e4m3 as round_e4m3_value
 
     @triton.jit
-    def _kv_tile(j, DENSE: tl.constexpr, PAIRED: tl.constexpr, list_base, TILE_COUNTS, S, BLOCK_N: tl.constexpr):
-        """Key block ``j`` of this query tile's list: its tiles ``kv`` and ``kv_b`` (different only for a pair of
-        small tiles, ``kv`` in the lower half of the block and ``kv_b`` in the upper) and the valid rows of the two
-        halves, ``lo`` and ``hi`` (a lone tile of ``cnt`` rows: ``min(cnt, BLOCK_N / 2)`` and ``cnt - BLOCK_N / 2``)."""
-        HALF: tl.constexpr = BLOCK_N // 2
+    def _kv_tile(j, DENSE: tl.constexpr, list_base, TILE_COUNTS, S, BLOCK_N: tl.constexpr):
+        """Key tile ``j`` of this query tile's list and its valid row count."""
         if DENSE:
             kv = j
-            kv_b = kv
             cnt = tl.minimum(S - j * BLOCK_N, BLOCK_N)
         else:
-            entry = tl.load(list_base + j)
-            if PAIRED:
-                kv = tl.where(entry >= 65536, entry & 0xFFFF, entry)
-                kv_b = tl.where(entry >= 65536, (entry >> 16) - 1, entry)
-            else:
-                kv = entry
-                kv_b = entry
+            kv = tl.load(list_base + j)
             cnt = tl.load(TILE_COUNTS + kv)
-        lo = tl.minimum(cnt, HALF)
-        hi = cnt - HALF
-        if PAIRED:
-            lo = tl.where(kv_b != kv, cnt, lo)
-            hi = tl.where(kv_b != kv, tl.load(TILE_COUNTS + kv_b), hi)
-        return kv, kv_b, lo, hi
+        return kv, cnt
 
     @triton.jit
-    def _block_slots(kv, kv_b, lo, hi, offs_n, BLOCK_N: tl.constexpr):
-        """Packed key slot and validity of every column of a key block (the upper half of a pair is tile ``kv_b``)."""
-        HALF: tl.constexpr = BLOCK_N // 2
-        upper = tl.where(kv_b != kv, kv_b.to(tl.int64) * BLOCK_N - HALF, kv.to(tl.int64) * BLOCK_N)
-        slots = tl.where(offs_n < HALF, kv.to(tl.int64) * BLOCK_N, upper) + offs_n
-        valid = tl.where(offs_n < HALF, offs_n < lo, offs_n - HALF < hi)
-        return slots, valid
-
-    @triton.jit
-    def _raw_scores(q, kv, slots, valid, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS, HEAD_DIM: tl.constexpr,
+    def _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM: tl.constexpr,
                     BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """``q . k`` of one key block, before the per-row scale and the pad mask."""
+        """``q . k`` of one key tile, before the per-row scale and the pad mask."""
         if USE_TMA:  # the tile is a contiguous 2D box: one TMA load (pad rows are zeros, masked later)
             k = K_DESC.load([(b * KV_ROWS + kv * BLOCK_N).to(tl.int32), h * HEAD_DIM]).T
         else:
-            k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=valid[None, :], other=0.0)
+            slots = kv.to(tl.int64) * BLOCK_N + offs_n
+            k = tl.load(k_base + slots[None, :] * stride_ks + offs_d[:, None], mask=(offs_n < cnt)[None, :], other=0.0)
         # INT8 Q/K: exact int32 sums (|q . k| <= D * 127^2 < 2^24), then float32 (a no-op for float scores); one
         # return statement, as Triton type-checks every return even under a constexpr condition.
         return tl.dot(q, k, input_precision=DOT_PRECISION).to(tl.float32)
 
     @triton.jit
-    def _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kst, offs_n, QK_8BIT: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        """Scores and their per-row scale: with 8-bit keys a lone tile's one K scale joins the row scale; a pair of
-        small tiles has two, applied per column (only then: a multiply per score)."""
-        row_scale = scale_rows
+    def _row_scale(scale_rows, kv, ks_base, stride_kst, QK_8BIT: tl.constexpr):
+        """Per-row score scale of key tile ``kv``: with 8-bit keys, times the tile's one K scale."""
         if QK_8BIT:
-            ks = tl.load(ks_base + kv * stride_kst)
-            if kv_b != kv:
-                ks_b = tl.load(ks_base + kv_b * stride_kst)
-                qk = qk * tl.where(offs_n < BLOCK_N // 2, ks, ks_b)[None, :]
-            else:
-                row_scale = scale_rows * ks
-        return qk, row_scale
+            return scale_rows * tl.load(ks_base + kv * stride_kst)
+        return scale_rows
 
     @triton.jit
-    def _online_softmax(qk, valid, lo, hi, scale_rows, m_i, l_i, acc, BLOCK_N: tl.constexpr):
+    def _online_softmax(qk, cnt, scale_rows, m_i, l_i, acc, offs_n, BLOCK_N: tl.constexpr):
         """One online-softmax step (base 2) on raw scores: returns ``p`` and the updated ``m``, ``l``, ``acc``.
 
-        The per-row scale is folded into the exponent (one FMA per score) and only key blocks with pad columns pay
-        for the mask (``-inf`` where not ``valid``).
+        The per-row scale is folded into the exponent (one FMA per score) and only partial key tiles pay for the pad
+        mask (``-inf`` on columns ``>= cnt``).
         """
-        if (lo < BLOCK_N // 2) | (hi < BLOCK_N // 2):
-            qk = tl.where(valid[None, :], qk, float("-inf"))
+        if cnt < BLOCK_N:
+            qk = tl.where((offs_n < cnt)[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_rows)
         p = tl.math.exp2(qk * scale_rows[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
     @triton.jit
-    def _load_v(kv, slots, valid, b, h, H, v_base, V_DESC, offs_d, stride_vs, stride_vd, KV_ROWS,
+    def _load_v(kv, valid, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd, KV_ROWS,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr):
         if USE_TMA:
             if V_CHANNEL_MAJOR:
@@ -137,6 +101,7 @@ if HAS_TRITON:
             else:
                 v = V_DESC.load([(b * KV_ROWS + kv * BLOCK_N).to(tl.int32), h * HEAD_DIM])
         else:
+            slots = kv.to(tl.int64) * BLOCK_N + offs_n
             v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=valid[:, None],
                         other=0.0)
         return v
@@ -266,7 +231,6 @@ if HAS_TRITON:
         KV_ROWS,
         N_Q_TILES,
         ROTATE: tl.constexpr,
-        PAIRED: tl.constexpr = False,
         P_FP4: tl.constexpr = False,
         P_FP4_TWO_LEVEL: tl.constexpr = True,
         SOFT_ROUND: tl.constexpr = False,
@@ -291,40 +255,35 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         if ROTATE:
-            # Software pipelining: the QK product of the next key block is issued before the softmax of the current
-            # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own block).
-            kv, kv_b, lo, hi = _kv_tile(0, DENSE, PAIRED, list_base, TILE_COUNTS, S, BLOCK_N)
+            # Software pipelining: the QK product of the next key tile is issued before the softmax of the current
+            # one, so that the tensor cores work while the softmax runs (the last iteration recomputes its own tile).
+            kv, cnt = _kv_tile(0, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
             kv = tl.where(num > 0, kv, 0)
-            kv_b = tl.where(num > 0, kv_b, 0)
-            lo = tl.where(num > 0, lo, 0)
-            hi = tl.where(num > 0, hi, 0)
-            slots, valid = _block_slots(kv, kv_b, lo, hi, offs_n, BLOCK_N)
-            qk = _raw_scores(q, kv, slots, valid, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
+            cnt = tl.where(num > 0, cnt, 0)
+            qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                              BLOCK_N, USE_TMA, DOT_PRECISION)
             for j in range(0, num):
-                kv_n, kv_b_n, lo_n, hi_n = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, PAIRED, list_base, TILE_COUNTS,
-                                                    S, BLOCK_N)
-                slots_n, valid_n = _block_slots(kv_n, kv_b_n, lo_n, hi_n, offs_n, BLOCK_N)
-                qk_next = _raw_scores(q, kv_n, slots_n, valid_n, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS,
-                                      HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
-                qk, row_scale = _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kss, offs_n, QK_8BIT, BLOCK_N)
-                p, m_i, l_i, acc = _online_softmax(qk, valid, lo, hi, row_scale, m_i, l_i, acc, BLOCK_N)
-                v = _load_v(kv, slots, valid, b, h, H, v_base, V_DESC, offs_d, stride_vs, stride_vd, KV_ROWS,
-                            HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                kv_next, cnt_next = _kv_tile(tl.minimum(j + 1, num - 1), DENSE, list_base, TILE_COUNTS, S,
+                                             BLOCK_N)
+                qk_next = _raw_scores(q, kv_next, cnt_next, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks,
+                                      KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, DOT_PRECISION)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                            KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
                     p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
                 acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
-                qk, kv, kv_b, lo, hi, slots, valid = qk_next, kv_n, kv_b_n, lo_n, hi_n, slots_n, valid_n
+                qk, kv, cnt = qk_next, kv_next, cnt_next
         else:
             for j in range(0, num):
-                kv, kv_b, lo, hi = _kv_tile(j, DENSE, PAIRED, list_base, TILE_COUNTS, S, BLOCK_N)
-                slots, valid = _block_slots(kv, kv_b, lo, hi, offs_n, BLOCK_N)
-                qk = _raw_scores(q, kv, slots, valid, b, h, k_base, K_DESC, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
+                kv, cnt = _kv_tile(j, DENSE, list_base, TILE_COUNTS, S, BLOCK_N)
+                qk = _raw_scores(q, kv, cnt, b, h, k_base, K_DESC, offs_n, offs_d, stride_ks, KV_ROWS, HEAD_DIM,
                                  BLOCK_N, USE_TMA, DOT_PRECISION)
-                qk, row_scale = _scaled_scores(qk, scale_rows, kv, kv_b, ks_base, stride_kss, offs_n, QK_8BIT, BLOCK_N)
-                p, m_i, l_i, acc = _online_softmax(qk, valid, lo, hi, row_scale, m_i, l_i, acc, BLOCK_N)
-                v = _load_v(kv, slots, valid, b, h, H, v_base, V_DESC, offs_d, stride_vs, stride_vd, KV_ROWS,
-                            HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
+                row_scale = _row_scale(scale_rows, kv, ks_base, stride_kss, QK_8BIT)
+                p, m_i, l_i, acc = _online_softmax(qk, cnt, row_scale, m_i, l_i, acc, offs_n, BLOCK_N)
+                v = _load_v(kv, offs_n < cnt, b, h, H, v_base, V_DESC, offs_n, offs_d, stride_vs, stride_vd,
+                            KV_ROWS, HEAD_DIM, BLOCK_N, USE_TMA, V_CHANNEL_MAJOR)
                 if P_FP4:
                     p = _fake_quant_p_fp4(p, BLOCK_M, BLOCK_N, P_FP4_TWO_LEVEL, SOFT_ROUND)
                 acc = _pv(acc, p, v, PV_FP8, DOT_PRECISION, SOFT_ROUND)
@@ -339,7 +298,7 @@ if HAS_TRITON:
     _DENSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((8, 2), (8, 3), (4, 2))
     ]
-    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_8BIT", "PV_FP8", "USE_TMA", "ROTATE", "PAIRED"]
+    _AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_M", "BLOCK_N", "DENSE", "QK_8BIT", "PV_FP8", "USE_TMA", "ROTATE"]
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
@@ -428,16 +387,13 @@ def block_sparse_attention_reference(
     dense: bool = False,
     out_dtype: Optional[torch.dtype] = None,
     p_fp4: Optional[str] = None,
-    paired: bool = False,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`block_sparse_attention` (materialises the token mask: small inputs only).
 
     When ``P`` is quantized (FP8 P·V or FP4 P) the result depends on the online softmax (``P`` is rounded against the
     running row max of each key tile), so the reference then walks the key tiles in list order like the kernel.
     """
-    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense, paired, p_fp4)
-    if paired:
-        kv_index, kv_num = unpair_index(kv_index, kv_num, tile_counts.numel())
+    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
@@ -531,11 +487,7 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
     return out
 
 
-def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense, paired=False,
-           p_fp4=None):
-    if paired and (dense or v_scale is not None or p_fp4 is not None):
-        raise ValueError("paired key-tile lists are for sparse attention with bf16 P: not with dense=True, FP8 P.V "
-                         "(v_scale) or the FP4 P emulation (p_fp4); pass unpaired lists there")
+def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [batch, seq, heads, head_dim] tensors")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -603,7 +555,6 @@ def block_sparse_attention(
     rotate: Optional[bool] = None,
     p_fp4: Optional[str] = None,
     kernel: str = "auto",
-    paired: bool = False,
 ) -> torch.Tensor:
     """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
 
@@ -617,22 +568,19 @@ def block_sparse_attention(
     current tile's softmax (software pipelining; default: on for sparse attention on GPUs, where it measured ~5 % faster on
     an H200; off for the dense mode, where it measured slower). It does not change the result.
 
-    ``paired=True`` says that ``kv_index`` holds pairs of small key tiles (module docstring); the Triton kernel then
-    gathers K/V rows by pointer (no TMA), the Hopper kernel loads each tile of a pair by TMA into half of a ring slot.
-
     ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
     """
     if not use_triton("block_sparse_attention", q, k, v, backend=backend):
         result = block_sparse_attention_reference(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4, paired=paired,
+            k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4,
         )
         if out is not None:
             out.copy_(result)
             return out
         return result
-    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense, paired, p_fp4)
+    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     check_interpreter_dtype("block_sparse_attention", q, k, v)
     b, s, h, d = q.shape
     if d & (d - 1) or d < 16:
@@ -679,13 +627,10 @@ def block_sparse_attention(
     if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
         return block_sparse_attention_sm90(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages, paired=paired,
+            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages,
         )
     on_gpu = q.is_cuda and not triton_interpreter_active()
-    if paired and tma:
-        raise ValueError("tma=True loads whole key tiles; paired lists need the pointer loads (tma=False / None)")
-    use_tma = (tma if tma is not None else _tma_default(q)) and not paired
-    k_desc, v_desc, v_channel_major = _descriptors(k, v, block, use_tma)
+    k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}
     if on_gpu and num_warps is None and num_stages is None:
         kernel = _bsa_fwd_dense_tuned if dense else _bsa_fwd_sparse_tuned
@@ -707,7 +652,6 @@ def block_sparse_attention(
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
         N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=(on_gpu and not dense) if rotate is None else rotate,
-        PAIRED=paired,
 
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,

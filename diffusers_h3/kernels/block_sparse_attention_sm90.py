@@ -84,50 +84,12 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_bar, v_buf)
 
     @gluon.jit
-    def _copy_kv_pair(k_half, v_half, k_buf, v_buf, k_bar, v_bar, kv, kv_b, b, h, KV_ROWS, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
-        """TMA copies of the valid halves of small key tiles ``kv`` and ``kv_b`` into the two halves of one ring slot
-        (bf16/fp16 V; one barrier per operand, the same byte count as a whole tile)."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
-        row_b = (b * KV_ROWS + kv_b * BLOCK_N).to(gl.int32)
-        mbarrier.expect(k_bar, 2 * k_half.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_half, [row, h * HEAD_DIM], k_bar, k_buf.slice(0, HALF))
-        tma.async_copy_global_to_shared(k_half, [row_b, h * HEAD_DIM], k_bar, k_buf.slice(HALF, HALF))
-        mbarrier.expect(v_bar, 2 * v_half.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_half, [row, h * HEAD_DIM], v_bar, v_buf.slice(0, HALF))
-        tma.async_copy_global_to_shared(v_half, [row_b, h * HEAD_DIM], v_bar, v_buf.slice(HALF, HALF))
-
-    @gluon.jit
-    def _decode(entry, PAIRED: gl.constexpr):
-        """The two key tiles of a list entry: ``(kv, kv)`` for one tile, ``(a, b)`` for a pair of small tiles
-        (``entry = a + ((b + 1) << 16)``, :func:`~diffusers_h3.kernels.vsa_select.pair_small_tiles`)."""
-        kv = entry
-        kv_b = entry
-        if PAIRED:
-            if entry >= 65536:
-                kv = entry & 0xFFFF
-                kv_b = (entry >> 16) - 1
-        return kv, kv_b
-
-    @gluon.jit
-    def _issue_tile_copy(k_desc, v_desc, k_half, v_half, k_bufs, v_bufs, k_bars, v_bars, tile, entry, b, h, H,
-                         KV_ROWS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         PAIRED: gl.constexpr):
-        """TMA copies of the key block of list entry ``entry`` (list position ``tile``) into ring slot
-        ``tile % STAGES``."""
+    def _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, tile, kv, b, h, H, KV_ROWS,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """TMA copies of key tile ``kv`` (list position ``tile``) into ring slot ``tile % STAGES``."""
         slot = tile % STAGES
-        kv, kv_b = _decode(entry, PAIRED)
-        if PAIRED:  # (compile-time: unpaired kernels carry no half-tile copies, whose boxes would not fit)
-            if kv_b != kv:
-                _copy_kv_pair(k_half, v_half, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot),
-                              v_bars.index(slot), kv, kv_b, b, h, KV_ROWS, HEAD_DIM, BLOCK_N)
-            else:
-                _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot),
-                         v_bars.index(slot), kv, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
-        else:
-            _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot), v_bars.index(slot),
-                     kv, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
+        _copy_kv(k_desc, v_desc, k_bufs.index(slot), v_bufs.index(slot), k_bars.index(slot), v_bars.index(slot), kv,
+                 b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
 
     @gluon.jit
     def _v_operand(v_buf, PV_FP8: gl.constexpr):
@@ -183,59 +145,32 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _softmax_step(s, row_scale, m_i, l_i):
-        """Online softmax (base 2) of masked scores ``s``: returns ``p``, new ``m``, new ``l`` and ``alpha``."""
+    def _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N: gl.constexpr):
+        """Online softmax (base 2) of raw scores ``s``: returns ``p``, new ``m``, new ``l`` and ``alpha``."""
+        s = s.to(gl.float32)  # int32 scores of INT8 Q/K (exact: |q . k| <= D * 127^2 < 2^24)
+        if cnt < BLOCK_N:
+            s = gl.where(gl.expand_dims(offs_n < cnt, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)
         p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
-    def _key_tile(j, DENSE: gl.constexpr, PAIRED: gl.constexpr, list_base, TILE_COUNTS, S, ks_base, stride_kss,
+    def _key_tile(j, DENSE: gl.constexpr, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
                   BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
-        """What the softmax needs of the key block at list position ``j``: the valid rows of its two halves
-        (``lo``, ``hi``; a lone tile of ``cnt`` rows: ``min(cnt, BLOCK_N / 2)``, ``cnt - BLOCK_N / 2``), whether it
-        is a pair of small tiles, and the 8-bit K scale of each half."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        kv, kv_b = _decode(_tile_at(j, DENSE, list_base), PAIRED)
+        """Valid rows and per-row score scale of the key tile at list position ``j``."""
+        kv = _tile_at(j, DENSE, list_base)
         cnt = _tile_rows(kv, DENSE, TILE_COUNTS, S, BLOCK_N)
-        lo = gl.minimum(cnt, HALF)
-        hi = cnt - HALF
-        pair = kv_b != kv  # (always false for unpaired lists: the compiler folds it away)
-        if pair:
-            lo = cnt
-            hi = gl.load(TILE_COUNTS + kv_b)
-        ks = 1.0
-        ks_b = 1.0
-        if QK_8BIT:
-            ks = gl.load(ks_base + kv * stride_kss)
-            ks_b = gl.load(ks_base + kv_b * stride_kss)
-        return lo, hi, pair, ks, ks_b
-
-    @gluon.jit
-    def _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N: gl.constexpr, QK_8BIT: gl.constexpr):
-        """Raw scores of a key block -> masked float32 scores and their per-row scale: a lone tile's 8-bit K scale
-        joins the row scale, a pair's two scales apply per column (a multiply per score, for pairs only); pad columns
-        get ``-inf`` (only blocks that have them pay for the mask)."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        s = s.to(gl.float32)  # int32 scores of INT8 Q/K (exact: |q . k| <= D * 127^2 < 2^24)
         row_scale = row_scale_q
         if QK_8BIT:
-            if pair:
-                s = s * gl.expand_dims(ks + (ks_b - ks) * (offs_n >= HALF).to(gl.float32), 0)
-            else:
-                row_scale = row_scale_q * ks
-        if (lo < HALF) | (hi < HALF):
-            valid = gl.where(offs_n < HALF, offs_n < lo, offs_n - HALF < hi)
-            s = gl.where(gl.expand_dims(valid, 0), s, float("-inf"))
-        return s, row_scale
+            row_scale = row_scale_q * gl.load(ks_base + kv * stride_kss)
+        return cnt, row_scale
 
     @gluon.jit
     def _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, empty, p_base, k_desc, v_desc,
-                      k_half, v_half, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
+                      list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DENSE: gl.constexpr,
-                      QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr,
-                      PAIRED: gl.constexpr):
+                      QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr):
         """Online-softmax attention of one warpgroup's 64 query rows over ``num >= 1`` key tiles of the ring.
 
         Order (FlashAttention-3's intra-warpgroup overlap): ``S_{j+1} = Q K_{j+1}^T`` and ``P_j V_j`` in flight
@@ -254,24 +189,23 @@ if HAS_GLUON:
         S_DTYPE: gl.constexpr = gl.int32 if q.dtype == gl.int8 else gl.float32  # INT8 Q K^T accumulates exactly
         s_zero = gl.zeros([ROWS, BLOCK_N], S_DTYPE, layout=s_layout)
 
-        lo, hi, pair, ks, ks_b = _key_tile(0, DENSE, PAIRED, list_base, TILE_COUNTS, S, ks_base, stride_kss, BLOCK_N,
-                                           QK_8BIT)
+        cnt, row_scale = _key_tile(0, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss, BLOCK_N,
+                                   QK_8BIT)
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        s, row_scale = _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N, QK_8BIT)
-        p, m_i, l_i, alpha = _softmax_step(s, row_scale, m_i, l_i)
+        p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
         p_op = _p_operand(p, p_bufs.index(p_base), v_desc.dtype, p_layout)
         for j in range(0, num - 1):
             if not PRODUCER_WARP:
                 ahead = j + STAGES - 1
                 if ahead < num:
-                    _issue_tile_copy(k_desc, v_desc, k_half, v_half, k_bufs, v_bufs, k_bars, v_bars, ahead,
-                                     _tile_at(ahead, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N, STAGES,
-                                     PAIRED)
+                    _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
+                                     _tile_at(ahead, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM,
+                                     BLOCK_N, STAGES)
             nxt = j + 1
-            lo, hi, pair, ks, ks_b = _key_tile(nxt, DENSE, PAIRED, list_base, TILE_COUNTS, S, ks_base, stride_kss,
-                                               BLOCK_N, QK_8BIT)
+            cnt, row_scale = _key_tile(nxt, DENSE, list_base, TILE_COUNTS, S, row_scale_q, ks_base, stride_kss,
+                                       BLOCK_N, QK_8BIT)
             slot_n = nxt % STAGES
             mbarrier.wait(k_bars.index(slot_n), (nxt // STAGES) & 1)
             s_tok = warpgroup_mma(q, k_bufs.index(slot_n).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -279,8 +213,7 @@ if HAS_GLUON:
             mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
             o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            s, row_scale = _block_scores(s, lo, hi, pair, ks, ks_b, row_scale_q, offs_n, BLOCK_N, QK_8BIT)
-            p, m_i, l_i, alpha = _softmax_step(s, row_scale, m_i, l_i)
+            p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
             acc = _wait_pv(o_tok, p_op, PV_FP8)
             if PRODUCER_WARP:
                 mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
@@ -326,12 +259,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _bsa_fwd_sm90_kernel(
-        Q, k_desc, v_desc, k_half, v_half, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
         qk_scale, S, H, N_KV_BLOCKS, N_Q_TILES, KV_ROWS,
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        DENSE: gl.constexpr, QK_8BIT: gl.constexpr, PAIRED: gl.constexpr, num_warps: gl.constexpr,
+        DENSE: gl.constexpr, QK_8BIT: gl.constexpr, num_warps: gl.constexpr,
     ):
         # Register layouts: one wgmma accumulator layout for S = Q K^T [M, N] and one for O [M, D]; q and p are
         # their A operands in registers; row statistics live in the slice of the S layout.
@@ -390,13 +323,14 @@ if HAS_GLUON:
         fence_async_shared()
         for i in gl.static_range(STAGES - 1):
             if i < num:
-                _issue_tile_copy(k_desc, v_desc, k_half, v_half, k_bufs, v_bufs, k_bars, v_bars, i,
-                                 _tile_at(i, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N, STAGES, PAIRED)
+                _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, i,
+                                 _tile_at(i, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
+                                 STAGES)
 
         # 3. The tiles (a tile with no keys cannot occur: non-video tiles are always listed).
         acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, k_bars, 0, k_desc,
-                                 v_desc, k_half, v_half, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H,
-                                 KV_ROWS, s_layout, o_layout, p_layout, DENSE, QK_8BIT, PV_FP8, False, PAIRED)
+                                 v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout,
+                                 o_layout, p_layout, DENSE, QK_8BIT, PV_FP8, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
@@ -454,8 +388,8 @@ if HAS_GLUON:
                                      stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
         acc, l_i = _attend_tiles(q, row_scale_q, N_KV_BLOCKS, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
-                                 k_desc, v_desc, k_desc, v_desc, Q, Q, ks_base, stride_kss, S, b, h, H, KV_ROWS,
-                                 s_layout, o_layout, p_layout, True, QK_8BIT, PV_FP8, True, False)
+                                 k_desc, v_desc, Q, Q, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout, o_layout,
+                                 p_layout, True, QK_8BIT, PV_FP8, True)
         _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
     # gl.warp_specialize takes one function per partition and no constexpr arguments: one thin entry per consumer.
@@ -543,7 +477,6 @@ def block_sparse_attention_sm90(
     dense: bool = False,
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
-    paired: bool = False,
 ) -> torch.Tensor:
     """Launch the Gluon kernel on inputs that :func:`.block_sparse_attention.block_sparse_attention` validated, TMA
     layouts included (``sm90_kernel_supports``: contiguous packed ``k``/``v``, FP8 V channel-major).
@@ -563,15 +496,6 @@ def block_sparse_attention_sm90(
     else:
         v_desc = TensorDescriptor.from_tensor(v.view(b * n, h * d), [block, d],
                                               gl.NVMMASharedLayout.get_default_for([block, d], _GL_DTYPES[v.dtype]))
-    k_half, v_half = k_desc, v_desc  # (unused unless paired)
-    if paired:  # half-tile boxes: each tile of a pair fills half of a ring slot
-        if dense or v.dtype == torch.float8_e4m3fn:
-            raise ValueError("paired key-tile lists need sparse attention with a bf16/fp16 v")
-        half = block // 2
-        k_half = TensorDescriptor.from_tensor(k.view(b * n, h * d), [half, d],
-                                              gl.NVMMASharedLayout.get_default_for([half, d], k_gl))
-        v_half = TensorDescriptor.from_tensor(v.view(b * n, h * d), [half, d],
-                                              gl.NVMMASharedLayout.get_default_for([half, d], _GL_DTYPES[v.dtype]))
     dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
     if dense:
         block_m = block_m or 128
@@ -598,11 +522,11 @@ def block_sparse_attention_sm90(
         )
         return out
     _bsa_fwd_sm90_kernel[grid](
-        q, k_desc, v_desc, k_half, v_half, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
+        q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
         scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *scale_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
-        QK_8BIT=q_scale is not None, PAIRED=paired, num_warps=block_m // 16,
+        QK_8BIT=q_scale is not None, num_warps=block_m // 16,
     )
     return out

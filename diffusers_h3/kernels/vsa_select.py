@@ -9,11 +9,6 @@
 * :func:`select_tiles` (Triton kernel): both in one pass over the scores, the path the VSA processor runs; its
   reference is ``mask_to_index_reference(build_block_mask(...))``. The top-k is a 32-step bisection on the scores'
   order-preserving integer keys (no sort: ``torch.topk`` on ``[B, H, 675, 597]`` costs ~1.8 ms on an H200).
-* :func:`pair_small_tiles` (Triton kernel, reference :func:`pair_small_tiles_reference`): rewrites the lists so that
-  key tiles of at most ``block / 2`` valid rows travel in pairs, one list entry (``a + ((b + 1) << PAIR_SHIFT)``) for
-  two tiles that the attention kernels load into the two halves of one key block. H3's latent grids leave many such
-  tiles (one-frame last time slab, two-wide last column: 120 of 660 video tiles at 768x1344x124), and each used to
-  cost a whole 64-key block. :func:`unpair_index` undoes it (for the references).
 """
 
 from __future__ import annotations
@@ -70,37 +65,6 @@ if HAS_TRITON:
         position = tl.cumsum(m, axis=0) - 1
         tl.store(INDEX + row * T + position, offs.to(tl.int32), mask=keep)
         tl.store(NUM + row, tl.sum(m, axis=0))
-
-
-    @triton.jit
-    def _pair_small_tiles_kernel(INDEX, NUM, COUNTS, OUT, OUT_NUM, T, HALF, BLOCK_K: tl.constexpr,
-                                 PAIR_SHIFT: tl.constexpr):
-        """One list: large tiles first (list order), then the small ones two per entry (list order), an odd one
-        last on its own."""
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_K)
-        n = tl.load(NUM + row)
-        listed = offs < n
-        entry = tl.load(INDEX + row * T + offs, mask=listed, other=0)
-        small = listed & (tl.load(COUNTS + entry, mask=listed, other=0) <= HALF)
-        large = listed & ~small
-        n_large = tl.sum(large.to(tl.int32), axis=0)
-        n_small = tl.sum(small.to(tl.int32), axis=0)
-        out_row = OUT + row * T
-        tl.store(out_row + tl.cumsum(large.to(tl.int32), axis=0) - 1, entry, mask=large)
-        # The small tiles compacted behind the large ones, then read back two at a time (the barrier makes every
-        # thread's store visible to the others).
-        tl.store(out_row + n_large + tl.cumsum(small.to(tl.int32), axis=0) - 1, entry, mask=small)
-        tl.debug_barrier()
-        first = 2 * offs < n_small
-        a = tl.load(out_row + n_large + 2 * offs, mask=first, other=0)
-        b = tl.load(out_row + n_large + 2 * offs + 1, mask=2 * offs + 1 < n_small, other=-1)
-        tl.debug_barrier()
-        tl.store(out_row + n_large + offs, tl.where(b >= 0, a + ((b + 1) << PAIR_SHIFT), a), mask=first)
-        tl.store(OUT_NUM + row, n_large + (n_small + 1) // 2)
-
-
-PAIR_SHIFT = 16  # a list entry e >= 1 << PAIR_SHIFT holds two small tiles: e & 0xFFFF and (e >> PAIR_SHIFT) - 1
 
 
 def topk_for_sparsity(sparsity: float, num_video_tiles: int) -> int:
@@ -175,65 +139,3 @@ def select_tiles(scores: torch.Tensor, num_prefix_tiles: int, topk: int, *,
     _select_tiles_kernel[(b * h * t,)](scores, index, num, t, num_prefix_tiles, topk,
                                        BLOCK_K=triton.next_power_of_2(t))
     return index, num
-
-
-def _check_pairing(index: torch.Tensor, num: torch.Tensor, tile_counts: torch.Tensor) -> None:
-    if index.ndim != 4 or num.shape != index.shape[:3] or index.dtype != torch.int32 or num.dtype != torch.int32:
-        raise ValueError(f"index must be int32 [B, H, T, >=1] and num int32 [B, H, T], got {index.dtype} "
-                         f"{tuple(index.shape)} and {num.dtype} {tuple(num.shape)}")
-    if tile_counts.numel() >= 1 << PAIR_SHIFT:
-        raise ValueError(f"pairing encodes tile ids in {PAIR_SHIFT} bits; {tile_counts.numel()} tiles is too many "
-                         "(run the attention without pairing)")
-
-
-def pair_small_tiles_reference(index: torch.Tensor, num: torch.Tensor, tile_counts: torch.Tensor,
-                               block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of :func:`pair_small_tiles` (a loop over the lists: small inputs only)."""
-    _check_pairing(index, num, tile_counts)
-    out = index.clone()
-    out_num = num.clone()
-    counts = tile_counts.tolist()
-    flat, flat_num, flat_out, flat_out_num = (x.reshape(-1, *x.shape[3:]) for x in (index, num, out, out_num))
-    for r in range(flat.shape[0]):
-        listed = flat[r, : int(flat_num[r])].tolist()
-        large = [e for e in listed if counts[e] > block // 2]
-        small = [e for e in listed if counts[e] <= block // 2]
-        pairs = [a + ((b + 1) << PAIR_SHIFT) for a, b in zip(small[0::2], small[1::2])]
-        new = large + pairs + small[len(small) - len(small) % 2:]
-        flat_out[r, : len(new)] = torch.tensor(new, dtype=torch.int32)
-        flat_out_num[r] = len(new)
-    return out, out_num
-
-
-def pair_small_tiles(index: torch.Tensor, num: torch.Tensor, tile_counts: torch.Tensor, block: int, *,
-                     backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``index, num`` with the key tiles of at most ``block // 2`` valid rows two per entry (module docstring); the
-    attention kernels take such lists with ``paired=True``. Entries past ``num`` are left unspecified."""
-    if not use_triton("pair_small_tiles", index, backend=backend):
-        return pair_small_tiles_reference(index, num, tile_counts, block)
-    _check_pairing(index, num, tile_counts)
-    index, num = index.contiguous(), num.contiguous()
-    b, h, t, width = index.shape
-    out = torch.empty_like(index)
-    out_num = torch.empty_like(num)
-    if index.numel() == 0:
-        out_num.zero_()
-        return out, out_num
-    _pair_small_tiles_kernel[(b * h * t,)](index, num, tile_counts.to(torch.int32).contiguous(), out, out_num, width,
-                                           block // 2, BLOCK_K=triton.next_power_of_2(width), PAIR_SHIFT=PAIR_SHIFT)
-    return out, out_num
-
-
-def unpair_index(index: torch.Tensor, num: torch.Tensor, n_tiles: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Plain ``[B, H, T, n_tiles]`` lists (one tile per entry, ascending) of lists that may hold pairs
-    (:func:`pair_small_tiles`)."""
-    b, h, t, width = index.shape
-    listed = torch.arange(width, device=index.device) < num.long().unsqueeze(-1)
-    e = index.long()
-    paired = listed & (e >= 1 << PAIR_SHIFT)
-    first = torch.where(paired, e & ((1 << PAIR_SHIFT) - 1), e)
-    second = (e >> PAIR_SHIFT) - 1
-    mask = torch.zeros(b, h, t, n_tiles + 1, dtype=torch.bool, device=index.device)
-    mask.scatter_(-1, torch.where(listed, first, n_tiles), True)  # unlisted -> the spare column
-    mask.scatter_(-1, torch.where(paired, second, n_tiles), True)
-    return mask_to_index_reference(mask[..., :n_tiles])

@@ -17,7 +17,7 @@ from diffusers_h3.kernels.block_sparse_attention import (
 )
 from diffusers_h3.kernels.quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
 from diffusers_h3.kernels.vsa_pool import tile_pool_reference
-from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index_reference, pair_small_tiles
+from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -218,28 +218,3 @@ def test_dense_int8_qk_through_the_sm90_kernel(block_m, block_n, pv_fp8):
     ref = fp8_attention_reference(q, k, v, pv_fp8=pv_fp8, block_n=block_n, qk_dtype=torch.int8)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (1e-2 if pv_fp8 else 5e-3)
-
-
-@pytest.mark.parametrize("qk", [None, torch.float8_e4m3fn, torch.int8])
-def test_paired_small_tiles_match_reference(qk):
-    # The plan's edge tiles (<= 32 rows) travel two per key block: each by TMA into half of a ring slot.
-    plan = _plan()
-    q, k, v, index, num = _inputs(plan, topk=12, seed=3)
-    pairs, pairs_num = pair_small_tiles(index, num, plan.tile_counts, 64)
-    assert (pairs_num < num).any()
-    kw = {}
-    if qk is not None:
-        k = k - k.float().mean(1, keepdim=True).to(k.dtype)
-        q, qs = quantize_fp8_per_token(q, dtype=qk)
-        k, ks = quantize_fp8_per_block(k, 64, dtype=qk)
-        kw = dict(q_scale=qs, k_scale=ks)
-    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, pairs, pairs_num, block=64, out=out,
-                           kernel="sm90", paired=True, **kw)
-    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
-                                           out_dtype=torch.float32, **kw)
-    triton_out = block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, pairs, pairs_num, block=64,
-                                        kernel="triton", paired=True, out_dtype=torch.bfloat16, **kw)
-    assert not out.isnan().any()
-    assert rel_l2(out, ref) < 5e-3
-    assert rel_l2(triton_out, ref) < 5e-3

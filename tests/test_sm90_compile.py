@@ -59,3 +59,10 @@ def test_warp_specialized_dense_kernel_compiles(q_dtype, v_fp8, block_n):
     ptx, report = _compile("ws", q_dtype, v_fp8, block_n)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)  # consumers take the producer's registers
     _assert_mma_kinds(ptx, report, q_dtype)
+
+
+@pytest.mark.parametrize("q_dtype,v_fp8", [("bf16", 0), ("fp8e4nv", 1)])
+def test_warp_specialized_sparse_kernel_compiles(q_dtype, v_fp8):
+    ptx, report = _compile("ws_sparse", q_dtype, v_fp8, 3)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
+    _assert_mma_kinds(ptx, report, q_dtype)

@@ -337,7 +337,8 @@ class MiniMaxH3VSAProcessor:
         fp4 = self.precision == "fp4" and self.fp4_p is not None
         if self.kernel == "triton" or not hopper or fp4 or self.backend == "torch":
             return "Triton kernels"
-        return "Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma)"
+        two = "; bf16: two query tiles per program, TMA producer warp" if self.precision == "bf16" else ""
+        return f"Triton pooling/selection + Hopper Gluon flash kernel (TMA ring, async wgmma{two})"
 
     # -- attention ----------------------------------------------------------------------------------------------------
     def _dense_attention(self, attn, hidden_states, query, key, value, rotary_emb, attention_mask):

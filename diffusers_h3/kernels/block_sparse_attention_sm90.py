@@ -13,8 +13,8 @@ kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 doe
       S_{j+1} = Q K_{j+1}^T   (async)       O += P_j V_j   (async)
       wait S_{j+1}; online softmax -> P_{j+1}, alpha;  wait O; O *= alpha
 
-Query programs own one 64-row query tile (sparse) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two
-warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 / INT8 Q/K (per-row Q scales, one K scale per key tile, folded into
+Query programs own one 64-row query tile (sparse; with 16-bit Q/K two tiles, one per consumer warpgroup, fed by a
+producer warp) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 / INT8 Q/K (per-row Q scales, one K scale per key tile, folded into
 the per-row softmax scale), with bf16 P·V or FP8 P·V (channel-major E4M3 V with per-channel scales, ``e4m3(448 p)``).
 The FP4 emulation stays on the portable Triton kernel.
 """
@@ -449,6 +449,153 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    @gluon.jit
+    def _ws_sparse_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc,
+                                  v_desc, k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H,
+                                  N_Q_TILES, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                                  stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib,
+                                  stride_ih, stride_it):
+        """Producer warp of the sparse two-tile program: streams each consumer's key tiles into that consumer's ring."""
+        STAGES: gl.constexpr = k0.type.shape[0]
+        BLOCK_N: gl.constexpr = k0.type.shape[1]
+        HEAD_DIM: gl.constexpr = k0.type.shape[2]
+        t0 = pid_m * 2
+        n0 = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + t0)
+        n1 = n0 * 0
+        if t0 + 1 < N_Q_TILES:
+            n1 = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + t0 + 1)
+        base0 = KV_INDEX + b.to(gl.int64) * stride_ib + h * stride_ih + t0.to(gl.int64) * stride_it
+        for j in range(0, gl.maximum(n0, n1)):
+            slot = j % STAGES
+            phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
+            if j < n0:
+                mbarrier.wait(em0.index(slot), phase)
+                _copy_kv(k_desc, v_desc, k0.index(slot), v0.index(slot), kr0.index(slot), vr0.index(slot),
+                         gl.load(base0 + j), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
+            if j < n1:
+                mbarrier.wait(em1.index(slot), phase)
+                _copy_kv(k_desc, v_desc, k1.index(slot), v1.index(slot), kr1.index(slot), vr1.index(slot),
+                         gl.load(base0 + stride_it + j), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
+
+    @gluon.jit
+    def _ws_sparse_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc, v_desc,
+                            k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H, N_Q_TILES,
+                            KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                            stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih,
+                            stride_it, WG: gl.constexpr):
+        """One consumer warpgroup of the sparse two-tile program: query tile ``2 * pid_m + WG`` over its own list and
+        ring."""
+        if WG == 0:
+            k_bufs, v_bufs, k_ready, v_ready, empty = k0, v0, kr0, vr0, em0
+        else:
+            k_bufs, v_bufs, k_ready, v_ready, empty = k1, v1, kr1, vr1, em1
+        BLOCK_N: gl.constexpr = k0.type.shape[1]
+        HEAD_DIM: gl.constexpr = k0.type.shape[2]
+        QK_8BIT: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth == 8
+        PV_FP8: gl.constexpr = v0.dtype == gl.float8e4nv
+        v_bits: gl.constexpr = v0.dtype.primitive_bitwidth
+        q_bits: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 256 // q_bits])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 256 // v_bits])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // q_bits)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // v_bits)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        t = pid_m * 2 + WG
+        if t < N_Q_TILES:
+            b64 = b.to(gl.int64)
+            offs_m_q = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, q_layout))
+            offs_m = gl.arange(0, BLOCK_N, layout=row_layout)
+            count = gl.load(TILE_COUNTS + t)
+            rows_q = gl.load(SLOT_ROWS + t * BLOCK_N + offs_m_q).to(gl.int64)
+            rows = gl.load(SLOT_ROWS + t * BLOCK_N + offs_m).to(gl.int64)
+            row_valid = offs_m < count
+            list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + t.to(gl.int64) * stride_it
+            num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + t)
+            q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
+                                         stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
+            ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
+            acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
+                                     k_desc, v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
+                                     s_layout, o_layout, p_layout, False, QK_8BIT, PV_FP8, True)
+            _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout,
+                        PV_FP8)
+
+    @gluon.jit
+    def _ws_sparse_consumer_0(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc,
+                              v_desc, k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H,
+                              N_Q_TILES, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                              stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib,
+                              stride_ih, stride_it):
+        _ws_sparse_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc, v_desc,
+                            k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H, N_Q_TILES,
+                            KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                            stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih,
+                            stride_it, 0)
+
+    @gluon.jit
+    def _ws_sparse_consumer_1(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc,
+                              v_desc, k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H,
+                              N_Q_TILES, KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
+                              stride_oh, stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib,
+                              stride_ih, stride_it):
+        _ws_sparse_consumer(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc, v_desc,
+                            k0, v0, kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H, N_Q_TILES,
+                            KV_ROWS, qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                            stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih,
+                            stride_it, 1)
+
+    @gluon.jit
+    def _sparse_fwd_sm90_ws_kernel(
+        Q, k_desc, v_desc, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM,
+        qk_scale, S, H, N_Q_TILES, KV_ROWS,
+        stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
+        stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """Block-sparse attention, two query tiles per program: a 1-warp TMA producer feeding one ring per consumer
+        warpgroup (each warpgroup one query tile and its own key-tile list)."""
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        k0 = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        k1 = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v0 = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        v1 = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if v_desc.dtype == gl.float8e4nv:  # E4M3 P: two buffers per consumer warpgroup
+            p_bufs = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, BLOCK_N],
+                                               gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv))
+        else:
+            p_bufs = v0
+        kr0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        vr0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        em0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kr1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        vr1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        em1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kr0.index(i), count=1)
+            mbarrier.init(vr0.index(i), count=1)
+            mbarrier.init(em0.index(i), count=1)
+            mbarrier.init(kr1.index(i), count=1)
+            mbarrier.init(vr1.index(i), count=1)
+            mbarrier.init(em1.index(i), count=1)
+        fence_async_shared()
+        args = (Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc, v_desc, k0, v0,
+                kr0, vr0, em0, k1, v1, kr1, vr1, em1, p_bufs, pid_m, b, h, S, H, N_Q_TILES, KV_ROWS,
+                qk_scale, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
+                stride_qsb, stride_qss, stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih,
+                stride_it)
+        gl.warp_specialize([
+            (_ws_sparse_consumer_0, args),
+            (_ws_sparse_consumer_1, args),
+            (_ws_sparse_load_partition, args),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def channel_major_rows(v: torch.Tensor) -> Optional[torch.Tensor]:
     """``v [B, N, H, D]`` viewed as ``[B*H*D, N]`` rows when its storage is channel-major with 16-byte aligned
     rows (the layout FP8 P·V reads by TMA), else ``None``."""
@@ -477,12 +624,15 @@ def block_sparse_attention_sm90(
     dense: bool = False,
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
+    two_tiles: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the Gluon kernel on inputs that :func:`.block_sparse_attention.block_sparse_attention` validated, TMA
     layouts included (``sm90_kernel_supports``: contiguous packed ``k``/``v``, FP8 V channel-major).
 
     The dense mode with ``block_m=128`` (its default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer
-    warpgroups of 64 query rows and a TMA producer warp; ``block_m=64`` runs one warpgroup per program."""
+    warpgroups of 64 query rows and a TMA producer warp; ``block_m=64`` runs one warpgroup per program. The sparse mode
+    with ``two_tiles`` (default: for 16-bit Q/K) runs :func:`_sparse_fwd_sm90_ws_kernel`: two query tiles per program,
+    one consumer warpgroup and one ring each, fed by a TMA producer warp (bitwise the same result)."""
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton >= 3.6 (Gluon); pass kernel='triton'")
     b, s, h, d = q.shape
@@ -519,6 +669,18 @@ def block_sparse_attention_sm90(
             *scale_strides,
             HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_8BIT=q_scale is not None,
             CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
+        )
+        return out
+    if two_tiles is None:  # measured on an H200: -6% for 16-bit Q/K, +7-12% for 8-bit (run 17)
+        two_tiles = q_scale is None
+    if two_tiles and not dense:
+        _sparse_fwd_sm90_ws_kernel[(triton.cdiv(n_q_tiles, 2), b * h)](
+            q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
+            scale * 1.4426950408889634, s, h, n_q_tiles, n,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            *scale_strides, *index_strides,
+            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4,
+            maxnreg=168,
         )
         return out
     _bsa_fwd_sm90_kernel[grid](

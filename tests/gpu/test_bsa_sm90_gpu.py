@@ -15,6 +15,7 @@ from diffusers_h3.kernels.block_sparse_attention import (
     block_sparse_attention_reference,
     sm90_kernel_supports,
 )
+from diffusers_h3.kernels.block_sparse_attention_sm90 import block_sparse_attention_sm90
 from diffusers_h3.kernels.quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
 from diffusers_h3.kernels.vsa_pool import tile_pool_reference
 from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index_reference
@@ -218,3 +219,34 @@ def test_dense_int8_qk_through_the_sm90_kernel(block_m, block_n, pv_fp8):
     ref = fp8_attention_reference(q, k, v, pv_fp8=pv_fp8, block_n=block_n, qk_dtype=torch.int8)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (1e-2 if pv_fp8 else 5e-3)
+
+
+@pytest.mark.parametrize("qk,stages", [(None, 3), (None, 2), (torch.float8_e4m3fn, 3)])
+def test_two_tile_program_is_bitwise_the_one_tile_program(qk, stages):
+    # Two query tiles per program (a producer warp and one ring per consumer warpgroup) change only the schedule.
+    segs = (
+        LayoutSegment("text", "prompt", 0, 100),
+        LayoutSegment("video", "reference", 100, 100 + 2 * 5 * 7, grid=(2, 5, 7)),
+        LayoutSegment("audio", "reference", 170, 207, channels=2),
+        LayoutSegment("video", "target", 207, 207 + 5 * 9 * 11, grid=(5, 9, 11)),
+    )
+    plan = build_tile_plan(PackedLayout(segs, seq_len=702), device="cuda")
+    assert plan.tile_counts.numel() % 2 == 1  # the last program holds one tile
+    q, k, v, index, num = _inputs(plan, topk=7, seed=4)
+    kw = {}
+    if qk is not None:
+        k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+        q, qs = quantize_fp8_per_token(q)
+        k, ks = quantize_fp8_per_block(k, 64)
+        kw = dict(q_scale=qs, k_scale=ks)
+    outs = []
+    for two in (False, True):
+        out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        block_sparse_attention_sm90(q, k, v, plan.slot_rows, plan.tile_counts, index, num, out, block=64,
+                                    scale=q.shape[-1] ** -0.5, stages=stages, two_tiles=two, **kw)
+        outs.append(out)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
+                                           out_dtype=torch.float32, **kw)
+    assert rel_l2(outs[1], ref) < (5e-3 if qk is None else 2e-2)

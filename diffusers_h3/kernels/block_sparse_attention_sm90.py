@@ -14,8 +14,9 @@ kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 doe
       wait S_{j+1}; online softmax -> P_{j+1}, alpha;  wait O; O *= alpha
 
 Query programs own one 64-row query tile (sparse; with 16-bit Q/K two tiles, one per consumer warpgroup, fed by a
-producer warp) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two warpgroups). Precisions: bf16/fp16 Q/K/V, or E4M3 / INT8 Q/K (per-row Q scales, one K scale per key tile, folded into
-the per-row softmax scale), with bf16 P·V or FP8 P·V (channel-major E4M3 V with per-channel scales, ``e4m3(448 p)``).
+producer warp) or ``BLOCK_M`` consecutive rows (dense, 128 rows over two warpgroups). Precisions: bf16/fp16 Q/K/V, or
+E4M3 / INT8 Q/K (per-row Q scales, one K scale per key tile, folded into the per-row softmax scale), with bf16 P·V or
+FP8 P·V (channel-major E4M3 V with per-channel scales, ``e4m3(448 p)``).
 The FP4 emulation stays on the portable Triton kernel.
 """
 

@@ -245,6 +245,19 @@ if HAS_GLUON:
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(valid_o, 1))
 
     @gluon.jit
+    def _sparse_query_tile(t, offs_m_q, offs_m, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, b, h, H, N_Q_TILES, stride_ib,
+                           stride_ih, stride_it):
+        """Query tile ``t`` of (batch, head): its packed rows in the q-operand and row layouts (``offs_m_q``,
+        ``offs_m``: the tile's slots), which of them are valid, and its key-tile list (start, length)."""
+        BLOCK: gl.constexpr = offs_m.shape[0]
+        rows_q = gl.load(SLOT_ROWS + t * BLOCK + offs_m_q).to(gl.int64)
+        rows = gl.load(SLOT_ROWS + t * BLOCK + offs_m).to(gl.int64)
+        row_valid = offs_m < gl.load(TILE_COUNTS + t)
+        list_base = KV_INDEX + b.to(gl.int64) * stride_ib + h * stride_ih + t.to(gl.int64) * stride_it
+        num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + t)
+        return rows_q, rows, row_valid, list_base, num
+
+    @gluon.jit
     def _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh, stride_qsb,
                     stride_qss, q_layout: gl.constexpr, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
                     QK_8BIT: gl.constexpr):
@@ -298,12 +311,9 @@ if HAS_GLUON:
             num = N_KV_BLOCKS
             list_base = KV_INDEX
         else:
-            count = gl.load(TILE_COUNTS + pid_m)
-            rows_q = gl.load(SLOT_ROWS + pid_m * BLOCK_M + offs_m_q).to(gl.int64)
-            rows = gl.load(SLOT_ROWS + pid_m * BLOCK_M + offs_m).to(gl.int64)
-            row_valid = offs_m < count
-            list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + pid_m.to(gl.int64) * stride_it
-            num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + pid_m)
+            rows_q, rows, row_valid, list_base, num = _sparse_query_tile(
+                pid_m, offs_m_q, offs_m, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, b, h, H, N_Q_TILES, stride_ib,
+                stride_ih, stride_it)
         q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
                                      stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
@@ -506,14 +516,9 @@ if HAS_GLUON:
         t = pid_m * 2 + WG
         if t < N_Q_TILES:
             b64 = b.to(gl.int64)
-            offs_m_q = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, q_layout))
-            offs_m = gl.arange(0, BLOCK_N, layout=row_layout)
-            count = gl.load(TILE_COUNTS + t)
-            rows_q = gl.load(SLOT_ROWS + t * BLOCK_N + offs_m_q).to(gl.int64)
-            rows = gl.load(SLOT_ROWS + t * BLOCK_N + offs_m).to(gl.int64)
-            row_valid = offs_m < count
-            list_base = KV_INDEX + b64 * stride_ib + h * stride_ih + t.to(gl.int64) * stride_it
-            num = gl.load(KV_NUM + (b * H + h) * N_Q_TILES + t)
+            rows_q, rows, row_valid, list_base, num = _sparse_query_tile(
+                t, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, q_layout)), gl.arange(0, BLOCK_N, layout=row_layout),
+                SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, b, h, H, N_Q_TILES, stride_ib, stride_ih, stride_it)
             q, row_scale_q = _load_query(Q, Q_SCALE, rows_q, rows, b64, h, qk_scale, stride_qb, stride_qs, stride_qh,
                                          stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
             ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh

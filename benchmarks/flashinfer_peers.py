@@ -20,6 +20,14 @@ FlashInfer is not a dependency of diffusers-h3; this script needs ``flashinfer-p
 compiler for its JIT::
 
     python3 benchmarks/flashinfer_peers.py --commit <sha> --out benchmarks/results/attention_flashinfer_h200.json
+
+How it ran on the device machine (no network there; its image has nvcc 13.0, torch, triton, nvidia-ml-py, einops):
+the 101 MB ``flashinfer_python-0.7.4`` wheel, unpacked and trimmed to ~20 MB of ``tar.xz`` (``data/csrc`` keeps its
+top-level sources plus ``fmha*/`` and ``nv_internal/``, the other ``cake_*_backend`` packages keep their Python files,
+``data/cccl`` and ``cake_vsa_sm90_backend/csrc`` stay whole), and the cp312 ``apache-tvm-ffi`` 0.1.15 wheel, were
+carried in a git-ignored folder, unpacked into ``/tmp/site`` and run with ``FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16``; the three FA3 modules build concurrently in ~160 s, the cake kernels
+on first use.
 """
 
 from __future__ import annotations

@@ -66,3 +66,17 @@ def test_warp_specialized_sparse_kernel_compiles(q_dtype, v_fp8):
     ptx, report = _compile("ws_sparse", q_dtype, v_fp8, 3)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
     _assert_mma_kinds(ptx, report, q_dtype)
+
+
+def test_two_tile_program_refuses_rings_that_do_not_fit():
+    # Checked before any launch (CPU tensors suffice): two rings of 4 bf16 K/V slots exceed Hopper's shared memory.
+    import torch
+
+    from diffusers_h3.kernels.block_sparse_attention_sm90 import block_sparse_attention_sm90
+
+    q = torch.zeros(1, 128, 2, 128, dtype=torch.bfloat16)
+    slots, counts = torch.arange(128, dtype=torch.int32), torch.full((2,), 64, dtype=torch.int32)
+    index, num = torch.zeros(1, 2, 2, 2, dtype=torch.int32), torch.ones(1, 2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="two_tiles needs two rings of 4"):
+        block_sparse_attention_sm90(q, q.clone(), q.clone(), slots, counts, index, num, torch.empty_like(q), block=64,
+                                    scale=0.1, stages=4, two_tiles=True)

@@ -677,13 +677,14 @@ def block_sparse_attention_sm90(
             CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
         )
         return out
-    # Two rings of K/V slots must fit the multiprocessor's shared memory (227 KB on Hopper).
-    two_fit = 2 * (stages or 3) * block * d * (k.element_size() + v.element_size()) <= 200 * 1024
-    if two_tiles and not two_fit:
-        raise ValueError(f"two_tiles needs two rings of {stages or 3} K/V slots, more than the shared memory holds; "
-                         "pass fewer stages or two_tiles=False")
-    if two_tiles is None:  # measured on an H200: -6% for 16-bit Q/K, +7-12% for 8-bit (run 17)
-        two_tiles = q_scale is None and two_fit
+    if not dense:
+        # Two rings of K/V slots must fit the multiprocessor's shared memory (227 KB on Hopper).
+        two_fit = 2 * (stages or 3) * block * d * (k.element_size() + v.element_size()) <= 200 * 1024
+        if two_tiles and not two_fit:
+            raise ValueError(f"two_tiles needs two rings of {stages or 3} K/V slots, more than the shared memory "
+                             "holds; pass fewer stages or two_tiles=False")
+        if two_tiles is None:  # measured on an H200: -6% for 16-bit Q/K, +7-12% for 8-bit (run 17)
+            two_tiles = q_scale is None and two_fit
     if two_tiles and not dense:
         _sparse_fwd_sm90_ws_kernel[(triton.cdiv(n_q_tiles, 2), b * h)](
             q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,

@@ -250,3 +250,47 @@ def test_two_tile_program_is_bitwise_the_one_tile_program(qk, stages):
     ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
                                            out_dtype=torch.float32, **kw)
     assert rel_l2(outs[1], ref) < (5e-3 if qk is None else 2e-2)
+
+
+@pytest.mark.parametrize("qk,pv_fp8,stages,topk,dense", [(None, False, 2, 7, False), (None, False, 3, 1, False),
+                                                         ("fp8", False, 2, 7, False), ("fp8", True, 2, 3, False),
+                                                         ("int8", False, 2, 7, False), ("int8", False, 3, 20, False),
+                                                         (None, False, 2, 0, True), ("fp8", False, 2, 0, True)])
+def test_split_issue_schedule_is_bitwise_the_ring_schedule(qk, pv_fp8, stages, topk, dense):
+    # K and V copies issued separately as soon as their slot is consumed (every slot prefetching) change only when
+    # data arrives, never the arithmetic: the output must equal the STAGES - 1 ahead schedule bit for bit, also with
+    # the register cap of three programs per multiprocessor. topk=1 leaves lists barely longer than the prefix.
+    from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
+
+    plan = _plan()
+    if dense:  # unpacked rows, an odd length (a partial last key block)
+        torch.manual_seed(9)
+        q = torch.randn(1, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn_like(q) + 0.3).to(torch.bfloat16), torch.randn_like(q)
+        lists = (None, None, None, None)
+    else:
+        q, k, v, index, num = _inputs(plan, topk=topk, seed=9)
+        lists = (plan.slot_rows, plan.tile_counts, index, num)
+    kw = {}
+    if qk is not None:
+        dtype = torch.int8 if qk == "int8" else torch.float8_e4m3fn
+        k = k - k.float().mean(1, keepdim=True).to(k.dtype)
+        q, qs = quantize_fp8_per_token(q, dtype=dtype)
+        k, ks = quantize_fp8_per_block(k, 64, dtype=dtype)
+        kw = dict(q_scale=qs, k_scale=ks)
+    if pv_fp8:
+        v8, vs = quantize_fp8_per_channel(v, seq_dim=1)
+        v, kw["v_scale"] = _channel_major(v8), vs
+    outs = []
+    for split, maxnreg in ((False, None), (True, None), (True, 168)):
+        out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        block_sparse_attention_sm90(q, k, v, *lists, out, block=64, scale=q.shape[-1] ** -0.5, dense=dense,
+                                    block_m=64 if dense else None, stages=stages, two_tiles=False, split_issue=split,
+                                    maxnreg=maxnreg, **kw)
+        outs.append(out)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
+    if not dense:
+        ref = block_sparse_attention_reference(q, k, v, *lists, block=64, out_dtype=torch.float32, **kw)
+        assert rel_l2(outs[1], ref) < (1e-2 if pv_fp8 else 5e-3)

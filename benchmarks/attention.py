@@ -136,31 +136,23 @@ def _kernel_kwargs(kernel, rotate, warps, stages):
     return dict(kernel="triton", rotate=rotate, num_warps=warps, num_stages=stages)
 
 
-def fine_stage_inputs(q, k, v, plan, sparsity=0.8, qk_dtype=torch.float8_e4m3fn):
-    """What the VSA core hands the fine stage at ``sparsity``: ``(index, num, kp, vp, q8, qs, k8, ks, v8t, vs)`` —
-    the tile lists, packed K/V, 8-bit Q (per row) and mean-centred K (per tile), channel-major E4M3 V."""
+def kernel_sweep(q, k, v, plan, iters=5, out_path=None, only=None):
+    """Time the :data:`SWEEP` variants (explicit warps / stages, no autotuning); returns ``{name: result}``."""
+    from diffusers_h3.kernels import block_sparse_attention as bsa
     from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
     from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8
 
     rows = (plan.slot_rows, plan.tile_counts, plan.block)
-    index, num = mask_to_index(selection(q, k, plan, sparsity))
+    mask = selection(q, k, plan, 0.8)
+    index, num = mask_to_index(mask)
     pk, kp = tile_pool(k, *rows, packed=True)
     _, vp = tile_pool(v, *rows, pooled=False, packed=True)
-    _, q8, qs = tile_quantize_fp8(q, *rows, dtype=qk_dtype)
+    _, q8, qs = tile_quantize_fp8(q, *rows)
     counts = plan.tile_counts.float()
     mean = (pk * counts[:, None]).sum(2) / counts.sum()
-    _, k8, ks = tile_quantize_fp8(k, *rows, packed=True, subtract=mean, per_tile=True, dtype=qk_dtype)
+    _, k8, ks = tile_quantize_fp8(k, *rows, packed=True, subtract=mean, per_tile=True)
     v8, vs = quantize_fp8_per_channel(vp, seq_dim=1)
     v8t = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    return index, num, kp, vp, q8, qs, k8, ks, v8t, vs
-
-
-def kernel_sweep(q, k, v, plan, iters=5, out_path=None, only=None):
-    """Time the :data:`SWEEP` variants (explicit warps / stages, no autotuning); returns ``{name: result}``."""
-    from diffusers_h3.kernels import block_sparse_attention as bsa
-
-    rows = (plan.slot_rows, plan.tile_counts, plan.block)
-    index, num, kp, vp, q8, qs, k8, ks, v8t, vs = fine_stage_inputs(q, k, v, plan)
     results = {}
     for kernel, prec, rotate, warps, stages, block_m, block_n in SWEEP:
         name = _sweep_name(kernel, prec, rotate, warps, stages, block_m, block_n)

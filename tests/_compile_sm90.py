@@ -59,13 +59,11 @@ def _ptxas_report(kernel):
 
 def main(variant, q_dtype, v_fp8, dense_or_block_n):
     v_fp8 = v_fp8 == "1"
-    if variant in ("single", "split"):
-        # "split": K and V copies issued separately, two slots, 168 registers (three programs per multiprocessor)
+    if variant == "single":
         dense = dense_or_block_n == "dense"
-        split = variant == "split"
-        consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=2 if split else 3, DENSE=dense,
-                      QK_8BIT=q_dtype != "bf16", SPLIT_ISSUE=split, num_warps=4)
-        kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4, **({"maxnreg": 168} if split else {}))
+        consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=3, DENSE=dense, QK_8BIT=q_dtype != "bf16",
+                      num_warps=4)
+        kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4)
     elif variant == "ws_sparse":
         consts = dict(HEAD_DIM=D, BLOCK_N=64, STAGES=int(dense_or_block_n), CONSUMER_REGS=232, PRODUCER_REGS=40)
         kernel = _compile(sm90._sparse_fwd_sm90_ws_kernel, consts, q_dtype, v_fp8, 64, 4, maxnreg=168)

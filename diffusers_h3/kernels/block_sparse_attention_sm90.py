@@ -69,31 +69,20 @@ def sm90_kernel_available(device: torch.device) -> bool:
 if HAS_GLUON:
 
     @gluon.jit
-    def _copy_k(k_desc, k_buf, k_bar, kv, b, h, KV_ROWS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-        """TMA copy of the K rows of key tile ``kv`` of (batch, head) into one ring slot."""
+    def _copy_kv(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, kv, b, h, H, KV_ROWS, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+        """TMA copies of key tile ``kv`` of (batch, head) into one ring slot; FP8 V is channel-major
+        (``[B*H*D, N]`` rows: the FP8 wgmma wants its B operand K-major)."""
+        row = (b * KV_ROWS + kv * BLOCK_N).to(gl.int32)
         mbarrier.expect(k_bar, k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [(b * KV_ROWS + kv * BLOCK_N).to(gl.int32), h * HEAD_DIM], k_bar,
-                                        k_buf)
-
-    @gluon.jit
-    def _copy_v(v_desc, v_buf, v_bar, kv, b, h, H, KV_ROWS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-        """TMA copy of the V rows of key tile ``kv``; FP8 V is channel-major (``[B*H*D, N]`` rows: the FP8 wgmma
-        wants its B operand K-major)."""
+        tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], k_bar, k_buf)
         mbarrier.expect(v_bar, v_desc.block_type.nbytes)
         PV_FP8: gl.constexpr = v_desc.dtype == gl.float8e4nv
         if PV_FP8:
             tma.async_copy_global_to_shared(v_desc, [((b * H + h) * HEAD_DIM).to(gl.int32), kv * BLOCK_N], v_bar,
                                             v_buf)
         else:
-            tma.async_copy_global_to_shared(v_desc, [(b * KV_ROWS + kv * BLOCK_N).to(gl.int32), h * HEAD_DIM],
-                                            v_bar, v_buf)
-
-    @gluon.jit
-    def _copy_kv(k_desc, v_desc, k_buf, v_buf, k_bar, v_bar, kv, b, h, H, KV_ROWS, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-        """TMA copies of K and V of key tile ``kv`` into one ring slot."""
-        _copy_k(k_desc, k_buf, k_bar, kv, b, h, KV_ROWS, HEAD_DIM, BLOCK_N)
-        _copy_v(v_desc, v_buf, v_bar, kv, b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
+            tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], v_bar, v_buf)
 
     @gluon.jit
     def _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, tile, kv, b, h, H, KV_ROWS,
@@ -182,17 +171,13 @@ if HAS_GLUON:
     def _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, empty, p_base, k_desc, v_desc,
                       list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, DENSE: gl.constexpr,
-                      QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr,
-                      SPLIT_ISSUE: gl.constexpr):
+                      QK_8BIT: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_WARP: gl.constexpr):
         """Online-softmax attention of one warpgroup's 64 query rows over ``num >= 1`` key tiles of the ring.
 
         Order (FlashAttention-3's intra-warpgroup overlap): ``S_{j+1} = Q K_{j+1}^T`` and ``P_j V_j`` in flight
         together, the softmax of tile ``j + 1`` under ``P_j V_j``. Without a producer warp the warpgroup requests
-        the copies itself: with ``SPLIT_ISSUE`` (the caller requested K and V of the first ``STAGES`` tiles) K of tile
-        ``j + 1 + STAGES`` as soon as ``S_{j+1}`` is done and V of tile ``j + STAGES`` once ``P_j V_j`` is, so every
-        slot prefetches (two slots suffice); otherwise both of tile ``j + STAGES - 1`` at the top of step ``j`` (its
-        slot held tile ``j - 1``, whose products are complete). With a producer warp (``PRODUCER_WARP``) it releases
-        each slot on ``empty`` once ``P_j V_j`` is done. Returns ``acc, l``.
+        tile ``j + STAGES - 1`` itself (its slot held tile ``j - 1``, whose products are complete); with one
+        (``PRODUCER_WARP``) it releases each slot on ``empty`` once ``P_j V_j`` is done. Returns ``acc, l``.
         """
         STAGES: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -210,14 +195,10 @@ if HAS_GLUON:
         mbarrier.wait(k_bars.index(0), 0)
         s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        if SPLIT_ISSUE:
-            if STAGES < num:
-                _copy_k(k_desc, k_bufs.index(0), k_bars.index(0), _tile_at(STAGES, DENSE, list_base), b, h, KV_ROWS,
-                        HEAD_DIM, BLOCK_N)
         p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
         p_op = _p_operand(p, p_bufs.index(p_base), v_desc.dtype, p_layout)
         for j in range(0, num - 1):
-            if not PRODUCER_WARP and not SPLIT_ISSUE:
+            if not PRODUCER_WARP:
                 ahead = j + STAGES - 1
                 if ahead < num:
                     _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, ahead,
@@ -233,18 +214,10 @@ if HAS_GLUON:
             mbarrier.wait(v_bars.index(slot), (j // STAGES) & 1)
             o_tok = warpgroup_mma(p_op, _v_operand(v_bufs.index(slot), PV_FP8), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            if SPLIT_ISSUE:  # K_{j+1} is consumed
-                if nxt + STAGES < num:
-                    _copy_k(k_desc, k_bufs.index(slot_n), k_bars.index(slot_n),
-                            _tile_at(nxt + STAGES, DENSE, list_base), b, h, KV_ROWS, HEAD_DIM, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, cnt, row_scale, m_i, l_i, offs_n, BLOCK_N)
             acc = _wait_pv(o_tok, p_op, PV_FP8)
             if PRODUCER_WARP:
                 mbarrier.arrive(empty.index(slot), count=1)  # K_j and V_j are consumed
-            if SPLIT_ISSUE:  # V_j is consumed
-                if j + STAGES < num:
-                    _copy_v(v_desc, v_bufs.index(slot), v_bars.index(slot), _tile_at(j + STAGES, DENSE, list_base),
-                            b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = _p_operand(p, p_bufs.index(p_base + nxt % 2), v_desc.dtype, p_layout)
         last = num - 1
@@ -305,7 +278,7 @@ if HAS_GLUON:
         stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_qsb, stride_qss,
         stride_ksb, stride_kss, stride_ksh, stride_ib, stride_ih, stride_it,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        DENSE: gl.constexpr, QK_8BIT: gl.constexpr, SPLIT_ISSUE: gl.constexpr, num_warps: gl.constexpr,
+        DENSE: gl.constexpr, QK_8BIT: gl.constexpr, num_warps: gl.constexpr,
     ):
         # Register layouts: one wgmma accumulator layout for S = Q K^T [M, N] and one for O [M, D]; q and p are
         # their A operands in registers; row statistics live in the slice of the S layout.
@@ -345,8 +318,7 @@ if HAS_GLUON:
                                      stride_qsb, stride_qss, q_layout, row_layout, HEAD_DIM, QK_8BIT)
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
 
-        # 2. Shared-memory rings and their barriers; the first tiles are requested at once (every slot with
-        #    SPLIT_ISSUE, else STAGES - 1).
+        # 2. Shared-memory rings and their barriers; the first STAGES - 1 tiles are requested at once.
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         if PV_FP8:  # E4M3 P, double-buffered: P_{j+1} is written while P_j V_j runs
@@ -360,7 +332,7 @@ if HAS_GLUON:
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
         fence_async_shared()
-        for i in gl.static_range(STAGES if SPLIT_ISSUE else STAGES - 1):
+        for i in gl.static_range(STAGES - 1):
             if i < num:
                 _issue_tile_copy(k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars, i,
                                  _tile_at(i, DENSE, list_base), b, h, H, KV_ROWS, HEAD_DIM, BLOCK_N,
@@ -369,7 +341,7 @@ if HAS_GLUON:
         # 3. The tiles (a tile with no keys cannot occur: non-video tiles are always listed).
         acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_bars, v_bars, k_bars, 0, k_desc,
                                  v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout,
-                                 o_layout, p_layout, DENSE, QK_8BIT, PV_FP8, False, SPLIT_ISSUE)
+                                 o_layout, p_layout, DENSE, QK_8BIT, PV_FP8, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
@@ -428,7 +400,7 @@ if HAS_GLUON:
         ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
         acc, l_i = _attend_tiles(q, row_scale_q, N_KV_BLOCKS, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
                                  k_desc, v_desc, Q, Q, ks_base, stride_kss, S, b, h, H, KV_ROWS, s_layout, o_layout,
-                                 p_layout, True, QK_8BIT, PV_FP8, True, False)
+                                 p_layout, True, QK_8BIT, PV_FP8, True)
         _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
     # gl.warp_specialize takes one function per partition and no constexpr arguments: one thin entry per consumer.
@@ -552,7 +524,7 @@ if HAS_GLUON:
             ks_base = K_SCALE + b64 * stride_ksb + h * stride_ksh
             acc, l_i = _attend_tiles(q, row_scale_q, num, k_bufs, v_bufs, p_bufs, k_ready, v_ready, empty, 2 * WG,
                                      k_desc, v_desc, list_base, TILE_COUNTS, ks_base, stride_kss, S, b, h, H, KV_ROWS,
-                                     s_layout, o_layout, p_layout, False, QK_8BIT, PV_FP8, True, False)
+                                     s_layout, o_layout, p_layout, False, QK_8BIT, PV_FP8, True)
             _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout,
                         PV_FP8)
 
@@ -659,8 +631,6 @@ def block_sparse_attention_sm90(
     block_m: Optional[int] = None,
     stages: Optional[int] = None,
     two_tiles: Optional[bool] = None,
-    split_issue: bool = False,
-    maxnreg: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the Gluon kernel on inputs that :func:`.block_sparse_attention.block_sparse_attention` validated, TMA
     layouts included (``sm90_kernel_supports``: contiguous packed ``k``/``v``, FP8 V channel-major).
@@ -731,7 +701,6 @@ def block_sparse_attention_sm90(
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *scale_strides, *index_strides,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
-        QK_8BIT=q_scale is not None, SPLIT_ISSUE=split_issue, num_warps=block_m // 16,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        QK_8BIT=q_scale is not None, num_warps=block_m // 16,
     )
     return out

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
-from diffusers_h3.kernels.block_sparse_attention_sm90 import sm90_kernel_available  # noqa: E402
-from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
-from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
-from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
+from diffusers_h3.kernels.attention.bsa_sm90 import sm90_kernel_available  # noqa: E402
+from diffusers_h3.kernels.attention.dense_quantized import fp8_attention  # noqa: E402
+from diffusers_h3.kernels.attention.vsa_pool import tile_pool  # noqa: E402
+from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index, topk_for_sparsity  # noqa: E402
 from diffusers_h3.pipelines.packing import t2va_fl2va_layout  # noqa: E402
 from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
@@ -138,9 +138,9 @@ def _kernel_kwargs(kernel, rotate, warps, stages):
 
 def kernel_sweep(q, k, v, plan, iters=5, out_path=None, only=None):
     """Time the :data:`SWEEP` variants (explicit warps / stages, no autotuning); returns ``{name: result}``."""
-    from diffusers_h3.kernels import block_sparse_attention as bsa
-    from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
-    from diffusers_h3.kernels.vsa_pool import tile_quantize_fp8
+    from diffusers_h3.kernels.attention import bsa_triton as bsa
+    from diffusers_h3.kernels.numerics import quantize_fp8_per_channel
+    from diffusers_h3.kernels.attention.vsa_pool import tile_quantize_fp8
 
     rows = (plan.slot_rows, plan.tile_counts, plan.block)
     mask = selection(q, k, plan, 0.8)
@@ -403,7 +403,7 @@ def main(argv=None):
                        q, k, v, plan, sparsity=sp, precision=prec, pv_precision=pv, kernel_options=ko)[0],
                    ref_sparse, pairs=pairs, baseline_ms=base, note=note)
         if sparsity == 0.8:
-            from diffusers_h3.kernels.block_sparse_attention import block_sparse_attention
+            from diffusers_h3.kernels.attention.bsa_triton import block_sparse_attention
 
             rows = (plan.slot_rows, plan.tile_counts, plan.block)
             _, kp = tile_pool(k, *rows, pooled=False, packed=True)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers_h3.kernels.fa_v100 import fa_v100_attention, fa_v100_reference, is_sm70_class, load_extension  # noqa: E402
+from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, is_sm70_class, load_extension  # noqa: E402
 from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 

@@ -50,10 +50,10 @@ from attention import computed_pairs, dense_reference, errors, h3_inputs, select
 
 from diffusers_h3.attention_processors.tiling import TilePlan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
-from diffusers_h3.kernels.block_sparse_attention import block_sparse_attention  # noqa: E402
-from diffusers_h3.kernels.fp8_attention import fp8_attention  # noqa: E402
-from diffusers_h3.kernels.vsa_pool import tile_pool  # noqa: E402
-from diffusers_h3.kernels.vsa_select import mask_to_index, select_tiles  # noqa: E402
+from diffusers_h3.kernels.attention.bsa_triton import block_sparse_attention  # noqa: E402
+from diffusers_h3.kernels.attention.dense_quantized import fp8_attention  # noqa: E402
+from diffusers_h3.kernels.attention.vsa_pool import tile_pool  # noqa: E402
+from diffusers_h3.kernels.attention.vsa_select import mask_to_index, select_tiles  # noqa: E402
 from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

@@ -69,15 +69,15 @@ def weight_memory() -> dict:
 
 
 def run_gemms(cases: dict, methods, fused: bool) -> None:
-    from diffusers_h3.kernels.fp8_gemm import fp8_linear_scaled_mm, fp8_quantize_per_token, fp8_quantize_weight
-    from diffusers_h3.kernels.nvfp4 import (
+    from diffusers_h3.kernels.gemm.fp8 import fp8_linear_scaled_mm, fp8_quantize_per_token, fp8_quantize_weight
+    from diffusers_h3.kernels.gemm.nvfp4 import (
         nvfp4_dequantize,
         nvfp4_dequantize_triton,
         nvfp4_linear,
         nvfp4_linear_triton,
         nvfp4_quantize,
     )
-    from diffusers_h3.kernels.w8a16_gemm import (
+    from diffusers_h3.kernels.gemm.w8a16 import (
         w8a16_dequantize,
         w8a16_dequantize_triton,
         w8a16_linear,
@@ -152,7 +152,7 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
 def best_configs() -> dict:
     out = {}
     try:
-        from diffusers_h3.kernels import nvfp4, w8a16_gemm
+        from diffusers_h3.kernels.gemm import nvfp4, w8a16 as w8a16_gemm
 
         for name, tuned in (("w8a16", w8a16_gemm._w8a16_autotuned), ("nvfp4", nvfp4._nvfp4_wo_autotuned)):
             out[name] = {str(k): str(v) for k, v in getattr(tuned, "cache", {}).items()}

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diffusers_h3.kernels.quant_utils import dequantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
-from diffusers_h3.kernels.quant_utils import quantize_fp8_per_block  # noqa: E402
+from diffusers_h3.kernels.numerics import dequantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
+from diffusers_h3.kernels.numerics import quantize_fp8_per_block  # noqa: E402
 from diffusers_h3.testing.benchmarking import git_commit  # noqa: E402
 
 

@@ -21,15 +21,15 @@ from .attention_processors.layout import (  # noqa: E402
     require_packed_layout,
     use_packed_layout,
 )
-from .describe import describe, format_report  # noqa: E402
+from ._report import describe, format_report  # noqa: E402
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, export_to_video  # noqa: E402
 from .pipelines.loading import install_diffusion_pipeline_dispatch as _install_dispatch  # noqa: E402
 from .attention_processors.fa_v100 import MiniMaxH3FAV100Processor  # noqa: E402
 from .attention_processors.vsa import MiniMaxH3VSAProcessor, add_gate_compress, disable_vsa, enable_vsa  # noqa: E402
-from .kernels.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference  # noqa: E402
-from .pipelines.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mode  # noqa: E402
-from .pipelines.lora import LoraLoadReport, MiniMaxH3LoraMixin  # noqa: E402
-from .pipelines.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset  # noqa: E402
+from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference  # noqa: E402
+from .hooks.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mode  # noqa: E402
+from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin  # noqa: E402
+from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset  # noqa: E402
 from .quantizers import (  # noqa: E402
     FP8Config,
     FP8Linear,

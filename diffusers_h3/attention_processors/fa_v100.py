@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._utils import cuda_capability, warn_once
-from ..kernels.fa_v100 import (
+from ..kernels.attention.fa_v100 import (
     SUPPORTED_HEAD_DIMS,
     SUPPORTED_QUERY_TILES,
     FAV100BuildError,

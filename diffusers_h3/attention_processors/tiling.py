@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from ..kernels.vsa_pool import valid_slots
+from ..kernels.attention.vsa_pool import valid_slots
 from .layout import PackedLayout
 
 

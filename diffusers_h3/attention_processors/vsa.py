@@ -9,7 +9,7 @@ Semantics follow FastH3 (FastVideo's H3 VSA backend):
   tile keeps the top ``ceil((1 - sparsity) * n_video_tiles)`` video key tiles plus every non-video key tile; non-video
   query rows stay dense;
 * fine stage: block-sparse flash attention over the selected tiles (on Hopper the Gluon kernel of
-  :mod:`diffusers_h3.kernels.block_sparse_attention_sm90`, elsewhere the Triton kernel; ``kernel=`` picks);
+  :mod:`diffusers_h3.kernels.attention.bsa_sm90`, elsewhere the Triton kernel; ``kernel=`` picks);
 * when the attention module has a ``to_gate_compress`` linear (VSA-distilled FastH3 checkpoints; see
   :func:`add_gate_compress`), the coarse output ``softmax(scores) v̄`` of each row's tile is added through it:
   ``out = out_fine + to_gate_compress(x) * out_coarse``. Base checkpoints have no gate and run pure sparse.
@@ -36,19 +36,19 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
-from ..kernels.block_sparse_attention import block_sparse_attention
-from ..kernels.block_sparse_attention_sm90 import sm90_kernel_available
-from ..kernels.fp8_value import quantize_v_fp8_channel_major
-from ..kernels.fp8_attention import fp8_attention
-from ..kernels.quant_utils import (
+from ..kernels.attention.bsa_triton import block_sparse_attention
+from ..kernels.attention.bsa_sm90 import sm90_kernel_available
+from ..kernels.attention.v_fp8 import quantize_v_fp8_channel_major
+from ..kernels.attention.dense_quantized import fp8_attention
+from ..kernels.numerics import (
     dequantize_fp8_per_block,
     fake_quant_fp4,
     fake_quant_fp8_per_token,
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
-from ..kernels.vsa_pool import tile_pool, tile_quantize_fp8
-from ..kernels.vsa_select import select_tiles, topk_for_sparsity
+from ..kernels.attention.vsa_pool import tile_pool, tile_quantize_fp8
+from ..kernels.attention.vsa_select import select_tiles, topk_for_sparsity
 from ._projections import project_output, project_qkv
 from .layout import require_packed_layout
 from .tiling import TilePlan, TilePlanCache

@@ -65,7 +65,7 @@ from PIL import Image
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from ..attention_processors.layout import PackedLayout, use_packed_layout
-from .lora import MiniMaxH3LoraMixin
+from ..loaders.lora import MiniMaxH3LoraMixin
 from .packing import check_layout_matches_indices, ref2va_layout, t2va_fl2va_layout
 
 logger = logging.get_logger(__name__)
@@ -254,7 +254,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def enable_v100_mode(self, **options):
         """Run a bf16-trained H3 in fp16 safely on Volta GPUs; see `diffusers_h3.enable_v100_mode`."""
-        from .v100_mode import enable_v100_mode
+        from ..hooks.v100_mode import enable_v100_mode
 
         return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
 
@@ -870,7 +870,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return audio.float().permute(1, 0, 2)
 
     def describe_paths(self) -> Dict[str, Any]:
-        """Pipeline-level facts for `diffusers_h3.describe(pipe)`."""
+        """Pipeline-level facts for `diffusers_h3._report(pipe)`."""
         report = {
             "partitions": [name for name, _ in self._partitions()] or ["none"],
             "text_encoder_layer": int(self.config.text_encoder_layer),

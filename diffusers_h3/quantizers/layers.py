@@ -27,9 +27,9 @@ from torch import nn
 
 from .._utils import cuda_capability, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import opaque_to_compile
-from ..kernels.fp8_gemm import fp8_dequantize, fp8_linear, fp8_quantize_weight, fp8_scaled_mm_supported
-from ..kernels.nvfp4 import flashinfer_fp4_available, nvfp4_dequantize, nvfp4_linear, nvfp4_quantize
-from ..kernels.w8a16_gemm import (
+from ..kernels.gemm.fp8 import fp8_dequantize, fp8_linear, fp8_quantize_weight, fp8_scaled_mm_supported
+from ..kernels.gemm.nvfp4 import flashinfer_fp4_available, nvfp4_dequantize, nvfp4_linear, nvfp4_quantize
+from ..kernels.gemm.w8a16 import (
     LARGE_M_ROWS,
     triton_gemm_supported,
     w8a16_dequantize,

@@ -10,15 +10,15 @@ import torch
 
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
-from diffusers_h3.kernels.block_sparse_attention import (
+from diffusers_h3.kernels.attention.bsa_triton import (
     block_sparse_attention,
     block_sparse_attention_reference,
     sm90_kernel_supports,
 )
-from diffusers_h3.kernels.block_sparse_attention_sm90 import block_sparse_attention_sm90
-from diffusers_h3.kernels.quant_utils import quantize_fp8_per_block, quantize_fp8_per_token
-from diffusers_h3.kernels.vsa_pool import tile_pool_reference
-from diffusers_h3.kernels.vsa_select import build_block_mask, mask_to_index_reference
+from diffusers_h3.kernels.attention.bsa_sm90 import block_sparse_attention_sm90
+from diffusers_h3.kernels.numerics import quantize_fp8_per_block, quantize_fp8_per_token
+from diffusers_h3.kernels.attention.vsa_pool import tile_pool_reference
+from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,7 +136,7 @@ def test_sm90_refuses_what_it_cannot_run():
 
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_fp8_attention_through_the_sm90_kernel(block_n):
-    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+    from diffusers_h3.kernels.attention.dense_quantized import fp8_attention, fp8_attention_reference
 
     torch.manual_seed(4)
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -152,7 +152,7 @@ def _channel_major(v8):
 
 
 def test_sparse_fp8_pv_matches_reference():
-    from diffusers_h3.kernels.quant_utils import quantize_fp8_per_channel
+    from diffusers_h3.kernels.numerics import quantize_fp8_per_channel
 
     plan = _plan()
     q, k, v, index, num = _inputs(plan, seed=5)
@@ -175,7 +175,7 @@ def test_sparse_fp8_pv_matches_reference():
 
 @pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 64)])
 def test_dense_fp8_pv_matches_reference(block_m, block_n):
-    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+    from diffusers_h3.kernels.attention.dense_quantized import fp8_attention, fp8_attention_reference
 
     torch.manual_seed(6)
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -208,7 +208,7 @@ def test_sparse_int8_qk_matches_reference(kernel):
 
 @pytest.mark.parametrize("block_m,block_n,pv_fp8", [(128, 128, False), (64, 64, False), (128, 128, True)])
 def test_dense_int8_qk_through_the_sm90_kernel(block_m, block_n, pv_fp8):
-    from diffusers_h3.kernels.fp8_attention import fp8_attention, fp8_attention_reference
+    from diffusers_h3.kernels.attention.dense_quantized import fp8_attention, fp8_attention_reference
 
     torch.manual_seed(8)
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from diffusers_h3.kernels.fa_v100 import fa_v100_attention, fa_v100_reference, load_extension  # noqa: E402
+from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, load_extension  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_transformer_inputs  # noqa: E402
 
 # fp16 inputs with unit-variance Q/K/V: the kernel's error against the fp32 oracle is the fp16 rounding of P and of
@@ -128,7 +128,7 @@ def test_processor_kernel_path_matches_diffusers_processor():
 def test_v100_mode_on_gpu_uses_kernel_and_stays_close_to_fp32():
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    from diffusers_h3.pipelines.v100_mode import enable_v100_mode
+    from diffusers_h3.hooks.v100_mode import enable_v100_mode
 
     torch.manual_seed(0)
     model = MiniMaxH3Transformer3DModel(

@@ -28,7 +28,7 @@ TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SWAP_AB": F
 @pytest.mark.parametrize("group_size", [None, 64])
 @pytest.mark.parametrize("mnk", [(1, 48, 64), (333, 200, 320), (1030, 520, 1024)])
 def test_w8a16_triton_gpu(dtype, group_size, mnk):
-    from diffusers_h3.kernels.w8a16_gemm import w8a16_linear_reference, w8a16_linear_triton, w8a16_quantize
+    from diffusers_h3.kernels.gemm.w8a16 import w8a16_linear_reference, w8a16_linear_triton, w8a16_quantize
 
     m, n, k = mnk
     x = torch.randn(2, m, k, device="cuda", dtype=dtype)
@@ -45,7 +45,7 @@ def test_w8a16_triton_gpu(dtype, group_size, mnk):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mnk", [(5, 40, 64), (333, 200, 320), (1030, 520, 1024)])
 def test_nvfp4_triton_gpu(dtype, mnk):
-    from diffusers_h3.kernels.nvfp4 import nvfp4_linear_reference, nvfp4_linear_triton, nvfp4_quantize
+    from diffusers_h3.kernels.gemm.nvfp4 import nvfp4_linear_reference, nvfp4_linear_triton, nvfp4_quantize
 
     m, n, k = mnk
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -58,8 +58,8 @@ def test_nvfp4_triton_gpu(dtype, mnk):
 
 
 def test_dequant_kernels_bitwise_bf16_gpu():
-    from diffusers_h3.kernels.nvfp4 import nvfp4_dequantize, nvfp4_dequantize_triton, nvfp4_quantize
-    from diffusers_h3.kernels.w8a16_gemm import w8a16_dequantize, w8a16_dequantize_triton, w8a16_quantize
+    from diffusers_h3.kernels.gemm.nvfp4 import nvfp4_dequantize, nvfp4_dequantize_triton, nvfp4_quantize
+    from diffusers_h3.kernels.gemm.w8a16 import w8a16_dequantize, w8a16_dequantize_triton, w8a16_quantize
 
     w = torch.randn(300, 544, device="cuda")
     p, s, g = nvfp4_quantize(w)
@@ -71,7 +71,7 @@ def test_dequant_kernels_bitwise_bf16_gpu():
 
 @pytest.mark.parametrize("mk", [(1, 16), (77, 5376), (300, 14336), (9, 100), (5, 20000)])
 def test_fp8_activation_quant_gpu(mk):
-    from diffusers_h3.kernels.fp8_gemm import fp8_quantize_per_token, fp8_quantize_per_token_reference
+    from diffusers_h3.kernels.gemm.fp8 import fp8_quantize_per_token, fp8_quantize_per_token_reference
 
     m, k = mk
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.rand(m, 1, device="cuda", dtype=torch.bfloat16) * 8
@@ -84,7 +84,7 @@ def test_fp8_activation_quant_gpu(mk):
 
 def test_fp8_scaled_mm_gpu():
     from diffusers_h3._utils import has_fp8_tensor_cores
-    from diffusers_h3.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_scaled_mm, fp8_quantize_weight
+    from diffusers_h3.kernels.gemm.fp8 import fp8_linear_reference, fp8_linear_scaled_mm, fp8_quantize_weight
 
     if not has_fp8_tensor_cores():
         pytest.skip("needs SM89+")
@@ -101,7 +101,7 @@ def test_fp8_scaled_mm_gpu():
 def test_fp8_scaled_mm_every_row_count(rows, with_bias):
     # Few rows take the exact small-M product, many the cuBLASLt FP8 GEMM: both must run and match the emulation.
     from diffusers_h3._utils import has_fp8_tensor_cores
-    from diffusers_h3.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_scaled_mm, fp8_quantize_weight
+    from diffusers_h3.kernels.gemm.fp8 import fp8_linear_reference, fp8_linear_scaled_mm, fp8_quantize_weight
 
     if not has_fp8_tensor_cores():
         pytest.skip("needs SM89+")

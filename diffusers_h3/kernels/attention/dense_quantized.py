@@ -1,0 +1,117 @@
+"""Dense FP8 attention (a training-free speedup for base checkpoints): E4M3 Q/K, bf16 (or E4M3) P·V.
+
+``fp8_attention(q, k, v)`` on ``[B, S, H, D]`` rows:
+
+1. with ``smooth_k`` the per-head key mean over the sequence is subtracted (softmax is invariant to it, and the
+   centred keys quantize with less error);
+2. Q is quantized to E4M3 with one float32 scale per row and head (``amax / 448``), K with one per key block of
+   ``block_n`` rows and head (the kernel folds it into the softmax scale); ``qk_dtype=torch.int8`` quantizes both to
+   symmetric INT8 instead (``amax / 127``): same speed on Ampere/Hopper tensor cores, ~4x less rounding error;
+3. with ``pv_fp8`` V is quantized per channel and ``P`` is rounded to E4M3 inside the kernel (``e4m3(448 p)``);
+4. the dense mode of the block-sparse flash kernel (:mod:`.block_sparse_attention`) computes the attention with a
+   float32 online softmax.
+
+:func:`fp8_attention_reference` is the torch reference with the same quantization and math.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._triton_utils import opaque_to_compile, use_triton
+from .bsa_triton import block_sparse_attention, block_sparse_attention_reference
+from .bsa_sm90 import sm90_kernel_available
+from ..numerics import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
+from .v_fp8 import quantize_v_fp8_channel_major
+from .vsa_pool import tile_quantize_fp8
+
+
+def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int,
+              qk_dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
+    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
+    if smooth_k:
+        k = k.float() - torch.mean(k, dim=1, dtype=torch.float32).unsqueeze(1)
+    q8, q_scale = quantize_fp8_per_token(q, dtype=qk_dtype)
+    k8, k_scale = quantize_fp8_per_block(k, block_n, dtype=qk_dtype)
+    v_scale = None
+    if pv_fp8:
+        v, v_scale = quantize_fp8_per_channel(v, seq_dim=1)
+    return q8, k8, v, q_scale, k_scale, v_scale
+
+
+def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:
+    """Key block (and K-scale block) measured fastest on an H200 (benchmarks/results/attention_sweep_h200.json):
+    128 keys on the warp-specialized Hopper kernel, 64 on the Triton kernel."""
+    if kernel != "triton" and q.is_cuda and sm90_kernel_available(q.device):
+        return 128
+    return 64
+
+
+def fp8_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True, pv_fp8: bool = False,
+    scale: Optional[float] = None, block_n: Optional[int] = None, qk_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """Torch reference of :func:`fp8_attention` (materialises the score matrix: small inputs only).
+
+    ``block_n`` is the key block of the K scales (and, with ``pv_fp8``, of P's rounding against the running max).
+    """
+    block_n = block_n or _default_block_n(q)
+    q8, k8, v_, qs, ks, vs = _quantize(q, k, v, smooth_k, pv_fp8, block_n, qk_dtype)
+    return block_sparse_attention_reference(
+        q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs,
+        k_scale=ks, v_scale=vs, dense=True, out_dtype=q.dtype,
+    )
+
+
+@opaque_to_compile
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    smooth_k: bool = True,
+    pv_fp8: bool = False,
+    scale: Optional[float] = None,
+    block_n: Optional[int] = None,
+    qk_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_m: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    tma: Optional[bool] = None,
+    rotate: Optional[bool] = None,
+    backend: str = "auto",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Dense attention with E4M3 (or ``qk_dtype=torch.int8``: INT8) Q/K and optionally E4M3 P·V; returns
+    ``[B, S, H, D]`` in ``q``'s dtype.
+
+    ``kernel`` chooses the flash kernel (``"auto"``, ``"sm90"``, ``"triton"``; see
+    :func:`~.block_sparse_attention.block_sparse_attention`).
+    """
+    if not use_triton("fp8_attention", q, k, v, backend=backend):
+        return fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
+                                       qk_dtype=qk_dtype)
+    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
+    block_n = block_n or _default_block_n(q, kernel)
+    # Quantize with the fused Triton pass over key-block chunks (same rounding as quantize_fp8_per_token / _per_block).
+    s = q.shape[1]
+    n_chunks = -(-s // block_n)
+    slot_rows = torch.arange(n_chunks * block_n, device=q.device, dtype=torch.int32).clamp_max(s - 1)
+    counts = torch.full((n_chunks,), block_n, device=q.device, dtype=torch.int32)
+    counts[-1] = s - block_n * (n_chunks - 1)
+    mean = torch.mean(k, dim=1, dtype=torch.float32) if smooth_k else None
+    _, q8, qs = tile_quantize_fp8(q, slot_rows, counts, block_n, dtype=qk_dtype, backend="triton")
+    _, k8, ks = tile_quantize_fp8(k, slot_rows, counts, block_n, subtract=mean, per_tile=True, dtype=qk_dtype,
+                                  backend="triton")
+    v_, vs = v, None
+    if pv_fp8:  # channel-major E4M3 (rows padded to 16 bytes) for the FP8 P.V MMA
+        v_, vs = quantize_v_fp8_channel_major(v, backend="triton")
+    return block_sparse_attention(
+        q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
+        dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+        tma=tma, rotate=rotate, kernel=kernel,
+    )

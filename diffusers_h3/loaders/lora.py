@@ -1,0 +1,705 @@
+"""LoRA for ``MiniMaxH3Pipeline``: every layout diffusers converts, on bf16 and quantized layers, with a key report,
+strict key matching and step-distillation presets.
+
+``MiniMaxH3LoraMixin`` extends diffusers' ``MiniMaxH3LoraLoaderMixin`` (which it keeps for layout conversion, the
+two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
+``unload_lora_weights`` / hotswap) with:
+
+- **Quantized layers.** Layers from ``diffusers_h3.quantizers`` (W8A16, NVFP4, FP8) get a PEFT LoRA layer of their
+  own (``diffusers_h3.quantizers.peft_dispatch.H3QuantizedLoraLinear``): the base weight stays quantized, LoRA runs on
+  the unquantized input, and ``fuse_lora`` re-quantizes ``W + BA`` while ``unfuse_lora`` restores the original
+  quantized tensors exactly.
+- **Key report.** ``load_lora_weights`` returns a :class:`LoraLoadReport` (also logged at INFO): detected layout,
+  matched modules per partition (and how many are quantized), rank and alpha per adapter, where the alpha came from,
+  unmatched keys, the distillation preset. Zero matched modules is an error; unmatched keys are an error unless
+  ``allow_unmatched_keys=True``; a file without any alpha loads with ``alpha == rank`` (scale 1.0, diffusers'
+  documented default) and a warning says so (pass ``network_alpha=`` to use the alpha it was trained with).
+- **Distillation presets.** A LoRA that is a known step-distillation adapter (LightX2V Turbo) or whose
+  ``__metadata__`` records its schedule carries a :class:`~diffusers_h3.loaders.lora_presets.LoraDistillationPreset`;
+  the pipeline calls :meth:`MiniMaxH3LoraMixin._resolve_lora_schedule` to fill unset ``num_inference_steps`` /
+  ``flow_shift`` / ``audio_flow_shift`` from it and to warn when a call asks for something else.
+
+Example::
+
+    pipe = MiniMaxH3Pipeline.from_pretrained(path, quantization_config=...)  # bf16 or W8A16 / NVFP4 / FP8
+    report = pipe.load_lora_weights(
+        "lightx2v/Minimax-h3-Turbo", weight_name="minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors", adapter_name="turbo"
+    )
+    print(report)  # layout, matched modules, rank / alpha, unmatched keys, preset (5 sigma points, shifts 6 / 3)
+    out = pipe(prompt)     # runs 4 steps at shift 6 / 3; passing num_inference_steps=50 would warn
+    pipe.set_adapters(["turbo"], [1.0]); pipe.fuse_lora(); pipe.unfuse_lora(); pipe.unload_lora_weights()
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import os
+import re
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+
+from ..quantizers.peft_dispatch import is_quantized_linear, quantized_lora_dispatch
+from .lora_presets import LoraDistillationPreset, detect_preset, get_preset
+
+
+logger = logging.getLogger(__name__)
+
+_HUB_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "proxies",
+    "local_files_only",
+    "token",
+    "revision",
+    "subfolder",
+    "weight_name",
+    "use_safetensors",
+)
+_KEY_RE = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_magnitude_vector)(?:\.(?P<param>weight|bias))?$"
+)
+_PENDING_METADATA: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_pending_lora_metadata", default=None)
+_DEFAULT_ALPHA_NOTE = "default alpha == rank (scale 1.0): the file records no alpha"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LoraComponentReport:
+    """What one adapter put into one partition (``transformer`` or ``transformer_ref``)."""
+
+    component: str
+    matched_modules: List[str]
+    quantized_modules: Dict[str, int]  # quant_method -> number of LoRA-wrapped quantized layers
+    ranks: Dict[int, int]  # rank -> number of modules
+    alphas: Dict[float, int]  # alpha -> number of modules
+
+    def summary(self) -> str:
+        ranks = ", ".join(f"r={r}: {n}" for r, n in sorted(self.ranks.items()))
+        alphas = ", ".join(f"alpha={a:g}: {n}" for a, n in sorted(self.alphas.items()))
+        quant = ", ".join(f"{m}: {n}" for m, n in sorted(self.quantized_modules.items())) or "none"
+        count = len(self.matched_modules)
+        return f"{self.component}: {count} modules ({ranks}; {alphas}); quantized base layers: {quant}"
+
+
+@dataclasses.dataclass
+class LoraLoadReport:
+    """Returned by ``MiniMaxH3LoraMixin.load_lora_weights``."""
+
+    adapter_name: str
+    layout: str
+    components: Dict[str, LoraComponentReport]
+    unmatched_keys: List[str]
+    alpha_source: str
+    preset: Optional[LoraDistillationPreset]
+    hotswap: bool = False
+
+    @property
+    def num_matched_modules(self) -> int:
+        return sum(len(c.matched_modules) for c in self.components.values())
+
+    def __str__(self) -> str:
+        lines = [f"LoRA adapter {self.adapter_name!r} ({self.layout}){' [hotswapped]' if self.hotswap else ''}:"]
+        lines += [f"  {c.summary()}" for c in self.components.values()]
+        lines.append(f"  alpha: {self.alpha_source}")
+        if self.unmatched_keys:
+            shown = ", ".join(self.unmatched_keys[:8]) + (" ..." if len(self.unmatched_keys) > 8 else "")
+            lines.append(f"  unmatched keys ({len(self.unmatched_keys)}, skipped): {shown}")
+        else:
+            lines.append("  unmatched keys: none")
+        lines.append(f"  distillation preset: {self.preset.describe() if self.preset else 'none'}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------------------------
+def detect_lora_layout(keys: Sequence[str]) -> str:
+    """Name of the LoRA key layout (for the report; diffusers' converter does the actual conversion)."""
+    keys = list(keys)
+    kohya = any(".lora_down." in k or ".lora_up." in k for k in keys)
+    suffix = " with kohya lora_down/lora_up + alpha" if kohya else ""
+    if any(k.startswith("lora_unet_") for k in keys):
+        return "musubi-tuner / kohya (flattened lora_unet_ names)" + ("" if kohya else suffix)
+    if any(k.startswith("diffusion_model.") for k in keys):
+        return "ai-toolkit / ComfyUI (diffusion_model. prefix, native module names)" + suffix
+    native = any(k.startswith(("blocks.", "token_refiner.blocks.", "final_layer.")) for k in keys)
+    peft_infix = any(".lora_A.default." in k or ".lora_B.default." in k for k in keys)
+    if native:
+        if peft_infix:
+            return "DiffSynth-Studio (native names, peft .default. infix, per-head interleaved QKV)"
+        return "reference / ComfyUI native module names" + suffix
+    prefixed = any(k.startswith(("transformer.", "transformer_ref.")) for k in keys)
+    if peft_infix and not prefixed:
+        return "PEFT dump without component prefix (LightX2V Turbo)"
+    if prefixed:
+        return "diffusers / PEFT"
+    return "unknown"
+
+
+def _resolve_lora_file(path_or_dict: Any, hub_kwargs: Dict[str, Any]) -> Optional[str]:
+    """Local path of the safetensors file diffusers would load, or ``None`` (dict input, pickle files)."""
+    if isinstance(path_or_dict, dict):
+        return None
+    path = os.fspath(path_or_dict)
+    if os.path.isfile(path):
+        return path if path.endswith(".safetensors") else None
+    from diffusers.loaders.lora_base import _best_guess_weight_name
+    from diffusers.utils import _get_model_file
+
+    weight_name = hub_kwargs.get("weight_name")
+    if hub_kwargs.get("use_safetensors") is False:
+        return None
+    if weight_name is None:
+        try:
+            weight_name = _best_guess_weight_name(
+                path, file_extension=".safetensors", local_files_only=hub_kwargs.get("local_files_only") or False
+            )
+        except (OSError, ValueError):
+            return None
+    if weight_name is None or not weight_name.endswith(".safetensors"):
+        return None
+    return _get_model_file(
+        path,
+        weights_name=weight_name,
+        cache_dir=hub_kwargs.get("cache_dir"),
+        force_download=hub_kwargs.get("force_download", False),
+        proxies=hub_kwargs.get("proxies"),
+        local_files_only=hub_kwargs.get("local_files_only"),
+        token=hub_kwargs.get("token"),
+        revision=hub_kwargs.get("revision"),
+        subfolder=hub_kwargs.get("subfolder"),
+        user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
+    )
+
+
+def _read_header(file: str) -> Tuple[List[str], Dict[str, str]]:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as handle:
+        return list(handle.keys()), dict(handle.metadata() or {})
+
+
+def _lora_target(module: nn.Module) -> Optional[nn.Module]:
+    """The linear (bf16 or quantized) a LoRA key may target, looking through an existing PEFT wrapper."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(module, BaseTunerLayer):
+        module = module.get_base_layer()
+    if isinstance(module, nn.Linear) or is_quantized_linear(module):
+        return module
+    return None
+
+
+def _uniform_alpha_metadata(state_dict: Dict[str, torch.Tensor], alpha: float, prefixes: Sequence[str]) -> dict:
+    """LoraConfig kwargs (component-prefixed, as diffusers passes them) for one network alpha over every module."""
+    from diffusers.utils import get_peft_kwargs
+
+    metadata = {}
+    for prefix in prefixes:
+        component = {k[len(prefix) + 1 :]: v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+        rank = {f"^{k}": v.shape[1] for k, v in component.items() if "lora_B" in k and v.ndim > 1}
+        if not rank:
+            continue
+        kwargs = get_peft_kwargs(rank, network_alpha_dict=None, peft_state_dict=component, is_unet=False)
+        kwargs["lora_alpha"] = float(alpha)
+        kwargs["alpha_pattern"] = {}
+        metadata.update({f"{prefix}.{k}": v for k, v in kwargs.items()})
+    return metadata
+
+
+@contextlib.contextmanager
+def _pending_metadata(metadata: Optional[dict]):
+    token = _PENDING_METADATA.set(metadata)
+    try:
+        yield
+    finally:
+        _PENDING_METADATA.reset(token)
+
+
+def _adapter_layers(model: nn.Module, adapter: str):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer) and adapter in getattr(module, "lora_A", {}):
+            yield name, module
+
+
+def _select_preset(choice, file_name, file_metadata) -> Optional[LoraDistillationPreset]:
+    if isinstance(choice, str) and choice == "auto":
+        return detect_preset(file_name, file_metadata)
+    if isinstance(choice, str):
+        return get_preset(choice).replace(source="argument")
+    if choice is None or isinstance(choice, LoraDistillationPreset):
+        return choice
+    raise TypeError(
+        "`distillation_preset` must be 'auto', a preset name, a `LoraDistillationPreset` or None, got "
+        f"{type(choice).__name__}."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixin
+# ---------------------------------------------------------------------------------------------------------------------
+class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
+    """LoRA loading for ``MiniMaxH3Pipeline``; see the module docstring."""
+
+    # ---- loading ----------------------------------------------------------------------------------------------------
+    def load_lora_weights(
+        self,
+        pretrained_model_name_or_path_or_dict: Union[str, os.PathLike, Dict[str, torch.Tensor]],
+        adapter_name: Optional[str] = None,
+        hotswap: bool = False,
+        load_into_transformer_ref: bool = False,
+        *,
+        allow_unmatched_keys: bool = False,
+        network_alpha: Optional[float] = None,
+        distillation_preset: Union[str, LoraDistillationPreset, None] = "auto",
+        **kwargs,
+    ) -> LoraLoadReport:
+        """Load a LoRA into ``transformer`` (or ``transformer_ref``) and return a :class:`LoraLoadReport`.
+
+        Accepts every layout diffusers' ``MiniMaxH3LoraLoaderMixin`` converts (diffusers/PEFT, unprefixed PEFT dumps
+        such as LightX2V Turbo, ai-toolkit, ComfyUI / reference native names, musubi-tuner, kohya, DiffSynth-Studio),
+        onto bf16 and diffusers-h3 quantized layers of either partition. Partition routing is diffusers' rule:
+        ``transformer.`` keys go to ``transformer`` unless ``load_into_transformer_ref=True`` or the pipeline holds
+        only ``transformer_ref``; ``transformer_ref.`` keys go to ``transformer_ref``.
+
+        Args:
+            allow_unmatched_keys (`bool`, defaults to `False`):
+                Keys that name no LoRA-able module of the target partition are an error by default; with `True` they
+                are skipped and listed in the report.
+            network_alpha (`float`, *optional*):
+                The alpha every module was trained with, overriding what the file records. Files that record none
+                load at `alpha == rank` (scale 1.0) and a warning says so. Not allowed with per-module `.alpha`
+                tensors (kohya), which are already folded into the weights.
+            distillation_preset (`str`, `LoraDistillationPreset` or `None`, defaults to `"auto"`):
+                The sampling schedule this adapter was distilled for. `"auto"` detects LightX2V Turbo files by name
+                and reads schedule fields from the file's `__metadata__`; a name from
+                `diffusers_h3.loaders.lora_presets.KNOWN_PRESETS` or a `LoraDistillationPreset` sets it
+                explicitly; `None` marks the adapter as an ordinary (non-distillation) LoRA.
+        """
+        hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+        low_cpu_mem_usage = kwargs.pop("low_cpu_mem_usage", None)
+        if kwargs:
+            raise TypeError(f"load_lora_weights() got unexpected keyword arguments {sorted(kwargs)}.")
+
+        transformer = getattr(self, self.transformer_name, None)
+        transformer_ref = getattr(self, self.transformer_ref_name, None)
+        if transformer is None and transformer_ref is None:
+            raise ValueError(
+                "This pipeline holds neither `transformer` nor `transformer_ref`, so there is nothing to load a LoRA "
+                "into. Load the pipeline with the partition the LoRA was trained for."
+            )
+
+        # 1. Source: resolve the file once, read its header (keys for the layout, `__metadata__` for alpha/preset).
+        source = pretrained_model_name_or_path_or_dict
+        if isinstance(source, dict):
+            source = dict(source)
+            raw_keys, file_metadata, file_name = list(source), {}, None
+            load_from, load_kwargs = source, {}
+        else:
+            file = _resolve_lora_file(source, hub_kwargs)
+            if file is not None:
+                raw_keys, file_metadata = _read_header(file)
+                file_name = file
+                load_from, load_kwargs = file, {}
+            else:
+                raw_keys, file_metadata, file_name = None, {}, hub_kwargs.get("weight_name") or os.fspath(source)
+                load_from, load_kwargs = source, hub_kwargs
+
+        # 2. Convert with diffusers (layouts, alpha folding, `__metadata__` alpha).
+        state_dict, metadata = self.lora_state_dict(load_from, return_lora_metadata=True, **load_kwargs)
+        if raw_keys is None:
+            raw_keys = list(state_dict)
+        layout = detect_lora_layout(raw_keys)
+        state_dict = {
+            k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+            for k, v in state_dict.items()
+        }
+
+        # 3. Alpha. diffusers folds per-module `.alpha` tensors into the weights for the layouts that carry them
+        # (kohya / musubi); any left over were not applied and are reported as unmatched keys below.
+        has_alpha_tensors = any(k.endswith(".alpha") for k in raw_keys) and not any(
+            k.endswith(".alpha") for k in state_dict
+        )
+        if network_alpha is not None:
+            if has_alpha_tensors:
+                raise ValueError(
+                    "`network_alpha` was passed, but this file has per-module `.alpha` tensors, which are already "
+                    "folded into its weights; the alpha would apply twice. Drop `network_alpha`."
+                )
+            partitions = {self.transformer_name, self.transformer_ref_name}
+            prefixes = sorted({k.split(".", 1)[0] for k in state_dict} & partitions)
+            metadata = _uniform_alpha_metadata(state_dict, network_alpha, prefixes) or None
+            alpha_source = f"network_alpha={network_alpha:g} (argument): scale alpha / rank per module"
+        elif has_alpha_tensors:
+            alpha_source = "per-module .alpha tensors (kohya), folded into the weights"
+        elif metadata is not None and "lora_adapter_metadata" in file_metadata:
+            alpha_source = "LoRA adapter config saved with the file (diffusers save_lora_weights)"
+        elif metadata is not None and "alpha" in file_metadata:
+            alpha_source = f"file __metadata__ alpha={file_metadata['alpha']}: scale alpha / rank per module"
+        elif metadata is not None:
+            alpha_source = "LoRA adapter config passed with the weights"
+        else:
+            alpha_source = _DEFAULT_ALPHA_NOTE
+            logger.warning(
+                "This LoRA file records no alpha (no `.alpha` tensors, no `alpha` in its `__metadata__`, no saved "
+                "adapter config), so it loads with the documented default alpha == rank (scale 1.0). If it was "
+                "trained with another alpha, pass `network_alpha=` to `load_lora_weights`."
+            )
+
+        # 4. Match keys against the partition each prefix routes to (diffusers' two-partition rule).
+        kept, matched, unmatched, deferred = self._match_lora_keys(state_dict, load_into_transformer_ref)
+        if not any(matched.values()) and not deferred:
+            raise ValueError(
+                f"This LoRA matched no module of the pipeline ({layout} layout; first keys {sorted(raw_keys)[:4]}, "
+                f"first converted keys {sorted(state_dict)[:4]}). It is not a MiniMax-H3 LoRA, or it targets modules "
+                "this checkpoint does not have."
+            )
+        if unmatched:
+            message = (
+                f"{len(unmatched)} LoRA keys match no LoRA-able module of the target partition: "
+                f"{', '.join(sorted(unmatched)[:8])}{' ...' if len(unmatched) > 8 else ''}."
+            )
+            if not allow_unmatched_keys:
+                raise ValueError(
+                    f"{message} Pass `allow_unmatched_keys=True` to load the {sum(map(len, matched.values()))} "
+                    "matched modules and skip these keys."
+                )
+            logger.warning(f"{message} They are skipped (allow_unmatched_keys=True).")
+
+        # 5. Distillation preset.
+        preset = _select_preset(distillation_preset, file_name, file_metadata)
+
+        # 6. Load through diffusers / PEFT.
+        before = {name: set(getattr(m, "peft_config", {}) or {}) for name, m in self._lora_partitions().items()}
+        load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
+        with _pending_metadata(metadata):
+            super().load_lora_weights(
+                kept,
+                adapter_name=adapter_name,
+                hotswap=hotswap,
+                load_into_transformer_ref=load_into_transformer_ref,
+                **load_args,
+            )
+
+        # 7. Report from what PEFT actually built.
+        if hotswap:
+            name = adapter_name
+        else:
+            new = set()
+            for component, model in self._lora_partitions().items():
+                new |= set(getattr(model, "peft_config", {}) or {}) - before.get(component, set())
+            if len(new) != 1:
+                raise RuntimeError(f"Expected one new adapter after loading, found {sorted(new)}.")
+            name = new.pop()
+        components = {}
+        for component in matched:
+            report = self._component_report(component, name)
+            missing = matched[component] - set(report.matched_modules)
+            if missing:
+                logger.warning(
+                    f"PEFT did not attach adapter {name!r} to {len(missing)} matched modules of `{component}`: "
+                    f"{sorted(missing)[:8]}."
+                )
+            components[component] = report
+        report = LoraLoadReport(
+            adapter_name=name,
+            layout=layout,
+            components=components,
+            unmatched_keys=sorted(unmatched),
+            alpha_source=alpha_source,
+            preset=preset,
+            hotswap=hotswap,
+        )
+        presets = self._lora_preset_registry()
+        if preset is None:
+            presets.pop(name, None)
+        else:
+            presets[name] = preset
+            wrong = [c for c in components if preset.tasks and c != self._partition_for_tasks(preset.tasks)]
+            if wrong:
+                logger.warning(
+                    f"Distillation LoRA {name!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, which "
+                    f"runs on `{self._partition_for_tasks(preset.tasks)}`, but it was loaded into `{wrong[0]}`."
+                )
+        logger.info(str(report))
+        return report
+
+    @classmethod
+    def load_lora_into_transformer(cls, state_dict, transformer, adapter_name=None, _pipeline=None,
+                                   low_cpu_mem_usage=False, hotswap: bool = False, metadata=None):
+        """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
+        if metadata is None:
+            metadata = _PENDING_METADATA.get()
+        with quantized_lora_dispatch(transformer):
+            super().load_lora_into_transformer(
+                state_dict, transformer, adapter_name=adapter_name, _pipeline=_pipeline,
+                low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
+            )
+
+    @classmethod
+    def load_lora_into_transformer_ref(cls, state_dict, transformer_ref, prefix, adapter_name=None, _pipeline=None,
+                                       low_cpu_mem_usage=False, hotswap: bool = False, metadata=None):
+        """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
+        if metadata is None:
+            metadata = _PENDING_METADATA.get()
+        with quantized_lora_dispatch(transformer_ref):
+            super().load_lora_into_transformer_ref(
+                state_dict, transformer_ref, prefix, adapter_name=adapter_name, _pipeline=_pipeline,
+                low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
+            )
+
+    # ---- adapter bookkeeping ----------------------------------------------------------------------------------------
+    def unload_lora_weights(self, *args, **kwargs):
+        super().unload_lora_weights(*args, **kwargs)
+        self._lora_preset_registry().clear()
+
+    def delete_adapters(self, adapter_names: Union[List[str], str]):
+        super().delete_adapters(adapter_names)
+        for name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+            self._lora_preset_registry().pop(name, None)
+
+    def set_lora_distillation_preset(
+        self, adapter_name: str, preset: Union[str, LoraDistillationPreset, None]
+    ) -> None:
+        """Attach (or with ``None`` remove) the distillation schedule of a loaded adapter."""
+        loaded = {a for adapters in self.get_list_adapters().values() for a in adapters}
+        if adapter_name not in loaded:
+            raise ValueError(f"No adapter {adapter_name!r} is loaded; loaded adapters: {sorted(loaded)}.")
+        if isinstance(preset, str):
+            preset = get_preset(preset).replace(source="argument")
+        if preset is None:
+            self._lora_preset_registry().pop(adapter_name, None)
+        else:
+            self._lora_preset_registry()[adapter_name] = preset
+
+    def get_lora_distillation_presets(self) -> Dict[str, LoraDistillationPreset]:
+        """Distillation presets of the loaded adapters, by adapter name."""
+        loaded = {a for adapters in self.get_list_adapters().values() for a in adapters}
+        return {a: p for a, p in self._lora_preset_registry().items() if a in loaded}
+
+    def lora_summary(self) -> List[str]:
+        """One line per loaded adapter: partitions, weight, preset (for ``describe_paths``)."""
+        lines = []
+        for component, model in self._lora_partitions().items():
+            for adapter, weight, active in self._adapter_states(model):
+                preset = self._lora_preset_registry().get(adapter)
+                lines.append(
+                    f"{component}: LoRA {adapter!r} weight={weight:g} {'active' if active else 'inactive'}"
+                    + (f"; distillation preset {preset.describe()}" if preset else "")
+                )
+        return lines
+
+    # ---- schedule hook ----------------------------------------------------------------------------------------------
+    def _resolve_lora_schedule(
+        self,
+        num_inference_steps: Optional[int],
+        flow_shift: Optional[float],
+        audio_flow_shift: Optional[float],
+        sigmas: Optional[Sequence[float]] = None,
+        audio_sigmas: Optional[Sequence[float]] = None,
+        task: Optional[str] = None,
+    ) -> Tuple[Optional[int], Optional[float], Optional[float]]:
+        """Fill ``None`` settings from the active distillation LoRA's preset and warn about explicit ones it was not
+        trained for. Without an active distillation LoRA the values come back unchanged.
+
+        ``num_inference_steps`` counts sigma points; with explicit ``sigmas`` / ``audio_sigmas`` their length is what
+        is compared to the preset (and the shift of that modality does not apply).
+        """
+        partitions = self._lora_partitions()
+        if task is not None:
+            wanted = self.transformer_ref_name if task == "ref2va" else self.transformer_name
+            partitions = {k: v for k, v in partitions.items() if k == wanted}
+        registry = self._lora_preset_registry()
+        distill, others = [], []
+        for component, model in partitions.items():
+            for adapter, weight, active in self._adapter_states(model):
+                if not active:
+                    continue
+                if adapter in registry:
+                    distill.append((adapter, weight, registry[adapter]))
+                elif weight != 0:
+                    others.append(adapter)
+        if not distill:
+            return num_inference_steps, flow_shift, audio_flow_shift
+
+        adapter, weight, preset = distill[0]
+        distinct = {(p.num_inference_steps, p.flow_shift, p.audio_flow_shift) for _, _, p in distill}
+        if len(distinct) > 1:
+            warnings.warn(
+                f"Several distillation LoRAs with different schedules are active ({[a for a, _, _ in distill]}); "
+                f"using the schedule of {adapter!r}. Activate one with `set_adapters`.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if others:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} is active together with {sorted(set(others))}; stacking LoRAs on a "
+                "step-distillation adapter usually breaks the distillation.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if abs(weight - 1.0) > 1e-6:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} is active at weight {weight:g}; it was trained at weight 1.0.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if task is not None and preset.tasks and task not in preset.tasks:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, not {task}.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+        differences = []
+        if sigmas is not None:
+            if preset.num_inference_steps is not None and len(sigmas) != preset.num_inference_steps:
+                differences.append(f"{len(sigmas)} video sigmas (trained: {preset.num_inference_steps} sigma points)")
+        elif num_inference_steps is None:
+            num_inference_steps = preset.num_inference_steps
+        elif preset.num_inference_steps is not None and num_inference_steps != preset.num_inference_steps:
+            differences.append(
+                f"num_inference_steps={num_inference_steps} (trained: {preset.num_inference_steps})"
+            )
+        if audio_sigmas is not None and preset.num_inference_steps is not None:
+            if len(audio_sigmas) != preset.num_inference_steps:
+                differences.append(
+                    f"{len(audio_sigmas)} audio sigmas (trained: {preset.num_inference_steps} sigma points)"
+                )
+        if flow_shift is None:
+            flow_shift = preset.flow_shift
+        elif sigmas is None and preset.flow_shift is not None and float(flow_shift) != preset.flow_shift:
+            differences.append(f"flow_shift={flow_shift:g} (trained: {preset.flow_shift:g})")
+        if audio_flow_shift is None:
+            audio_flow_shift = preset.audio_flow_shift
+        elif (
+            audio_sigmas is None
+            and preset.audio_flow_shift is not None
+            and float(audio_flow_shift) != preset.audio_flow_shift
+        ):
+            differences.append(f"audio_flow_shift={audio_flow_shift:g} (trained: {preset.audio_flow_shift:g})")
+        if differences:
+            warnings.warn(
+                f"The active distillation LoRA {adapter!r} was trained for {preset.describe()}, but this call uses "
+                f"{'; '.join(differences)}. Expect degraded output; leave these arguments unset to use the adapter's "
+                "schedule.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return num_inference_steps, flow_shift, audio_flow_shift
+
+    # ---- internals --------------------------------------------------------------------------------------------------
+    def _match_lora_keys(self, state_dict: Dict[str, torch.Tensor], load_into_transformer_ref: bool):
+        """Split converted keys into those naming a LoRA-able module of the partition they route to and the rest.
+
+        Returns ``(kept, matched, unmatched, deferred)``: the state dict to load, matched module names per partition,
+        unmatched keys, and whether some keys route to a partition the pipeline lacks (diffusers raises for those).
+        Raises for tensors whose shape does not fit the module they name.
+        """
+        transformer = getattr(self, self.transformer_name, None)
+        transformer_ref = getattr(self, self.transformer_ref_name, None)
+        into_ref = load_into_transformer_ref or transformer is None
+        ref_target = (self.transformer_ref_name, transformer_ref)
+        fl2v_target = ref_target if into_ref else (self.transformer_name, transformer)
+        targets = {self.transformer_name: fl2v_target, self.transformer_ref_name: ref_target}
+
+        module_maps: Dict[str, Dict[str, nn.Module]] = {}
+        matched: Dict[str, set] = collections.defaultdict(set)
+        unmatched: List[str] = []
+        mismatched: List[str] = []
+        kept: Dict[str, torch.Tensor] = {}
+        deferred = False
+        for key, value in state_dict.items():
+            prefix, _, rest = key.partition(".")
+            parsed = _KEY_RE.match(rest) if prefix in targets else None
+            if parsed is None:
+                unmatched.append(key)
+                continue
+            component, model = targets[prefix]
+            if model is None:
+                kept[key], deferred = value, True
+                continue
+            if component not in module_maps:
+                module_maps[component] = dict(model.named_modules())
+            name = parsed["module"]
+            module = module_maps[component].get(name)
+            inside_peft = any(part == "base_layer" or part.startswith("lora_") for part in name.split("."))
+            target = _lora_target(module) if module is not None and not inside_peft else None
+            if target is None:
+                unmatched.append(key)
+                continue
+            if parsed["kind"] == "lora_A" and value.ndim == 2 and value.shape[1] != target.in_features:
+                mismatched.append(f"{key}: {tuple(value.shape)} vs in_features={target.in_features}")
+            if parsed["kind"] == "lora_B" and value.shape[0] != target.out_features:
+                mismatched.append(f"{key}: {tuple(value.shape)} vs out_features={target.out_features}")
+            matched[component].add(name)
+            kept[key] = value
+        if mismatched:
+            raise ValueError(
+                f"{len(mismatched)} LoRA tensors do not fit the modules they name (first: {mismatched[:3]}). The LoRA "
+                "was trained for another checkpoint (e.g. a pruned AdaLN-table H3 checkpoint) or another model."
+            )
+        return kept, matched, unmatched, deferred
+
+    def _lora_preset_registry(self) -> Dict[str, LoraDistillationPreset]:
+        registry = self.__dict__.get("_h3_lora_presets")
+        if registry is None:
+            registry = {}
+            self.__dict__["_h3_lora_presets"] = registry
+        return registry
+
+    def _lora_partitions(self) -> Dict[str, nn.Module]:
+        out = {}
+        for name in (self.transformer_name, self.transformer_ref_name):
+            model = getattr(self, name, None)
+            if isinstance(model, nn.Module):
+                out[name] = model
+        return out
+
+    def _partition_for_tasks(self, tasks: Sequence[str]) -> str:
+        return self.transformer_ref_name if "ref2va" in tasks else self.transformer_name
+
+    @staticmethod
+    def _adapter_states(model: nn.Module) -> List[Tuple[str, float, bool]]:
+        """(adapter, weight, active) per adapter loaded in ``model``; weight = scaling / (alpha / r)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        states: Dict[str, Tuple[float, bool]] = {}
+        for module in model.modules():
+            if not isinstance(module, BaseTunerLayer) or not hasattr(module, "scaling"):
+                continue
+            active = set(module.active_adapters) if not module.disable_adapters else set()
+            for adapter in module.lora_A:
+                if adapter in states:
+                    continue
+                nominal = module.lora_alpha[adapter] / module.r[adapter]
+                if getattr(module, "use_rslora", {}).get(adapter):
+                    nominal = module.lora_alpha[adapter] / module.r[adapter] ** 0.5
+                states[adapter] = (module.scaling[adapter] / nominal, adapter in active)
+        return [(a, w, act) for a, (w, act) in states.items()]
+
+    def _component_report(self, component: str, adapter: str) -> LoraComponentReport:
+        model = getattr(self, component)
+        modules, quantized = [], collections.Counter()
+        ranks, alphas = collections.Counter(), collections.Counter()
+        for name, layer in _adapter_layers(model, adapter):
+            modules.append(name)
+            ranks[layer.r[adapter]] += 1
+            alphas[float(layer.lora_alpha[adapter])] += 1
+            base = layer.get_base_layer()
+            if is_quantized_linear(base):
+                quantized[str(base.quant_method)] += 1
+        return LoraComponentReport(component, sorted(modules), dict(quantized), dict(ranks), dict(alphas))

@@ -1,0 +1,114 @@
+"""End to end on the tiny MiniMaxH3Pipeline: a LoRA changes the output, unloading restores it exactly, a quantized
+transformer takes the same LoRA, and a distillation LoRA sets the schedule of `pipe(...)`."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ._lora_helpers import canonical_lora, save_lora, write_layout
+
+CALL = dict(prompt="a fox in the snow", height=32, width=64, num_frames=124, output_type="latent")  # no VAE decode: fast
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    return tiny_pipeline(seed=0, with_transformer_ref=False)
+
+
+def _run(pipe, **kwargs):
+    out = pipe(**{**CALL, "num_inference_steps": 3, **kwargs}, generator=torch.Generator().manual_seed(0))
+    return out.frames.float().numpy(), out.audio.float().numpy()
+
+
+def _lora_for(model, seed):
+    from ._lora_helpers import tiny_transformer
+
+    reference = tiny_transformer(**{k: model.config[k] for k in ("attention_head_dim", "num_attention_heads")})
+    names = {n for n, _ in model.named_modules()}
+    lora = canonical_lora(reference, seed=seed)
+    assert set(lora) <= names, "the tiny pipeline's transformer config differs from the test's tiny transformer"
+    return lora
+
+
+def test_lora_changes_output_and_unload_restores_it(pipe, tmp_path):
+    base_frames, base_audio = _run(pipe)
+    lora = _lora_for(pipe.transformer, seed=50)
+    report = pipe.load_lora_weights(save_lora(tmp_path / "l.safetensors", write_layout(lora, "native")), "style")
+    assert report.num_matched_modules == len(lora)
+    frames, audio = _run(pipe)
+    assert np.abs(frames - base_frames).max() > 1e-4 or np.abs(audio - base_audio).max() > 1e-4
+
+    pipe.set_adapters("style", 0.0)
+    frames0, audio0 = _run(pipe)
+    np.testing.assert_allclose(frames0, base_frames, atol=1e-6)
+    pipe.unload_lora_weights()
+    frames, audio = _run(pipe)
+    np.testing.assert_array_equal(frames, base_frames)
+    np.testing.assert_array_equal(audio, base_audio)
+
+
+def test_distillation_lora_sets_the_schedule(pipe, tmp_path):
+    lora = _lora_for(pipe.transformer, seed=51)
+    path = save_lora(tmp_path / "minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors", write_layout(lora, "peft_dump"),
+                     {"alpha": "4"})
+    report = pipe.load_lora_weights(path, "turbo")
+    try:
+        assert report.preset.num_inference_steps == 5
+        calls = []
+        original = pipe.transformer.forward
+
+        def counting_forward(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        pipe.transformer.forward = counting_forward
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                pipe(**CALL, generator=torch.Generator().manual_seed(0))
+        finally:
+            del pipe.transformer.forward
+        assert len(calls) == 4  # 5 sigma points -> 4 evaluations
+        assert pipe.scheduler.shift == 6.0 and pipe.audio_scheduler.shift == 3.0
+        with pytest.warns(UserWarning, match=r"num_inference_steps=3 \(trained: 5\)"):
+            _run(pipe, num_inference_steps=3)
+    finally:
+        pipe.unload_lora_weights()
+
+
+def test_lora_on_quantized_transformer_matches_dequantized_dense_end_to_end(pipe, tmp_path):
+    import copy
+
+    from diffusers_h3.quantizers import H3QuantizedLinear, W8A16Config, quantize
+
+    original = pipe.transformer
+    quantized, dense = copy.deepcopy(original), copy.deepcopy(original)
+    quantize(quantized, W8A16Config())
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, H3QuantizedLinear):
+                dense.get_submodule(name).weight.copy_(module.dequantize(torch.float32))
+    path = save_lora(tmp_path / "l.safetensors", write_layout(_lora_for(dense, seed=52), "ai_toolkit"))
+    try:
+        pipe.register_modules(transformer=quantized)
+        base_q, _ = _run(pipe)
+        report = pipe.load_lora_weights(path, "q")
+        num_quantized = sum(isinstance(m, H3QuantizedLinear) for m in quantized.modules())
+        assert num_quantized > 10
+        assert report.components["transformer"].quantized_modules == {"h3_w8a16": num_quantized}
+        frames_q, audio_q = _run(pipe)
+        assert np.abs(frames_q - base_q).max() > 1e-4
+
+        pipe.register_modules(transformer=dense)
+        pipe.load_lora_weights(path, "d")
+        frames_d, audio_d = _run(pipe)
+        np.testing.assert_allclose(frames_q, frames_d, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(audio_q, audio_d, atol=2e-4, rtol=1e-4)
+    finally:
+        pipe.register_modules(transformer=original)

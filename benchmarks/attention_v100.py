@@ -15,17 +15,13 @@ WMMA on sm_80+ is not the fastest tensor-core path and SDPA's flash / cuDNN kern
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, is_sm70_class, load_extension
 
-from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, is_sm70_class, load_extension  # noqa: E402
-from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
+from _common import cuda_median_ms, result_header, write_json
 
 
 def main(argv=None) -> dict:
@@ -42,8 +38,8 @@ def main(argv=None) -> dict:
 
     if not torch.cuda.is_available():
         raise SystemExit("attention_v100.py needs a CUDA GPU.")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = torch.device("cuda")
     capability = torch.cuda.get_device_capability(device)
@@ -96,11 +92,7 @@ def main(argv=None) -> dict:
 
     sm70 = is_sm70_class(device)
     report = {
-        "suite": "fa_v100",
-        "device": f"{name} (sm_{capability[0]}{capability[1]})",
-        "torch": torch.__version__,
-        "commit": git_commit(args.commit),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("fa_v100", args.commit, device=f"{name} (sm_{capability[0]}{capability[1]})"),
         "shape": {"batch": 1, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim, "dtype": "float16"},
         "reference": f"fp32 oracle (exact softmax) on {args.check_rows} random query rows",
         "protocol": f"median of {args.repeats} CUDA-event timings after {args.warmup} warm-ups, one process",
@@ -113,8 +105,7 @@ def main(argv=None) -> dict:
     for case, r in results.items():
         print(f"{case:16s} {r['ms']:10.2f} {r['ratio']:7.3f} {r['tflops']:8.1f} {r['rel_l2']:10.2e} {r['peak_gib']:9.2f}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
     return report
 
 

@@ -2,12 +2,12 @@
 
     python benchmarks/end_to_end.py --out benchmarks/results/end_to_end_h200.json
 
-One process, same run for every case (DESIGN.md "Measuring"): a full-width H3 DiT with random bf16 weights (the fp32
+One process, same run for every case (the protocol of docs/benchmarking.md): a full-width H3 DiT with random bf16 weights (the fp32
 modules kept fp32, as the checkpoint), the real packed layout of a t2va request (512 text rows, 414 audio rows,
 37x24x42 video rows = 38,222 rows, rotary grid from diffusers' own layout builder) published as a PackedLayout.
 Cases, in this order (FP8 weight quantization is applied in place, so it comes last):
 
-* ``native_cudnn``      diffusers' processor, ``_native_cudnn`` backend (the 6.70 s baseline of shared/bench);
+* ``native_cudnn``      diffusers' processor, ``_native_cudnn`` backend (the baseline);
 * ``vsa_bf16_sp0.8``    our VSA processor, bf16, sparsity 0.8;
 * ``vsa_fp8_sp0.8``     our VSA processor, FP8 Q/K, bf16 PV, sparsity 0.8;
 * ``fp8_gemm``          FP8Config quantization of the linears (per-token activations), cuDNN attention;
@@ -21,16 +21,11 @@ distance, not quality); ``peak_gib`` = peak allocated memory during the case's t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import result_header, write_json
 
-from diffusers_h3.testing.benchmarking import git_commit  # noqa: E402
 
 TEXT_ROWS, NUM_FRAMES, HEIGHT, WIDTH = 512, 124, 768, 1344
 
@@ -38,9 +33,12 @@ TEXT_ROWS, NUM_FRAMES, HEIGHT, WIDTH = 512, 124, 768, 1344
 def build_inputs(device, layers):
     """Transformer kwargs and the PackedLayout of a 768x1344x124 t2va request, via diffusers' layout builder."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        audio_latent_num_frames,
+        video_latent_num_frames,
+    )
 
-    from diffusers_h3.pipelines.packing import t2va_fl2va_layout
+    from diffusers_h3.packing import t2va_fl2va_layout
 
     latent_frames = video_latent_num_frames(NUM_FRAMES, 17, 5)
     latent_h, latent_w = HEIGHT // 16, WIDTH // 16
@@ -51,19 +49,19 @@ def build_inputs(device, layers):
     )
     layout = t2va_fl2va_layout(TEXT_ROWS, 0, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2)
     g = torch.Generator(device=device).manual_seed(0)
-    kwargs = dict(
-        hidden_states=torch.randn(1, video_idx.numel(), 96, device=device, generator=g),
-        audio_hidden_states=torch.randn(1, audio_idx.numel(), 32, device=device, generator=g),
-        encoder_hidden_states=torch.randn(1, TEXT_ROWS, 5120, device=device, generator=g).to(torch.bfloat16),
-        timestep=torch.tensor([0.3, 0.7], device=device),
-        timestep_indices=(torch.arange(position_ids.shape[0], device=device) % 2),
-        token_tags=token_tags.to(device),
-        position_ids=position_ids.to(device),
-        video_indices=video_idx.to(device),
-        audio_indices=audio_idx.to(device),
-        text_indices=text_idx.to(device),
-        return_dict=False,
-    )
+    kwargs = {
+        "hidden_states": torch.randn(1, video_idx.numel(), 96, device=device, generator=g),
+        "audio_hidden_states": torch.randn(1, audio_idx.numel(), 32, device=device, generator=g),
+        "encoder_hidden_states": torch.randn(1, TEXT_ROWS, 5120, device=device, generator=g).to(torch.bfloat16),
+        "timestep": torch.tensor([0.3, 0.7], device=device),
+        "timestep_indices": (torch.arange(position_ids.shape[0], device=device) % 2),
+        "token_tags": token_tags.to(device),
+        "position_ids": position_ids.to(device),
+        "video_indices": video_idx.to(device),
+        "audio_indices": audio_idx.to(device),
+        "text_indices": text_idx.to(device),
+        "return_dict": False,
+    }
     return kwargs, layout.at_step(10, 50)
 
 
@@ -111,8 +109,9 @@ def main():
     args = parser.parse_args()
     wanted = args.cases.split(",")
 
-    import diffusers_h3
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    import diffusers_h3
 
     device = torch.device("cuda")
     model = build_model(device, args.layers)
@@ -153,21 +152,14 @@ def write_report(args, results, layout):
         case["ratio"] = round(base / case["ms"], 3) if base else None
 
     report = {
-        "suite": "end_to_end",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": git_commit(args.commit),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:]),
+        **result_header("end_to_end", args.commit),
         "shape": {"layers": args.layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,
                   "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128},  # fmt: skip
         "reference": "native_cudnn bf16 output (random weights: numerical distance, not quality)",
         "protocol": f"1 warm-up + median of {args.reps} CUDA-event timed full forwards, one process",
         "cases": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(report, handle, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

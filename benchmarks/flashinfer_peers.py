@@ -1,4 +1,4 @@
-"""FlashInfer's Hopper attention kernels as peers of ours, on the attention benchmark's H3 inputs (one H200).
+"""FlashInfer's Hopper attention kernels as peers of ours, on the attention suite's H3 inputs.
 
 Same run, same seeded inputs as ``benchmarks/attention.py`` (38,222 packed rows, 56 heads x 128):
 
@@ -16,45 +16,40 @@ Same run, same seeded inputs as ``benchmarks/attention.py`` (38,222 packed rows,
   (``sage_fp8_quantize_sm90``), ours their quantizers (``vsa_attention`` with no prefix tiles, which adds pooling and
   selection).
 
-FlashInfer is not a dependency of diffusers-h3; this script needs ``flashinfer-python`` (0.7.4 measured) and CUDA's
-compiler for its JIT::
+FlashInfer is not a dependency of diffusers-h3; this script needs ``flashinfer-python`` and CUDA's compiler for its
+JIT (how to build it on a GPU host without network access: docs/benchmarking.md)::
 
-    python3 benchmarks/flashinfer_peers.py --commit <sha> --out benchmarks/results/attention_flashinfer_h200.json
-
-How it ran on the device machine (no network there; its image has nvcc 13.0, torch, triton, nvidia-ml-py, einops):
-the 101 MB ``flashinfer_python-0.7.4`` wheel, unpacked and trimmed to ~20 MB of ``tar.xz`` (``data/csrc`` keeps its
-top-level sources plus ``fmha*/`` and ``nv_internal/``, the other ``cake_*_backend`` packages keep their Python files,
-``data/cccl`` and ``cake_vsa_sm90_backend/csrc`` stay whole), and the cp312 ``apache-tvm-ffi`` 0.1.15 wheel, were
-carried in a git-ignored folder, unpacked into ``/tmp/site`` and run with ``FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16``; the three FA3 modules build concurrently in ~160 s, the cake kernels
-on first use.
+    python benchmarks/flashinfer_peers.py --out benchmarks/results/attention_flashinfer_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import sys
 import time
-from typing import Callable, Dict, Optional
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from diffusers_h3.attention_processors.tiling import TilePlan
+from diffusers_h3.attention_processors.vsa import vsa_attention
+from diffusers_h3.kernels.attention import block_sparse_attention, fp8_attention
+from diffusers_h3.kernels.attention.vsa_pool import tile_pool
+from diffusers_h3.kernels.attention.vsa_select import mask_to_index, select_tiles
 
-from attention import computed_pairs, dense_reference, errors, h3_inputs, selection, sparse_reference  # noqa: E402
+from _common import (
+    AttentionCases,
+    computed_pairs,
+    cudnn_attention,
+    dense_reference,
+    error_heads,
+    h3_inputs,
+    require_cuda,
+    result_header,
+    selection,
+    sparse_reference,
+    write_json,
+)
 
-from diffusers_h3.attention_processors.tiling import TilePlan  # noqa: E402
-from diffusers_h3.attention_processors.vsa import vsa_attention  # noqa: E402
-from diffusers_h3.kernels.attention.bsa_triton import block_sparse_attention  # noqa: E402
-from diffusers_h3.kernels.attention.dense_quantized import fp8_attention  # noqa: E402
-from diffusers_h3.kernels.attention.vsa_pool import tile_pool  # noqa: E402
-from diffusers_h3.kernels.attention.vsa_select import mask_to_index, select_tiles  # noqa: E402
-from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -90,100 +85,22 @@ def prebuild_fa3_modules() -> float:
     return time.time() - t0
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--heads", type=int, default=56)
-    parser.add_argument("--error-heads", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--skip", default="", help="comma list of name fragments of cases not to run")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/flashinfer_peers.py needs a CUDA GPU")
-    import flashinfer
+def sparse_peers(suite, q, k, v, plan, err_heads):
+    """Sparsity 0.8 on the real tile plan: ours (fine stage alone) vs FlashInfer's generic variable-block FA3 path."""
     from flashinfer.sparse import VariableBlockSparseAttentionWrapper
 
-    build_s = prebuild_fa3_modules()
-    print(f"FlashInfer FA3 modules built in {build_s:.0f} s", flush=True)
-    layout, plan, (q, k, v) = h3_inputs(args.heads)
-    b, s, h, d = q.shape
-    err_heads = torch.linspace(0, h - 1, args.error_heads).round().long().tolist()
-    skip = [x for x in args.skip.split(",") if x]
-    cases: Dict[str, Dict[str, Optional[float]]] = {}
-    notes: Dict[str, str] = {}
-
-    def record(name: str, fn: Callable, ref, flops: float, note: str = "", to_rows=None, baseline=None):
-        if any(x in name for x in skip):
-            return None
-        try:
-            t0 = time.time()
-            out = fn()
-            torch.cuda.synchronize()
-            first_s = time.time() - t0
-            if to_rows is not None:
-                out = to_rows(out)
-            err = errors(out[:, :, err_heads], ref) if ref is not None else {}
-            del out
-            ms = cuda_median_ms(fn, reps=args.iters)
-        except Exception as error:  # noqa: BLE001 - one failing peer must not lose the others
-            cases[name] = {"ms": None}
-            notes[name] = f"failed: {type(error).__name__}: {str(error)[:400]}"
-            print(f"{name:34s} FAILED {notes[name]}", flush=True)
-            return None
-        cases[name] = {"ms": round(ms, 3), "ratio_to_cudnn": None if not baseline else round(baseline / ms, 3),
-                       "tflops": round(flops / ms / 1e9, 1), "rel_l2": err.get("rel_l2"),
-                       "cosine": err.get("cosine"), "first_call_s": round(first_s, 1)}
-        if note:
-            notes[name] = note
-        print(f"{name:34s} {ms:8.2f} ms  {cases[name]['tflops']:7.1f} TF/s  rel_l2 {err.get('rel_l2')}", flush=True)
-        return ms
-
-    dense_flops = 4.0 * s * s * d * h
-    ref_dense = dense_reference(q, k, v, err_heads)
-
-    def cudnn():
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    base = record("cudnn_dense", cudnn, ref_dense, dense_flops)
-    record("fp8_dense", lambda: fp8_attention(q, k, v), ref_dense, dense_flops, baseline=base,
-           note="ours: E4M3 Q per row, K per 64-key block (mean-centred), bf16 P.V, incl. quantization")
-    record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True), ref_dense, dense_flops, baseline=base,
-           note="ours: as fp8_dense plus E4M3 P and per-channel E4M3 V")
-    record("int8_dense", lambda: fp8_attention(q, k, v, qk_dtype=torch.int8), ref_dense, dense_flops, baseline=base,
-           note="ours: INT8 Q/K (amax/127), bf16 P.V, incl. quantization")
-
-    qn, kn, vn = q[0], k[0], v[0]  # NHD [S, H, D]
-    record("peer_flashinfer_fa3_bf16_dense",
-           lambda: flashinfer.single_prefill_with_kv_cache(qn, kn, vn, causal=False, backend="fa3")[None],
-           ref_dense, dense_flops, baseline=base, note="FlashInfer FA3 template, bf16")
-    q8, sq = per_head_fp8(qn)
-    k8, sk = per_head_fp8(kn - kn.float().mean(0, keepdim=True))
-    v8, sv = per_head_fp8(vn)
-    record("peer_flashinfer_fa3_fp8_dense",
-           lambda: flashinfer.single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv,
-                                                           o_dtype=torch.bfloat16, causal=False, backend="fa3")[None],
-           ref_dense, dense_flops, baseline=base,
-           note="FlashInfer FA3 template in FP8: E4M3 Q/K/V, one scale per head, K mean-centred, FP8 P.V; kernel "
-                "alone (the torch quantization is not timed)")
-    del q8, k8, v8
-
-    # Sparsity 0.8 on the real tile plan: ours (fine stage alone) vs FlashInfer's generic variable-block FA3 path.
+    record, skip, notes = suite.record, suite.skip, suite.notes
+    h, d = q.shape[2], q.shape[3]
     mask = selection(q, k, plan, 0.8)
     ref_sparse = sparse_reference(q, k, v, plan, mask, err_heads)
-    sparse_flops = 4.0 * computed_pairs(plan, mask) * d
+    sparse_pairs = computed_pairs(plan, mask)
     rows = (plan.slot_rows, plan.tile_counts, plan.block)
     _, kp = tile_pool(k, *rows, pooled=False, packed=True)
     _, vp = tile_pool(v, *rows, pooled=False, packed=True)
     index, num = mask_to_index(mask)
     record("vsa_bf16_sp0.8_fine_only",
            lambda: block_sparse_attention(q, kp, vp, plan.slot_rows, plan.tile_counts, index, num, block=64),
-           ref_sparse, sparse_flops, baseline=base, note="ours, fine stage alone")
-    del kp, vp
+           ref_sparse, pairs=sparse_pairs, note="ours, fine stage alone")
     order = plan.slot_rows.long()[plan.valid_slots]  # packed rows in tile order, pads dropped
     qt, kt, vt = (x[0, order].transpose(0, 1).contiguous() for x in (q, k, v))  # HND in tile order
     sizes = plan.tile_counts[None].expand(h, -1).contiguous()
@@ -200,15 +117,63 @@ def main(argv=None):
             t0 = time.time()
             wrapper.plan(mask[0].contiguous(), sizes, sizes, h, h, d, q_data_type=torch.bfloat16)
             notes["peer_flashinfer_fa3_sp0.8_plan_s"] = f"{time.time() - t0:.1f} s to plan (token-level page table)"
-            record("peer_flashinfer_fa3_sp0.8", lambda: wrapper.run(qt, kt, vt), ref_sparse, sparse_flops,
-                   baseline=base, to_rows=tile_order_to_rows,
+            record("peer_flashinfer_fa3_sp0.8", lambda: wrapper.run(qt, kt, vt), ref_sparse, pairs=sparse_pairs,
+                   to_rows=tile_order_to_rows,
                    note="FlashInfer VariableBlockSparseAttentionWrapper(backend='fa3'), same tiles and selection, "
                         "fine stage alone")
             del wrapper
         except Exception as error:  # noqa: BLE001
             notes["peer_flashinfer_fa3_sp0.8"] = f"failed: {type(error).__name__}: {str(error)[:400]}"
             print("peer_flashinfer_fa3_sp0.8 FAILED", notes["peer_flashinfer_fa3_sp0.8"], flush=True)
-    del qt, kt, vt, ref_sparse, mask, index, num
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--heads", type=int, default=56)
+    parser.add_argument("--error-heads", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--skip", default="", help="comma list of name fragments of cases not to run")
+    args = parser.parse_args(argv)
+    require_cuda("benchmarks/flashinfer_peers.py")
+    import flashinfer
+    from flashinfer.sparse import VariableBlockSparseAttentionWrapper
+
+    build_s = prebuild_fa3_modules()
+    print(f"FlashInfer FA3 modules built in {build_s:.0f} s", flush=True)
+    layout, plan, (q, k, v) = h3_inputs(args.heads)
+    b, s, h, d = q.shape
+    err_heads = error_heads(h, args.error_heads)
+    suite = AttentionCases(err_heads, 4.0 * s * s * d * h, d, s, h, reps=args.iters, skip=args.skip.split(","))
+    cases, notes = suite.cases, suite.notes
+    ref_dense = dense_reference(q, k, v, err_heads)
+
+    record = suite.record
+    record("cudnn_dense", lambda: cudnn_attention(q, k, v), ref_dense)
+    record("fp8_dense", lambda: fp8_attention(q, k, v), ref_dense,
+           note="ours: E4M3 Q per row, K per 64-key block (mean-centred), bf16 P.V, incl. quantization")
+    record("fp8_dense_pv8", lambda: fp8_attention(q, k, v, pv_fp8=True), ref_dense,
+           note="ours: as fp8_dense plus E4M3 P and per-channel E4M3 V")
+    record("int8_dense", lambda: fp8_attention(q, k, v, qk_dtype=torch.int8), ref_dense,
+           note="ours: INT8 Q/K (amax/127), bf16 P.V, incl. quantization")
+
+    qn, kn, vn = q[0], k[0], v[0]  # NHD [S, H, D]
+    record("peer_flashinfer_fa3_bf16_dense",
+           lambda: flashinfer.single_prefill_with_kv_cache(qn, kn, vn, causal=False, backend="fa3")[None],
+           ref_dense, note="FlashInfer FA3 template, bf16")
+    q8, sq = per_head_fp8(qn)
+    k8, sk = per_head_fp8(kn - kn.float().mean(0, keepdim=True))
+    v8, sv = per_head_fp8(vn)
+    record("peer_flashinfer_fa3_fp8_dense",
+           lambda: flashinfer.single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv,
+                                                           o_dtype=torch.bfloat16, causal=False, backend="fa3")[None],
+           ref_dense,
+           note="FlashInfer FA3 template in FP8: E4M3 Q/K/V, one scale per head, K mean-centred, FP8 P.V; kernel "
+                "alone (the torch quantization is not timed)")
+    del q8, k8, v8
+
+    sparse_peers(suite, q, k, v, plan, err_heads)
     torch.cuda.empty_cache()
 
     # 64 selected tiles of 675 full ones: FlashInfer's generated Hopper VSA kernel vs ours on identical lists.
@@ -227,15 +192,15 @@ def main(argv=None):
     mask64.scatter_(-1, idx64[..., :topk].long(), True)
     assert int(mask64.sum(-1).min()) == topk == int(num64.min())
     ref64 = sparse_reference(qf, kf, vf, fplan, mask64, err_heads)
-    flops64 = 4.0 * computed_pairs(fplan, mask64) * d
+    pairs64 = computed_pairs(fplan, mask64)
     note64 = "675 full 64-row tiles, 64 selected per query tile (FlashInfer cake's limit), identical lists"
     record("ours_bf16_k64_fine_only",
            lambda: block_sparse_attention(qf, kf, vf, fplan.slot_rows, fplan.tile_counts, idx64, num64, block=64),
-           ref64, flops64, note="ours, fine stage alone; " + note64)
+           ref64, pairs=pairs64, vs_baseline=False, note="ours, fine stage alone; " + note64)
     for prec in ("bf16", "fp8", "int8"):
         record(f"ours_{prec}_k64_core", lambda prec=prec: vsa_attention(qf, kf, vf, fplan, sparsity=sparsity,
                                                                           precision=prec)[0],
-               ref64, flops64, note="ours, whole VSA core (pooling, selection, quantization, fine); " + note64)
+               ref64, pairs=pairs64, vs_baseline=False, note="ours, whole VSA core (pooling, selection, quantization, fine); " + note64)
     qh, kh, vh = (x[0].transpose(0, 1).contiguous() for x in (qf, kf, vf))
     sizes64 = torch.full((h, t), 64, dtype=torch.int32, device=q.device)
 
@@ -247,7 +212,7 @@ def main(argv=None):
 
         cake = VariableBlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=q.device), backend="cake")
         cake.plan(mask64[0].contiguous(), sizes64, sizes64, h, h, d, q_data_type=torch.bfloat16)
-        record("peer_flashinfer_cake_bf16_k64", lambda: cake.run(qh, kh, vh), ref64, flops64, to_rows=hnd_to_rows,
+        record("peer_flashinfer_cake_bf16_k64", lambda: cake.run(qh, kh, vh), ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
                note="FlashInfer VariableBlockSparseAttentionWrapper(backend='cake'), SM90 generated kernel, bf16; "
                     + note64)
         q8, k8, v8, sq, sk, sv = sage_fp8_quantize_sm90(qh, kh, vh)
@@ -260,34 +225,27 @@ def main(argv=None):
             sq.copy_(sq_), sk.copy_(sk_), sv.copy_(sv_)  # the plan binds its scale tensors
             return cake8.run(q8_, k8_, v8_)
 
-        record("peer_flashinfer_cake_fp8_k64", cake_fp8, ref64, flops64, to_rows=hnd_to_rows,
+        record("peer_flashinfer_cake_fp8_k64", cake_fp8, ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
                note="FlashInfer cake, Sage FP8 (E4M3 Q per token, K per 16 tokens, V per channel; FP8 P.V), incl. its "
                     "fused quantizer; " + note64)
-        record("peer_flashinfer_cake_fp8_k64_kernel_only", lambda: cake8.run(q8, k8, v8), ref64, flops64,
+        record("peer_flashinfer_cake_fp8_k64_kernel_only", lambda: cake8.run(q8, k8, v8), ref64, pairs=pairs64, vs_baseline=False,
                to_rows=hnd_to_rows, note="as peer_flashinfer_cake_fp8_k64, kernel alone")
     except Exception as error:  # noqa: BLE001
         notes["peer_flashinfer_cake"] = f"failed: {type(error).__name__}: {str(error)[:400]}"
         print("peer_flashinfer_cake FAILED", notes["peer_flashinfer_cake"], flush=True)
 
     result = {
-        "suite": "attention_flashinfer_h200",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **result_header("attention_flashinfer", args.commit),
         "flashinfer": flashinfer.__version__,
-        "commit": git_commit(args.commit) or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 " + " ".join(sys.argv),
         "shape": {"rows": s, "heads": h, "head_dim": d, "layout": layout.describe(), "tiles": plan.describe(),
-                  "error_heads": err_heads},
+                  "error_heads": err_heads},  # fmt: skip
         "reference": "fp32 attention (dense, or over the same selected tiles) on error_heads",
         "cases": cases,
         "notes": notes,
         "jit_build_s": round(build_s, 1),
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
     return result
 
 

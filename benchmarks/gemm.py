@@ -1,4 +1,4 @@
-"""GEMM benchmark of the diffusers-h3 quantized linears at MiniMax-H3 prefill shapes (one H200).
+"""GEMM benchmark of the diffusers-h3 quantized linears at MiniMax-H3 prefill shapes.
 
     python benchmarks/gemm.py --out benchmarks/results/gemm_h200.json      # GPU: timings + weight memory
     python benchmarks/gemm.py --memory-only                                # CPU: 50-block weight memory only
@@ -15,16 +15,11 @@ bytes, scales included; nothing is allocated) with each config's default module 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import cuda_median_ms, result_header, write_json
 
-from diffusers_h3.testing.benchmarking import cuda_median_ms, git_commit  # noqa: E402
 
 M_ROWS = 38222
 GEMMS = {"qkv": (5376, 21504), "out": (7168, 5376), "ffn_up": (5376, 28672), "ffn_down": (14336, 5376)}
@@ -69,6 +64,14 @@ def weight_memory() -> dict:
 
 
 def run_gemms(cases: dict, methods, fused: bool) -> None:
+    """Time every method on every H3 GEMM shape against cuBLAS bf16 on the same inputs."""
+    torch.manual_seed(0)
+    for gemm, (k, n) in GEMMS.items():
+        _run_gemm(cases, gemm, k, n, methods, fused)
+        torch.cuda.empty_cache()
+
+
+def _run_gemm(cases: dict, gemm: str, k: int, n: int, methods, fused: bool) -> None:
     from diffusers_h3.kernels.gemm.fp8 import fp8_linear_scaled_mm, fp8_quantize_per_token, fp8_quantize_weight
     from diffusers_h3.kernels.gemm.nvfp4 import (
         nvfp4_dequantize,
@@ -85,74 +88,70 @@ def run_gemms(cases: dict, methods, fused: bool) -> None:
         w8a16_quantize,
     )
 
-    torch.manual_seed(0)
-    dev = "cuda"
-    for gemm, (k, n) in GEMMS.items():
-        x = torch.randn(M_ROWS, k, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16)
-        flops = 2.0 * M_ROWS * n * k
-        ref = torch.nn.functional.linear(x, w)
-        ref_f = ref.float()
-        ref_norm = ref_f.norm()
-        bf16_ms = cuda_median_ms(lambda: torch.nn.functional.linear(x, w))
-        cases[f"bf16_{gemm}"] = {"ms": bf16_ms, "baseline": bf16_ms, "ratio": 1.0, "rel_l2": 0.0, "peak_gib": None,
-                                 "tflops": flops / bf16_ms / 1e9, "weight_bytes": n * k * 2, "path": "cuBLAS bf16"}  # fmt: skip
-        variants = []
-        for method in methods:
-            if method == "fp8":
-                wq, ws = fp8_quantize_weight(w)
-                xq, xs = fp8_quantize_per_token(x)
-                extra = {
-                    "path": "fused per-token quant (Triton) + torch._scaled_mm row-wise, fast accum",
-                    "quant_ms": cuda_median_ms(lambda: fp8_quantize_per_token(x)),
-                    "scaled_mm_only_ms": cuda_median_ms(
-                        lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, n),
-                                                 out_dtype=torch.bfloat16, use_fast_accum=True)),  # fmt: skip
-                }
-                del xq, xs
-                variants.append((f"fp8_{gemm}", lambda: fp8_linear_scaled_mm(x, wq, ws), n * k + 4 * n, extra))
-            elif method == "w8a16":
-                q, s = w8a16_quantize(w)
-                bitwise = torch.equal(w8a16_dequantize_triton(q, s, torch.bfloat16), w8a16_dequantize(q, s, torch.bfloat16))
-                extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
-                         "dequant_ms": cuda_median_ms(lambda: w8a16_dequantize_triton(q, s, torch.bfloat16)),
-                         "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
-                variants.append((f"w8a16_{gemm}", lambda: w8a16_linear(x, q, s), n * k + 4 * n, extra))
-                if fused:
-                    variants.append((f"w8a16_fused_{gemm}", lambda: w8a16_linear_triton(x, q, s), n * k + 4 * n,
-                                     {"path": "Triton fused GEMM, int8 dequantized in registers"}))  # fmt: skip
-            elif method == "nvfp4":
-                p, s4, g = nvfp4_quantize(w)
-                wb = n * k // 2 + n * k // 16 + 4
-                bitwise = torch.equal(nvfp4_dequantize_triton(p, s4, g, torch.bfloat16),
-                                      nvfp4_dequantize(p, s4, g, torch.bfloat16))  # fmt: skip
-                extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
-                         "dequant_ms": cuda_median_ms(lambda: nvfp4_dequantize_triton(p, s4, g, torch.bfloat16)),
-                         "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
-                variants.append((f"nvfp4_{gemm}", lambda: nvfp4_linear(x, p, s4, g), wb, extra))
-                if fused:
-                    variants.append((f"nvfp4_fused_{gemm}", lambda: nvfp4_linear_triton(x, p, s4, g), wb,
-                                     {"path": "Triton fused weight-only GEMM, E2M1/E4M3 decoded in registers"}))  # fmt: skip
-        for name, fn, wbytes, extra in variants:
-            try:
-                out = fn()  # autotune / compile
-                rel = ((out.float() - ref_f).norm() / ref_norm).item()
-                del out
-                ms = cuda_median_ms(fn)
-                cases[name] = {"ms": ms, "baseline": bf16_ms, "ratio": bf16_ms / ms, "rel_l2": rel, "peak_gib": None,
-                               "tflops": flops / ms / 1e9, "weight_bytes": wbytes, **extra}  # fmt: skip
-            except Exception as e:  # keep the other cases
-                cases[name] = {"ms": None, "baseline": bf16_ms, "ratio": None, "rel_l2": None, "peak_gib": None,
-                               "error": f"{type(e).__name__}: {e}"[:400], **extra}  # fmt: skip
-            print(name, {k_: v for k_, v in cases[name].items() if k_ in ("ms", "ratio", "rel_l2", "error")}, flush=True)
-        del x, w, ref, ref_f, variants
-        torch.cuda.empty_cache()
+    x = torch.randn(M_ROWS, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    flops = 2.0 * M_ROWS * n * k
+    ref = torch.nn.functional.linear(x, w)
+    ref_f = ref.float()
+    ref_norm = ref_f.norm()
+    bf16_ms = cuda_median_ms(lambda: torch.nn.functional.linear(x, w))
+    cases[f"bf16_{gemm}"] = {"ms": bf16_ms, "baseline": f"bf16_{gemm}", "ratio": 1.0, "rel_l2": 0.0, "peak_gib": None,
+                             "tflops": flops / bf16_ms / 1e9, "weight_bytes": n * k * 2, "path": "cuBLAS bf16"}  # fmt: skip
+    variants = []
+    for method in methods:
+        if method == "fp8":
+            wq, ws = fp8_quantize_weight(w)
+            xq, xs = fp8_quantize_per_token(x)
+            extra = {
+                "path": "fused per-token quant (Triton) + torch._scaled_mm row-wise, fast accum",
+                "quant_ms": cuda_median_ms(lambda: fp8_quantize_per_token(x)),
+                "scaled_mm_only_ms": cuda_median_ms(
+                    lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, n),
+                                             out_dtype=torch.bfloat16, use_fast_accum=True)),  # fmt: skip
+            }
+            del xq, xs
+            variants.append((f"fp8_{gemm}", lambda: fp8_linear_scaled_mm(x, wq, ws), n * k + 4 * n, extra))
+        elif method == "w8a16":
+            q, s = w8a16_quantize(w)
+            bitwise = torch.equal(w8a16_dequantize_triton(q, s, torch.bfloat16), w8a16_dequantize(q, s, torch.bfloat16))
+            extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
+                     "dequant_ms": cuda_median_ms(lambda: w8a16_dequantize_triton(q, s, torch.bfloat16)),
+                     "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
+            variants.append((f"w8a16_{gemm}", lambda: w8a16_linear(x, q, s), n * k + 4 * n, extra))
+            if fused:
+                variants.append((f"w8a16_fused_{gemm}", lambda: w8a16_linear_triton(x, q, s), n * k + 4 * n,
+                                 {"path": "Triton fused GEMM, int8 dequantized in registers"}))  # fmt: skip
+        elif method == "nvfp4":
+            p, s4, g = nvfp4_quantize(w)
+            wb = n * k // 2 + n * k // 16 + 4
+            bitwise = torch.equal(nvfp4_dequantize_triton(p, s4, g, torch.bfloat16),
+                                  nvfp4_dequantize(p, s4, g, torch.bfloat16))  # fmt: skip
+            extra = {"path": "auto at this M: Triton dequantize to bf16 scratch + cuBLAS",
+                     "dequant_ms": cuda_median_ms(lambda: nvfp4_dequantize_triton(p, s4, g, torch.bfloat16)),
+                     "dequant_kernel_bitwise_equal_reference": bitwise}  # fmt: skip
+            variants.append((f"nvfp4_{gemm}", lambda: nvfp4_linear(x, p, s4, g), wb, extra))
+            if fused:
+                variants.append((f"nvfp4_fused_{gemm}", lambda: nvfp4_linear_triton(x, p, s4, g), wb,
+                                 {"path": "Triton fused weight-only GEMM, E2M1/E4M3 decoded in registers"}))  # fmt: skip
+    for name, fn, wbytes, extra in variants:
+        try:
+            out = fn()  # autotune / compile
+            rel = ((out.float() - ref_f).norm() / ref_norm).item()
+            del out
+            ms = cuda_median_ms(fn)
+            cases[name] = {"ms": ms, "baseline": f"bf16_{gemm}", "ratio": bf16_ms / ms, "rel_l2": rel, "peak_gib": None,
+                           "tflops": flops / ms / 1e9, "weight_bytes": wbytes, **extra}  # fmt: skip
+        except Exception as e:  # keep the other cases
+            cases[name] = {"ms": None, "baseline": f"bf16_{gemm}", "ratio": None, "rel_l2": None, "peak_gib": None,
+                           "error": f"{type(e).__name__}: {e}"[:400], **extra}  # fmt: skip
+        print(name, {k_: v for k_, v in cases[name].items() if k_ in ("ms", "ratio", "rel_l2", "error")}, flush=True)
 
 
 def best_configs() -> dict:
     out = {}
     try:
-        from diffusers_h3.kernels.gemm import nvfp4, w8a16 as w8a16_gemm
+        from diffusers_h3.kernels.gemm import nvfp4
+        from diffusers_h3.kernels.gemm import w8a16 as w8a16_gemm
 
         for name, tuned in (("w8a16", w8a16_gemm._w8a16_autotuned), ("nvfp4", nvfp4._nvfp4_wo_autotuned)):
             out[name] = {str(k): str(v) for k, v in getattr(tuned, "cache", {}).items()}
@@ -182,23 +181,15 @@ def main():
     if not args.memory_only and torch.cuda.is_available():
         device = torch.cuda.get_device_name()
         run_gemms(cases, [m for m in args.methods.split(",") if m], fused=not args.no_fused)
-    commit = git_commit(args.commit)
     result = {
-        "suite": "gemm",
-        "device": device,
-        "torch": torch.__version__,
-        "commit": commit or "uncommitted",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("gemm", args.commit, device),
         "shape": {"M": M_ROWS, "gemms": {g: {"K": k, "N": n} for g, (k, n) in GEMMS.items()}},
         "reference": "rel_l2 against the bf16 cuBLAS output of the same inputs; weights_* computed from the config",
         "autotune": best_configs(),
         "cases": cases,
     }
-    text = json.dumps(result, indent=2)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, result)
     print("\n%-18s %9s %7s %9s %8s" % ("case", "ms", "ratio", "rel_l2", "TFLOP/s"))
     for name, c in cases.items():
         if c.get("ms") is not None:

@@ -1,6 +1,8 @@
-"""Plot the committed benchmark results: `python benchmarks/plot.py` -> benchmarks/results/summary.png.
+"""Draw the summary plot from the committed results: ``python benchmarks/plot.py`` -> benchmarks/results/summary.png.
 
-Reads end_to_end_h200.json, attention_h200.json and gemm_h200.json (one H200, same-run baselines) and draws one panel per suite: time per case with the baseline marked, and the speed-up over it. Needs matplotlib.
+Reads end_to_end_h200.json, attention_h200.json and gemm_h200.json and draws one panel per suite: time per case
+(same-run baseline in grey) and the speed-up over the baseline. Every number on the plot comes from those files;
+``main`` returns the table it drew. Needs matplotlib (``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
@@ -8,54 +10,83 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# (results file, panel title, unit, case filter, ms -> unit)
+PANELS = [
+    ("end_to_end_h200.json", "Full 50-block DiT forward, {rows:,} rows", "s", lambda name, case: True, 1e-3),
+    ("attention_h200.json", "Attention core, {heads}x{head_dim} heads, {rows:,} rows", "ms",
+     lambda name, case: "fine_only" not in name, 1.0),
+    ("gemm_h200.json", "FFN up GEMM, M={M:,}", "ms", lambda name, case: "_fused_" not in name and name.endswith("ffn_up"), 1.0),
+]  # fmt: skip
 
-def _load(name):
-    path = RESULTS / name
-    return json.loads(path.read_text()) if path.exists() else None
+
+def summary_table(results_dir=RESULTS) -> Dict[str, dict]:
+    """``{file: {"title", "unit", "rows": [(case, value in unit, ratio)]}}`` for every panel whose file exists;
+    cases without a time (not measured) are left out."""
+    table = {}
+    for file, title, unit, keep, scale in PANELS:
+        path = Path(results_dir) / file
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        rows: List[Tuple[str, float, Optional[float]]] = [
+            (name, case["ms"] * scale, case.get("ratio"))
+            for name, case in data["cases"].items()
+            if case.get("ms") is not None and keep(name, case)
+        ]
+        shape = {**data.get("shape", {})}
+        table[file] = {
+            "title": f"{title.format(**shape)} ({data['device']}, {data['commit']})",
+            "unit": unit,
+            "rows": rows,
+        }
+    return table
 
 
-def _bars(ax, title, labels, values, ratios, unit):
-    colors = ["#888888" if r == 1.0 else ("#2a9d8f" if r > 1.0 else "#e76f51") for r in ratios]
+def _bars(ax, title, rows, unit):
+    labels = [name for name, _, _ in rows]
+    values = [value for _, value, _ in rows]
+    ratios = [ratio for _, _, ratio in rows]
+    colors = ["#888888" if r == 1.0 else ("#2a9d8f" if (r or 0) > 1.0 else "#e76f51") for r in ratios]
     ax.barh(labels, values, color=colors)
     for y, (value, ratio) in enumerate(zip(values, ratios)):
-        ax.text(value, y, f"  {value:.3g} {unit} ({ratio:.2f}x)", va="center", fontsize=8)
+        speed = f" ({ratio:.2f}x)" if ratio is not None else ""
+        ax.text(value, y, f"  {value:.3g} {unit}{speed}", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10)
     ax.set_xlim(0, max(values) * 1.45)
     ax.tick_params(labelsize=8)
 
 
-def main():
+def main(argv=None) -> Dict[str, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default=str(RESULTS), help="folder holding the results JSON files")
+    parser.add_argument("--out", default=None, help="PNG to write (default: <results>/summary.png)")
+    args = parser.parse_args(argv)
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(RESULTS / "summary.png"))
-    args = parser.parse_args()
-
-    e2e, attention, gemm = _load("end_to_end_h200.json"), _load("attention_h200.json"), _load("gemm_h200.json")
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    if e2e:
-        cases = dict(e2e["cases"])
-        _bars(axes[0], f"Full 50-block DiT forward, {e2e['shape']['rows']:,} rows ({e2e['device']}, {e2e['commit']})",
-              list(cases), [c["ms"] / 1000 for c in cases.values()], [c["ratio"] for c in cases.values()], "s")  # fmt: skip
-    if attention:
-        cases = {k: v for k, v in attention["cases"].items() if v.get("ms") and "fine_only" not in k}
-        _bars(axes[1], f"Attention core, 56x128 heads ({attention['device']}, {attention['commit']})",
-              list(cases), [c["ms"] for c in cases.values()], [c["ratio"] for c in cases.values()], "ms")  # fmt: skip
-    if gemm:
-        cases = {k: v for k, v in gemm["cases"].items() if v.get("ms") and "_fused_" not in k and k.endswith("ffn_up")}
-        _bars(axes[2], f"FFN up GEMM, M=38,222 ({gemm['device']}, {gemm['commit']})",
-              list(cases), [c["ms"] for c in cases.values()], [c["ratio"] for c in cases.values()], "ms")  # fmt: skip
-    fig.suptitle("diffusers-h3 on one H200 vs diffusers native (grey = baseline; green faster, red slower)", fontsize=11)
+    table = summary_table(args.results)
+    if not table:
+        raise SystemExit(f"no results JSON found in {args.results}")
+    fig, axes = plt.subplots(1, len(table), figsize=(5.7 * len(table), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], table.values()):
+        _bars(ax, panel["title"], panel["rows"], panel["unit"])
+    fig.suptitle("diffusers-h3 vs diffusers native, same-run baselines (grey = baseline; green faster, red slower)",
+                 fontsize=11)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    out = args.out or str(Path(args.results) / "summary.png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return table
 
 
 if __name__ == "__main__":

@@ -12,19 +12,13 @@ for the issue's "FP8 <= 3e-2 rel-L2" gate: E4M3 (3 mantissa bits) cannot meet it
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from diffusers_h3.kernels.numerics import dequantize_fp8_per_block, quantize_fp8_per_block, quantize_fp8_per_token
 
-from diffusers_h3.kernels.numerics import dequantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
-from diffusers_h3.kernels.numerics import quantize_fp8_per_block  # noqa: E402
-from diffusers_h3.testing.benchmarking import git_commit  # noqa: E402
+from _common import result_header, write_json
 
 
 def _attention(q, k, v):
@@ -60,20 +54,13 @@ def main(argv=None):
         print(f"{name}: Q and K {cases[f'{name}_qk']:.4f}   K only {cases[f'{name}_k_only']:.4f}", flush=True)
     cases["bf16_qk"] = _rel_l2(_attention(q.bfloat16().float(), k_centred.bfloat16().float(), v), exact)
     result = {
-        "suite": "qk_rounding_error_cpu",
-        "device": "cpu",
-        "torch": torch.__version__,
-        "commit": git_commit(args.commit) or "unknown",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(sys.argv),
+        **result_header("qk_rounding_error_cpu", args.commit, device="cpu"),
         "shape": {"batch": b, "rows": s, "heads": h, "head_dim": d},
         "what": "rel-L2 of attention with only Q/K rounded (fp32 math otherwise) vs unquantized attention",
         "rel_l2": cases,
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result)
     return result
 
 

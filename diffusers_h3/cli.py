@@ -8,14 +8,14 @@ import sys
 import time
 from typing import List, Optional
 
+from .quantizers.registry import format_names, get_format
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
-QUANT_METHODS = ("fp8", "w8a16", "nvfp4")
 
 
 def _quant_config(method: str):
-    from diffusers_h3 import FP8Config, NVFP4Config, W8A16Config
-
-    return {"fp8": FP8Config, "w8a16": W8A16Config, "nvfp4": NVFP4Config}[method]()
+    """The default config of the quantization format registered under the CLI name ``method``."""
+    return get_format(method).config_cls()
 
 
 def _parse_reference(value: str):
@@ -38,22 +38,26 @@ def _load_pipeline(args):
     import torch
 
     from diffusers_h3 import MiniMaxH3Pipeline
-    from diffusers_h3.testing.tiny import demo_checkpoint_dir
+    from diffusers_h3.tasks import partition_for_task, select_task
+    from diffusers_h3.testing.tiny import DEMO_PARTITIONS, demo_checkpoint_dir
 
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     reference, image, last_image = (getattr(args, k, None) for k in ("reference", "image", "last_image"))
-    task = "ref2va" if reference else ("fl2va" if (image or last_image) else "t2va")
+    task = select_task(image=image, last_image=last_image, references=reference)
     if args.model is None:
         print("No --model given: using the embedded tiny demo checkpoint (random weights: the output is noise).", file=sys.stderr)
         model = demo_checkpoint_dir()
-        if task == "ref2va":
-            raise SystemExit("The tiny demo checkpoint holds only the t2va/fl2va partition; pass --model for --reference.")
+        if partition_for_task(task) not in DEMO_PARTITIONS:
+            raise SystemExit(
+                f"The tiny demo checkpoint holds only the {'/'.join(DEMO_PARTITIONS)} partition, not the one {task} "
+                "runs on; pass --model."
+            )
     else:
         model = args.model
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
     quant_mapping = {}
     if getattr(args, "quantize", None):
-        quant_mapping["transformer_ref" if task == "ref2va" else "transformer"] = _quant_config(args.quantize)
+        quant_mapping[partition_for_task(task)] = _quant_config(args.quantize)
     if getattr(args, "quantize_text_encoder", None):
         quant_mapping["text_encoder"] = _quant_config(args.quantize_text_encoder)
     if quant_mapping:  # quantized while loading: the bf16 weights never sit on the GPU whole
@@ -79,9 +83,13 @@ def _apply_fast_paths(pipe, args) -> None:
     if args.vsa is not None or args.attention_precision is not None:
         if args.v100:
             raise SystemExit("--v100 installs the FA-V100 attention; it cannot be combined with --vsa/--attention-precision")
-        sparsity = 0.0 if args.vsa is None else args.vsa
-        pipe.enable_vsa(sparsity=sparsity, precision=args.attention_precision or "bf16",
-                        dense_first_steps=args.dense_first_steps)
+        if args.vsa is not None:
+            pipe.enable_vsa(sparsity=args.vsa, precision=args.attention_precision or "bf16",
+                            dense_first_steps=args.dense_first_steps)
+        elif args.attention_precision != "bf16":  # dense attention in FP8 / INT8 / FP4 (bf16 is the default path)
+            from diffusers_h3.attention_processors import enable_low_precision_attention
+
+            enable_low_precision_attention(pipe, precision=args.attention_precision)
     if args.compile:
         for _, model in pipe._partitions():
             model.compile_repeated_blocks(fullgraph=False)
@@ -97,14 +105,54 @@ def _print_paths(pipe) -> None:
                 print(f"  {name} {kind.replace('_', ' ')} x{count}: {path}")
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _generate_rank(args) -> None:
+    """One rank of `generate --gpus N` (started by `parallel._launch.launch`, process group already up)."""
+    import torch
+    import torch.distributed as dist
+
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
+    args.gpus = 1  # this process is one of the ranks
+    cmd_generate(args)
+
+
 def cmd_generate(args) -> int:
+    import os
+
     import torch
     from PIL import Image
 
     from diffusers_h3 import export_to_video
 
+    if args.gpus > 1:
+        from diffusers_h3.parallel._launch import launch
+
+        backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"
+        if args.device.startswith("cuda") and torch.cuda.device_count() < args.gpus:
+            raise SystemExit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA device(s) visible.")
+        # Rank 0 encodes the prompt while the others wait in a broadcast: collectives may wait long.
+        launch(_generate_rank, args.gpus, args=(args,), backend=backend, timeout_s=7 * 24 * 3600,
+               collective_timeout_s=3600, num_threads=None)  # fmt: skip
+        return 0
+    if _world_size() == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun / accelerate launch
+        from accelerate import PartialState
+
+        PartialState()
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     pipe = _load_pipeline(args)
     _apply_fast_paths(pipe, args)
+    world_size = _world_size()
+    if world_size > 1:
+        from diffusers_h3.parallel import enable_context_parallel
+
+        enable_context_parallel(pipe, ulysses_degree=world_size)
     call = dict(
         prompt=args.prompt,
         num_frames=args.frames,
@@ -125,6 +173,10 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     output = pipe(**call)
     seconds = time.perf_counter() - start
+    from diffusers_h3.parallel.ranks import is_main_rank
+
+    if not is_main_rank():  # every rank holds the same output; rank 0 writes it
+        return 0
     path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0], sampling_rate=output.sampling_rate)
     frames = output.frames.shape[1]
     print(f"wrote {path}: {frames} frames at 24 fps + stereo audio at {output.sampling_rate} Hz ({seconds:.1f} s)")
@@ -134,7 +186,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_describe(args) -> int:
-    from diffusers_h3 import describe, format_report
+    from diffusers_h3 import describe
+    from diffusers_h3._report import format_report
 
     pipe = None
     if args.model is not None or args.demo:
@@ -166,14 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frames", type=int, default=124, help="frames at 24 fps (17n+5, 5-15 s)")
     gen.add_argument("--steps", type=int, default=None, help="sigma grid points (default 50, or a LoRA preset)")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--gpus", type=int, default=1,
+                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes)")
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
     fast.add_argument("--vsa", type=_sparsity, default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")
     fast.add_argument("--attention-precision", choices=("bf16", "fp8", "int8", "fp4"), default=None,
-                      help="VSA precision; without --vsa: dense attention in this precision (fp8: Ada/Hopper+, int8: Ampere+)")
+                      help="VSA precision; without --vsa: dense attention in this precision (MiniMaxH3LowPrecisionAttnProcessor; fp8: Ada/Hopper+, int8: Ampere+)")
     fast.add_argument("--dense-first-steps", type=int, default=0, help="with --vsa: dense attention for these steps")
-    fast.add_argument("--quantize", choices=QUANT_METHODS, default=None, help="quantize the DiT while loading")
-    fast.add_argument("--quantize-text-encoder", choices=QUANT_METHODS, default=None,
+    quant_methods = format_names()  # every registered quantization format
+    fast.add_argument("--quantize", choices=quant_methods, default=None, help="quantize the DiT while loading")
+    fast.add_argument("--quantize-text-encoder", choices=quant_methods, default=None,
                       help="quantize the Qwen3-VL text encoder while loading")
     fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
     fast.add_argument("--lora-scale", type=float, default=1.0)

@@ -61,7 +61,7 @@ def main():
         **size,
     )
     export_to_video(result.frames[0], out_dir / "fl2va.mp4", audio=result.audio[0], sampling_rate=result.sampling_rate)
-    print(diffusers_h3.format_report(diffusers_h3._report(pipe)["pipeline"]))
+    print(diffusers_h3.describe(pipe)["pipeline"])
     print(f"wrote {out_dir / 't2va.mp4'} and {out_dir / 'fl2va.mp4'}")
 
 

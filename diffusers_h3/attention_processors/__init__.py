@@ -1,5 +1,8 @@
-"""Attention processors for ``MiniMaxH3Attention`` and the packed-layout side channel they read."""
+"""Attention processors for ``MiniMaxH3Attention`` (all built on :class:`MiniMaxH3AttnProcessorBase`) and the
+packed-layout side channel they read."""
 
+from .base import MiniMaxH3AttnProcessorBase
+from .fa_v100 import MiniMaxH3FAV100Processor
 from .layout import (
     LayoutSegment,
     PackedLayout,
@@ -7,10 +10,21 @@ from .layout import (
     require_packed_layout,
     use_packed_layout,
 )
+from .low_precision import (
+    MiniMaxH3LowPrecisionAttnProcessor,
+    disable_low_precision_attention,
+    enable_low_precision_attention,
+)
 from .tiling import TilePlan, build_tile_plan
-from .vsa import MiniMaxH3VSAProcessor, add_gate_compress, disable_vsa, enable_vsa, vsa_attention
+from .vsa import MiniMaxH3VSAProcessor, VSAConfig, add_gate_compress, disable_vsa, enable_vsa, vsa_attention
+
 
 __all__ = [
+    "MiniMaxH3AttnProcessorBase",
+    "MiniMaxH3FAV100Processor",
+    "MiniMaxH3LowPrecisionAttnProcessor",
+    "MiniMaxH3VSAProcessor",
+    "VSAConfig",
     "LayoutSegment",
     "PackedLayout",
     "current_packed_layout",
@@ -18,9 +32,10 @@ __all__ = [
     "use_packed_layout",
     "TilePlan",
     "build_tile_plan",
-    "MiniMaxH3VSAProcessor",
     "add_gate_compress",
+    "disable_low_precision_attention",
     "disable_vsa",
+    "enable_low_precision_attention",
     "enable_vsa",
     "vsa_attention",
 ]

@@ -2,11 +2,12 @@
 
 Projections, per-head QK RMSNorm and the partial 3-axis rotary embedding are diffusers' own (``attn.to_q/k/v``,
 ``attn.norm_q/k``, ``_apply_rotary_emb`` from ``transformer_minimax_h3``, in the order of ``MiniMaxH3AttnProcessor``);
-only ``softmax(Q K^T / sqrt(d)) V`` is replaced. The processor computes attention in **fp16** on CUDA (V100 has no
+only ``softmax(Q K^T / sqrt(d)) V`` is replaced (:meth:`MiniMaxH3FAV100Processor.core`; refiner calls and context
+parallelism follow :class:`~.base.MiniMaxH3AttnProcessorBase`). The processor computes attention in **fp16** on CUDA (V100 has no
 bf16 tensor cores): inputs of other dtypes are cast, with ``V`` scaled by a power of two when its magnitude would not
 fit fp16 (attention is linear in ``V``, so the scale is undone exactly on the output).
 
-Path choice, per device (``describe_path()`` says which one ran and why):
+Path choice, per device (``describe_path()`` says which one ran and why, from the recorded choice):
 
 * **kernel** on SM70-class GPUs (compute capability 7.x: V100, Turing), head_dim 64 / 128, no attention mask;
 * **kernel** on sm_80+ only with ``allow_non_volta=True`` (the kernel is valid there but slower than SDPA's
@@ -35,7 +36,8 @@ from ..kernels.attention.fa_v100 import (
     fa_v100_attention,
     load_extension,
 )
-from ._projections import project_output, project_qkv
+from ..kernels.attention.router import KernelChoice
+from .base import MiniMaxH3AttnProcessorBase
 
 
 # |V| is brought under this bound (by a power of two) before the cast to fp16; the attention output is a convex
@@ -65,14 +67,14 @@ def to_fp16_with_value_scale(
     return query.to(torch.float16), key.to(torch.float16), value16, value_scale
 
 
-class MiniMaxH3FAV100Processor:
+class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
     r"""
     Attention processor for [`MiniMaxH3Attention`] running the FA-V100 CUDA kernel (FlashAttention-2-style forward,
     WMMA fp16 tensor cores, fp32 softmax and accumulation) on SM70-class GPUs.
 
     Args:
         query_tile (`int`, defaults to 128): query rows per thread block, 64 or 128. Results are bitwise identical;
-            128 was faster in the H200 proxy run.
+            128 is the default (the faster one, docs/v100.md).
         allow_non_volta (`bool`, defaults to `False`): run the kernel on sm_80 and newer too. There it is valid but
             slower than SDPA's flash / cuDNN kernels; use it to check numerics on newer GPUs.
         build_dir (`str`, *optional*): where the extension is built and cached (default
@@ -80,9 +82,6 @@ class MiniMaxH3FAV100Processor:
 
     Not run on V100 hardware: validated on an H200 with `allow_non_volta=True`.
     """
-
-    _attention_backend = None
-    _parallel_config = None
 
     def __init__(
         self,
@@ -92,11 +91,11 @@ class MiniMaxH3FAV100Processor:
     ):
         if query_tile not in SUPPORTED_QUERY_TILES:
             raise ValueError(f"query_tile must be one of {SUPPORTED_QUERY_TILES}, got {query_tile}.")
+        super().__init__()
         self.query_tile = int(query_tile)
         self.allow_non_volta = bool(allow_non_volta)
         self.build_dir = build_dir
         self._device_paths: Dict[Tuple[str, Optional[int]], Tuple[str, str]] = {}
-        self._last: Optional[Tuple[str, str]] = None
 
     # ------------------------------------------------------------------------------------------------ path choice
     def _device_path(self, device: torch.device) -> Tuple[str, str]:
@@ -142,21 +141,13 @@ class MiniMaxH3FAV100Processor:
         return self._device_path(query.device)
 
     def describe_path(self) -> str:
-        """One line: the path of the last call (or the one the current device would take) and why."""
-        if self._last is None:
-            if torch.cuda.is_available():
-                capability = cuda_capability(torch.device("cuda"))
-                sm70 = capability[0] == 7
-                if capability >= (7, 0) and (sm70 or self.allow_non_volta):
-                    return (
-                        f"FA-V100 CUDA kernel (WMMA fp16, q-tile {self.query_tile}), built on first call for "
-                        f"sm_{capability[0]}{capability[1]}; not run on V100 hardware"
-                    )
+        """One line: the path of the last call and why."""
+        if self._last_choice is None:
             return (
                 "FA-V100 processor, not called yet (SDPA fallback unless on an SM70-class GPU); "
                 "not run on V100 hardware"
             )
-        path, reason = self._last
+        path, reason = self._last_choice.kernel, self._last_choice.reason
         if path == PATH_KERNEL:
             proxy = "" if reason.startswith("sm_7") else " as a proxy (allow_non_volta)"
             return (
@@ -168,23 +159,7 @@ class MiniMaxH3FAV100Processor:
         return f"fallback: SDPA memory-efficient fp16 ({reason})"
 
     # ------------------------------------------------------------------------------------------------ forward
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        if self._parallel_config is not None:
-            raise NotImplementedError(
-                "MiniMaxH3FAV100Processor does not support diffusers' context parallelism (each rank would attend to "
-                "its own shard only). Use the default MiniMaxH3AttnProcessor with context parallelism."
-            )
-        query, key, value = project_qkv(attn, hidden_states, rotary_emb)
-        out = self.attention(query, key, value, attention_mask=attention_mask)
-        return project_output(attn, out, query.dtype)
-
-    def attention(
+    def core(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -196,7 +171,8 @@ class MiniMaxH3FAV100Processor:
         The result is float32 when the inputs were float32 (the V scale is undone in fp32), else the input dtype.
         """
         path, reason = self.select_path(query, attention_mask)
-        self._last = (path, reason)
+        variant = {PATH_KERNEL: f"q-tile {self.query_tile}", PATH_SDPA_EFFICIENT: "fp16"}.get(path, "input dtype")
+        self.record_choice(KernelChoice(path, variant, reason))
         if path != PATH_KERNEL:
             warn_once(f"fa_v100_fallback:{path}:{reason}", f"MiniMaxH3FAV100Processor falls back to {path}: {reason}.")
         if path == PATH_SDPA_CPU:
@@ -220,3 +196,6 @@ class MiniMaxH3FAV100Processor:
         if value_scale is None:
             return out.to(out_dtype)
         return (out.float() * value_scale).to(out_dtype)
+
+    # The core under its earlier public name.
+    attention = core

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
+
 SEGMENT_KINDS = ("text", "video", "audio")
 SEGMENT_ROLES = ("prompt", "target", "keyframe", "reference")
 

@@ -7,10 +7,10 @@ V100 (sm_70) has fp16 tensor cores but no usable bf16, so H3 runs there as fp16 
 1. **Weights.** fp16 for the linear layers of the block stack and the token refiner; fp32 for what the reference
    keeps in fp32 (``_keep_in_fp32_modules``: patch projections, timestep MLP, output heads, rope), for every norm, and
    for ``context_embedder`` (its input, text-encoder features, can exceed fp16). H3 quantized layers
-   (``H3QuantizedLinear``) keep their packed storage and compute in fp16 (the W8A16 dequantize + cuBLAS path on V100).
+   (``QuantizedLinear``) keep their packed storage and compute in fp16 (the W8A16 dequantize + cuBLAS path on V100).
    A weight that does not fit fp16 raises an error naming it (keep its module in fp32 with ``fp32_modules``).
-2. **fp32 residual stream.** Every transformer / refiner block receives its hidden states in fp32; norms, AdaLN
-   modulation, gates, the SwiGLU product and the residual adds stay in fp32.
+2. **fp32 residual stream.** The embedders are fp32 and every hooked linear returns fp32 (step 3), so the residual
+   adds, norms, AdaLN modulation, gates and the SwiGLU product run in fp32 with no cast at the block inputs.
 3. **Power-of-two scaled fp16 GEMMs.** Each linear layer's input is split per row into ``x = 2^e * x'`` with
    ``max|x'| <= activation_limit`` (``e >= 0``; 1Cat-vLLM's recipe), cast to fp16, multiplied on fp16 tensor cores,
    and the output is restored in fp32 (``y = 2^e * (y' - b) + b``; exact for the bias-free H3 layers).
@@ -286,12 +286,6 @@ def enable_v100_mode(
 
         mode.handles.append(module.register_forward_pre_hook(pre_hook))
         mode.handles.append(module.register_forward_hook(post_hook))
-
-    def to_fp32(mod, args):
-        return (args[0].float(),) + tuple(args[1:])
-
-    for block in blocks + refiner_blocks:
-        mode.handles.append(block.register_forward_pre_hook(to_fp32))
 
     if detect_non_finite:
         watched = set(targets)

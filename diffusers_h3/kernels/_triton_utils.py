@@ -9,6 +9,7 @@ import torch
 
 from .._utils import is_package_available, warn_once
 
+
 HAS_TRITON = is_package_available("triton")
 
 # Kernel entry points do host-side work (TMA descriptors, autotuning, shape dispatch) that torch.compile should not

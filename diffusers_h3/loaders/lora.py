@@ -6,7 +6,7 @@ two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / `
 ``unload_lora_weights`` / hotswap) with:
 
 - **Quantized layers.** Layers from ``diffusers_h3.quantizers`` (W8A16, NVFP4, FP8) get a PEFT LoRA layer of their
-  own (``diffusers_h3.quantizers.peft_dispatch.H3QuantizedLoraLinear``): the base weight stays quantized, LoRA runs on
+  own (``diffusers_h3.quantizers.peft_dispatch.QuantizedLoraLinear``): the base weight stays quantized, LoRA runs on
   the unquantized input, and ``fuse_lora`` re-quantizes ``W + BA`` while ``unfuse_lora`` restores the original
   quantized tensors exactly.
 - **Key report.** ``load_lora_weights`` returns a :class:`LoraLoadReport` (also logged at INFO): detected layout,
@@ -16,7 +16,8 @@ two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / `
   documented default) and a warning says so (pass ``network_alpha=`` to use the alpha it was trained with).
 - **Distillation presets.** A LoRA that is a known step-distillation adapter (LightX2V Turbo) or whose
   ``__metadata__`` records its schedule carries a :class:`~diffusers_h3.loaders.lora_presets.LoraDistillationPreset`;
-  the pipeline calls :meth:`MiniMaxH3LoraMixin._resolve_lora_schedule` to fill unset ``num_inference_steps`` /
+  the pipeline calls :meth:`MiniMaxH3LoraMixin._resolve_lora_schedule` (which finds the active preset and applies the pure
+  :func:`~diffusers_h3.loaders.lora_presets.resolve_schedule`) to fill unset ``num_inference_steps`` /
   ``flow_shift`` / ``audio_flow_shift`` from it and to warn when a call asks for something else.
 
 Example::
@@ -43,12 +44,18 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 from torch import nn
 
-from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
-
 from ..quantizers.peft_dispatch import is_quantized_linear, quantized_lora_dispatch
-from .lora_presets import LoraDistillationPreset, detect_preset, get_preset
+from ..tasks import partition_for_task, partition_for_tasks
+from .lora_presets import (
+    LoraDistillationPreset,
+    detect_preset,
+    get_preset,
+    resolve_schedule,
+    warn_schedule_differences,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -235,6 +242,29 @@ def _adapter_layers(model: nn.Module, adapter: str):
             yield name, module
 
 
+@dataclasses.dataclass
+class _LoraSource:
+    """Where `lora_state_dict` loads from, and what the file header says (keys, `__metadata__`, name)."""
+
+    load_from: Any
+    load_kwargs: Dict[str, Any]
+    raw_keys: Optional[List[str]]
+    file_metadata: Dict[str, str]
+    file_name: Optional[str]
+
+
+def _read_source(source: Any, hub_kwargs: Dict[str, Any]) -> _LoraSource:
+    """Resolve the file once and read its header: keys for the layout, `__metadata__` for alpha and preset."""
+    if isinstance(source, dict):
+        source = dict(source)
+        return _LoraSource(source, {}, list(source), {}, None)
+    file = _resolve_lora_file(source, hub_kwargs)
+    if file is not None:
+        raw_keys, file_metadata = _read_header(file)
+        return _LoraSource(file, {}, raw_keys, file_metadata, file)
+    return _LoraSource(source, hub_kwargs, None, {}, hub_kwargs.get("weight_name") or os.fspath(source))
+
+
 def _select_preset(choice, file_name, file_metadata) -> Optional[LoraDistillationPreset]:
     if isinstance(choice, str) and choice == "auto":
         return detect_preset(file_name, file_metadata)
@@ -302,34 +332,31 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
                 "into. Load the pipeline with the partition the LoRA was trained for."
             )
 
-        # 1. Source: resolve the file once, read its header (keys for the layout, `__metadata__` for alpha/preset).
-        source = pretrained_model_name_or_path_or_dict
-        if isinstance(source, dict):
-            source = dict(source)
-            raw_keys, file_metadata, file_name = list(source), {}, None
-            load_from, load_kwargs = source, {}
-        else:
-            file = _resolve_lora_file(source, hub_kwargs)
-            if file is not None:
-                raw_keys, file_metadata = _read_header(file)
-                file_name = file
-                load_from, load_kwargs = file, {}
-            else:
-                raw_keys, file_metadata, file_name = None, {}, hub_kwargs.get("weight_name") or os.fspath(source)
-                load_from, load_kwargs = source, hub_kwargs
-
-        # 2. Convert with diffusers (layouts, alpha folding, `__metadata__` alpha).
-        state_dict, metadata = self.lora_state_dict(load_from, return_lora_metadata=True, **load_kwargs)
-        if raw_keys is None:
-            raw_keys = list(state_dict)
+        source = _read_source(pretrained_model_name_or_path_or_dict, hub_kwargs)
+        # diffusers converts every layout (and folds kohya `.alpha` tensors / reads `__metadata__` alpha).
+        state_dict, metadata = self.lora_state_dict(source.load_from, return_lora_metadata=True, **source.load_kwargs)
+        raw_keys = source.raw_keys if source.raw_keys is not None else list(state_dict)
         layout = detect_lora_layout(raw_keys)
         state_dict = {
             k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
             for k, v in state_dict.items()
         }
+        metadata, alpha_source = self._alpha_provenance(state_dict, metadata, raw_keys, source.file_metadata, network_alpha)
+        kept, matched, unmatched = self._checked_match(
+            state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys
+        )
+        preset = _select_preset(distillation_preset, source.file_name, source.file_metadata)
+        name = self._load_with_peft(kept, metadata, adapter_name, hotswap, load_into_transformer_ref, low_cpu_mem_usage)
+        report = self._report_loaded(name, layout, matched, unmatched, alpha_source, preset, hotswap)
+        logger.info(str(report))
+        return report
 
-        # 3. Alpha. diffusers folds per-module `.alpha` tensors into the weights for the layouts that carry them
-        # (kohya / musubi); any left over were not applied and are reported as unmatched keys below.
+    def _alpha_provenance(self, state_dict, metadata, raw_keys, file_metadata, network_alpha):
+        """The adapter metadata to load with and where its alpha comes from (for the report).
+
+        diffusers folds per-module `.alpha` tensors into the weights for the layouts that carry them (kohya /
+        musubi); any left over were not applied and are reported as unmatched keys.
+        """
         has_alpha_tensors = any(k.endswith(".alpha") for k in raw_keys) and not any(
             k.endswith(".alpha") for k in state_dict
         )
@@ -342,24 +369,24 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             partitions = {self.transformer_name, self.transformer_ref_name}
             prefixes = sorted({k.split(".", 1)[0] for k in state_dict} & partitions)
             metadata = _uniform_alpha_metadata(state_dict, network_alpha, prefixes) or None
-            alpha_source = f"network_alpha={network_alpha:g} (argument): scale alpha / rank per module"
-        elif has_alpha_tensors:
-            alpha_source = "per-module .alpha tensors (kohya), folded into the weights"
-        elif metadata is not None and "lora_adapter_metadata" in file_metadata:
-            alpha_source = "LoRA adapter config saved with the file (diffusers save_lora_weights)"
-        elif metadata is not None and "alpha" in file_metadata:
-            alpha_source = f"file __metadata__ alpha={file_metadata['alpha']}: scale alpha / rank per module"
-        elif metadata is not None:
-            alpha_source = "LoRA adapter config passed with the weights"
-        else:
-            alpha_source = _DEFAULT_ALPHA_NOTE
-            logger.warning(
-                "This LoRA file records no alpha (no `.alpha` tensors, no `alpha` in its `__metadata__`, no saved "
-                "adapter config), so it loads with the documented default alpha == rank (scale 1.0). If it was "
-                "trained with another alpha, pass `network_alpha=` to `load_lora_weights`."
-            )
+            return metadata, f"network_alpha={network_alpha:g} (argument): scale alpha / rank per module"
+        if has_alpha_tensors:
+            return metadata, "per-module .alpha tensors (kohya), folded into the weights"
+        if metadata is not None and "lora_adapter_metadata" in file_metadata:
+            return metadata, "LoRA adapter config saved with the file (diffusers save_lora_weights)"
+        if metadata is not None and "alpha" in file_metadata:
+            return metadata, f"file __metadata__ alpha={file_metadata['alpha']}: scale alpha / rank per module"
+        if metadata is not None:
+            return metadata, "LoRA adapter config passed with the weights"
+        logger.warning(
+            "This LoRA file records no alpha (no `.alpha` tensors, no `alpha` in its `__metadata__`, no saved "
+            "adapter config), so it loads with the documented default alpha == rank (scale 1.0). If it was "
+            "trained with another alpha, pass `network_alpha=` to `load_lora_weights`."
+        )
+        return metadata, _DEFAULT_ALPHA_NOTE
 
-        # 4. Match keys against the partition each prefix routes to (diffusers' two-partition rule).
+    def _checked_match(self, state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys):
+        """Match keys against the partition each prefix routes to; zero matches or unmatched keys are errors."""
         kept, matched, unmatched, deferred = self._match_lora_keys(state_dict, load_into_transformer_ref)
         if not any(matched.values()) and not deferred:
             raise ValueError(
@@ -378,32 +405,32 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
                     "matched modules and skip these keys."
                 )
             logger.warning(f"{message} They are skipped (allow_unmatched_keys=True).")
+        return kept, matched, unmatched
 
-        # 5. Distillation preset.
-        preset = _select_preset(distillation_preset, file_name, file_metadata)
-
-        # 6. Load through diffusers / PEFT.
+    def _load_with_peft(self, state_dict, metadata, adapter_name, hotswap, load_into_transformer_ref,
+                        low_cpu_mem_usage) -> str:  # fmt: skip
+        """Load through diffusers / PEFT; returns the name of the adapter PEFT built."""
         before = {name: set(getattr(m, "peft_config", {}) or {}) for name, m in self._lora_partitions().items()}
         load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
         with _pending_metadata(metadata):
             super().load_lora_weights(
-                kept,
+                state_dict,
                 adapter_name=adapter_name,
                 hotswap=hotswap,
                 load_into_transformer_ref=load_into_transformer_ref,
                 **load_args,
             )
-
-        # 7. Report from what PEFT actually built.
         if hotswap:
-            name = adapter_name
-        else:
-            new = set()
-            for component, model in self._lora_partitions().items():
-                new |= set(getattr(model, "peft_config", {}) or {}) - before.get(component, set())
-            if len(new) != 1:
-                raise RuntimeError(f"Expected one new adapter after loading, found {sorted(new)}.")
-            name = new.pop()
+            return adapter_name
+        new = set()
+        for component, model in self._lora_partitions().items():
+            new |= set(getattr(model, "peft_config", {}) or {}) - before.get(component, set())
+        if len(new) != 1:
+            raise RuntimeError(f"Expected one new adapter after loading, found {sorted(new)}.")
+        return new.pop()
+
+    def _report_loaded(self, name, layout, matched, unmatched, alpha_source, preset, hotswap) -> LoraLoadReport:
+        """The report, from what PEFT actually built; records the adapter's distillation preset."""
         components = {}
         for component in matched:
             report = self._component_report(component, name)
@@ -428,13 +455,13 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             presets.pop(name, None)
         else:
             presets[name] = preset
-            wrong = [c for c in components if preset.tasks and c != self._partition_for_tasks(preset.tasks)]
+            trained_on = partition_for_tasks(preset.tasks) if preset.tasks else None
+            wrong = [c for c in components if trained_on is not None and c != trained_on]
             if wrong:
                 logger.warning(
                     f"Distillation LoRA {name!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, which "
-                    f"runs on `{self._partition_for_tasks(preset.tasks)}`, but it was loaded into `{wrong[0]}`."
+                    f"runs on `{trained_on}`, but it was loaded into `{wrong[0]}`."
                 )
-        logger.info(str(report))
         return report
 
     @classmethod
@@ -503,6 +530,57 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         return lines
 
     # ---- schedule hook ----------------------------------------------------------------------------------------------
+    def _active_distillation_preset(self, task: Optional[str] = None):
+        """`(adapter, preset)` of the active distillation LoRA on the partition `task` runs on (any partition for
+        `None`), or `None`; warns about what breaks a distillation (several schedules, stacking, weight != 1, a
+        task the adapter was not trained for)."""
+        partitions = self._lora_partitions()
+        if task is not None:
+            wanted = partition_for_task(task)
+            partitions = {k: v for k, v in partitions.items() if k == wanted}
+        registry = self._lora_preset_registry()
+        distill, others = [], []
+        for model in partitions.values():
+            for adapter, weight, active in self._adapter_states(model):
+                if not active:
+                    continue
+                if adapter in registry:
+                    distill.append((adapter, weight, registry[adapter]))
+                elif weight != 0:
+                    others.append(adapter)
+        if not distill:
+            return None
+
+        adapter, weight, preset = distill[0]
+        distinct = {(p.num_inference_steps, p.flow_shift, p.audio_flow_shift) for _, _, p in distill}
+        if len(distinct) > 1:
+            warnings.warn(
+                f"Several distillation LoRAs with different schedules are active ({[a for a, _, _ in distill]}); "
+                f"using the schedule of {adapter!r}. Activate one with `set_adapters`.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if others:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} is active together with {sorted(set(others))}; stacking LoRAs on a "
+                "step-distillation adapter usually breaks the distillation.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if abs(weight - 1.0) > 1e-6:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} is active at weight {weight:g}; it was trained at weight 1.0.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if task is not None and preset.tasks and task not in preset.tasks:
+            warnings.warn(
+                f"Distillation LoRA {adapter!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, not {task}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return adapter, preset
+
     def _resolve_lora_schedule(
         self,
         num_inference_steps: Optional[int],
@@ -513,92 +591,16 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         task: Optional[str] = None,
     ) -> Tuple[Optional[int], Optional[float], Optional[float]]:
         """Fill ``None`` settings from the active distillation LoRA's preset and warn about explicit ones it was not
-        trained for. Without an active distillation LoRA the values come back unchanged.
-
-        ``num_inference_steps`` counts sigma points; with explicit ``sigmas`` / ``audio_sigmas`` their length is what
-        is compared to the preset (and the shift of that modality does not apply).
-        """
-        partitions = self._lora_partitions()
-        if task is not None:
-            wanted = self.transformer_ref_name if task == "ref2va" else self.transformer_name
-            partitions = {k: v for k, v in partitions.items() if k == wanted}
-        registry = self._lora_preset_registry()
-        distill, others = [], []
-        for component, model in partitions.items():
-            for adapter, weight, active in self._adapter_states(model):
-                if not active:
-                    continue
-                if adapter in registry:
-                    distill.append((adapter, weight, registry[adapter]))
-                elif weight != 0:
-                    others.append(adapter)
-        if not distill:
+        trained for (:func:`~diffusers_h3.loaders.lora_presets.resolve_schedule`). Without an active distillation
+        LoRA the values come back unchanged."""
+        active = self._active_distillation_preset(task)
+        if active is None:
             return num_inference_steps, flow_shift, audio_flow_shift
-
-        adapter, weight, preset = distill[0]
-        distinct = {(p.num_inference_steps, p.flow_shift, p.audio_flow_shift) for _, _, p in distill}
-        if len(distinct) > 1:
-            warnings.warn(
-                f"Several distillation LoRAs with different schedules are active ({[a for a, _, _ in distill]}); "
-                f"using the schedule of {adapter!r}. Activate one with `set_adapters`.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if others:
-            warnings.warn(
-                f"Distillation LoRA {adapter!r} is active together with {sorted(set(others))}; stacking LoRAs on a "
-                "step-distillation adapter usually breaks the distillation.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if abs(weight - 1.0) > 1e-6:
-            warnings.warn(
-                f"Distillation LoRA {adapter!r} is active at weight {weight:g}; it was trained at weight 1.0.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if task is not None and preset.tasks and task not in preset.tasks:
-            warnings.warn(
-                f"Distillation LoRA {adapter!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, not {task}.",
-                UserWarning,
-                stacklevel=2,
-            )
-
-        differences = []
-        if sigmas is not None:
-            if preset.num_inference_steps is not None and len(sigmas) != preset.num_inference_steps:
-                differences.append(f"{len(sigmas)} video sigmas (trained: {preset.num_inference_steps} sigma points)")
-        elif num_inference_steps is None:
-            num_inference_steps = preset.num_inference_steps
-        elif preset.num_inference_steps is not None and num_inference_steps != preset.num_inference_steps:
-            differences.append(
-                f"num_inference_steps={num_inference_steps} (trained: {preset.num_inference_steps})"
-            )
-        if audio_sigmas is not None and preset.num_inference_steps is not None:
-            if len(audio_sigmas) != preset.num_inference_steps:
-                differences.append(
-                    f"{len(audio_sigmas)} audio sigmas (trained: {preset.num_inference_steps} sigma points)"
-                )
-        if flow_shift is None:
-            flow_shift = preset.flow_shift
-        elif sigmas is None and preset.flow_shift is not None and float(flow_shift) != preset.flow_shift:
-            differences.append(f"flow_shift={flow_shift:g} (trained: {preset.flow_shift:g})")
-        if audio_flow_shift is None:
-            audio_flow_shift = preset.audio_flow_shift
-        elif (
-            audio_sigmas is None
-            and preset.audio_flow_shift is not None
-            and float(audio_flow_shift) != preset.audio_flow_shift
-        ):
-            differences.append(f"audio_flow_shift={audio_flow_shift:g} (trained: {preset.audio_flow_shift:g})")
-        if differences:
-            warnings.warn(
-                f"The active distillation LoRA {adapter!r} was trained for {preset.describe()}, but this call uses "
-                f"{'; '.join(differences)}. Expect degraded output; leave these arguments unset to use the adapter's "
-                "schedule.",
-                UserWarning,
-                stacklevel=2,
-            )
+        adapter, preset = active
+        num_inference_steps, flow_shift, audio_flow_shift, differences = resolve_schedule(
+            preset, num_inference_steps, sigmas, flow_shift, audio_sigmas, audio_flow_shift
+        )
+        warn_schedule_differences(adapter, preset, differences)
         return num_inference_steps, flow_shift, audio_flow_shift
 
     # ---- internals --------------------------------------------------------------------------------------------------
@@ -668,9 +670,6 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             if isinstance(model, nn.Module):
                 out[name] = model
         return out
-
-    def _partition_for_tasks(self, tasks: Sequence[str]) -> str:
-        return self.transformer_ref_name if "ref2va" in tasks else self.transformer_name
 
     @staticmethod
     def _adapter_states(model: nn.Module) -> List[Tuple[str, float, bool]]:

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, Mapping, Optional, Tuple
+import warnings
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..tasks import tasks_of_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +72,13 @@ class LoraDistillationPreset:
         return f"{self.name} [{', '.join(parts) or 'no constraints'}] (from {self.source})"
 
 
-_FAMILY_TASKS = {"fl2v": ("t2va", "fl2va"), "ref2v": ("ref2va",)}
-
-
 def _lightx2v(family: str, steps: int, is_768p: bool) -> LoraDistillationPreset:
     return LoraDistillationPreset(
         name=f"lightx2v-{family}-turbo-{steps}step" + ("-768p" if is_768p else ""),
         num_inference_steps=steps + 1,
         flow_shift=6.0 if is_768p else 12.0,
         audio_flow_shift=3.0,
-        tasks=_FAMILY_TASKS[family],
+        tasks=tasks_of_family(family),
     )
 
 
@@ -170,3 +170,60 @@ def detect_preset(
 ) -> Optional[LoraDistillationPreset]:
     """The preset a LoRA file declares: the table entry its name matches, overridden by its ``__metadata__``."""
     return preset_from_metadata(metadata, preset_from_file_name(file_name))
+
+
+def resolve_schedule(
+    preset: Optional[LoraDistillationPreset],
+    num_inference_steps: Optional[int],
+    sigmas: Optional[Sequence[float]],
+    flow_shift: Optional[float],
+    audio_sigmas: Optional[Sequence[float]] = None,
+    audio_flow_shift: Optional[float] = None,
+) -> Tuple[Optional[int], Optional[float], Optional[float], List[str]]:
+    """The schedule a call runs with under a distillation `preset`: a pure function of its arguments.
+
+    Unset (`None`) values are filled from the preset. Explicit values the preset was not trained for are kept and
+    listed as differences (e.g. `"num_inference_steps=50 (trained: 9)"`). `num_inference_steps` counts sigma points;
+    with explicit `sigmas` / `audio_sigmas` their length is what is compared, and an explicit shift of that modality
+    is not compared (the sigmas are used verbatim). Without a preset everything comes back unchanged.
+
+    Returns `(num_inference_steps, flow_shift, audio_flow_shift, differences)`.
+    """
+    if preset is None:
+        return num_inference_steps, flow_shift, audio_flow_shift, []
+    trained_steps = preset.num_inference_steps
+    differences = []
+    if sigmas is not None:
+        if trained_steps is not None and len(sigmas) != trained_steps:
+            differences.append(f"{len(sigmas)} video sigmas (trained: {trained_steps} sigma points)")
+    elif num_inference_steps is None:
+        num_inference_steps = trained_steps
+    elif trained_steps is not None and num_inference_steps != trained_steps:
+        differences.append(f"num_inference_steps={num_inference_steps} (trained: {trained_steps})")
+    if audio_sigmas is not None and trained_steps is not None and len(audio_sigmas) != trained_steps:
+        differences.append(f"{len(audio_sigmas)} audio sigmas (trained: {trained_steps} sigma points)")
+    if flow_shift is None:
+        flow_shift = preset.flow_shift
+    elif sigmas is None and preset.flow_shift is not None and float(flow_shift) != preset.flow_shift:
+        differences.append(f"flow_shift={flow_shift:g} (trained: {preset.flow_shift:g})")
+    if audio_flow_shift is None:
+        audio_flow_shift = preset.audio_flow_shift
+    elif (
+        audio_sigmas is None
+        and preset.audio_flow_shift is not None
+        and float(audio_flow_shift) != preset.audio_flow_shift
+    ):
+        differences.append(f"audio_flow_shift={audio_flow_shift:g} (trained: {preset.audio_flow_shift:g})")
+    return num_inference_steps, flow_shift, audio_flow_shift, differences
+
+
+def warn_schedule_differences(adapter: str, preset: LoraDistillationPreset, differences: Sequence[str]) -> None:
+    """One warning naming every setting of a call the active distillation LoRA was not trained for."""
+    if differences:
+        warnings.warn(
+            f"The active distillation LoRA {adapter!r} was trained for {preset.describe()}, but this call uses "
+            f"{'; '.join(differences)}. Expect degraded output; leave these arguments unset to use the adapter's "
+            "schedule.",
+            UserWarning,
+            stacklevel=3,
+        )

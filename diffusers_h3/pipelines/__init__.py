@@ -1,3 +1,12 @@
 from .export import export_to_video
 from .loading import NotAnH3CheckpointError, classify_checkpoint
-from .pipeline_minimax_h3 import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, select_task
+from .pipeline_minimax_h3 import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput
+
+
+__all__ = [
+    "MiniMaxH3Pipeline",
+    "MiniMaxH3PipelineOutput",
+    "NotAnH3CheckpointError",
+    "classify_checkpoint",
+    "export_to_video",
+]

@@ -5,10 +5,8 @@ The official repository (`MiniMaxAI/MiniMax-H3`) stores the diffusers components
 to the directory it was given, offline, and must load only the DiT partition the task needs (61.7 GiB each).
 It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that diffusers cannot read.
 
-`install_diffusion_pipeline_dispatch()` makes `DiffusionPipeline.from_pretrained(dir)` return a `MiniMaxH3Pipeline`
-for both layouts: diffusers resolves `_class_name` with `getattr(diffusers, name)`, which names the *modular* class
-for the hub layout and has no plugin discovery, so we route H3 folders to our loader and leave every other folder to
-diffusers unchanged.
+`classify_checkpoint` tells the folder kinds apart by their files; `diffusers_h3._integration` uses it to route
+`DiffusionPipeline.from_pretrained(<H3 folder>)` here.
 """
 
 from __future__ import annotations
@@ -17,19 +15,24 @@ import importlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 from tqdm.auto import tqdm
 
+from ..tasks import PARTITIONS, partitions_for_task
+
+
 logger = logging.get_logger(__name__)
 
-TASKS = ("t2va", "fl2va", "ref2va")
-PARTITIONS = ("transformer", "transformer_ref")
 OUR_CLASS = "MiniMaxH3Pipeline"
 MODULAR_CLASS = "MiniMaxH3ModularPipeline"
-_ORIGINAL_FROM_PRETRAINED = DiffusionPipeline.from_pretrained.__func__
+MODULAR_BLOCKS_CLASS = "MiniMaxH3Blocks"
+NATIVE_FOLDERS = ("FL2VA", "Ref2VA")
+CHECKPOINT_KINDS = ("ours", "hub", "native", "foreign")
+# diffusers' own loader, kept before `diffusers_h3._integration` routes H3 folders away from it.
+_DIFFUSERS_FROM_PRETRAINED = DiffusionPipeline.from_pretrained.__func__
 
 
 class NotAnH3CheckpointError(ValueError):
@@ -43,58 +46,74 @@ def _read_json(path: Path) -> Optional[Dict[str, Any]]:
         return json.load(handle)
 
 
-def classify_checkpoint(directory) -> Tuple[str, Dict[str, Any]]:
-    """Return `("ours" | "hub", index)` for a loadable H3 folder, or raise a `NotAnH3CheckpointError` that says what it is."""
+def classify_checkpoint(directory) -> str:
+    """What kind of checkpoint `directory` holds, read from its files.
+
+    - `"ours"`: a `MiniMaxH3Pipeline.save_pretrained` folder (`model_index.json` naming `MiniMaxH3Pipeline`);
+    - `"hub"`: the official hub layout (`modular_model_index.json` of `MiniMaxH3Blocks`, or a root index naming the
+      modular H3 pipeline);
+    - `"native"`: MiniMax-H3 weights diffusers cannot read (`FL2VA/` / `Ref2VA/` folders with original weight
+      names, or a folder holding them without a diffusers index);
+    - `"foreign"`: anything else (another pipeline, or no diffusers index at all).
+    """
     directory = Path(directory)
     modular = _read_json(directory / "modular_model_index.json")
     root = _read_json(directory / "model_index.json")
     if root is not None and "_minimax_h3" in root:
-        raise NotAnH3CheckpointError(
+        return "native"
+    if modular is not None:
+        is_h3 = modular.get("_class_name") == MODULAR_CLASS or modular.get("_blocks_class_name") == MODULAR_BLOCKS_CLASS
+        return "hub" if is_h3 else "foreign"
+    if root is None:
+        return "native" if any((directory / name).is_dir() for name in NATIVE_FOLDERS) else "foreign"
+    return {OUR_CLASS: "ours", MODULAR_CLASS: "hub"}.get(root.get("_class_name"), "foreign")
+
+
+def _refusal(directory: Path, kind: str) -> NotAnH3CheckpointError:
+    """The one error that says what a folder we cannot load is and what to pass instead."""
+    modular = _read_json(directory / "modular_model_index.json")
+    root = _read_json(directory / "model_index.json")
+    if kind == "native" and root is not None:
+        return NotAnH3CheckpointError(
             f"{directory} is a native MiniMax-H3 folder (FL2VA/ or Ref2VA/ with original `blocks.*` weight names), "
             "which diffusers cannot read yet. Point at the repository root instead (its `transformer/` and "
             "`transformer_ref/` folders are the diffusers layout), or convert the native weights with diffusers' "
             "`scripts/convert_minimax_h3_to_diffusers.py`."
         )
     if modular is not None:
-        if modular.get("_class_name") != MODULAR_CLASS and modular.get("_blocks_class_name") != "MiniMaxH3Blocks":
-            raise NotAnH3CheckpointError(
-                f"{directory}/modular_model_index.json describes a {modular.get('_class_name')!r} pipeline, not "
-                "MiniMax-H3; load it with diffusers' ModularPipeline instead."
-            )
-        return "hub", modular
+        return NotAnH3CheckpointError(
+            f"{directory}/modular_model_index.json describes a {modular.get('_class_name')!r} pipeline, not "
+            "MiniMax-H3; load it with diffusers' ModularPipeline instead."
+        )
     if root is None:
-        hint = ""
-        if (directory / "FL2VA").is_dir() or (directory / "Ref2VA").is_dir():
-            hint = " It holds native FL2VA/ / Ref2VA/ folders but no diffusers index at its root."
-        raise NotAnH3CheckpointError(
+        hint = " It holds native FL2VA/ / Ref2VA/ folders but no diffusers index at its root." if kind == "native" else ""
+        return NotAnH3CheckpointError(
             f"{directory} has no model_index.json or modular_model_index.json, so it is not a diffusers checkpoint."
             f"{hint} Pass the folder `MiniMaxH3Pipeline.save_pretrained` wrote, or a snapshot of MiniMaxAI/MiniMax-H3."
         )
-    class_name = root.get("_class_name")
-    if class_name == OUR_CLASS:
-        return "ours", root
-    if class_name == MODULAR_CLASS:
-        # A root index of the hub layout without its modular index: entries are [library, class] per subfolder.
-        return "hub", {k: (v if k.startswith("_") else [v[0], v[1], {"subfolder": k}]) for k, v in root.items()}
-    raise NotAnH3CheckpointError(
-        f"{directory} is a {class_name!r} checkpoint, not MiniMax-H3; load it with `DiffusionPipeline.from_pretrained`"
-        " without diffusers_h3 or with its own pipeline class."
+    return NotAnH3CheckpointError(
+        f"{directory} is a {root.get('_class_name')!r} checkpoint, not MiniMax-H3; load it with "
+        "`DiffusionPipeline.from_pretrained` without diffusers_h3 or with its own pipeline class."
     )
 
 
-def needed_partitions(task: Optional[str]) -> Tuple[str, ...]:
-    if task is None:
-        return PARTITIONS
-    if task not in TASKS:
-        raise ValueError(f"`task` must be one of {TASKS} or None, got {task!r}.")
-    return ("transformer_ref",) if task == "ref2va" else ("transformer",)
+def _read_index(directory: Path, kind: str) -> Dict[str, Any]:
+    """The component index of a loadable folder: `[library, class, spec]` per component for the hub layout."""
+    if kind == "ours":
+        return _read_json(directory / "model_index.json")
+    modular = _read_json(directory / "modular_model_index.json")
+    if modular is not None:
+        return modular
+    # A root index of the hub layout without its modular index: entries are [library, class] per subfolder.
+    root = _read_json(directory / "model_index.json")
+    return {k: (v if k.startswith("_") else [v[0], v[1], {"subfolder": k}]) for k, v in root.items()}
 
 
 def _snapshot(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) -> str:
     """Fetch only the index files and the subfolders `task` needs (respects HF_HUB_OFFLINE / local_files_only)."""
     from huggingface_hub import snapshot_download
 
-    skip = [p for p in PARTITIONS if p not in needed_partitions(task)]
+    skip = [p for p in PARTITIONS if p not in partitions_for_task(task)]
     ignore = [f"{p}/*" for p in skip] + ["FL2VA/*", "Ref2VA/*", "docs/*"]
     return snapshot_download(repo_id, ignore_patterns=ignore, **hub_kwargs)
 
@@ -119,7 +138,7 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     init_extra = {k: kwargs.pop(k) for k in list(kwargs) if k == "text_encoder_layer"}
     if kwargs:
         raise TypeError(f"unexpected keyword arguments for MiniMaxH3Pipeline.from_pretrained: {sorted(kwargs)}")
-    wanted = needed_partitions(task)
+    wanted = partitions_for_task(task)
 
     entries = [(name, entry) for name, entry in index.items() if not name.startswith("_")]
     components: Dict[str, Any] = dict(passed)
@@ -167,7 +186,7 @@ def _check_partitions_present(directory: Path, index: Dict[str, Any], task: Opti
         if not present:
             raise ValueError(f"{directory} holds neither a `transformer/` nor a `transformer_ref/` partition.")
         return
-    (partition,) = needed_partitions(task)
+    (partition,) = partitions_for_task(task)
     if kwargs.get(partition) is None and not _has_component(directory, index, partition):
         raise ValueError(
             f"Task {task!r} needs the `{partition}` partition, but {directory} does not hold it. Download it "
@@ -190,14 +209,14 @@ TRANSFORMERS_MODEL_COMPONENTS = ("text_encoder",)
 
 def _split_post_load_quantization(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """Take our configs for transformers components out of a `PipelineQuantizationConfig`; return them by name."""
-    from ..quantizers import H3QuantizationConfigBase
+    from ..quantizers import QuantizationConfigBase
 
     config = kwargs.get("quantization_config")
     mapping = getattr(config, "quant_mapping", None) or {}
     post = {
         name: value
         for name, value in mapping.items()
-        if name in TRANSFORMERS_MODEL_COMPONENTS and isinstance(value, H3QuantizationConfigBase)
+        if name in TRANSFORMERS_MODEL_COMPONENTS and isinstance(value, QuantizationConfigBase)
     }
     if post:
         from diffusers.quantizers import PipelineQuantizationConfig
@@ -220,45 +239,20 @@ def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None
 
 
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
-    needed_partitions(task)  # validates `task`
+    wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):
         hub_kwargs = {k: kwargs.pop(k) for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
         path = _snapshot(path, task, hub_kwargs)
     directory = Path(path)
-    kind, index = classify_checkpoint(directory)
+    kind = classify_checkpoint(directory)
+    if kind not in ("ours", "hub"):
+        raise _refusal(directory, kind)
+    index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
     if kind == "hub":
         return _load_hub_layout(cls, directory, index, task, kwargs)
     for partition in PARTITIONS:
-        if partition not in needed_partitions(task):
+        if partition not in wanted:
             kwargs.setdefault(partition, None)
-    return _ORIGINAL_FROM_PRETRAINED(cls, path, **kwargs)
-
-
-def _is_h3_folder(path) -> bool:
-    try:
-        classify_checkpoint(path)
-        return True
-    except NotAnH3CheckpointError as error:
-        # Native H3 folders and H3-looking folders we cannot read must surface our explanation, not diffusers'.
-        text = str(error)
-        return "native MiniMax-H3" in text or "FL2VA/" in text
-
-
-def install_diffusion_pipeline_dispatch() -> None:
-    """Route `DiffusionPipeline.from_pretrained(<H3 folder>)` to `MiniMaxH3Pipeline.from_pretrained` (idempotent)."""
-    if getattr(DiffusionPipeline.from_pretrained, "_diffusers_h3_dispatch", False):
-        return
-
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        if cls is DiffusionPipeline and os.path.isdir(str(pretrained_model_name_or_path)):
-            if _is_h3_folder(pretrained_model_name_or_path):
-                from .pipeline_minimax_h3 import MiniMaxH3Pipeline
-
-                return MiniMaxH3Pipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
-        return _ORIGINAL_FROM_PRETRAINED(cls, pretrained_model_name_or_path, **kwargs)
-
-    from_pretrained.__doc__ = _ORIGINAL_FROM_PRETRAINED.__doc__
-    from_pretrained._diffusers_h3_dispatch = True
-    DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
+    return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)

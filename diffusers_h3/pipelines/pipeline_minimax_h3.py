@@ -31,54 +31,40 @@ from diffusers import (
     MiniMaxH3Transformer3DModel,
 )
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-    MiniMaxH3PrepareLayoutStep,
-    MiniMaxH3Ref2VAPrepareLayoutStep,
-    MiniMaxH3SetTimestepsStep,
-    patchify_video_latents,
-)
-from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
-from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, encode_vae_condition
+from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep, patchify_video_latents
+from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_CHANNELS,
-    MINIMAX_H3_AUDIO_TAG,
     MINIMAX_H3_FPS,
     MINIMAX_H3_MAX_ASPECT_RATIO,
     MINIMAX_H3_MIN_ASPECT_RATIO,
-    MINIMAX_H3_TEXT_TAG,
-    MINIMAX_H3_VIDEO_TAG,
     align_num_frames,
     audio_latent_num_frames,
-    resolve_canvas_size,
     video_latent_num_frames,
 )
-from diffusers.modular_pipelines.minimax_h3.references import (
-    MiniMaxH3AudioReference,
-    MiniMaxH3ImageReference,
-    MiniMaxH3Reference,
-    MiniMaxH3VideoReference,
-)
+from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3Reference
 from diffusers.utils import BaseOutput, logging
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
-from PIL import Image
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from ..attention_processors.layout import PackedLayout, use_packed_layout
+from .._model_card import pipeline_model_card, save_with_card
+from ..attention_processors.layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
-from .packing import check_layout_matches_indices, ref2va_layout, t2va_fl2va_layout
+from ..packing import check_layout_matches_indices
+from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
+from ..parallel.vae import parallel_vae_decode
+from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
+from .loading import load_pipeline
+
 
 logger = logging.get_logger(__name__)
 
-TASKS = ("t2va", "fl2va", "ref2va")
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0
 KEYFRAME_ENCODE_SEED = 42
 KEYFRAME_NOISE_AUG = 0.999
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-REFERENCE_LIMITS = {"image": 9, "video": 3, "audio": 3}
-MAX_REFERENCES = 12
-VIDEO_REFERENCE_SAMPLE_FPS = 2.0
 
 
 @dataclass
@@ -102,24 +88,6 @@ class MiniMaxH3PipelineOutput(BaseOutput):
 
 class _StopAfterLayer(Exception):
     """Raised by a forward hook once the hidden state H3 reads exists, so later decoder layers never run."""
-
-
-def select_task(image=None, last_image=None, references=None) -> str:
-    """Route a request like diffusers' `MiniMaxH3Blocks` does: references → ref2va, keyframes → fl2va, else t2va."""
-    if references is not None:
-        if image is not None or last_image is not None:
-            raise ValueError(
-                "`references` (ref2va) cannot be combined with `image`/`last_image` (fl2va): pass either the "
-                "keyframes or the references."
-            )
-        return "ref2va"
-    if image is not None or last_image is not None:
-        return "fl2va"
-    return "t2va"
-
-
-def partition_for_task(task: str) -> str:
-    return "transformer_ref" if task == "ref2va" else "transformer"
 
 
 class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
@@ -202,9 +170,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         layout (`modular_model_index.json`), loading only the transformer partition `task` needs: `transformer` for
         `"t2va"`/`"fl2va"`, `transformer_ref` for `"ref2va"`, both (where present) for `task=None`.
         """
-        from .loading import load_pipeline
-
         return load_pipeline(cls, pretrained_model_name_or_path, task=task, **kwargs)
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """diffusers' `save_pretrained` (and `push_to_hub=True`), plus a Hub model card (`README.md`) for the saved
+        checkpoint when the folder has none: metadata (library, pipeline tag, base model, quantization and fused-LoRA
+        tags) and a usage snippet that loads exactly this checkpoint."""
+        return save_with_card(DiffusionPipeline.save_pretrained, self, save_directory, pipeline_model_card, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
     # Geometry and properties
@@ -212,7 +184,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     @property
     def patch_size(self) -> Tuple[int, int, int]:
-        for name in ("transformer", "transformer_ref"):
+        for name in PARTITIONS:
             model = getattr(self, name, None)
             if model is not None:
                 return tuple(model.config.patch_size)
@@ -246,11 +218,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def num_timesteps(self) -> int:
         return self._num_timesteps
 
-    def enable_vsa(self, **options):
-        """Install video sparse attention on the loaded transformer partition(s); see `diffusers_h3.enable_vsa`."""
+    def enable_vsa(self, config=None, **options):
+        """Install video sparse attention on the loaded transformer partition(s); see `diffusers_h3.enable_vsa`
+        (`config` is a `diffusers_h3.VSAConfig`, `options` its fields)."""
         from ..attention_processors.vsa import enable_vsa
 
-        return {name: enable_vsa(model, **options) for name, model in self._partitions()}
+        return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
 
     def enable_v100_mode(self, **options):
         """Run a bf16-trained H3 in fp16 safely on Volta GPUs; see `diffusers_h3.enable_v100_mode`."""
@@ -268,7 +241,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return param.device
 
     def _partitions(self):
-        return [(n, getattr(self, n)) for n in ("transformer", "transformer_ref") if getattr(self, n, None) is not None]
+        return [(n, getattr(self, n)) for n in PARTITIONS if getattr(self, n, None) is not None]
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks
@@ -281,25 +254,30 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         height,
         width,
         num_frames,
-        references,
+        conditioning,
         output_type,
         callback_on_step_end_tensor_inputs,
         sigmas,
         audio_sigmas,
     ) -> int:
-        """Validate a request before any model runs; returns the aligned frame count."""
+        """Validate a request before any model runs; returns the aligned frame count.
+
+        `task` is a task name or `TaskSpec`; `conditioning` maps the conditioning inputs (`image`, `last_image`,
+        `references`) to their values, which the task's spec checks.
+        """
+        spec = get_task(task) if isinstance(task, str) else task
         if not isinstance(prompt, str):
             raise ValueError(
                 f"`prompt` must be a single string (H3 packs one request into one sequence), got {type(prompt).__name__}."
             )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        partition = partition_for_task(task)
+        partition = spec.partition
         if getattr(self, partition, None) is None:
             loaded = [name for name, _ in self._partitions()] or ["none"]
             raise ValueError(
-                f"Task {task!r} runs on the `{partition}` partition, but this pipeline holds {', '.join(loaded)}. "
-                f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={task!r})` or pass `{partition}=...`."
+                f"Task {spec.name!r} runs on the `{partition}` partition, but this pipeline holds {', '.join(loaded)}. "
+                f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={spec.name!r})` or pass `{partition}=...`."
             )
         if (height is None) != (width is None):
             raise ValueError("`height` and `width` have to be passed together, or neither of them.")
@@ -330,8 +308,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             )
         if aligned != num_frames:
             logger.warning(f"`num_frames` has to be of the form 17n+5 for the video VAE; rounding {num_frames} up to {aligned}.")
-        if task == "ref2va":
-            self._check_references(references)
+        spec.check_conditions(conditioning)
         if callback_on_step_end_tensor_inputs is not None:
             unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
             if unknown:
@@ -345,30 +322,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
             )
         return aligned
-
-    @staticmethod
-    def _check_references(references):
-        if not isinstance(references, (list, tuple)) or not references:
-            raise ValueError(
-                "`references` must be a non-empty list of MiniMaxH3ImageReference / MiniMaxH3VideoReference / "
-                "MiniMaxH3AudioReference (use no `references` for text-only t2va)."
-            )
-        for index, entry in enumerate(references):
-            if not isinstance(entry, MiniMaxH3Reference):
-                raise ValueError(
-                    f"`references[{index}]` must be a MiniMaxH3ImageReference, MiniMaxH3VideoReference or "
-                    f"MiniMaxH3AudioReference, got {type(entry).__name__}; decode files with each class's `from_file`."
-                )
-        kinds = [entry.kind for entry in references]
-        for kind, limit in REFERENCE_LIMITS.items():
-            if kinds.count(kind) > limit:
-                raise ValueError(f"MiniMax-H3 accepts at most {limit} {kind} references, got {kinds.count(kind)}.")
-        if len(kinds) > MAX_REFERENCES:
-            raise ValueError(f"MiniMax-H3 accepts at most {MAX_REFERENCES} references in total, got {len(kinds)}.")
-        if set(kinds) == {"audio"}:
-            raise ValueError(
-                "Audio references cannot be used on their own: add at least one image or video reference."
-            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Text encoder
@@ -440,147 +393,33 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             raise RuntimeError(f"the text encoder finished without running decoder layer {layer - 1}")
         return captured["hidden_states"].to(device=device, dtype=text_encoder.dtype)
 
-    def _tokens(self, text: str) -> List[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode_prompt(
+        self,
+        prompt: str,
+        task: str = "t2va",
+        conditions: Optional[TaskConditions] = None,
+        device: Optional[torch.device] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        r"""
+        Encode `prompt` as `task` presents it to the text encoder: for fl2va a `"<Picture i>: "` label and vision
+        block per keyframe before the prompt, for ref2va diffusers' reference presentation, for t2va the prompt
+        alone (used verbatim, no chat template).
 
-    def _vision_block(self, pad_token: str, num_tokens: int) -> List[int]:
-        convert = self.tokenizer.convert_tokens_to_ids
-        return [convert("<|vision_start|>")] + [convert(pad_token)] * num_tokens + [convert("<|vision_end|>")]
-
-    def _present_keyframes(self, prompt: str, keyframes: List[PIL.Image.Image]):
-        """`"<Picture i>: "` + vision block per keyframe, then the prompt; vision rows tagged video."""
-        vision_inputs, token_ids, token_tags = {}, [], []
-        if keyframes:
-            vision = self.processor.image_processor(images=keyframes, return_tensors="pt")
-            vision_inputs = {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
-            merge = self.processor.image_processor.merge_size**2
-            for index, grid in enumerate(vision["image_grid_thw"]):
-                label = self._tokens(f"<Picture {index + 1}>: ")
-                block = self._vision_block("<|image_pad|>", int(grid.prod()) // merge)
-                token_ids += label + block
-                token_tags += [MINIMAX_H3_TEXT_TAG] * len(label) + [MINIMAX_H3_VIDEO_TAG] * len(block)
-        prompt_ids = self._tokens(prompt)
-        return token_ids + prompt_ids, token_tags + [MINIMAX_H3_TEXT_TAG] * len(prompt_ids), vision_inputs
-
-    def _present_references(self, prompt: str, references: List[MiniMaxH3Reference]):
-        """Labels + vision blocks per reference in request order (diffusers' ref2va presentation), then the prompt."""
-        presenter = MiniMaxH3Ref2VATextEncoderStep(video_sample_fps=VIDEO_REFERENCE_SAMPLE_FPS)
-        vision_inputs, image_counts, video_counts, video_timestamps = presenter._gather_vision_features(
-            self.processor, references, MINIMAX_H3_FPS
-        )
-        token_ids, token_tags = presenter._build_presentation(
-            self.tokenizer,
-            prompt,
-            references,
-            image_counts,
-            video_counts,
-            video_timestamps,
-            text_tag=MINIMAX_H3_TEXT_TAG,
-            video_tag=MINIMAX_H3_VIDEO_TAG,
-        )
-        return token_ids, token_tags, vision_inputs
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Conditioning media
-    # ------------------------------------------------------------------------------------------------------------
-
-    def _fit_keyframes(self, image, last_image, height, width):
-        """Put keyframes on the canvas: the first is stretched (LANCZOS), a follower cover-cropped with H3's rounding."""
-        keyframes = [frame for frame in (image, last_image) if frame is not None]
-        anchors = tuple(a for a, frame in (("first", image), ("last", last_image)) if frame is not None)
-        for frame in keyframes:
-            if not isinstance(frame, PIL.Image.Image):
-                raise ValueError(f"`image` / `last_image` must be PIL images, got {type(frame).__name__}.")
-        if height is None:
-            height, width = resolve_canvas_size(*keyframes[0].size, self.canvas_multiple, *self._canvas_rule)
-        fitted = []
-        for index, frame in enumerate(keyframes):
-            if frame.size == (width, height):
-                fitted.append(frame)
-            elif index == 0:
-                fitted.append(self.image_processor.resize(frame, height=height, width=width))
-            else:
-                scale = max(width / frame.size[0], height / frame.size[1])
-                size = (max(width, round(frame.size[0] * scale)), max(height, round(frame.size[1] * scale)))
-                left, top = max(0, (size[0] - width) // 2), max(0, (size[1] - height) // 2)
-                fitted.append(frame.resize(size, Image.Resampling.LANCZOS).crop((left, top, left + width, top + height)))
-        return fitted, anchors, height, width
-
-    def _normalize_references(self, references, num_frames):
-        """Images to a 2048 short edge, videos to 24 fps on their own canvas, soundtracks to 32 kHz (as diffusers)."""
-        multiple = self.canvas_multiple
-        normalized = []
-        for entry in references:
-            waveform = None
-            if entry.has_audio:
-                rate = entry.sample_rate if entry.sample_rate is not None else self.audio_sampling_rate
-                waveform = MiniMaxH3Ref2VASetupStep._normalize_audio_condition(
-                    entry.audio, rate, self.audio_sampling_rate, max_duration=num_frames / MINIMAX_H3_FPS
-                )
-            if entry.kind == "image":
-                image = entry.image
-                if isinstance(image, torch.Tensor):
-                    if image.dtype == torch.uint8:
-                        image = image.float() / 255.0
-                    image = self.image_processor.pt_to_numpy(image[None])[0]
-                if isinstance(image, np.ndarray):
-                    if image.ndim != 3 or image.shape[2] != 3:
-                        raise ValueError(f"A reference image must be (height, width, 3) RGB, got {tuple(image.shape)}.")
-                    if image.dtype == np.uint8:
-                        image = image.astype(np.float32) / 255.0
-                    image = self.image_processor.numpy_to_pil(image)[0]
-                width, height = image.size
-                if width <= 0 or height <= 0 or width > 4 * height or height > 4 * width:
-                    raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
-                scale = self.config.reference_image_short_edge / min(width, height)
-                target = (
-                    max(multiple, round(width * scale / multiple) * multiple),
-                    max(multiple, round(height * scale / multiple) * multiple),
-                )
-                if image.size != target:
-                    image = self.image_processor.resize(image, height=target[1], width=target[0])
-                normalized.append(MiniMaxH3ImageReference(image=image))
-            elif entry.kind == "video":
-                frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(
-                    entry.frames, float(entry.fps), num_frames, multiple, *self._canvas_rule, float(MINIMAX_H3_FPS)
-                )
-                normalized.append(
-                    MiniMaxH3VideoReference(
-                        frames=frames,
-                        fps=float(MINIMAX_H3_FPS),
-                        audio=waveform,
-                        sample_rate=None if waveform is None else self.audio_sampling_rate,
-                    )
-                )
-            else:
-                normalized.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=self.audio_sampling_rate))
-        return normalized
+        Returns `(prompt_embeds, text_token_tags)`: `hidden_states[text_encoder_layer]` `(1, num_tokens, hidden)` on
+        `device` and the per-token tags (text / vision) `(num_tokens,)` the packed sequence needs. `conditions` are
+        the prepared conditioning media (`TaskSpec.prepare_conditions`); t2va needs none.
+        """
+        spec = get_task(task)
+        if conditions is None:
+            if spec.conditioning_inputs:
+                raise ValueError(f"Task {spec.name!r} presents its conditioning with the prompt: pass `conditions`.")
+            conditions = TaskConditions(height=0, width=0)
+        token_ids, token_tags, vision_inputs = spec.present(self, prompt, conditions)
+        prompt_embeds = self.encode_presentation(token_ids, vision_inputs, device=device)
+        return prompt_embeds, torch.tensor(token_tags, dtype=torch.long)
 
     def _encode_visual_condition(self, pixels: torch.Tensor) -> torch.Tensor:
         return encode_vae_condition(self.vae, pixels, PIXEL_MEAN, PIXEL_STD, KEYFRAME_ENCODE_SEED)
-
-    def _encode_references(self, references):
-        """VAE-encode image/video references (sampled posterior) and soundtracks (posterior mean), in packed order."""
-        device, audio_device = self._device_of(self.vae), self._device_of(self.audio_vae)
-        audio_mean = torch.tensor(self.audio_vae.config.latents_mean).view(1, 1, -1)
-        audio_std = torch.tensor(self.audio_vae.config.latents_std).view(1, 1, -1)
-        channels = self.audio_vae.config.latent_channels
-        condition_latents, audio_condition_latents = [], []
-        for reference in references:
-            if reference.kind == "image":
-                pixels = torch.from_numpy(np.array(reference.image)).to(device).permute(2, 0, 1)[None, :, None]
-                condition_latents.append(self._encode_visual_condition(pixels))
-            elif reference.kind == "video":
-                # Snap *down* to 17n+5 so the VAE encodes without padding.
-                per_chunk, kept = self.vae_frames_per_chunk, self.vae_latents_per_chunk
-                count = max(1, (reference.frames.shape[0] - kept) // per_chunk) * per_chunk + kept
-                pixels = torch.from_numpy(reference.frames[:count].copy()).to(device).permute(3, 0, 1, 2)[None]
-                condition_latents.append(self._encode_visual_condition(pixels))
-            if reference.has_audio:
-                posterior = self.audio_vae.encode(reference.audio.to(audio_device)[:, None], return_dict=False)[0]
-                latents = posterior.mode().float().cpu().transpose(1, 2)
-                audio_condition_latents.append(((latents - audio_mean) / audio_std).reshape(-1, channels))
-        return condition_latents, audio_condition_latents
 
     # ------------------------------------------------------------------------------------------------------------
     # Schedules
@@ -608,6 +447,92 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 "shifted grid collapsed duplicate sigmas); pass explicit `sigmas` and `audio_sigmas` of equal length."
             )
         return timesteps, audio_timesteps
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Latents
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _latent_geometry(self, num_frames: int, height: int, width: int) -> LatentGeometry:
+        ratio = self.vae_spatial_compression_ratio
+        return LatentGeometry(
+            num_latent_frames=video_latent_num_frames(num_frames, self.vae_frames_per_chunk, self.vae_latents_per_chunk),
+            latent_height=height // ratio,
+            latent_width=width // ratio,
+            num_audio_latents=audio_latent_num_frames(num_frames),
+            patch_size=self.patch_size,
+        )
+
+    def _prepare_packed_sequence(self, spec, text_token_tags, conditions, condition_latents, audio_condition_latents,
+                                 geometry, device):  # fmt: skip
+        """The task's packed rows (rotary grid in fp64, tags, indices) on `device` and its `PackedLayout`."""
+        packed, layout = spec.build_layout(
+            text_token_tags, conditions, condition_latents, audio_condition_latents, geometry
+        )
+        position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = packed
+        check_layout_matches_indices(layout, video_indices, audio_indices, text_indices)
+        if device.type in ("mps", "npu"):
+            position_ids = position_ids.float()  # no fp64 there; the rope casts to fp32 anyway
+        structure = {
+            "position_ids": position_ids.to(device),
+            "token_tags": token_tags.to(device),
+            "video_indices": video_indices.to(device),
+            "audio_indices": audio_indices.to(device),
+            "text_indices": text_indices.to(device),
+        }
+        return structure, layout, n_cond_video, n_cond_audio
+
+    def prepare_latents(
+        self,
+        geometry: LatentGeometry,
+        condition_latents: Sequence[torch.Tensor],
+        audio_condition_latents: Sequence[torch.Tensor],
+        generator: Optional[torch.Generator],
+        device: torch.device,
+        latents: Optional[torch.Tensor] = None,
+        audio_latents: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        r"""
+        The packed rows the loop denoises: noised conditioning rows first, then the video noise; reference audio
+        rows first, then the audio noise. Draws from the one `generator` in diffusers' order: conditioning noise,
+        video noise, audio noise. Returns `(video_rows, audio_rows)` in fp32 on `device`.
+        """
+        condition_rows = []
+        for condition in condition_latents:
+            noise = randn_tensor(condition.shape, generator=generator, device=device, dtype=torch.float32)
+            noised = self.scheduler.scale_noise(condition.to(device), KEYFRAME_NOISE_AUG, noise)
+            condition_rows.append(patchify_video_latents(noised, self.patch_size))
+        num_latent_frames, latent_height, latent_width, num_audio_latents, _ = geometry
+        if latents is None:
+            latents = randn_tensor(
+                (1, self.vae.config.latent_channels, num_latent_frames, latent_height, latent_width),
+                generator=generator, device=device, dtype=torch.float32,
+            )  # fmt: skip
+        video_rows = patchify_video_latents(latents.to(device, torch.float32), self.patch_size)
+        audio_channels = self.audio_vae.config.latent_channels
+        if audio_latents is None:
+            audio_rows = randn_tensor(
+                (num_audio_latents * MINIMAX_H3_AUDIO_CHANNELS, audio_channels),
+                generator=generator, device=device, dtype=torch.float32,
+            )  # fmt: skip
+        else:
+            audio_rows = audio_latents.to(device, torch.float32).permute(0, 2, 1).reshape(-1, audio_channels)
+        video_rows = torch.cat(condition_rows + [video_rows]) if condition_rows else video_rows
+        audio_rows = torch.cat([rows.to(device) for rows in audio_condition_latents] + [audio_rows])
+        return video_rows, audio_rows
+
+    def _unpack_latents(self, latents, audio_latents, n_cond_video: int, n_cond_audio: int, geometry: LatentGeometry):
+        """Generated rows back to `(1, C, frames, h, w)` video and `(2, C, num_latents)` audio latents."""
+        num_latent_frames, latent_height, latent_width, num_audio_latents, (patch_t, patch_h, patch_w) = geometry
+        channels = self.vae.config.latent_channels
+        rows = latents[n_cond_video:].reshape(
+            -1, num_latent_frames // patch_t, latent_height // patch_h, latent_width // patch_w,
+            channels, patch_t, patch_h, patch_w,
+        )  # fmt: skip
+        video_latents = rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(
+            -1, channels, num_latent_frames, latent_height, latent_width
+        ).contiguous()
+        audio_rows = audio_latents[n_cond_audio:].reshape(MINIMAX_H3_AUDIO_CHANNELS, num_audio_latents, -1)
+        return video_latents, audio_rows.permute(0, 2, 1).contiguous()
 
     # ------------------------------------------------------------------------------------------------------------
     # __call__
@@ -672,110 +597,54 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`.
         """
         # 1. Route the task and check the request before any model runs.
-        task = select_task(image, last_image, references)
+        conditioning = {"image": image, "last_image": last_image, "references": references}
+        spec = get_task(select_task(**conditioning))
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
         num_inference_steps, flow_shift, audio_flow_shift = self._resolve_lora_schedule(
-            num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=task
+            num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=spec.name
         )
         if num_inference_steps is None:
             num_inference_steps = 50
         num_frames = self.check_inputs(
-            task, prompt, height, width, num_frames, references, output_type,
+            spec, prompt, height, width, num_frames, conditioning, output_type,
             callback_on_step_end_tensor_inputs, sigmas, audio_sigmas,
         )  # fmt: skip
-        transformer = getattr(self, partition_for_task(task))
+        transformer = getattr(self, spec.partition)
         self._interrupt = False
         device = self._device_of(transformer)  # where the denoising loop runs; other components may sit elsewhere
+        # Under context parallelism every rank runs this call: same noise (checked), one prompt encode (rank 0).
+        cp_group = self._context_parallel_group = context_parallel_group(transformer)
+        if cp_group is not None:
+            check_same_generator(generator, cp_group)
 
         # 2. Resolve the canvas and put the conditioning media on H3's rates and resolutions.
-        keyframes, anchors, normalized_references = [], (), None
-        if task == "fl2va":
-            keyframes, anchors, height, width = self._fit_keyframes(image, last_image, height, width)
-        elif height is None:
-            height, width = resolve_canvas_size(16, 9, self.canvas_multiple, *self._canvas_rule)
-        if task == "ref2va":
-            normalized_references = self._normalize_references(references, num_frames)
+        conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
 
-        # 3. Encode the presentation (labels, vision blocks, prompt) with the text encoder.
-        if task == "ref2va":
-            token_ids, token_tags, vision_inputs = self._present_references(prompt, normalized_references)
-        else:
-            token_ids, token_tags, vision_inputs = self._present_keyframes(prompt, keyframes)
-        prompt_embeds = self.encode_presentation(token_ids, vision_inputs, device=device)
-        text_token_tags = torch.tensor(token_tags, dtype=torch.long)
+        # 3. Encode the prompt, presented with its conditioning (labels, vision blocks), with the text encoder.
+        prompt_embeds, text_token_tags = run_on_main_rank(
+            lambda: self.encode_prompt(prompt, spec.name, conditions, device=device), cp_group, device
+        )
 
-        # 4. Encode the visual (and, for ref2va, audio) conditioning with the VAEs.
-        audio_condition_latents = []
-        if task == "ref2va":
-            condition_latents, audio_condition_latents = self._encode_references(normalized_references)
-        else:
-            vae_device = self._device_of(self.vae)
-            condition_latents = [
-                self._encode_visual_condition(
-                    torch.from_numpy(np.array(frame)).to(vae_device).permute(2, 0, 1)[None, :, None]
-                )
-                for frame in keyframes
-            ]
+        # 4. Encode the conditioning media with the VAEs.
+        condition_latents, audio_condition_latents = spec.encode_conditions(self, conditions)
 
         # 5. Build the packed layout: rows, rotary grid (fp64), tags, and the PackedLayout for processors.
-        ratio = self.vae_spatial_compression_ratio
-        num_latent_frames = video_latent_num_frames(num_frames, self.vae_frames_per_chunk, self.vae_latents_per_chunk)
-        latent_height, latent_width = height // ratio, width // ratio
-        num_audio_latents = audio_latent_num_frames(num_frames)
-        geometry = (num_latent_frames, latent_height, latent_width, num_audio_latents, self.patch_size)
-        if task == "ref2va":
-            packed = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
-                text_token_tags, normalized_references, condition_latents, audio_condition_latents, *geometry,
-                MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG,
-            )  # fmt: skip
-            layout = ref2va_layout(
-                len(token_ids), normalized_references, condition_latents, audio_condition_latents, *geometry,
-                MINIMAX_H3_AUDIO_CHANNELS,
-            )  # fmt: skip
-        else:
-            packed = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                text_token_tags, *geometry, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG, anchors
-            )
-            layout = t2va_fl2va_layout(len(token_ids), len(anchors), *geometry, MINIMAX_H3_AUDIO_CHANNELS)
-        position_ids, token_tags_t, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = packed
-        check_layout_matches_indices(layout, video_indices, audio_indices, text_indices)
-        if device.type in ("mps", "npu"):
-            position_ids = position_ids.float()  # no fp64 there; the rope casts to fp32 anyway
-        structure = {
-            "position_ids": position_ids.to(device),
-            "token_tags": token_tags_t.to(device),
-            "video_indices": video_indices.to(device),
-            "audio_indices": audio_indices.to(device),
-            "text_indices": text_indices.to(device),
-        }
+        geometry = self._latent_geometry(num_frames, conditions.height, conditions.width)
+        structure, layout, n_cond_video, n_cond_audio = self._prepare_packed_sequence(
+            spec, text_token_tags, conditions, condition_latents, audio_condition_latents, geometry, device
+        )
 
-        # 6. Draw noise from the one generator: conditioning noise, video noise, audio noise — in that order.
-        condition_rows = []
-        for condition in condition_latents:
-            noise = randn_tensor(condition.shape, generator=generator, device=device, dtype=torch.float32)
-            noised = self.scheduler.scale_noise(condition.to(device), KEYFRAME_NOISE_AUG, noise)
-            condition_rows.append(patchify_video_latents(noised, self.patch_size))
-        if latents is None:
-            latents = randn_tensor(
-                (1, self.vae.config.latent_channels, num_latent_frames, latent_height, latent_width),
-                generator=generator, device=device, dtype=torch.float32,
-            )  # fmt: skip
-        video_rows = patchify_video_latents(latents.to(device, torch.float32), self.patch_size)
-        audio_channels = self.audio_vae.config.latent_channels
-        if audio_latents is None:
-            audio_rows = randn_tensor(
-                (num_audio_latents * MINIMAX_H3_AUDIO_CHANNELS, audio_channels),
-                generator=generator, device=device, dtype=torch.float32,
-            )  # fmt: skip
-        else:
-            audio_rows = audio_latents.to(device, torch.float32).permute(0, 2, 1).reshape(-1, audio_channels)
-        latents = torch.cat(condition_rows + [video_rows]) if condition_rows else video_rows
-        audio_latents = torch.cat([rows.to(device) for rows in audio_condition_latents] + [audio_rows])
+        # 6. Prepare the latent rows: noised conditioning rows, then video noise; reference audio, then audio noise.
+        latents, audio_latents = self.prepare_latents(
+            geometry, condition_latents, audio_condition_latents, generator, device, latents, audio_latents
+        )
+        video_indices, audio_indices = structure["video_indices"], structure["audio_indices"]
         if latents.shape[0] != video_indices.numel() or audio_latents.shape[0] != audio_indices.numel():
             raise ValueError(
                 f"`latents`/`audio_latents` give {latents.shape[0]} video / {audio_latents.shape[0]} audio rows but the "
                 f"request needs {video_indices.numel()} / {audio_indices.numel()}: pass noise shaped like "
-                f"(1, C, {num_latent_frames}, {latent_height}, {latent_width}) and (2, C, {num_audio_latents})."
+                f"(1, C, {geometry.num_latent_frames}, {geometry.latent_height}, {geometry.latent_width}) and "
+                f"(2, C, {geometry.num_audio_latents})."
             )
 
         # 7. Schedules and the per-step row-timestep plan (conditioning rows pinned at 0.999, reference audio at 1).
@@ -783,24 +652,27 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device
         )
         self._num_timesteps = len(timesteps)
+        rows = (video_indices.cpu(), audio_indices.cpu(), n_cond_video, n_cond_audio, structure["text_indices"].numel())
         row_plan = [
             tuple(
                 tensor.to(device)
                 for tensor in MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                    video_indices, audio_indices, n_cond_video, n_cond_audio, text_indices.numel(),
-                    float(t), float(t_audio), max(float(t), KEYFRAME_NOISE_AUG), 1.0,
-                )  # fmt: skip
+                    *rows, float(t), float(t_audio), max(float(t), KEYFRAME_NOISE_AUG), 1.0
+                )
             )
             for t, t_audio in zip(timesteps, audio_timesteps)
         ]
 
         # 8. Denoise: one transformer forward per step; only the generated rows are stepped.
-        with self.progress_bar(total=len(timesteps)) as progress_bar:
+        # The token refiner is timestep-free: it refines the prompt once per request, not once per step.
+        with self.progress_bar(total=len(timesteps)) as progress_bar, refine_text_once(transformer):
             for i, t in enumerate(timesteps):
                 if self.interrupt:
                     continue
                 unique_timesteps, timestep_indices = row_plan[i]
-                with use_packed_layout(layout.at_step(i, len(timesteps))):
+                # cache_context tells diffusers' step-caching hooks (FirstBlockCache, MagCache, TaylorSeer) the step.
+                step = {"step_index": i, "sigma": float(self.scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
+                with use_packed_layout(layout.at_step(i, len(timesteps))), transformer.cache_context("cond", **step):
                     noise_pred, audio_noise_pred = transformer(
                         hidden_states=latents[None],
                         audio_hidden_states=audio_latents[None],
@@ -828,24 +700,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 progress_bar.update()
 
         # 9. Unpack the generated rows into latents.
-        patch_t, patch_h, patch_w = self.patch_size
-        channels = self.vae.config.latent_channels
-        rows = latents[n_cond_video:].reshape(
-            -1, num_latent_frames // patch_t, latent_height // patch_h, latent_width // patch_w,
-            channels, patch_t, patch_h, patch_w,
-        )  # fmt: skip
-        video_latents = rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(
-            -1, channels, num_latent_frames, latent_height, latent_width
-        ).contiguous()
-        audio_rows = audio_latents[n_cond_audio:].reshape(MINIMAX_H3_AUDIO_CHANNELS, num_audio_latents, -1)
-        audio_latents_out = audio_rows.permute(0, 2, 1).contiguous()
+        video_latents, audio_latents = self._unpack_latents(latents, audio_latents, n_cond_video, n_cond_audio, geometry)
 
         # 10. Decode video (ImageNet-normalized RGB → [0, 1]) and audio (stereo = 2 mono items).
         if output_type == "latent":
-            frames, audio = video_latents, audio_latents_out
+            frames, audio = video_latents, audio_latents
         else:
             frames = self._decode_video(video_latents, output_type, self._device_of(self.vae))
-            audio = self._decode_audio(audio_latents_out, self._device_of(self.audio_vae))
+            audio = self._decode_audio(audio_latents, self._device_of(self.audio_vae))
             if output_type == "np":
                 audio = audio.cpu().numpy()
         self.maybe_free_model_hooks()
@@ -857,7 +719,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _decode_video(self, video_latents, output_type, device):
         mean = torch.tensor(self.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
-        video = self.vae.decode(video_latents.to(device) * std + mean, return_dict=False)[0]
+        video_latents = video_latents.to(device) * std + mean
+        cp_group = getattr(self, "_context_parallel_group", None)
+        if cp_group is not None:  # the VAE tiles are split over the context-parallel ranks
+            video = parallel_vae_decode(self.vae, video_latents, cp_group)
+        else:
+            video = self.vae.decode(video_latents, return_dict=False)[0]
         pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
@@ -870,7 +737,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return audio.float().permute(1, 0, 2)
 
     def describe_paths(self) -> Dict[str, Any]:
-        """Pipeline-level facts for `diffusers_h3._report(pipe)`."""
+        """Pipeline-level facts for `diffusers_h3.describe(pipe)`."""
         report = {
             "partitions": [name for name, _ in self._partitions()] or ["none"],
             "text_encoder_layer": int(self.config.text_encoder_layer),

@@ -1,35 +1,49 @@
-"""Weight quantization for diffusers-h3: W8A16, NVFP4, FP8 configs, quantizers registered with diffusers, quantized
-Linear layers and ``quantize(module, config)``."""
+"""Weight quantization for diffusers-h3: the formats W8A16, NVFP4 and FP8 (configs, quantized Linear layers, their
+diffusers quantizer), one registry of formats (:mod:`.registry`) and ``quantize(module, config)``."""
 
+from ._replace import linears_to_quantize
+from .apply import quantization_summary, quantize
 from .config import (
     DEFAULT_MODULES_TO_NOT_CONVERT,
     FP8Config,
-    H3QuantizationConfigBase,
-    H3QuantMethod,
     NVFP4Config,
+    QuantizationConfigBase,
+    QuantMethod,
     W8A16Config,
 )
-from .layers import FP8Linear, H3QuantizedLinear, NVFP4Linear, W8A16Linear
-from .quantize import linears_to_quantize, quantization_summary, quantize
-from .quantizer import FP8Quantizer, H3Quantizer, NVFP4Quantizer, W8A16Quantizer, register_quantizers
+from .diffusers_quantizer import QuantizerBase
+from .layers import FP8Linear, NVFP4Linear, QuantizedLinear, W8A16Linear
+from .registry import (
+    QuantFormat,
+    format_names,
+    formats,
+    get_format,
+    register_format,
+    register_quantizers,
+    unregister_format,
+)
+
 
 __all__ = [
     "DEFAULT_MODULES_TO_NOT_CONVERT",
     "FP8Config",
     "FP8Linear",
-    "FP8Quantizer",
-    "H3QuantMethod",
-    "H3QuantizationConfigBase",
-    "H3QuantizedLinear",
-    "H3Quantizer",
     "NVFP4Config",
     "NVFP4Linear",
-    "NVFP4Quantizer",
+    "QuantFormat",
+    "QuantMethod",
+    "QuantizationConfigBase",
+    "QuantizedLinear",
+    "QuantizerBase",
     "W8A16Config",
     "W8A16Linear",
-    "W8A16Quantizer",
+    "format_names",
+    "formats",
+    "get_format",
     "linears_to_quantize",
     "quantization_summary",
     "quantize",
+    "register_format",
     "register_quantizers",
+    "unregister_format",
 ]

@@ -1,10 +1,11 @@
 """Quantization configs of diffusers-h3: ``W8A16Config``, ``NVFP4Config``, ``FP8Config``.
 
-They are diffusers ``QuantizationConfigMixin`` subclasses whose ``quant_method`` is a member of the
-:class:`H3QuantMethod` enum (diffusers reads ``quant_method.value``). The method names carry an ``h3_`` prefix so they
-never clash with methods diffusers or transformers already own (transformers owns ``"nvfp4"`` and ``"fp8"``).
+They are diffusers ``QuantizationConfigMixin`` subclasses whose ``quant_method`` is a :class:`QuantMethod` (a string
+with diffusers' ``.value``). The method names carry an ``h3_`` prefix so they never clash with methods diffusers or
+transformers already own (transformers owns ``"nvfp4"`` and ``"fp8"``). A config class gets its method when its format
+is registered (:func:`diffusers_h3.quantizers.registry.register_format`), the one place that names it.
 
-Which ``nn.Linear`` layers are quantized (:meth:`H3QuantizationConfigBase.should_quantize`):
+Which ``nn.Linear`` layers are quantized (:meth:`QuantizationConfigBase.should_quantize`):
 
 - ``modules_to_not_convert=None`` (default): every ``nn.Linear`` except input / output projections and embedders
   (:data:`DEFAULT_MODULES_TO_NOT_CONVERT`, which includes H3's ``_keep_in_fp32_modules``), every module whose name
@@ -21,11 +22,11 @@ has one row per distinct timestep, so quantizing them costs no speed. Add ``"ada
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from diffusers.quantizers.quantization_config import QuantizationConfigMixin
+
 
 DEFAULT_MODULES_TO_NOT_CONVERT: List[str] = [
     # MiniMaxH3Transformer3DModel._keep_in_fp32_modules
@@ -45,10 +46,18 @@ DEFAULT_MODULES_TO_NOT_CONVERT: List[str] = [
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class H3QuantMethod(str, Enum):
-    W8A16 = "h3_w8a16"
-    NVFP4 = "h3_nvfp4"
-    FP8 = "h3_fp8"
+class QuantMethod(str):
+    """The ``quant_method`` of a config: the string diffusers stores in ``config.json`` and keys its auto maps with,
+    with the ``.value`` diffusers reads from its own ``QuantizationMethod`` enum members."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"QuantMethod({str(self)!r})"
 
 
 def _dtype_from(value) -> Optional[torch.dtype]:
@@ -72,11 +81,13 @@ def module_name_matches(name: str, patterns: Iterable[str]) -> bool:
     return any(p and (p == name or f".{p}." in dotted) for p in patterns)
 
 
-class H3QuantizationConfigBase(QuantizationConfigMixin):
+class QuantizationConfigBase(QuantizationConfigMixin):
     """Shared fields: ``modules_to_not_convert``, ``compute_dtype`` (None: the dtype of each dense weight),
-    ``backend`` (``"auto"`` picks the kernel per device; others force one path, see each layer's docstring)."""
+    ``backend`` (``"auto"`` picks the kernel per device; others force one path, see each layer's docstring).
 
-    quant_method: H3QuantMethod
+    ``quant_method`` is a class attribute set by ``register_format``."""
+
+    quant_method: Optional[QuantMethod] = None
     allowed_backends = ("auto", "torch", "dequant")
 
     def __init__(
@@ -87,6 +98,11 @@ class H3QuantizationConfigBase(QuantizationConfigMixin):
         **kwargs,
     ):
         kwargs.pop("quant_method", None)
+        if type(self).quant_method is None:
+            raise TypeError(
+                f"{type(self).__name__} has no quant_method: register its format first "
+                "(diffusers_h3.quantizers.register_format(...))."
+            )
         if kwargs:
             raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}.")
         if modules_to_not_convert is not None and (
@@ -120,7 +136,7 @@ class H3QuantizationConfigBase(QuantizationConfigMixin):
     # -- serialization -----------------------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
         out = dict(self.__dict__)
-        out["quant_method"] = self.quant_method.value
+        out["quant_method"] = str(self.quant_method)
         out["compute_dtype"] = None if self.compute_dtype is None else str(self.compute_dtype).replace("torch.", "")
         return out
 
@@ -131,7 +147,7 @@ class H3QuantizationConfigBase(QuantizationConfigMixin):
         return {"backend": self.backend}
 
 
-class W8A16Config(H3QuantizationConfigBase):
+class W8A16Config(QuantizationConfigBase):
     """Int8 weights, per-output-channel fp32 scales (or one scale per ``group_size`` input columns), 16-bit
     activations.
 
@@ -148,7 +164,6 @@ class W8A16Config(H3QuantizationConfigBase):
             raise ValueError(f"group_size must be None or a positive multiple of 16, got {group_size!r}.")
         self.group_size = group_size
         self.large_m_rows = _positive_int("large_m_rows", large_m_rows)
-        self.quant_method = H3QuantMethod.W8A16
         super().__init__(**kwargs)
 
     def supports_shape(self, in_features, out_features):
@@ -158,7 +173,7 @@ class W8A16Config(H3QuantizationConfigBase):
         return {"backend": self.backend, "group_size": self.group_size, "large_m_rows": self.large_m_rows}
 
 
-class NVFP4Config(H3QuantizationConfigBase):
+class NVFP4Config(QuantizationConfigBase):
     """NVFP4 weights (E2M1 + E4M3 per-16 scales + fp32 tensor scale; ModelOpt layout).
 
     ``activation=None`` (default): weight-only, same numerics on every device -- on SM80+ the fused Triton GEMM below
@@ -174,7 +189,6 @@ class NVFP4Config(H3QuantizationConfigBase):
             raise ValueError(f"activation must be None (weight-only) or 'nvfp4' (W4A4), got {activation!r}.")
         self.activation = activation
         self.large_m_rows = _positive_int("large_m_rows", large_m_rows)
-        self.quant_method = H3QuantMethod.NVFP4
         super().__init__(**kwargs)
 
     def supports_shape(self, in_features, out_features):
@@ -184,7 +198,7 @@ class NVFP4Config(H3QuantizationConfigBase):
         return {"backend": self.backend, "activation": self.activation, "large_m_rows": self.large_m_rows}
 
 
-class FP8Config(H3QuantizationConfigBase):
+class FP8Config(QuantizationConfigBase):
     """E4M3 weights with per-output-channel scales; activations quantized per token at run time (fused Triton
     kernel) and multiplied with ``torch._scaled_mm`` on SM89+. Elsewhere the weight is dequantized (16-bit GEMM)."""
 
@@ -192,7 +206,6 @@ class FP8Config(H3QuantizationConfigBase):
 
     def __init__(self, use_fast_accum: bool = True, **kwargs):
         self.use_fast_accum = bool(use_fast_accum)
-        self.quant_method = H3QuantMethod.FP8
         super().__init__(**kwargs)
 
     def layer_kwargs(self):

@@ -1,9 +1,9 @@
 """Quantized ``Linear`` layers: :class:`W8A16Linear`, :class:`NVFP4Linear`, :class:`FP8Linear`.
 
-All subclass :class:`H3QuantizedLinear`, the interface the LoRA (PEFT) integration builds on:
+All subclass :class:`QuantizedLinear`, the interface the LoRA (PEFT) integration builds on:
 
 - ``in_features``, ``out_features``, ``bias`` (unquantized ``Parameter`` in ``compute_dtype``, or ``None``),
-  ``compute_dtype``, ``quant_method`` (str);
+  ``compute_dtype``, ``quant_method`` (str; a class attribute set by ``register_format``);
 - ``dequantize(dtype=None) -> Tensor[out, in]``: the effective weight;
 - ``forward(x)``: any leading shape, returns ``compute_dtype``;
 - ``describe_path() -> str``: one line, which path runs on the layer's device and why;
@@ -15,7 +15,9 @@ All subclass :class:`H3QuantizedLinear`, the interface the LoRA (PEFT) integrati
 
 The storage buffers keep their dtype under ``module.to(dtype)`` / ``.half()``: only their device follows; a floating
 cast changes ``compute_dtype`` and the bias instead. State-dict names follow the ModelOpt export layout
-(``weight``, ``weight_scale``, ``weight_scale_2``), see :mod:`diffusers_h3.quantizers.serialization`.
+(``weight``, ``weight_scale``, ``weight_scale_2``): :meth:`QuantizedLinear.load_quantized_` installs them and
+:class:`~diffusers_h3.quantizers.diffusers_quantizer.QuantizerBase` reads them from ``from_pretrained`` checkpoints
+(ours and ModelOpt-style exports).
 """
 
 from __future__ import annotations
@@ -27,10 +29,16 @@ from torch import nn
 
 from .._utils import cuda_capability, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import opaque_to_compile
-from ..kernels.gemm.fp8 import fp8_dequantize, fp8_linear, fp8_quantize_weight, fp8_scaled_mm_supported
-from ..kernels.gemm.nvfp4 import flashinfer_fp4_available, nvfp4_dequantize, nvfp4_linear, nvfp4_quantize
-from ..kernels.gemm.w8a16 import (
+from ..kernels.gemm import (
     LARGE_M_ROWS,
+    flashinfer_fp4_available,
+    fp8_dequantize,
+    fp8_linear,
+    fp8_quantize_weight,
+    fp8_scaled_mm_supported,
+    nvfp4_dequantize,
+    nvfp4_linear,
+    nvfp4_quantize,
     triton_gemm_supported,
     w8a16_dequantize,
     w8a16_linear,
@@ -38,11 +46,11 @@ from ..kernels.gemm.w8a16 import (
 )
 
 
-class H3QuantizedLinear(nn.Module):
-    """Base class; subclasses define ``quant_method``, ``_storage`` (buffer names), ``_quantize`` and ``_select``."""
+class QuantizedLinear(nn.Module):
+    """Base class; subclasses define ``_storage_spec``, ``_quantize``, ``_select``, ``_run`` and ``dequantize``
+    (``quant_method`` comes from ``register_format``)."""
 
     quant_method: str = ""
-    _storage: Tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -84,7 +92,7 @@ class H3QuantizedLinear(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------------------------
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config) -> "H3QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, config) -> "QuantizedLinear":
         """Quantize a dense ``nn.Linear`` (its weight may be on any device; the result lives there)."""
         if linear.weight.device.type == "meta":
             raise ValueError("Cannot quantize a Linear whose weight is on the meta device; load its weight first.")
@@ -103,7 +111,7 @@ class H3QuantizedLinear(nn.Module):
         return layer
 
     @torch.no_grad()
-    def requantize_(self, dense_weight: torch.Tensor) -> "H3QuantizedLinear":
+    def requantize_(self, dense_weight: torch.Tensor) -> "QuantizedLinear":
         """Replace the stored weight by the quantization of ``dense_weight`` ``[out, in]`` (e.g. after LoRA fusing)."""
         if tuple(dense_weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
@@ -190,14 +198,12 @@ def _fallback_reason(device: torch.device, what: str) -> str:
     return f"fallback: {what} not available on sm_{cap[0]}{cap[1]}; dequantize per call to fp16/bf16 + cuBLAS"
 
 
-class W8A16Linear(H3QuantizedLinear):
+class W8A16Linear(QuantizedLinear):
     """Int8 weight ``[N, K]`` + fp32 scales ``[N]`` (per channel) or ``[N, K/group_size]``; 16-bit activations.
 
     Paths: Triton in-register dequant GEMM (CUDA SM80+), dequantize + cuBLAS (other GPUs, e.g. V100), torch reference
     (CPU).
     """
-
-    quant_method = "h3_w8a16"
 
     def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
                  backend="auto", group_size: Optional[int] = None, large_m_rows: int = LARGE_M_ROWS):  # fmt: skip
@@ -241,15 +247,13 @@ class W8A16Linear(H3QuantizedLinear):
                             large_m_rows=self.large_m_rows)  # fmt: skip
 
 
-class NVFP4Linear(H3QuantizedLinear):
+class NVFP4Linear(QuantizedLinear):
     """NVFP4 weight: ``weight`` uint8 ``[N, K/2]`` (E2M1 pairs), ``weight_scale`` E4M3 ``[N, K/16]``,
     ``weight_scale_2`` fp32 ``[]``.
 
     Weight-only paths: Triton dequant GEMM (CUDA SM80+), dequantize + cuBLAS (other GPUs), torch reference (CPU).
     ``activation="nvfp4"``: flashinfer ``mm_fp4`` on SM100+ (**not run on hardware**), fp32 emulation elsewhere.
     """
-
-    quant_method = "h3_nvfp4"
 
     def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
                  backend="auto", activation: Optional[str] = None, large_m_rows: int = LARGE_M_ROWS):  # fmt: skip
@@ -300,14 +304,12 @@ class NVFP4Linear(H3QuantizedLinear):
         )  # fmt: skip
 
 
-class FP8Linear(H3QuantizedLinear):
+class FP8Linear(QuantizedLinear):
     """E4M3 weight ``[N, K]`` + fp32 per-channel ``weight_scale`` ``[N]``; activations quantized per token at run time.
 
     Paths: fused Triton activation quantization + ``torch._scaled_mm`` row-wise (CUDA SM89+), dequantize + 16-bit
     GEMM (older GPUs; activations not quantized), fp32 emulation of the W8A8 numerics (CPU).
     """
-
-    quant_method = "h3_fp8"
 
     def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
                  backend="auto", use_fast_accum: bool = True):  # fmt: skip
@@ -351,9 +353,3 @@ class FP8Linear(H3QuantizedLinear):
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, backend=backend,
                           use_fast_accum=self.use_fast_accum)  # fmt: skip
 
-
-QUANTIZED_LINEAR_CLASSES = {
-    "h3_w8a16": W8A16Linear,
-    "h3_nvfp4": NVFP4Linear,
-    "h3_fp8": FP8Linear,
-}

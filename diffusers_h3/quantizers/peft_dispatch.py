@@ -4,7 +4,7 @@ PEFT wraps only layer types it knows (``nn.Linear``, bitsandbytes, GPTQ, ...); f
 ``LoraModel._create_new_module`` raises "Target module ... is not supported" unless the ``LoraConfig`` carries a
 custom mapping (``LoraConfig._register_custom_module``). This module provides
 
-- :class:`H3QuantizedLoraLinear`, the PEFT ``LoraLayer`` that wraps one quantized linear: the base weight stays
+- :class:`QuantizedLoraLinear`, the PEFT ``LoraLayer`` that wraps one quantized linear: the base weight stays
   quantized and runs its own GEMM; the LoRA factors run on the *unquantized* input ``x`` in their own dtype and each
   delta is added to the base output inside one fp32-accumulating ``addmm``, before anything reduces the output
   (a tensor-parallel all-reduce included, since the sum happens inside the layer);
@@ -18,11 +18,10 @@ re-quantizes it with the layer's own ``requantize_`` (so the fused model keeps t
 kernel). The quantized tensors from before the first fuse are kept on the CPU, so ``unfuse_lora`` restores them
 bit-exactly instead of subtracting the delta from an already re-quantized weight. That CPU copy costs the size of the
 quantized weights of every fused layer; ``unfuse_lora`` releases it. Fusing costs accuracy: the fused weight is
-rounded to the quantized format once more, while the unfused LoRA adds its delta exactly. Measured on a random
-1024x1024 layer with a rank-32 LoRA (CPU reference paths), relative L2 of the fused vs. the unfused output: W8A16 0.8 %,
-FP8 2.6 %, NVFP4 8 %. Prefer unfused LoRA on NVFP4 layers.
+rounded to the quantized format once more, while the unfused LoRA adds its delta exactly; the coarser the format,
+the larger the loss (numbers per format in docs/lora.md). Prefer unfused LoRA on NVFP4 layers.
 
-The quantized layer interface (``diffusers_h3.quantizers.layers.H3QuantizedLinear``): ``in_features``,
+The quantized layer interface (``diffusers_h3.quantizers.layers.QuantizedLinear``): ``in_features``,
 ``out_features``, ``bias``, ``compute_dtype``, ``quant_method``, ``dequantize(dtype=None) -> Tensor[out, in]``,
 ``forward(x)``, ``describe_path()``, ``requantize_(dense_weight)``. Any module that implements it is dispatched here.
 """
@@ -35,38 +34,27 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from torch import nn
-
 from peft.tuners.lora import LoraConfig, LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
+
+from .layers import QuantizedLinear
 
 
 _INTERFACE = ("in_features", "out_features", "quant_method", "dequantize", "requantize_")
 
 
-def _base_quantized_class() -> Optional[type]:
-    try:
-        from .layers import H3QuantizedLinear
-    except ImportError:  # the quantized layers are optional for this module: any class with the interface works
-        return None
-    return H3QuantizedLinear
-
-
 def is_quantized_linear(module: nn.Module) -> bool:
-    """True for diffusers-h3 quantized linears (``H3QuantizedLinear`` or any module implementing its interface)."""
+    """True for diffusers-h3 quantized linears (``QuantizedLinear`` or any module implementing its interface)."""
     if isinstance(module, BaseTunerLayer) or isinstance(module, nn.Linear):
         return False
-    base_cls = _base_quantized_class()
-    if base_cls is not None and isinstance(module, base_cls):
+    if isinstance(module, QuantizedLinear):
         return True
     return all(hasattr(module, name) for name in _INTERFACE)
 
 
 def _quantized_types(model: Optional[nn.Module] = None) -> List[type]:
-    types = []
-    base_cls = _base_quantized_class()
-    if base_cls is not None:
-        types.append(base_cls)
+    types = [QuantizedLinear]
     if model is not None:
         for module in model.modules():
             if is_quantized_linear(module) and not any(isinstance(module, t) for t in types):
@@ -74,7 +62,7 @@ def _quantized_types(model: Optional[nn.Module] = None) -> List[type]:
     return types
 
 
-class H3QuantizedLoraLinear(nn.Module, LoraLayer):
+class QuantizedLoraLinear(nn.Module, LoraLayer):
     """PEFT LoRA layer over a diffusers-h3 quantized linear (W8A16, NVFP4, FP8).
 
     ``forward(x) = base(x) + sum_a scaling_a * B_a(A_a(x))``: ``base(x)`` is the quantized layer's own path (its
@@ -226,8 +214,8 @@ class H3QuantizedLoraLinear(nn.Module, LoraLayer):
 
 def register_quantized_lora_modules(config: LoraConfig, model: Optional[nn.Module] = None) -> LoraConfig:
     """Make ``config`` dispatch diffusers-h3 quantized linears (of ``model``, if given) to
-    :class:`H3QuantizedLoraLinear`. Use before ``model.add_adapter(config)``; returns ``config``."""
-    mapping = {cls: H3QuantizedLoraLinear for cls in _quantized_types(model)}
+    :class:`QuantizedLoraLinear`. Use before ``model.add_adapter(config)``; returns ``config``."""
+    mapping = dict.fromkeys(_quantized_types(model), QuantizedLoraLinear)
     if mapping:
         config._register_custom_module(mapping)
     return config
@@ -239,7 +227,7 @@ _PATCH_LOCK = threading.RLock()
 @contextlib.contextmanager
 def quantized_lora_dispatch(model: Optional[nn.Module] = None) -> Iterator[None]:
     """While active, every ``LoraConfig`` diffusers creates when loading a LoRA (``load_lora_adapter``) dispatches
-    diffusers-h3 quantized linears to :class:`H3QuantizedLoraLinear`.
+    diffusers-h3 quantized linears to :class:`QuantizedLoraLinear`.
 
     diffusers builds that config inside ``load_lora_adapter`` (``diffusers.loaders.peft._create_lora_config``) with no
     hook for custom modules, so the function is wrapped for the duration of the block. The wrapper only *adds* a
@@ -254,7 +242,7 @@ def quantized_lora_dispatch(model: Optional[nn.Module] = None) -> Iterator[None]
 
             def _create_lora_config_with_quantized(*args, **kwargs):
                 config = original(*args, **kwargs)
-                config._register_custom_module({cls: H3QuantizedLoraLinear for cls in types})
+                config._register_custom_module(dict.fromkeys(types, QuantizedLoraLinear))
                 return config
 
             diffusers_peft._create_lora_config = _create_lora_config_with_quantized

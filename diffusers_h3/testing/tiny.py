@@ -19,6 +19,8 @@ from typing import Dict, Optional, Union
 import torch
 
 HUB_REPO_ID = "MiniMaxAI/MiniMax-H3"
+# The embedded demo checkpoint holds the t2va / fl2va partition only.
+DEMO_PARTITIONS = ("transformer",)
 
 TINY_TRANSFORMER_CONFIG = dict(
     num_attention_heads=2,
@@ -262,7 +264,7 @@ def demo_checkpoint_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> 
     cache_dir = Path(cache_dir)
     if (cache_dir / "model_index.json").exists():
         return cache_dir
-    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    pipe = tiny_pipeline(seed=0, with_transformer_ref="transformer_ref" in DEMO_PARTITIONS)
     tmp = cache_dir.with_name(cache_dir.name + ".tmp")
     pipe.save_pretrained(tmp)
     tmp.replace(cache_dir) if not cache_dir.exists() else None

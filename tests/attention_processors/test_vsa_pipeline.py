@@ -5,6 +5,7 @@ import os
 
 import torch
 
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -13,7 +14,8 @@ import pytest  # noqa: E402
 from diffusers_h3.attention_processors.vsa import MiniMaxH3VSAProcessor  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_pipeline  # noqa: E402
 
-CALL = dict(prompt="a cat", height=64, width=64, num_frames=124, num_inference_steps=3, output_type="latent")
+
+CALL = {"prompt": "a cat", "height": 64, "width": 64, "num_frames": 124, "num_inference_steps": 3, "output_type": "latent"}
 
 
 @pytest.fixture(scope="module")

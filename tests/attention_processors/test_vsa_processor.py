@@ -5,6 +5,7 @@ import os
 
 import torch
 
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -12,7 +13,7 @@ import pytest  # noqa: E402
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor  # noqa: E402
 
-from diffusers_h3.attention_processors import vsa as vsa_module  # noqa: E402
+from diffusers_h3.attention_processors import low_precision as low_precision_module  # noqa: E402
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import (  # noqa: E402
@@ -23,6 +24,7 @@ from diffusers_h3.attention_processors.vsa import (  # noqa: E402
     vsa_attention,
 )
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
 
 TINY = TINY_TRANSFORMER_CONFIG
 GRID = (3, 5, 6)  # partial 2x2x4 tiles in every axis
@@ -58,18 +60,18 @@ def _inputs(seed=0):
     pos[video_idx] = torch.stack([t, h, w], -1).reshape(-1, 3)
     pos[audio_idx, 0] = torch.arange(9)
     pos[text_idx, 0] = torch.arange(7)
-    inputs = dict(
-        hidden_states=torch.randn(1, n_video, 16, generator=g),
-        audio_hidden_states=torch.randn(1, 9, 8, generator=g),
-        encoder_hidden_states=torch.randn(1, 7, 16, generator=g),
-        timestep=torch.tensor([0.7]),
-        timestep_indices=torch.zeros(seq, dtype=torch.long),
-        token_tags=tags,
-        position_ids=pos,
-        video_indices=video_idx,
-        audio_indices=audio_idx,
-        text_indices=text_idx,
-    )
+    inputs = {
+        "hidden_states": torch.randn(1, n_video, 16, generator=g),
+        "audio_hidden_states": torch.randn(1, 9, 8, generator=g),
+        "encoder_hidden_states": torch.randn(1, 7, 16, generator=g),
+        "timestep": torch.tensor([0.7]),
+        "timestep_indices": torch.zeros(seq, dtype=torch.long),
+        "token_tags": tags,
+        "position_ids": pos,
+        "video_indices": video_idx,
+        "audio_indices": audio_idx,
+        "text_indices": text_idx,
+    }
     return {**{k: v.to(DEVICE) for k, v in inputs.items()}, "return_dict": False}
 
 
@@ -259,17 +261,18 @@ def test_errors_and_describe(model):
         MiniMaxH3VSAProcessor(precision="fp8", pv_precision="fp8", tile=(2, 2, 4))
     with pytest.raises(ValueError, match="kernel must be"):
         MiniMaxH3VSAProcessor(kernel="cuda")
-    if not torch.cuda.is_available():  # no Hopper here: the path names the Triton kernels
-        assert "via Triton kernels" in MiniMaxH3VSAProcessor(kernel="sm90").describe_path()
+    # describe_path reports what ran (recorded by the router), never a guess before the first call.
+    assert "chosen on the first sparse call" in MiniMaxH3VSAProcessor(kernel="sm90").describe_path()
     with pytest.raises(ValueError, match="dense_layers"):
         enable_vsa(model, dense_layers=[7])
     with pytest.raises(NotImplementedError, match="strict=False"):
         MiniMaxH3VSAProcessor(precision="fp4", strict=True)
-    # A sequence-parallel config is refused with a clear error.
+    # Ring attention is refused with one clear error (the base's policy).
     proc = MiniMaxH3VSAProcessor(sparsity=0.5)
-    proc._parallel_config = type("P", (), {"context_parallel_config": object()})()
+    cp = type("CP", (), {"ring_degree": 2, "ulysses_degree": 1})()
+    proc._parallel_config = type("P", (), {"context_parallel_config": cp})()
     blk = model.transformer_blocks[0].attn
-    with pytest.raises(NotImplementedError, match="context"):
+    with pytest.raises(NotImplementedError, match="ring attention needs a backend with LSE; use ulysses_degree"):
         proc(blk, torch.randn(1, 5, 32, device=DEVICE), rotary_emb=(torch.ones(5, 24), torch.zeros(5, 24)))
     assert "VSA sparsity=0.8" in MiniMaxH3VSAProcessor(sparsity=0.8, layer_index=3).describe_path()
     assert "dense" in MiniMaxH3VSAProcessor(sparsity=0.0).describe_path()
@@ -281,7 +284,8 @@ def test_errors_and_describe(model):
 def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision, name, format_name):
     _reset(model)
     assert f"{format_name} Q per token" in MiniMaxH3VSAProcessor(precision=precision).describe_path()
-    monkeypatch.setattr(vsa_module, "_qk_native", lambda precision, device: False)
+    assert "emulated" not in MiniMaxH3VSAProcessor(precision=precision).describe_path()  # nothing ran yet
+    monkeypatch.setattr(low_precision_module, "_qk_native", lambda precision, device: False)
     with pytest.raises(RuntimeError, match=f"{name} tensor cores.*strict=False"):
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision, strict=True)
     enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision)
@@ -293,7 +297,7 @@ def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision
     assert torch.isfinite(out).all()
     assert f"emulated here: no {name} tensor cores" in model.transformer_blocks[0].attn.processor.describe_path()
     _reset(model)
-    monkeypatch.setattr(vsa_module, "_fp8_native", lambda device: False)
+    monkeypatch.setattr(low_precision_module, "_fp8_native", lambda device: False)
     with pytest.raises(RuntimeError, match="strict=False"):
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8", strict=True)
     enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8")
@@ -304,4 +308,63 @@ def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision
         out = _run(model)[0]
     assert torch.isfinite(out).all()
     assert "emulated" in model.transformer_blocks[0].attn.processor.describe_path()
+    _reset(model)
+
+
+def test_vsa_config_validates_once_with_one_clear_line():
+    from diffusers_h3.attention_processors import VSAConfig
+
+    for options, error, match in [
+        ({"sparsity": 1.0}, ValueError, r"sparsity must be a float in \[0, 1\)"),
+        ({"sparsity": True}, ValueError, "sparsity"),
+        ({"tile": (3, 4, 4)}, ValueError, "power-of-two volume"),
+        ({"precision": "int4"}, ValueError, "precision must be one of"),
+        ({"pv_precision": "fp8"}, ValueError, "pv_precision='fp8' needs precision='fp8' or 'int8'"),
+        ({"dense_first_steps": -1}, ValueError, "dense_first_steps must be >= 0"),
+        ({"backend": "cuda"}, ValueError, "backend must be one of"),
+        ({"fp4_p": "three_level"}, ValueError, "fp4_p must be"),
+        ({"precision": "fp4", "strict": True}, NotImplementedError, "strict=False"),
+    ]:
+        with pytest.raises(error, match=match) as info:
+            VSAConfig(**options)
+        assert "\n" not in str(info.value)
+    with pytest.raises(TypeError, match=r"unknown VSA option\(s\) \['sparsty'\]"):
+        MiniMaxH3VSAProcessor(sparsty=0.5)
+    config = VSAConfig(sparsity=0.5, tile=[2, 2, 4], dense_layers=[3, 1, 3])
+    assert config.tile == (2, 2, 4) and config.dense_layers == (1, 3) and config.block == 16
+    proc = MiniMaxH3VSAProcessor(config, precision="int8", layer_index=1)
+    assert proc.config == VSAConfig(sparsity=0.5, tile=(2, 2, 4), dense_layers=(1, 3), precision="int8")
+    assert proc.layer_dense and proc.sparsity == 0.5
+
+
+def test_enable_vsa_takes_a_config(model):
+    from diffusers_h3.attention_processors import VSAConfig
+
+    _reset(model)
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    by_keywords = _run(model)[0]
+    summary = enable_vsa(model, VSAConfig(sparsity=0.75, tile=(2, 2, 4)))
+    assert summary["sparse_blocks"] == 2
+    assert torch.equal(_run(model)[0], by_keywords)
+    enable_vsa(model, VSAConfig(sparsity=0.75), tile=(2, 2, 4))  # keywords replace fields of the config
+    assert model.transformer_blocks[0].attn.processor.config.tile == (2, 2, 4)
+    _reset(model)
+
+
+def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
+    """describe_path says what the router ran; with a (faked) Hopper GPU, inputs it cannot take still say Triton."""
+    from diffusers_h3 import describe
+    from diffusers_h3.kernels.attention import router
+
+    _reset(model)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(router, "sm90_available_for", lambda device: True)
+    enable_vsa(model, sparsity=0.5, tile=(2, 4, 4), backend="triton")  # 32-row tiles
+    _run(model)
+    proc = model.transformer_blocks[0].attn.processor
+    choice = proc.last_choice
+    assert choice is not None and choice.kernel == "triton" and "Hopper kernel does not run this" in choice.reason
+    line = proc.describe_path()
+    assert choice.describe() in line and "sm90" not in line and "Hopper Gluon" not in line
+    assert line in describe(model)["model"]["attention"]
     _reset(model)

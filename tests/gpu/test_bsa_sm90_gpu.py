@@ -10,15 +10,17 @@ import torch
 
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
-from diffusers_h3.kernels.attention.bsa_triton import (
+from diffusers_h3.kernels.attention import (
+    TuningOptions,
     block_sparse_attention,
     block_sparse_attention_reference,
     sm90_kernel_supports,
 )
 from diffusers_h3.kernels.attention.bsa_sm90 import block_sparse_attention_sm90
-from diffusers_h3.kernels.numerics import quantize_fp8_per_block, quantize_fp8_per_token
 from diffusers_h3.kernels.attention.vsa_pool import tile_pool_reference
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index_reference
+from diffusers_h3.kernels.numerics import quantize_fp8_per_block, quantize_fp8_per_token
+
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,8 +66,7 @@ def test_sparse_bf16_matches_reference(d, stages):
     q, k, v, index, num = _inputs(plan, d=d)
     assert sm90_kernel_supports(q, k, v)[0]
     out = torch.full_like(q, float("nan"))
-    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, out=out, kernel="sm90",
-                           num_stages=stages)
+    block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, out=out, tuning=TuningOptions(kernel="sm90", num_stages=stages))
     ref = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
                                            out_dtype=torch.float32)
     assert not out.isnan().any()
@@ -80,7 +81,7 @@ def test_sparse_fp8_qk_matches_reference():
     k8, ks = quantize_fp8_per_block(k, 64)
     out = torch.full_like(q, float("nan"))
     block_sparse_attention(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64, q_scale=qs,
-                           k_scale=ks, out=out, kernel="sm90")
+                           k_scale=ks, out=out, tuning=TuningOptions(kernel="sm90"))
     ref = block_sparse_attention_reference(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
                                            q_scale=qs, k_scale=ks, out_dtype=torch.float32)
     assert not out.isnan().any()
@@ -99,10 +100,9 @@ def test_dense_matches_reference(s, block_m, block_n, fp8):
     if fp8:
         q, qs = quantize_fp8_per_token(q)
         k, ks = quantize_fp8_per_block(k, block_n)
-        kw = dict(q_scale=qs, k_scale=ks)
+        kw = {"q_scale": qs, "k_scale": ks}
     out = torch.full(v.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    block_sparse_attention(q, k, v, None, None, None, None, block=block_n, dense=True, out=out, kernel="sm90",
-                           block_m=block_m, **kw)
+    block_sparse_attention(q, k, v, None, None, None, None, block=block_n, dense=True, out=out, tuning=TuningOptions(kernel="sm90", block_m=block_m), **kw)
     ref = block_sparse_attention_reference(q, k, v, None, None, None, None, block=block_n, dense=True,
                                            out_dtype=torch.float32, **kw)
     assert not out.isnan().any()
@@ -118,20 +118,19 @@ def test_sm90_and_triton_kernels_agree_at_h3_length():
     plan = build_tile_plan(PackedLayout(segs, seq_len=926 + 37 * 24 * 42), device="cuda")
     q, k, v, index, num = _inputs(plan, b=1, h=2, topk=132, seed=3)
     args = (q, k, v, plan.slot_rows, plan.tile_counts, index, num)
-    a = block_sparse_attention(*args, block=64, kernel="sm90")
-    b = block_sparse_attention(*args, block=64, kernel="triton")
+    a = block_sparse_attention(*args, block=64, tuning=TuningOptions(kernel="sm90"))
+    b = block_sparse_attention(*args, block=64, tuning=TuningOptions(kernel="triton"))
     assert rel_l2(a, b) < 2e-3
 
 
 def test_sm90_refuses_what_it_cannot_run():
     plan = _plan()
     q, k, v, index, num = _inputs(plan)
-    with pytest.raises(ValueError, match="kernel='sm90' cannot run here"):
+    with pytest.raises(ValueError, match="cannot run here"):
         block_sparse_attention(q, k, v.float(), plan.slot_rows, plan.tile_counts, index, num, block=64,
-                               kernel="sm90")
+                               tuning=TuningOptions(kernel="sm90"))
     with pytest.raises(ValueError, match="knobs of the Triton kernel"):
-        block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, kernel="sm90",
-                               rotate=True)
+        block_sparse_attention(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64, tuning=TuningOptions(kernel="sm90", rotate=True))
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
@@ -142,7 +141,7 @@ def test_fp8_attention_through_the_sm90_kernel(block_n):
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
     k = (torch.randn_like(q) + 0.7).to(torch.bfloat16)
     v = torch.randn_like(q)
-    out = fp8_attention(q, k, v, block_n=block_n, kernel="sm90")
+    out = fp8_attention(q, k, v, block_n=block_n, tuning=TuningOptions(kernel="sm90"))
     ref = fp8_attention_reference(q, k, v, block_n=block_n)
     assert rel_l2(out, ref) < 5e-3
 
@@ -162,7 +161,7 @@ def test_sparse_fp8_pv_matches_reference():
     v8, vs = quantize_fp8_per_channel(v, seq_dim=1)
     out = torch.full_like(q, float("nan"))
     block_sparse_attention(q8, k8, _channel_major(v8), plan.slot_rows, plan.tile_counts, index, num, block=64,
-                           q_scale=qs, k_scale=ks, v_scale=vs, out=out, kernel="sm90")
+                           q_scale=qs, k_scale=ks, v_scale=vs, out=out, tuning=TuningOptions(kernel="sm90"))
     ref = block_sparse_attention_reference(q8, k8, v8, plan.slot_rows, plan.tile_counts, index, num, block=64,
                                            q_scale=qs, k_scale=ks, v_scale=vs, out_dtype=torch.float32)
     exact = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
@@ -181,7 +180,7 @@ def test_dense_fp8_pv_matches_reference(block_m, block_n):
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
     k = (torch.randn_like(q) + 0.7).to(torch.bfloat16)
     v = torch.randn_like(q)
-    out = fp8_attention(q, k, v, pv_fp8=True, block_m=block_m, block_n=block_n, kernel="sm90")
+    out = fp8_attention(q, k, v, pv_fp8=True, block_n=block_n, tuning=TuningOptions(kernel="sm90", block_m=block_m))
     ref = fp8_attention_reference(q, k, v, pv_fp8=True, block_n=block_n)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < 1e-2
@@ -196,7 +195,7 @@ def test_sparse_int8_qk_matches_reference(kernel):
     k8, ks = quantize_fp8_per_block(k, 64, dtype=torch.int8)
     out = torch.full_like(q, float("nan"))
     block_sparse_attention(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64, q_scale=qs,
-                           k_scale=ks, out=out, kernel=kernel)
+                           k_scale=ks, out=out, tuning=TuningOptions(kernel=kernel))
     ref = block_sparse_attention_reference(q8, k8, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
                                            q_scale=qs, k_scale=ks, out_dtype=torch.float32)
     exact = block_sparse_attention_reference(q, k, v, plan.slot_rows, plan.tile_counts, index, num, block=64,
@@ -214,8 +213,8 @@ def test_dense_int8_qk_through_the_sm90_kernel(block_m, block_n, pv_fp8):
     q = torch.randn(1, 2999, 2, 128, device="cuda", dtype=torch.bfloat16)
     k = (torch.randn_like(q) + 0.7).to(torch.bfloat16)
     v = torch.randn_like(q)
-    out = fp8_attention(q, k, v, pv_fp8=pv_fp8, block_m=block_m, block_n=block_n, qk_dtype=torch.int8,
-                        kernel="sm90")
+    out = fp8_attention(q, k, v, pv_fp8=pv_fp8, block_n=block_n, qk_dtype=torch.int8,
+                        tuning=TuningOptions(kernel="sm90", block_m=block_m))
     ref = fp8_attention_reference(q, k, v, pv_fp8=pv_fp8, block_n=block_n, qk_dtype=torch.int8)
     assert not out.isnan().any()
     assert rel_l2(out, ref) < (1e-2 if pv_fp8 else 5e-3)
@@ -238,7 +237,7 @@ def test_two_tile_program_is_bitwise_the_one_tile_program(qk, stages):
         k = k - k.float().mean(1, keepdim=True).to(k.dtype)
         q, qs = quantize_fp8_per_token(q)
         k, ks = quantize_fp8_per_block(k, 64)
-        kw = dict(q_scale=qs, k_scale=ks)
+        kw = {"q_scale": qs, "k_scale": ks}
     outs = []
     for two in (False, True):
         out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)

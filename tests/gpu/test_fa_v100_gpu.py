@@ -9,6 +9,7 @@ strided and misaligned inputs, outputs poisoned with NaN before the call, query 
 import pytest
 import torch
 
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -16,6 +17,7 @@ pytestmark = [
 
 from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, load_extension  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_transformer_inputs  # noqa: E402
+
 
 # fp16 inputs with unit-variance Q/K/V: the kernel's error against the fp32 oracle is the fp16 rounding of P and of
 # the output, ~5e-4 relative L2; 3e-3 leaves room without hiding an indexing bug (those give O(1) errors).

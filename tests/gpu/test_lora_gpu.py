@@ -45,14 +45,14 @@ def _time_ms(fn, iters=20):
 def test_lora_on_quantized_layer_gpu(method, tokens):
     from peft import LoraConfig
 
-    from diffusers_h3.quantizers import H3QuantizedLinear, quantize
-    from diffusers_h3.quantizers.peft_dispatch import H3QuantizedLoraLinear, register_quantized_lora_modules
+    from diffusers_h3.quantizers import QuantizedLinear, quantize
+    from diffusers_h3.quantizers.peft_dispatch import QuantizedLoraLinear, register_quantized_lora_modules
 
     torch.manual_seed(0)
     hidden, rank = 2048, 64
     model = nn.Sequential(nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(3 * hidden, hidden)).cuda().bfloat16()
     quantize(model, _config(method))
-    assert all(isinstance(m, H3QuantizedLinear) for m in model)
+    assert all(isinstance(m, QuantizedLinear) for m in model)
     dense = [nn.Linear(m.in_features, m.out_features).cuda().bfloat16() for m in model]
     for d, q in zip(dense, model):
         d.weight.data.copy_(q.dequantize(torch.bfloat16))
@@ -63,7 +63,7 @@ def test_lora_on_quantized_layer_gpu(method, tokens):
 
     inject_adapter_in_model(config, model, adapter_name="a")
     for layer in model:
-        assert isinstance(layer, H3QuantizedLoraLinear)
+        assert isinstance(layer, QuantizedLoraLinear)
         nn.init.normal_(layer.lora_A["a"].weight, std=0.02)
         nn.init.normal_(layer.lora_B["a"].weight, std=0.02)
 

@@ -6,6 +6,7 @@ Run on the device machine: ``python -m pytest tests/gpu/test_quant_gpu.py -m gpu
 import pytest
 import torch
 
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -8,10 +8,16 @@ import torch
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
 from diffusers_h3.attention_processors.vsa import vsa_attention
-from diffusers_h3.kernels.attention.bsa_triton import block_sparse_attention
+from diffusers_h3.kernels.attention import block_sparse_attention
 from diffusers_h3.kernels.attention.dense_quantized import fp8_attention, fp8_attention_reference
-from diffusers_h3.kernels.attention.vsa_pool import tile_pool, tile_pool_reference, tile_quantize_fp8, tile_quantize_fp8_reference
+from diffusers_h3.kernels.attention.vsa_pool import (
+    tile_pool,
+    tile_pool_reference,
+    tile_quantize_fp8,
+    tile_quantize_fp8_reference,
+)
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index, mask_to_index_reference
+
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -139,7 +145,10 @@ def test_fp8_dense_matches_reference_on_a_slice(pv_fp8):
 
 
 def test_select_tiles_and_fp8_v_at_h3_shape(setup):
-    from diffusers_h3.kernels.attention.v_fp8 import quantize_v_fp8_channel_major, quantize_v_fp8_channel_major_reference
+    from diffusers_h3.kernels.attention.v_fp8 import (
+        quantize_v_fp8_channel_major,
+        quantize_v_fp8_channel_major_reference,
+    )
     from diffusers_h3.kernels.attention.vsa_select import select_tiles
 
     plan, q, k, v = setup

@@ -179,15 +179,15 @@ def test_pow2_row_scale():
 
 
 def test_w8a16_dequant_path_runs_in_fp16():
-    quantizers = pytest.importorskip("diffusers_h3.quantizers.quantize")
+    quantizers = pytest.importorskip("diffusers_h3.quantizers.apply")
     from diffusers_h3.quantizers.config import W8A16Config
-    from diffusers_h3.quantizers.layers import H3QuantizedLinear
+    from diffusers_h3.quantizers.layers import QuantizedLinear
 
     model = _model(seed=8)
     inputs = _inputs(seed=8, video_scale=3e4)
     ref_video, ref_audio = _run(model, inputs)
     quantizers.quantize(model, W8A16Config(backend="dequant"))
-    layers = [m for m in model.modules() if isinstance(m, H3QuantizedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert layers
     enable_v100_mode(model)
     assert all(layer.compute_dtype == torch.float16 for layer in layers)

@@ -4,6 +4,9 @@ quantize-dequantize against independent computations and known values."""
 import pytest
 import torch
 
+from diffusers_h3.kernels.gemm.fp8 import fp8_dequantize, fp8_quantize_per_token_reference, fp8_quantize_weight
+from diffusers_h3.kernels.gemm.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from diffusers_h3.kernels.gemm.w8a16 import w8a16_dequantize, w8a16_quantize
 from diffusers_h3.kernels.numerics import (
     e2m1_decode,
     e2m1_encode,
@@ -13,9 +16,6 @@ from diffusers_h3.kernels.numerics import (
     to_e4m3,
     unpack_nibbles,
 )
-from diffusers_h3.kernels.gemm.fp8 import fp8_dequantize, fp8_quantize_per_token_reference, fp8_quantize_weight
-from diffusers_h3.kernels.gemm.nvfp4 import nvfp4_dequantize, nvfp4_quantize
-from diffusers_h3.kernels.gemm.w8a16 import w8a16_dequantize, w8a16_quantize
 
 
 def test_e2m1_table_known_values():

@@ -163,10 +163,10 @@ def assert_deltas(model: nn.Module, lora: LoRA, adapter: str, scale: float = 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Quantized-layer stand-in (the H3QuantizedLinear interface, with a per-row int8 weight)
+# Quantized-layer stand-in (the QuantizedLinear interface, with a per-row int8 weight)
 # ----------------------------------------------------------------------------------------------------------------------
 class Int8StandIn(nn.Module):
-    """Per-output-row symmetric int8 weight, float compute: the H3QuantizedLinear interface in 30 lines."""
+    """Per-output-row symmetric int8 weight, float compute: the QuantizedLinear interface in 30 lines."""
 
     quant_method = "test-int8"
 

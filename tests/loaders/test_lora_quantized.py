@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from diffusers_h3.quantizers.peft_dispatch import (
-    H3QuantizedLoraLinear,
+    QuantizedLoraLinear,
     is_quantized_linear,
     quantized_lora_dispatch,
     register_quantized_lora_modules,
@@ -63,7 +63,7 @@ def test_lora_on_quantized_equals_lora_on_dequantized_dense(tmp_path, layout):
 
     assert report.components["transformer"].quantized_modules == {"test-int8": len(lora)}
     wrapped = qmodel.transformer_blocks[0].attn.to_q
-    assert isinstance(wrapped, H3QuantizedLoraLinear)
+    assert isinstance(wrapped, QuantizedLoraLinear)
     assert isinstance(wrapped.get_base_layer(), Int8StandIn)
     assert wrapped.get_base_layer().qweight.dtype == torch.int8  # the base weight stays quantized
     assert_deltas(qmodel, lora, "a")
@@ -193,7 +193,7 @@ def test_low_cpu_mem_usage_false_and_manual_add_adapter():
         model.add_adapter(config, adapter_name="plain")
     model = quantize_linears(tiny_transformer(6))
     model.add_adapter(register_quantized_lora_modules(config, model), adapter_name="custom")
-    assert isinstance(model.transformer_blocks[0].attn.to_q, H3QuantizedLoraLinear)
+    assert isinstance(model.transformer_blocks[0].attn.to_q, QuantizedLoraLinear)
 
 
 def test_dispatch_context_restores_diffusers():
@@ -227,13 +227,13 @@ def _real_config(method):
 
 @pytest.mark.parametrize("method", ["w8a16", "nvfp4", "fp8"])
 def test_real_quantized_layers(tmp_path, method):
-    from diffusers_h3.quantizers import H3QuantizedLinear, quantize
+    from diffusers_h3.quantizers import QuantizedLinear, quantize
 
     qmodel = quantize(tiny_transformer(7), _real_config(method))
     pipe = TinyLoraPipeline(transformer=qmodel)
     dense = dense_twin(qmodel, seed=7)
     lora = canonical_lora(dense, seed=40)
-    quantized_names = [n for n, m in qmodel.named_modules() if isinstance(m, H3QuantizedLinear)]
+    quantized_names = [n for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)]
     assert quantized_names  # the tiny model has quantized and dense (kept) linears: one adapter spans both
     before = {k: v.clone() for k, v in qmodel.state_dict().items()}
 
@@ -270,7 +270,7 @@ def test_real_quantized_layers(tmp_path, method):
             assert torch.equal(value, before[key]), key  # packed storage: bit-exact
         else:
             torch.testing.assert_close(value, before[key], atol=1e-6, rtol=0, msg=key)  # dense: B@A subtracted
-    assert all(isinstance(qmodel.get_submodule(n), H3QuantizedLinear) for n in quantized_names)
+    assert all(isinstance(qmodel.get_submodule(n), QuantizedLinear) for n in quantized_names)
 
 
 def test_hotswap_with_different_rank_after_enable_lora_hotswap():
@@ -290,7 +290,7 @@ def test_hotswap_with_different_rank_after_enable_lora_hotswap():
 
 
 def test_quantized_transformer_ref_partition(tmp_path):
-    from diffusers_h3.quantizers import H3QuantizedLinear, quantize
+    from diffusers_h3.quantizers import QuantizedLinear, quantize
 
     fl2v = tiny_transformer(0)
     ref = quantize(tiny_transformer(8), _real_config("fp8"))
@@ -298,7 +298,7 @@ def test_quantized_transformer_ref_partition(tmp_path):
     lora = canonical_lora(dense_twin(ref, seed=8), seed=43)
     report = pipe.load_lora_weights(write_layout(lora, "diffusers_ref"), "r")
     assert list(report.components) == ["transformer_ref"]
-    num_quantized = sum(isinstance(m, H3QuantizedLinear) for m in ref.modules())
+    num_quantized = sum(isinstance(m, QuantizedLinear) for m in ref.modules())
     assert report.components["transformer_ref"].quantized_modules == {"h3_fp8": num_quantized}
     assert_deltas(ref, lora, "r")
     assert not hasattr(fl2v, "peft_config")

@@ -80,7 +80,7 @@ def test_wrong_noise_shape(pipe):
 
 
 def test_text_encoder_early_exit_matches_full_model_and_skips_later_layers(pipe):
-    token_ids = pipe._tokens("the quick brown fox")
+    token_ids = pipe.tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
     layers = pipe._language_layers()
     calls = []
     handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(layers)]

@@ -1,6 +1,6 @@
 """Hopper (SM90) block-sparse flash attention forward, written in Gluon (Triton's explicit-layout dialect).
 
-Same contract and numerics as :mod:`.block_sparse_attention` (whose torch reference it is tested against); this
+Same contract and numerics as :mod:`.bsa_triton` (whose torch reference it is tested against); this
 kernel only changes *how* the tensor cores are fed, the way FlashAttention-3 does on Hopper:
 
 * K and V tiles arrive by TMA into a ring of ``STAGES`` shared-memory buffers, each with its own mbarrier, issued
@@ -27,8 +27,13 @@ from typing import Optional
 
 import torch
 
-from ._launch import index_args, scale_args
 from .._triton_utils import HAS_TRITON
+from ..numerics import LOG2E
+from ._launch import index_args, scale_args
+
+
+# K/V ring depth of every variant unless a benchmark passes TuningOptions(num_stages=...).
+DEFAULT_STAGES = 3
 
 # Gluon's API moves between Triton releases: these kernels are compiled in CI with the installed Triton (3.8) and run
 # on an H200 with 3.6; older releases get the portable Triton kernel.
@@ -349,7 +354,6 @@ if HAS_GLUON:
         # 4. Normalise and write the valid rows.
         _store_rows(acc, l_i, rows, row_valid, O, V_SCALE, b, h, H, stride_ob, stride_os, stride_oh, o_layout, PV_FP8)
 
-
     @gluon.jit
     def _ws_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, k_desc, v_desc, k_bufs, v_bufs, p_bufs, k_ready,
                            v_ready, empty, pid_m, b, h, S, H, N_KV_BLOCKS, KV_ROWS, qk_scale, stride_qb, stride_qs,
@@ -458,7 +462,6 @@ if HAS_GLUON:
             (_ws_consumer_1, args),
             (_ws_load_partition, args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
 
     @gluon.jit
     def _ws_sparse_load_partition(Q, O, Q_SCALE, K_SCALE, V_SCALE, SLOT_ROWS, TILE_COUNTS, KV_INDEX, KV_NUM, k_desc,
@@ -602,6 +605,12 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def two_rings_fit(stages: int, block: int, head_dim: int, k_bytes: int, v_bytes: int) -> bool:
+    """Whether two rings of ``stages`` K/V slots (the two-tile sparse kernel) fit the multiprocessor's shared memory
+    (227 KB on Hopper, with room left for barriers and the FP8 P buffers)."""
+    return 2 * stages * block * head_dim * (k_bytes + v_bytes) <= 200 * 1024
+
+
 def channel_major_rows(v: torch.Tensor) -> Optional[torch.Tensor]:
     """``v [B, N, H, D]`` viewed as ``[B*H*D, N]`` rows when its storage is channel-major with 16-byte aligned
     rows (the layout FP8 P·V reads by TMA), else ``None``."""
@@ -629,18 +638,24 @@ def block_sparse_attention_sm90(
     v_scale: Optional[torch.Tensor] = None,
     dense: bool = False,
     block_m: Optional[int] = None,
-    stages: Optional[int] = None,
-    two_tiles: Optional[bool] = None,
+    stages: int = DEFAULT_STAGES,
+    two_tiles: bool = False,
 ) -> torch.Tensor:
-    """Launch the Gluon kernel on inputs that :func:`.block_sparse_attention.block_sparse_attention` validated, TMA
+    """Launch the Gluon kernel on inputs that :func:`~.router.block_sparse_attention` validated and routed here, TMA
     layouts included (``sm90_kernel_supports``: contiguous packed ``k``/``v``, FP8 V channel-major).
 
     The dense mode with ``block_m=128`` (its default) runs :func:`_dense_fwd_sm90_ws_kernel`: two independent consumer
     warpgroups of 64 query rows and a TMA producer warp; ``block_m=64`` runs one warpgroup per program. The sparse mode
-    with ``two_tiles`` (default: for 16-bit Q/K) runs :func:`_sparse_fwd_sm90_ws_kernel`: two query tiles per program,
-    one consumer warpgroup and one ring each, fed by a TMA producer warp (bitwise the same result)."""
+    with ``two_tiles`` runs :func:`_sparse_fwd_sm90_ws_kernel`: two query tiles per program, one consumer warpgroup and
+    one ring each, fed by a TMA producer warp (bitwise the same result; the router decides, see
+    :func:`two_rings_fit`)."""
+    if two_tiles and dense:
+        raise ValueError("two_tiles applies to the sparse mode; the dense kernel takes block_m 64 or 128")
+    if two_tiles and not two_rings_fit(stages, block, q.shape[-1], k.element_size(), v.element_size()):
+        raise ValueError(f"two_tiles needs two rings of {stages} K/V slots, more than the shared memory holds; pass "
+                         "fewer stages or two_tiles=False")
     if not HAS_GLUON:
-        raise RuntimeError("the SM90 attention kernel needs Triton >= 3.6 (Gluon); pass kernel='triton'")
+        raise RuntimeError("the SM90 attention kernel needs Triton >= 3.6 (Gluon); pass TuningOptions(kernel='triton')")
     b, s, h, d = q.shape
     n = k.shape[1]
     k_gl = _GL_DTYPES[k.dtype]
@@ -670,37 +685,29 @@ def block_sparse_attention_sm90(
     if dense and block_m == 128:
         # 4 + 4 + 1 warps round up to 12 (three warpgroups): 168 registers each on average; the consumers get 232.
         _dense_fwd_sm90_ws_kernel[grid](
-            q, k_desc, v_desc, out, qs, ks, vs, scale * 1.4426950408889634, s, h, n_kv_blocks, n,
+            q, k_desc, v_desc, out, qs, ks, vs, scale * LOG2E, s, h, n_kv_blocks, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *scale_strides,
-            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, QK_8BIT=q_scale is not None,
+            HEAD_DIM=d, BLOCK_N=block, STAGES=stages, QK_8BIT=q_scale is not None,
             CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168,
         )
         return out
-    if not dense:
-        # Two rings of K/V slots must fit the multiprocessor's shared memory (227 KB on Hopper).
-        two_fit = 2 * (stages or 3) * block * d * (k.element_size() + v.element_size()) <= 200 * 1024
-        if two_tiles and not two_fit:
-            raise ValueError(f"two_tiles needs two rings of {stages or 3} K/V slots, more than the shared memory "
-                             "holds; pass fewer stages or two_tiles=False")
-        if two_tiles is None:  # measured on an H200: -6% for 16-bit Q/K, +7-12% for 8-bit (run 17)
-            two_tiles = q_scale is None and two_fit
     if two_tiles and not dense:
         _sparse_fwd_sm90_ws_kernel[(triton.cdiv(n_q_tiles, 2), b * h)](
             q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
-            scale * 1.4426950408889634, s, h, n_q_tiles, n,
+            scale * LOG2E, s, h, n_q_tiles, n,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             *scale_strides, *index_strides,
-            HEAD_DIM=d, BLOCK_N=block, STAGES=stages or 3, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4,
+            HEAD_DIM=d, BLOCK_N=block, STAGES=stages, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4,
             maxnreg=168,
         )
         return out
     _bsa_fwd_sm90_kernel[grid](
         q, k_desc, v_desc, out, qs, ks, vs, slot_rows, tile_counts, kv_index, kv_num,
-        scale * 1.4426950408889634, s, h, n_kv_blocks, n_q_tiles, n,
+        scale * LOG2E, s, h, n_kv_blocks, n_q_tiles, n,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *scale_strides, *index_strides,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages or 3, DENSE=dense,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block, STAGES=stages, DENSE=dense,
         QK_8BIT=q_scale is not None, num_warps=block_m // 16,
     )
     return out

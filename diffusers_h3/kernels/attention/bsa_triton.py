@@ -1,6 +1,9 @@
-"""Block-sparse flash attention forward over variable-size tiles (the fine stage of video sparse attention).
+"""Block-sparse flash attention forward over variable-size tiles (the fine stage of video sparse attention): the
+portable Triton kernel, its launcher :func:`block_sparse_attention_triton` and the torch reference
+:func:`block_sparse_attention_reference`. The public entry point that picks a kernel is
+:func:`diffusers_h3.kernels.attention.router.block_sparse_attention`.
 
-Contract (shared by the Triton kernel and :func:`block_sparse_attention_reference`):
+Contract (shared by every kernel and :func:`block_sparse_attention_reference`):
 
 * ``q [B, S, H, D]``: packed query rows. Query tile ``t`` owns rows ``slot_rows[t*block : t*block + tile_counts[t]]``.
 * ``k, v [B, T*block, H, D]``: keys and values packed in tile order (:func:`~diffusers_h3.kernels.attention.vsa_pool.tile_pool`
@@ -24,6 +27,9 @@ Numerics: scores and the softmax run in float32 (online softmax in base 2, with 
 
 ``dense=True`` runs plain (non-sparse) attention through the same kernel: ``k``/``v`` are unpacked ``[B, S, H, D]``
 rows, query programs own ``block_m`` consecutive rows and every key block is visited (the dense FP8 mode).
+
+``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (the caller
+fake-quantizes Q, K and V); it runs on this kernel only.
 """
 
 from __future__ import annotations
@@ -33,19 +39,20 @@ from typing import Optional
 
 import torch
 
-from ._launch import index_args, scale_args
-from .._triton_utils import HAS_TRITON, check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
-from .bsa_sm90 import block_sparse_attention_sm90, channel_major_rows, sm90_kernel_available
-from ..numerics import QK_8BIT_DTYPES, dequantize_fp8_per_block
+from .._triton_utils import HAS_TRITON, triton_interpreter_active
+from ..numerics import E2M1_MAX, E4M3_MAX, LOG2E, QK_8BIT_DTYPES, dequantize_fp8_per_block, round_to_e2m1
+from ._launch import check_attention_args, index_args, scale_args
 from .vsa_pool import valid_slots
 
-E4M3_MAX = 448.0
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .vsa_pool import round_to_e4m3 as round_e4m3_value
+    from .._numerics_triton import E2M1_MAX as E2M1_MAX_TL
+    from .._numerics_triton import E4M3_MAX as E4M3_MAX_TL
+    from .._numerics_triton import round_to_e2m1 as round_e2m1_value
+    from .._numerics_triton import round_to_e4m3 as round_e4m3_value
 
     @triton.jit
     def _kv_tile(j, DENSE: tl.constexpr, list_base, TILE_COUNTS, S, BLOCK_N: tl.constexpr):
@@ -107,12 +114,6 @@ if HAS_TRITON:
         return v
 
     @triton.jit
-    def _round_e2m1(a):
-        """Nearest E2M1 magnitude of ``0 <= a`` (ties to even, saturating at 6)."""
-        r = tl.where(a <= 0.25, 0.0, tl.where(a < 0.75, 0.5, tl.where(a <= 1.25, 1.0, tl.where(a < 1.75, 1.5, 2.0))))
-        return tl.where(a <= 2.5, r, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, 6.0)))
-
-    @triton.jit
     def _fake_quant_p_fp4(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TWO_LEVEL: tl.constexpr,
                           SOFT_ROUND: tl.constexpr):
         """SageAttention3-style FP4 P (emulated): 16-column groups, E4M3 group scales ``max / 6``, E2M1 values.
@@ -120,18 +121,18 @@ if HAS_TRITON:
         ``TWO_LEVEL`` first stretches each row by ``448 * 6 / rowmax`` so that the group scales use the E4M3 range.
         """
         if TWO_LEVEL:
-            s1 = tl.maximum(tl.max(p, 1), 1e-30) * (1.0 / 2688.0)
+            s1 = tl.maximum(tl.max(p, 1), 1e-30) * (1.0 / (E4M3_MAX_TL * E2M1_MAX_TL))
             ps = tl.math.div_rn(p, s1[:, None])
         else:
             ps = p
         g = tl.reshape(ps, (BLOCK_M, BLOCK_N // 16, 16))
-        gs = tl.minimum(tl.max(g, 2) * (1.0 / 6.0), 448.0)
+        gs = tl.minimum(tl.max(g, 2) * (1.0 / E2M1_MAX_TL), E4M3_MAX_TL)
         if SOFT_ROUND:
             gs = round_e4m3_value(gs)
         else:
             gs = gs.to(tl.float8e4nv).to(tl.float32)
         safe = tl.where(gs > 0, gs, 1.0)
-        qg = tl.where(gs[:, :, None] > 0, _round_e2m1(tl.math.div_rn(g, safe[:, :, None])), 0.0) * gs[:, :, None]
+        qg = tl.where(gs[:, :, None] > 0, round_e2m1_value(tl.math.div_rn(g, safe[:, :, None])), 0.0) * gs[:, :, None]
         q = tl.reshape(qg, (BLOCK_M, BLOCK_N))
         if TWO_LEVEL:
             q = q * s1[:, None]
@@ -140,7 +141,7 @@ if HAS_TRITON:
     @triton.jit
     def _pv(acc, p, v, PV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFT_ROUND: tl.constexpr):
         if PV_FP8:
-            p8 = p * 448.0
+            p8 = p * E4M3_MAX_TL
             if SOFT_ROUND:  # the interpreter's float8 cast truncates: round to nearest even first
                 p8 = round_e4m3_value(p8)
             return tl.dot(p8.to(v.dtype), v, acc)
@@ -174,7 +175,7 @@ if HAS_TRITON:
                     HEAD_DIM: tl.constexpr, PV_FP8: tl.constexpr):
         if PV_FP8:
             v_sc = tl.load(V_SCALE + (b * H + h) * HEAD_DIM + offs_d)
-            acc = acc * (v_sc[None, :] / 448.0)
+            acc = acc * (v_sc[None, :] / E4M3_MAX_TL)
         out = acc / l_i[:, None]
         dst = O + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(O.dtype.element_ty), mask=row_valid[:, None])
@@ -291,7 +292,6 @@ if HAS_TRITON:
         _store_rows(acc, l_i, rows, row_valid, b, h, H, O, V_SCALE, stride_ob, stride_os, stride_oh, offs_d,
                     HEAD_DIM, PV_FP8)
 
-
     _SPARSE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2))
     ]
@@ -302,27 +302,6 @@ if HAS_TRITON:
     # Autotuned variants for GPUs (the interpreter runs the plain kernel with one explicit config).
     _bsa_fwd_sparse_tuned = triton.autotune(_SPARSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
     _bsa_fwd_dense_tuned = triton.autotune(_DENSE_CONFIGS, key=_AUTOTUNE_KEY)(_bsa_fwd_kernel)
-
-
-def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v_scale=None, p_fp4=None,
-                         block: int = 64):
-    """``(True, "")`` when the Hopper kernel can run these inputs, else ``(False, reason)``."""
-    if triton_interpreter_active() or not sm90_kernel_available(q.device):
-        return False, "it needs a compute capability 9.x GPU (Hopper) and Triton >= 3.6 (Gluon)"
-    if p_fp4 is not None:
-        return False, "the FP4 P emulation runs on the Triton kernel"
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
-        return False, f"it takes bf16/fp16 (or E4M3 / INT8 Q/K) inputs, got q {q.dtype}"
-    if v_scale is not None:
-        if v.dtype != torch.float8_e4m3fn or channel_major_rows(v) is None:
-            return False, "FP8 P.V needs a channel-major E4M3 v ([B, H, D, N] storage, 16-byte aligned rows)"
-    elif v.dtype not in (torch.bfloat16, torch.float16) or not v.is_contiguous():
-        return False, f"it reads v by TMA and needs a contiguous bf16/fp16 v, got {v.dtype}"
-    if q.shape[-1] not in (64, 128) or block not in (64, 128):
-        return False, f"it is built for head_dim 64/128 and 64/128-row tiles, got {q.shape[-1]} and {block}"
-    if not k.is_contiguous():
-        return False, "it reads k by TMA and needs it contiguous"
-    return True, ""
 
 
 def _tma_default(q: torch.Tensor) -> bool:
@@ -393,7 +372,7 @@ def block_sparse_attention_reference(
     When ``P`` is quantized (FP8 P·V or FP4 P) the result depends on the online softmax (``P`` is rounded against the
     running row max of each key tile), so the reference then walks the key tiles in list order like the kernel.
     """
-    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
+    check_attention_args(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
@@ -425,15 +404,13 @@ def block_sparse_attention_reference(
 
 def fake_quant_p_fp4_reference(p: torch.Tensor, two_level: bool = True) -> torch.Tensor:
     """Torch mirror of the kernel's FP4 P emulation on ``p [rows, block]`` (non-negative, groups of 16 columns)."""
-    from ..numerics import round_to_e2m1
-
     if two_level:
-        s1 = p.amax(1, keepdim=True).clamp_min(1e-30) * (1.0 / 2688.0)
+        s1 = p.amax(1, keepdim=True).clamp_min(1e-30) * (1.0 / (E4M3_MAX * E2M1_MAX))
         ps = p / s1
     else:
         ps = p
     g = ps.view(p.shape[0], -1, 16)
-    gs = (g.amax(2, keepdim=True) * (1.0 / 6.0)).clamp_max(448.0).to(torch.float8_e4m3fn).float()
+    gs = (g.amax(2, keepdim=True) * (1.0 / E2M1_MAX)).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()
     q = torch.where(gs > 0, round_to_e2m1(g / torch.where(gs > 0, gs, 1.0)), 0.0) * gs
     q = q.view(p.shape)
     return q * s1 if two_level else q
@@ -443,7 +420,6 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
                       dense, p_fp4):
     """Tile-by-tile online softmax in torch, in the kernel's order (small inputs only): float32 ``[B, S, H, D]``."""
     b, s, h, d = q.shape
-    log2e = 1.4426950408889634
     qf, kf = _dequantized_qk(q, k, q_scale, k_scale, block)
     vf = v.float()
     if dense:
@@ -465,7 +441,7 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
                 for j in tiles:
                     cols = kv_rows[j]
                     sc = torch.full((len(rows), block), float("-inf"), device=q.device)
-                    sc[:, : len(cols)] = (qf[bi, rows, hi] @ kf[bi, cols, hi].T) * (scale * log2e)
+                    sc[:, : len(cols)] = (qf[bi, rows, hi] @ kf[bi, cols, hi].T) * (scale * LOG2E)
                     m_new = torch.maximum(m, sc.amax(1))
                     p = torch.exp2(sc - m_new[:, None])
                     alpha = torch.exp2(m - m_new)
@@ -487,50 +463,7 @@ def _online_reference(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, 
     return out
 
 
-def _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError("q, k, v must be [batch, seq, heads, head_dim] tensors")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
-    if (q_scale is None) != (k_scale is None):
-        raise ValueError("FP8 Q/K needs both q_scale and k_scale (see quant_utils.quantize_fp8_per_token / "
-                         "quantize_fp8_per_block)")
-    fp8 = torch.float8_e4m3fn
-    if q_scale is not None and (q.dtype not in QK_8BIT_DTYPES or k.dtype != q.dtype):
-        raise ValueError(f"q_scale/k_scale are given, so q and k must both be float8_e4m3fn or both int8, got "
-                         f"{q.dtype} and {k.dtype}")
-    if q_scale is None and (q.dtype in QK_8BIT_DTYPES or k.dtype in QK_8BIT_DTYPES):
-        raise ValueError("8-bit (float8 / int8) q/k need their per-row scales: pass q_scale and k_scale")
-    if k_scale is not None:
-        n_key_tiles = -(-k.shape[1] // block)
-        if k_scale.shape != (k.shape[0], n_key_tiles, k.shape[2]):
-            raise ValueError(
-                f"k_scale must hold one scale per key tile of {block} rows and head, [B, T, H] = "
-                f"{(k.shape[0], n_key_tiles, k.shape[2])}, got {tuple(k_scale.shape)} (quant_utils.quantize_fp8_per_block)"
-            )
-    if (v_scale is not None) != (v.dtype == fp8):
-        raise ValueError("float8 v needs v_scale [B, H, D] and v_scale needs a float8_e4m3fn v")
-    if dense:
-        if k.shape[1] != q.shape[1]:
-            raise ValueError("dense attention needs k/v with the same number of rows as q")
-        return
-    if slot_rows is None or tile_counts is None or kv_index is None or kv_num is None:
-        raise ValueError("block-sparse attention needs slot_rows, tile_counts, kv_index and kv_num (or dense=True)")
-    n_tiles = tile_counts.numel()
-    if k.shape[1] != n_tiles * block:
-        raise ValueError(
-            f"k/v must be packed in tile order with {n_tiles} * {block} rows, got {k.shape[1]}; pack them with "
-            "diffusers_h3.kernels.attention.vsa_pool.tile_pool(..., packed=True)"
-        )
-    if kv_index.shape[:3] != (q.shape[0], q.shape[2], n_tiles) or kv_num.shape != kv_index.shape[:3]:
-        raise ValueError(
-            f"kv_index must be [B, H, T, >=1] and kv_num [B, H, T] with T={n_tiles}, got {tuple(kv_index.shape)} "
-            f"and {tuple(kv_num.shape)}"
-        )
-
-
-@opaque_to_compile
-def block_sparse_attention(
+def block_sparse_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -538,75 +471,31 @@ def block_sparse_attention(
     tile_counts: Optional[torch.Tensor],
     kv_index: Optional[torch.Tensor],
     kv_num: Optional[torch.Tensor],
+    out: torch.Tensor,
     *,
     block: int,
-    scale: Optional[float] = None,
+    scale: float,
     q_scale: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     dense: bool = False,
-    out: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    backend: str = "auto",
+    p_fp4: Optional[str] = None,
     block_m: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     tma: Optional[bool] = None,
     rotate: Optional[bool] = None,
-    p_fp4: Optional[str] = None,
-    kernel: str = "auto",
 ) -> torch.Tensor:
-    """Block-sparse (or, with ``dense=True``, dense) attention; see the module docstring for the contract.
+    """Launch the Triton kernel on inputs that :func:`~.router.block_sparse_attention` validated; writes ``out``.
 
-    ``kernel`` picks the GPU implementation: ``"sm90"`` the Hopper Gluon kernel
-    (:mod:`.block_sparse_attention_sm90`: TMA ring, q in registers, asynchronous wgmma; bf16/fp16 or FP8 Q/K, bf16 or
-    FP8 P·V), ``"triton"`` the portable Triton kernel (every precision, the interpreter), ``"auto"`` the SM90 kernel
-    where it runs (:func:`sm90_kernel_supports`) and the Triton kernel elsewhere.
-
-    ``p_fp4`` (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before the P·V product (for the
-    FP4 precision; the caller fake-quantizes Q, K and V). ``rotate`` issues the next key tile's QK product before the
-    current tile's softmax (software pipelining; default: on for sparse attention on GPUs, where it measured ~5 % faster on
-    an H200; off for the dense mode, where it measured slower). It does not change the result.
-
-    ``v`` may be any strided view (FP8 PV wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
-    Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for FP8 ``q``).
+    On GPUs without explicit ``num_warps`` / ``num_stages`` the autotuned variant runs. ``rotate`` (software
+    pipelining: the next key tile's QK product is issued before the current tile's softmax) defaults to on for sparse
+    attention on GPUs and off for the dense mode; it does not change the result.
     """
-    if not use_triton("block_sparse_attention", q, k, v, backend=backend):
-        result = block_sparse_attention_reference(
-            q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4,
-        )
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result
-    _check(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
-    check_interpreter_dtype("block_sparse_attention", q, k, v)
     b, s, h, d = q.shape
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {d}")
-    for name, t in (("q", q), ("k", k)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
-    if p_fp4 not in (None, "two_level", "single_level"):
-        raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
-    if p_fp4 is not None and v_scale is not None:
-        raise ValueError("p_fp4 (FP4 P) and v_scale (FP8 P.V) exclude each other")
-    if kernel not in ("auto", "triton", "sm90"):
-        raise ValueError(f"kernel must be 'auto', 'triton' or 'sm90', got {kernel!r}")
-    sm90_ok, sm90_why = sm90_kernel_supports(q, k, v, v_scale=v_scale, p_fp4=p_fp4, block=block)
-    if kernel == "sm90" and not sm90_ok:
-        raise ValueError(f"kernel='sm90' cannot run here: {sm90_why}; pass kernel='triton'")
-    if v_scale is not None and block < 32:
-        raise ValueError(f"FP8 P.V needs key blocks of at least 32 rows (the FP8 MMA K dimension), got {block}")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
-    if out is None:
-        out = torch.empty(b, s, h, d, device=q.device, dtype=out_dtype)
-    elif out.shape != (b, s, h, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be a [B, S, H, D] tensor with a contiguous last dim, got {tuple(out.shape)}")
+    on_gpu = q.is_cuda and not triton_interpreter_active()
     if dense:
-        block_m = block_m or (128 if q.is_cuda and not triton_interpreter_active() else block)
+        block_m = block_m or (128 if on_gpu else block)
         grid = (triton.cdiv(s, block_m), b * h)
         n_kv_blocks = triton.cdiv(k.shape[1], block)
         dummy_i = torch.zeros(1, device=q.device, dtype=torch.int32)
@@ -618,30 +507,18 @@ def block_sparse_attention(
         n_kv_blocks = 0
         kv_index, kv_num, index_strides = index_args(kv_index, kv_num)
     (qs, ks, vs), scale_strides = scale_args(q_scale, k_scale, v_scale, q.device)
-    if q_scale is not None and q_scale.stride(2) != 1:
-        raise ValueError("q_scale must be [B, S, H] with a contiguous head dimension")
-    triton_knobs = num_warps is not None or tma is not None or rotate is not None
-    if kernel == "sm90" and triton_knobs:
-        raise ValueError("num_warps, tma and rotate are knobs of the Triton kernel; kernel='sm90' takes block_m and "
-                         "num_stages")
-    if kernel == "sm90" or (kernel == "auto" and sm90_ok and not triton_knobs):
-        return block_sparse_attention_sm90(
-            q, k, v, slot_rows, tile_counts, kv_index, kv_num, out, block=block, scale=scale, q_scale=q_scale,
-            k_scale=k_scale, v_scale=v_scale, dense=dense, block_m=block_m, stages=num_stages,
-        )
-    on_gpu = q.is_cuda and not triton_interpreter_active()
     k_desc, v_desc, v_channel_major = _descriptors(k, v, block, tma if tma is not None else _tma_default(q))
     launch_config = {}
     if on_gpu and num_warps is None and num_stages is None:
         kernel = _bsa_fwd_dense_tuned if dense else _bsa_fwd_sparse_tuned
     else:
         kernel = _bsa_fwd_kernel
-        launch_config = dict(num_warps=num_warps or (8 if (dense and block_m >= 128) else 4),
-                             num_stages=num_stages or (3 if on_gpu else 1))
+        launch_config = {"num_warps": num_warps or (8 if (dense and block_m >= 128) else 4),
+                             "num_stages": num_stages or (3 if on_gpu else 1)}
     kernel[grid](
         q, k, v, k_desc if k_desc is not None else k, v_desc if v_desc is not None else v, out, qs, ks, vs,
         slot_rows, tile_counts, kv_index, kv_num,
-        scale * 1.4426950408889634,
+        scale * LOG2E,
         s, h, n_kv_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -652,7 +529,6 @@ def block_sparse_attention(
         PV_FP8=v_scale is not None, DOT_PRECISION="ieee" if torch.float32 in (q.dtype, v.dtype) else "tf32",
         USE_TMA=k_desc is not None, V_CHANNEL_MAJOR=v_channel_major, KV_ROWS=k.shape[1],
         N_Q_TILES=0 if dense else tile_counts.numel(), ROTATE=(on_gpu and not dense) if rotate is None else rotate,
-
         P_FP4=p_fp4 is not None, P_FP4_TWO_LEVEL=p_fp4 == "two_level", SOFT_ROUND=triton_interpreter_active(),
         **launch_config,
     )

@@ -8,22 +8,22 @@
    ``block_n`` rows and head (the kernel folds it into the softmax scale); ``qk_dtype=torch.int8`` quantizes both to
    symmetric INT8 instead (``amax / 127``): same speed on Ampere/Hopper tensor cores, ~4x less rounding error;
 3. with ``pv_fp8`` V is quantized per channel and ``P`` is rounded to E4M3 inside the kernel (``e4m3(448 p)``);
-4. the dense mode of the block-sparse flash kernel (:mod:`.block_sparse_attention`) computes the attention with a
-   float32 online softmax.
+4. the dense mode of the block-sparse flash kernels (:func:`.router.block_sparse_attention`, which picks the Hopper
+   or the Triton kernel) computes the attention with a float32 online softmax.
 
 :func:`fp8_attention_reference` is the torch reference with the same quantization and math.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .._triton_utils import opaque_to_compile, use_triton
-from .bsa_triton import block_sparse_attention, block_sparse_attention_reference
-from .bsa_sm90 import sm90_kernel_available
 from ..numerics import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
+from .bsa_triton import block_sparse_attention_reference
+from .router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention, sm90_available_for
 from .v_fp8 import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
 
@@ -43,9 +43,9 @@ def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int,
 
 
 def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:
-    """Key block (and K-scale block) measured fastest on an H200 (benchmarks/results/attention_sweep_h200.json):
-    128 keys on the warp-specialized Hopper kernel, 64 on the Triton kernel."""
-    if kernel != "triton" and q.is_cuda and sm90_kernel_available(q.device):
+    """The fastest key block (and K-scale block) per kernel (docs/attention.md): 128 keys on the warp-specialized
+    Hopper kernel, 64 on the Triton kernel."""
+    if kernel != "triton" and q.is_cuda and sm90_available_for(q.device):
         return 128
     return 64
 
@@ -77,26 +77,27 @@ def fp8_attention(
     scale: Optional[float] = None,
     block_n: Optional[int] = None,
     qk_dtype: torch.dtype = torch.float8_e4m3fn,
-    block_m: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-    tma: Optional[bool] = None,
-    rotate: Optional[bool] = None,
     backend: str = "auto",
-    kernel: str = "auto",
-) -> torch.Tensor:
+    tuning: Optional[TuningOptions] = None,
+    return_choice: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, KernelChoice]]:
     """Dense attention with E4M3 (or ``qk_dtype=torch.int8``: INT8) Q/K and optionally E4M3 P·V; returns
-    ``[B, S, H, D]`` in ``q``'s dtype.
+    ``[B, S, H, D]`` in ``q``'s dtype, and with ``return_choice`` also the :class:`~.router.KernelChoice` that ran.
 
-    ``kernel`` chooses the flash kernel (``"auto"``, ``"sm90"``, ``"triton"``; see
-    :func:`~.block_sparse_attention.block_sparse_attention`).
+    ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`.
     """
+    tuning = tuning if tuning is not None else DEFAULT_TUNING
     if not use_triton("fp8_attention", q, k, v, backend=backend):
-        return fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
-                                       qk_dtype=qk_dtype)
+        if tuning != DEFAULT_TUNING:
+            raise ValueError("TuningOptions are knobs of the GPU kernels; the torch reference runs here (no CUDA "
+                             "tensors or backend='torch')")
+        out = fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
+                                      qk_dtype=qk_dtype)
+        why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
+        return (out, KernelChoice("torch-reference", "dense", why)) if return_choice else out
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
-    block_n = block_n or _default_block_n(q, kernel)
+    block_n = block_n or _default_block_n(q, tuning.kernel)
     # Quantize with the fused Triton pass over key-block chunks (same rounding as quantize_fp8_per_token / _per_block).
     s = q.shape[1]
     n_chunks = -(-s // block_n)
@@ -112,6 +113,5 @@ def fp8_attention(
         v_, vs = quantize_v_fp8_channel_major(v, backend="triton")
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
-        dense=True, out_dtype=q.dtype, backend="triton", block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-        tma=tma, rotate=rotate, kernel=kernel,
+        dense=True, out_dtype=q.dtype, backend="triton", tuning=tuning, return_choice=return_choice,
     )

@@ -4,7 +4,7 @@ The FP8 wgmma wants its B operand K-major, i.e. V with the keys contiguous: ``[B
 16 bytes so that TMA can read them. :func:`quantize_v_fp8_channel_major` returns that buffer as a ``[B, N, H, D]``
 view (what the attention kernels take) plus the scales ``[B, H, D]``; one Triton pass quantizes and transposes (the
 per-channel amax is two reductions before it). :func:`quantize_v_fp8_channel_major_reference` is the torch reference
-(:func:`~.quant_utils.quantize_fp8_per_channel` and a transposed copy), bit for bit the same codes.
+(:func:`~diffusers_h3.kernels.numerics.quantize_fp8_per_channel` and a transposed copy), bit for bit the same codes.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import torch
 from .._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
 from ..numerics import E4M3_MAX, quantize_fp8_per_channel
 
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .vsa_pool import round_to_e4m3
+    from .._numerics_triton import E4M3_MAX as E4M3_MAX_TL
+    from .._numerics_triton import round_to_e4m3
 
     @triton.jit
     def _quantize_v_kernel(V, SCALE, OUT, N, H, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh, stride_od,
@@ -36,7 +38,7 @@ if HAS_TRITON:
                     mask=valid, other=0.0).to(tl.float32)
         scale = tl.load(SCALE + (b * H + h) * D + offs_d)
         y = tl.math.div_rn(x, scale[None, :])  # a true division, as torch's x / scale
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX_TL), E4M3_MAX_TL)
         if SOFT_ROUND:  # the interpreter's float8 cast truncates
             y = round_to_e4m3(y)
         dst = OUT + b * stride_ob + h * stride_oh + offs_d[:, None] * stride_od + offs_n[None, :]

@@ -20,23 +20,12 @@ import torch
 from .._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
 from ..numerics import qmax_of
 
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def round_to_e4m3(y):
-        """Round float32 ``|y| <= 448`` to the nearest E4M3 value (ties to even), as float32.
-
-        Done with integer exponent arithmetic and the 1.5 * 2**23 trick so that the following cast to float8 is exact:
-        the Triton interpreter's own float32 -> float8 cast does not round to nearest.
-        """
-        bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        e = tl.maximum((bits >> 23) - 127, -6)  # below 2**-6 E4M3 is subnormal with a fixed 2**-9 step
-        step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
-        inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
-        r = (tl.abs(y) * inv + 12582912.0) - 12582912.0
-        return tl.where(y < 0, -r, r) * step  # keeps the sign of values that round to zero, as torch does
+    from .._numerics_triton import E4M3_MAX, INT8_MAX, round_to_e4m3
 
     @triton.jit
     def _tile_pool_kernel(
@@ -91,7 +80,7 @@ if HAS_TRITON:
                 xf = xf - tl.load(MEAN + pid_bh * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
             xf = tl.where(valid, xf, 0.0)
             INT8: tl.constexpr = PACKED.dtype.element_ty == tl.int8
-            QMAX: tl.constexpr = 127.0 if INT8 else 448.0
+            QMAX: tl.constexpr = INT8_MAX if INT8 else E4M3_MAX
             if PER_TILE:  # one scale for the whole tile (quantize_fp8_per_block)
                 scale = tl.maximum(tl.max(tl.max(tl.abs(xf), axis=1), axis=0), 1e-12) * (1.0 / QMAX)
                 y = tl.math.div_rn(xf, tl.full([BLOCK, BLOCK_D], 1.0, tl.float32) * scale)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .._triton_utils import HAS_TRITON
 
+
 if HAS_TRITON:
     import triton
     import triton.language as tl

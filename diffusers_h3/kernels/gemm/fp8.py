@@ -23,13 +23,16 @@ from typing import Optional, Tuple
 import torch
 
 from ..._utils import has_fp8_tensor_cores
-from .._triton_utils import opaque_to_compile
+from .._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
 from ..numerics import E4M3_MAX, to_e4m3
-from .w8a16 import _TRITON, check_2d_weight, triton_interpreter_active
+from ._common import check_2d_weight
 
-if _TRITON:
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from .._numerics_triton import round_to_e4m3
 
 _AMAX_EPS = 1e-12
 
@@ -55,19 +58,7 @@ def fp8_quantize_per_token_reference(x: torch.Tensor) -> Tuple[torch.Tensor, tor
     return to_e4m3(xf * inv), amax / E4M3_MAX
 
 
-if _TRITON:
-
-    @triton.jit
-    def _e4m3_round(v):
-        # Round fp32 (already clamped to +-448) to nearest even on the E4M3 grid with integer ops, so the
-        # interpreter and the GPU agree: quantum 2^(max(e, -6) - 3) for |v| in [2^e, 2^(e+1)).
-        e = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-        e = tl.maximum(e, -6)
-        quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)
-        inv_quantum = ((130 - e) << 23).to(tl.float32, bitcast=True)
-        t = v * inv_quantum
-        t = (t + 12582912.0) - 12582912.0
-        return t * quantum
+if HAS_TRITON:
 
     @triton.jit
     def _quant_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
@@ -81,7 +72,7 @@ if _TRITON:
             inv = tl.fdiv(448.0, a, ieee_rounding=True)
             tl.store(s_ptr + row, tl.fdiv(a, 448.0, ieee_rounding=True))
             v = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-            tl.store(q_ptr + row * stride_q + offs, _e4m3_round(v).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_ptr + row * stride_q + offs, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
         else:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -94,7 +85,7 @@ if _TRITON:
                 mask = (k0 + offs) < K
                 x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
                 v = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-                tl.store(q_ptr + row * stride_q + k0 + offs, _e4m3_round(v).to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(q_ptr + row * stride_q + k0 + offs, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 ONE_PASS_MAX_K = 16384
@@ -108,12 +99,12 @@ def fp8_quantize_per_token(
     Rows up to ``one_pass_max_k`` elements are read once (kept in registers); longer rows take two passes."""
     if x.dim() != 2:
         raise ValueError(f"fp8_quantize_per_token expects [M, K], got shape {tuple(x.shape)}.")
-    use_triton = backend == "triton" or (backend == "auto" and _TRITON and x.is_cuda)
+    use_triton = backend == "triton" or (backend == "auto" and HAS_TRITON and x.is_cuda)
     if not use_triton:
         if backend not in ("auto", "torch"):
             raise ValueError(f"Unknown backend {backend!r}; use 'auto', 'triton' or 'torch'.")
         return fp8_quantize_per_token_reference(x)
-    if not _TRITON or not (x.is_cuda or triton_interpreter_active()):
+    if not HAS_TRITON or not (x.is_cuda or triton_interpreter_active()):
         raise RuntimeError(
             "The Triton activation quantizer needs CUDA (or TRITON_INTERPRET=1 on CPU); use backend='torch'."
         )

@@ -28,20 +28,20 @@ from typing import Optional
 import torch
 
 from ..._utils import has_fp4_tensor_cores, is_package_available, warn_once
-from .._triton_utils import opaque_to_compile
+from .._triton_utils import HAS_TRITON, opaque_to_compile
 from ..numerics import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, pack_nibbles, to_e4m3, unpack_nibbles
-from .w8a16 import (
-    _TRITON,
+from ._common import (
     LARGE_M_ROWS,
-    _launch,
-    _m_bucket,
+    dequant_tile,
     gemm_configs,
+    launch_gemm,
+    m_bucket,
     prepare_gemm_io,
     triton_gemm_supported,
-    triton_interpreter_active,
 )
 
-if _TRITON:
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -130,7 +130,7 @@ def nvfp4_w4a4_reference(
 # ----------------------------------------------------------------------------------------------------------------
 # Triton weight-only GEMM
 
-if _TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _dequantize_nvfp4_tile(p, sb, g, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -235,9 +235,9 @@ def nvfp4_linear_triton(
     g = global_scale.float().reshape(1).contiguous()
     b = bias.contiguous() if bias is not None else g
     strides = (x2.stride(0), packed.stride(0), sbits.stride(0), out.stride(0))
-    args = (x2, packed, sbits, g, b, out, m, n, k, _m_bucket(m), *strides)
+    args = (x2, packed, sbits, g, b, out, m, n, k, m_bucket(m), *strides)
     meta = {"HAS_BIAS": bias is not None, "IEEE": x.dtype == torch.float32}
-    _launch(_nvfp4_wo_kernel, _nvfp4_wo_autotuned, args, m, n, meta, tile)
+    launch_gemm(_nvfp4_wo_kernel, _nvfp4_wo_autotuned, args, m, n, meta, tile)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -254,7 +254,7 @@ def nvfp4_dequantize_triton(
     sbits = block_scale.contiguous().view(torch.uint8)
     g = global_scale.float().reshape(1).contiguous()
     out = torch.empty((n, k), device=packed.device, dtype=dtype)
-    bn, bk = (16, 32) if triton_interpreter_active() else (32, 256)
+    bn, bk = dequant_tile()
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _nvfp4_dequant_kernel[grid](packed, sbits, g, out, n, k, packed.stride(0), sbits.stride(0), out.stride(0),
                                 BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip

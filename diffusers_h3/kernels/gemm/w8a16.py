@@ -21,32 +21,24 @@ from typing import Optional
 
 import torch
 
-from ..._utils import cuda_capability
-from .._triton_utils import HAS_TRITON as _TRITON
-from .._triton_utils import opaque_to_compile, triton_interpreter_active
+from .._triton_utils import HAS_TRITON, opaque_to_compile
+from ._common import (
+    LARGE_M_ROWS,
+    check_2d_weight,
+    dequant_tile,
+    gemm_configs,
+    launch_gemm,
+    m_bucket,
+    prepare_gemm_io,
+    triton_gemm_supported,
+)
 
-if _TRITON:
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from ._tiles import accumulate_dot, grouped_tile_ids, store_output_tile
-
-
-def triton_gemm_supported(device: torch.device) -> bool:
-    """Triton tensor-core GEMMs: CUDA SM80+ (SM70 has no tensor-core ``tl.dot``), or CPU under the interpreter."""
-    if not _TRITON:
-        return False
-    if device.type == "cuda":
-        cap = cuda_capability(device)
-        return cap is not None and cap >= (8, 0)
-    return device.type == "cpu" and triton_interpreter_active()
-
-
-def check_2d_weight(name: str, weight: torch.Tensor) -> None:
-    if weight.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D [out_features, in_features] tensor, got shape {tuple(weight.shape)}.")
-    if not weight.is_floating_point():
-        raise TypeError(f"{name} must be a floating point tensor to quantize, got {weight.dtype}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -101,7 +93,7 @@ def w8a16_linear_reference(
 # ----------------------------------------------------------------------------------------------------------------
 # Triton kernel
 
-if _TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _w8a16_kernel(
@@ -148,26 +140,6 @@ if _TRITON:
             acc = acc * s[None, :]
         store_output_tile(acc, o_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
-    def gemm_configs():
-        """A few large tiles for compute-bound prefill GEMMs (M in the tens of thousands) plus small ones."""
-        cfg = []
-        # Winners on an H200 at M = 38k were (128, 128, 64, 4 stages, 8 warps) and (256, 128, 64, 3, 8); the swapped
-        # (weight-as-A) and BLOCK_K = 128 variants never won and were dropped to keep autotuning short.
-        for bm, bn, bk, stages, warps, swap in (
-            (128, 128, 64, 4, 8, False),
-            (256, 128, 64, 3, 8, False),
-            (128, 256, 64, 3, 8, False),
-            (64, 128, 64, 4, 4, False),
-        ):
-            cfg.append(
-                triton.Config(
-                    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SWAP_AB": swap},
-                    num_stages=stages,
-                    num_warps=warps,
-                )
-            )
-        return cfg
-
     _w8a16_autotuned = triton.autotune(configs=gemm_configs(), key=["N", "K", "M_BUCKET", "GROUP_K"])(_w8a16_kernel)
 
     @triton.jit
@@ -184,52 +156,6 @@ if _TRITON:
         w = q.to(tl.float32) * s
         o_ptrs = o_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
         tl.store(o_ptrs, w.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-def _m_bucket(m: int) -> int:
-    """Autotune key for M: the next power of two (re-tune per size class, not per exact row count)."""
-    return 1 << max(m - 1, 0).bit_length()
-
-
-INTERPRETER_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "SWAP_AB": False}
-
-
-def _launch(kernel_jit, kernel_tuned, args, m, n, meta, tile=None):
-    """Run a GEMM kernel: autotuned on GPU, a fixed small tile in the interpreter (or a caller-fixed tile)."""
-    if tile is None and triton_interpreter_active():
-        tile = INTERPRETER_TILE
-    if tile is not None:
-        grid = (triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]),)
-        kernel_jit[grid](*args, **meta, **tile)
-    else:
-
-        def grid(cfg):
-            return (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-
-        kernel_tuned[grid](*args, **meta)
-
-
-def prepare_gemm_io(op: str, x: torch.Tensor, n: int, k: int, out: Optional[torch.Tensor]):
-    """Host-side checks shared by the weight-only Triton GEMMs: device, activation dtype and width; returns the
-    activations as contiguous rows ``[M, K]`` and the (validated or new) output ``[M, N]``."""
-    if not triton_gemm_supported(x.device):
-        raise RuntimeError(
-            f"The Triton {op} GEMM needs a CUDA GPU with compute capability >= 8.0 (or CPU with TRITON_INTERPRET=1); "
-            f"got device {x.device}. Use backend='torch' or the dequantize fallback."
-        )
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{op} activations must be fp16, bf16 or fp32, got {x.dtype}.")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features but the {op} weight has {k}.")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    if out is None:
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}.")
-    return x2, out
 
 
 def w8a16_linear_triton(
@@ -250,16 +176,10 @@ def w8a16_linear_triton(
     q = q.contiguous()
     scale = scale.float().contiguous()
     b = bias.contiguous() if bias is not None else scale
-    args = (x2, q, scale, b, out, m, n, k, _m_bucket(m), x2.stride(0), q.stride(0), scale.stride(0), out.stride(0))
+    args = (x2, q, scale, b, out, m, n, k, m_bucket(m), x2.stride(0), q.stride(0), scale.stride(0), out.stride(0))
     meta = {"GROUP_K": group_k, "HAS_BIAS": bias is not None, "IEEE": x.dtype == torch.float32}
-    _launch(_w8a16_kernel, _w8a16_autotuned, args, m, n, meta, tile)
+    launch_gemm(_w8a16_kernel, _w8a16_autotuned, args, m, n, meta, tile)
     return out.reshape(*x.shape[:-1], n)
-
-
-# Rows from which a compute-bound GEMM is faster as "Triton dequantize to a 16-bit scratch weight + cuBLAS" than as
-# the fused in-register dequantization GEMM (the dequantization pass costs ~0.1 ms per H3 layer on an H200, the fused
-# kernel runs at ~0.6x of cuBLAS; see benchmarks/results/gemm_h200.json).
-LARGE_M_ROWS = 1024
 
 
 def w8a16_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -271,7 +191,7 @@ def w8a16_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     scale = scale.float().contiguous()
     out = torch.empty((n, k), device=q.device, dtype=dtype)
     group_k = 0 if scale.dim() == 1 else k // scale.shape[1]
-    bn, bk = (16, 32) if triton_interpreter_active() else (32, 256)
+    bn, bk = dequant_tile()
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _w8a16_dequant_kernel[grid](q, scale, out, n, k, q.stride(0), scale.stride(0), out.stride(0),
                                 GROUP_K=group_k, BLOCK_N=bn, BLOCK_K=bk)  # fmt: skip

@@ -15,6 +15,7 @@ import triton
 
 from diffusers_h3.kernels.attention import bsa_sm90 as sm90
 
+
 D = 128
 
 
@@ -61,15 +62,15 @@ def main(variant, q_dtype, v_fp8, dense_or_block_n):
     v_fp8 = v_fp8 == "1"
     if variant == "single":
         dense = dense_or_block_n == "dense"
-        consts = dict(HEAD_DIM=D, BLOCK_M=64, BLOCK_N=64, STAGES=3, DENSE=dense, QK_8BIT=q_dtype != "bf16",
-                      num_warps=4)
+        consts = {"HEAD_DIM": D, "BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 3, "DENSE": dense, "QK_8BIT": q_dtype != "bf16",
+                      "num_warps": 4}
         kernel = _compile(sm90._bsa_fwd_sm90_kernel, consts, q_dtype, v_fp8, 64, 4)
     elif variant == "ws_sparse":
-        consts = dict(HEAD_DIM=D, BLOCK_N=64, STAGES=int(dense_or_block_n), CONSUMER_REGS=232, PRODUCER_REGS=40)
+        consts = {"HEAD_DIM": D, "BLOCK_N": 64, "STAGES": int(dense_or_block_n), "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
         kernel = _compile(sm90._sparse_fwd_sm90_ws_kernel, consts, q_dtype, v_fp8, 64, 4, maxnreg=168)
     else:
         block_n = int(dense_or_block_n)
-        consts = dict(HEAD_DIM=D, BLOCK_N=block_n, STAGES=3, QK_8BIT=True, CONSUMER_REGS=232, PRODUCER_REGS=40)
+        consts = {"HEAD_DIM": D, "BLOCK_N": block_n, "STAGES": 3, "QK_8BIT": True, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
         kernel = _compile(sm90._dense_fwd_sm90_ws_kernel, consts, q_dtype, v_fp8, block_n, 4, maxnreg=168)
     code, report = _ptxas_report(kernel)
     print(json.dumps({"ptx": kernel.asm["ptx"], "ptxas_rc": code, "ptxas": report}))

@@ -19,6 +19,8 @@ from diffusers_h3.kernels.attention.fa_v100 import (
     load_extension,
 )
 
+from ._compile_fa_v100 import compile_device_code_sm70, compile_kernel_source
+
 
 def _qkv(batch, seq_q, seq_k, heads, head_dim, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -126,7 +128,7 @@ def test_cuda_source_compiles_with_local_nvcc(tmp_path):
     nvcc, arch = _compile_arch()
     if nvcc is None or arch is None:
         pytest.skip("no nvcc with an sm_70+ target on this machine")
-    report = fa_v100.compile_kernel_source(tmp_path / "fa_v100.o", arch, nvcc=nvcc)
+    report = compile_kernel_source(tmp_path / "fa_v100.o", arch, nvcc=nvcc)
     assert (tmp_path / "fa_v100.o").stat().st_size > 0
     # four variants: head_dim {64, 128} x query tile {64, 128}; none may spill registers
     kernels = re.findall(r"Compiling entry function '(\S*fa_v100_forward_kernel\S*)'", report)
@@ -142,7 +144,7 @@ def test_device_code_builds_for_sm70_with_cuda12(tmp_path):
 
     if any(importlib.util.find_spec(f"nvidia.{name}") is None for name in ("cuda_nvrtc", "cuda_nvcc", "cuda_runtime")):
         pytest.skip('CUDA 12 NVRTC / ptxas wheels not installed (pip install "diffusers-h3[sm70-check]")')
-    report = fa_v100.compile_device_code_sm70(tmp_path)
+    report = compile_device_code_sm70(tmp_path)
     kernels = re.findall(r"Compiling entry function '(\S*fa_v100_forward_kernel\S*)' for 'sm_70'", report)
     assert len(kernels) == 4, report
     spills = re.findall(r"(\d+) bytes spill stores", report)

@@ -14,9 +14,11 @@ import sys
 
 import pytest
 
+
 pytest.importorskip("triton")
 
 from diffusers_h3.kernels.attention.bsa_sm90 import HAS_GLUON  # noqa: E402
+
 
 pytestmark = pytest.mark.skipif(not HAS_GLUON, reason="needs Triton with Gluon")
 

@@ -1,4 +1,5 @@
-"""``DiffusersQuantizer`` subclasses for the three methods, and their registration with diffusers' auto maps.
+"""The ``DiffusersQuantizer`` of diffusers-h3's formats: :class:`QuantizerBase`. Each registered format gets a
+subclass that fixes its config and layer classes (``register_format`` makes it; diffusers' auto maps point to it).
 
 Loading with ``Model.from_pretrained(..., quantization_config=W8A16Config())`` on a dense checkpoint quantizes each
 selected ``nn.Linear`` as its weight arrives (``create_quantized_param``), so the dense model never exists in full.
@@ -14,9 +15,10 @@ import torch
 from diffusers.quantizers.base import DiffusersQuantizer
 from torch import nn
 
-from .config import FP8Config, H3QuantizationConfigBase, H3QuantMethod, NVFP4Config, W8A16Config
-from .layers import H3QuantizedLinear
-from .quantize import _set_submodule, layer_class_for, linears_to_quantize
+from ._replace import linears_to_quantize, set_submodule
+from .config import QuantizationConfigBase
+from .layers import QuantizedLinear
+
 
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
 
@@ -50,14 +52,17 @@ def _as_device(device) -> torch.device:
     return torch.device(device if device is not None else "cpu")
 
 
-class H3Quantizer(DiffusersQuantizer):
-    """Shared implementation; the subclass only fixes the config type."""
+class QuantizerBase(DiffusersQuantizer):
+    """Shared implementation; a format's subclass only fixes ``config_class`` and ``layer_class``."""
 
     use_keep_in_fp32_modules = True
     requires_calibration = False
-    config_class = H3QuantizationConfigBase
+    config_class = QuantizationConfigBase
+    layer_class = QuantizedLinear
 
     def __init__(self, quantization_config, **kwargs):
+        if type(self).layer_class is QuantizedLinear:
+            raise TypeError(f"{type(self).__name__} has no layer class: use the quantizer of a registered format.")
         if not isinstance(quantization_config, self.config_class):
             raise TypeError(
                 f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(quantization_config).__name__}."
@@ -102,7 +107,7 @@ class H3Quantizer(DiffusersQuantizer):
     def _swap_to_empty_quantized(self, model, names) -> None:
         """Pre-quantized checkpoint: put empty (meta) quantized layers in place; the loader fills their storage."""
         config = self.quantization_config
-        cls = layer_class_for(config)
+        cls = self.layer_class
         self._quantized_names = set(names)
         for name in names:
             linear = model.get_submodule(name)
@@ -111,11 +116,11 @@ class H3Quantizer(DiffusersQuantizer):
                     linear.in_features, linear.out_features, bias=linear.bias is not None,
                     compute_dtype=self._compute_dtype(), **config.layer_kwargs(),
                 )  # fmt: skip
-            _set_submodule(model, name, layer)
+            set_submodule(model, name, layer)
 
     def maybe_update_state_dict(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """Pre-quantized: protect the tensors of quantized layers from the loader's dtype casts (the scales must stay
-        fp32, and a tensor of the wrong dtype must reach :meth:`H3QuantizedLinear.load_quantized_` to be reported).
+        fp32, and a tensor of the wrong dtype must reach :meth:`QuantizedLinear.load_quantized_` to be reported).
 
         A checkpoint without our ``quantization_config`` whose layers already carry ``weight_scale`` tensors (a
         ModelOpt-style export: ``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale``) is read as
@@ -146,13 +151,13 @@ class H3Quantizer(DiffusersQuantizer):
         module_name, _, tensor_name = param_name.rpartition(".")
         if self.pre_quantized:
             module = model.get_submodule(module_name) if module_name else model
-            return isinstance(module, H3QuantizedLinear) and tensor_name in module._storage_spec()
+            return isinstance(module, QuantizedLinear) and tensor_name in module._storage_spec()
         return tensor_name == "weight" and module_name in self._to_quantize
 
     def check_quantized_param_shape(self, param_name, current_param, loaded_param):
         module_name, _, tensor_name = param_name.rpartition(".")
         module = self._model.get_submodule(module_name) if self._model is not None else None
-        if isinstance(module, H3QuantizedLinear):
+        if isinstance(module, QuantizedLinear):
             # equivalent layouts of other exporters (e.g. a [1] global scale, [N, 1] channel scales) are accepted
             if tuple(module.normalize_loaded(tensor_name, loaded_param).shape) == tuple(current_param.shape):
                 return True
@@ -177,21 +182,21 @@ class H3Quantizer(DiffusersQuantizer):
         config = self.quantization_config
         dense = param_value.to(device)
         compute_dtype = config.compute_dtype or dense.dtype
-        layer = layer_class_for(config)(
+        layer = self.layer_class(
             linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
             device=device, **config.layer_kwargs(),
         )  # fmt: skip
         layer.requantize_(dense)
         if linear.bias is not None and linear.bias.device.type != "meta":
             layer.bias.data = linear.bias.detach().to(device, compute_dtype)
-        _set_submodule(model, module_name, layer)
+        set_submodule(model, module_name, layer)
         self._to_quantize.discard(module_name)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         missing = [
             f"{name}.{buf}"
             for name, m in model.named_modules()
-            if isinstance(m, H3QuantizedLinear)
+            if isinstance(m, QuantizedLinear)
             for buf in m._storage_spec()
             if m.get_buffer(buf).device.type == "meta"
         ]
@@ -224,44 +229,12 @@ class H3Quantizer(DiffusersQuantizer):
 
     def _dequantize(self, model):
         for name, module in list(model.named_modules()):
-            if isinstance(module, H3QuantizedLinear):
+            if isinstance(module, QuantizedLinear):
                 dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                   device=module.weight.device, dtype=module.compute_dtype)  # fmt: skip
                 dense.weight.data = module.dequantize()
                 if module.bias is not None:
                     dense.bias.data = module.bias.detach().clone()
-                _set_submodule(model, name, dense)
+                set_submodule(model, name, dense)
         return model
 
-
-class W8A16Quantizer(H3Quantizer):
-    config_class = W8A16Config
-
-
-class NVFP4Quantizer(H3Quantizer):
-    config_class = NVFP4Config
-
-
-class FP8Quantizer(H3Quantizer):
-    config_class = FP8Config
-
-
-QUANTIZERS = {
-    H3QuantMethod.W8A16.value: (W8A16Quantizer, W8A16Config),
-    H3QuantMethod.NVFP4.value: (NVFP4Quantizer, NVFP4Config),
-    H3QuantMethod.FP8.value: (FP8Quantizer, FP8Config),
-}
-
-
-def quantizer_for(config: H3QuantizationConfigBase, pre_quantized: bool = True) -> H3Quantizer:
-    return QUANTIZERS[config.quant_method.value][0](config, pre_quantized=pre_quantized)
-
-
-def register_quantizers() -> None:
-    """Add the three methods to diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``
-    (diffusers has no registration API; this is the mechanism its own plugins use). Idempotent."""
-    from diffusers.quantizers import auto
-
-    for method, (quantizer_cls, config_cls) in QUANTIZERS.items():
-        auto.AUTO_QUANTIZER_MAPPING[method] = quantizer_cls
-        auto.AUTO_QUANTIZATION_CONFIG_MAPPING[method] = config_cls

@@ -7,48 +7,33 @@ so ``save_pretrained`` writes the packed tensors and ``from_pretrained`` reloads
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
+from diffusers import ModelMixin
 from torch import nn
 
-from .config import H3QuantizationConfigBase
-from .layers import QUANTIZED_LINEAR_CLASSES, H3QuantizedLinear
-
-
-def layer_class_for(config: H3QuantizationConfigBase):
-    return QUANTIZED_LINEAR_CLASSES[config.quant_method.value]
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
-
-
-def linears_to_quantize(
-    module: nn.Module, config: H3QuantizationConfigBase, extra_skip: Iterable[str] = ()
-) -> List[str]:
-    """Dotted names of the ``nn.Linear`` layers ``config`` would quantize in ``module``."""
-    extra_skip = list(extra_skip)
-    return [name for name, sub in module.named_modules() if name and config.should_quantize(name, sub, extra_skip)]
+from ._replace import linears_to_quantize, set_submodule
+from .config import QuantizationConfigBase
+from .layers import QuantizedLinear
+from .registry import format_names, layer_class_for, quantizer_for
 
 
 @torch.no_grad()
 def quantize(
-    module: nn.Module, config: H3QuantizationConfigBase, keep_in_fp32_modules: Optional[Iterable[str]] = None
+    module: nn.Module, config: QuantizationConfigBase, keep_in_fp32_modules: Optional[Iterable[str]] = None
 ) -> nn.Module:
     """Replace the selected ``nn.Linear`` layers of ``module`` by quantized layers (in place; returns ``module``).
 
     ``keep_in_fp32_modules`` (default: the model's ``_keep_in_fp32_modules`` if it has one) is skipped too unless
     ``config.modules_to_not_convert`` is given explicitly.
     """
-    if not isinstance(config, H3QuantizationConfigBase):
+    if not isinstance(config, QuantizationConfigBase):
         raise TypeError(
-            f"quantize() expects a W8A16Config, NVFP4Config or FP8Config, got {type(config).__name__}. "
-            "For other methods use diffusers' / transformers' own quantizers."
+            f"quantize() expects the config of a registered format ({', '.join(format_names())}: e.g. W8A16Config), "
+            f"got {type(config).__name__}. For other methods use diffusers' / transformers' own quantizers."
         )
-    if any(isinstance(m, H3QuantizedLinear) for m in module.modules()):
+    if any(isinstance(m, QuantizedLinear) for m in module.modules()):
         raise ValueError("This module already contains quantized layers; quantize the original dense module instead.")
     if keep_in_fp32_modules is None:
         keep_in_fp32_modules = getattr(module, "_keep_in_fp32_modules", None) or []
@@ -56,19 +41,15 @@ def quantize(
     names = linears_to_quantize(module, config, keep_in_fp32_modules)
     for name in names:
         linear = module.get_submodule(name)
-        _set_submodule(module, name, cls.from_linear(linear, config))
+        set_submodule(module, name, cls.from_linear(linear, config))
     _attach_to_model(module, config)
     return module
 
 
-def _attach_to_model(module: nn.Module, config: H3QuantizationConfigBase) -> None:
+def _attach_to_model(module: nn.Module, config: QuantizationConfigBase) -> None:
     """Make a quantized diffusers ``ModelMixin`` serializable like one loaded with ``quantization_config=``."""
-    from diffusers import ModelMixin
-
     if not isinstance(module, ModelMixin):
         return
-    from .quantizer import quantizer_for
-
     module.hf_quantizer = quantizer_for(config, pre_quantized=False)
     module.is_quantized = True
     module.quantization_method = config.quant_method
@@ -77,7 +58,7 @@ def _attach_to_model(module: nn.Module, config: H3QuantizationConfigBase) -> Non
 
 def quantization_summary(module: nn.Module) -> Dict[str, object]:
     """Counts and bytes: quantized layers, their packed storage, and everything else (memory accounting)."""
-    quantized = [m for m in module.modules() if isinstance(m, H3QuantizedLinear)]
+    quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
     q_bytes = sum(m.quantized_nbytes() for m in quantized)
     q_ids = {id(m.get_buffer(n)) for m in quantized for n in m._storage_spec()}
     other = 0

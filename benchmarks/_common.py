@@ -1,0 +1,253 @@
+"""Shared helpers of the benchmark scripts (the measuring protocol of docs/benchmarking.md).
+
+The scripts import this module as ``_common``: Python puts a script's own folder first on ``sys.path``, so
+``python benchmarks/<script>.py`` finds it, and the package itself comes from the installed ``diffusers_h3``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+EXPERIMENTS = REPO_ROOT / "docs" / "experiments"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measuring and recording
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 7) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def git_commit(given: Optional[str] = None) -> Optional[str]:
+    """The commit being measured: ``given`` if set (a copy of the tree without ``.git``), else ``git rev-parse HEAD``
+    of this checkout with "+uncommitted" when the tree is dirty, else None."""
+    if given:
+        return given
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT,
+                             timeout=10)  # fmt: skip
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO_ROOT,
+                               timeout=10)  # fmt: skip
+        return sha.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name() -> str:
+    """The CUDA device the suite runs on (``"cpu"`` without one)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def result_header(suite: str, commit: Optional[str] = None, device: Optional[str] = None) -> Dict[str, Any]:
+    """The fields every results JSON starts with: suite, device, torch, commit, date and the command that ran."""
+    return {
+        "suite": suite,
+        "device": device or device_name(),
+        "torch": torch.__version__,
+        "commit": git_commit(commit) or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
+    }
+
+
+def write_json(path, data: Dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON to ``path``, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def require_cuda(script: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The attention benchmarks' inputs and references (attention.py, attention_sweep.py, attention_profile.py and
+# flashinfer_peers.py time the same seeded inputs so that their cases are comparable)
+
+
+def h3_inputs(heads: int = 56, device="cuda"):
+    """``(layout, plan, (q, k, v))``: the packed H3 sequence of a 768x1344, 124-frame t2va call and its seeded random
+    bf16 ``[1, S, H, 128]`` inputs."""
+    from diffusers_h3.attention_processors.tiling import build_tile_plan
+    from diffusers_h3.packing import t2va_fl2va_layout
+
+    torch.manual_seed(0)
+    # [text | audio | target video] as the t2va pipeline packs 768x1344x124 (37 latent frames of 48x84 latents).
+    layout = t2va_fl2va_layout(512, 0, 37, 48, 84, 207, (1, 2, 2), 2)
+    dev = torch.device(device)
+    plan = build_tile_plan(layout, (4, 4, 4), device=dev)
+    q = torch.randn(1, layout.seq_len, heads, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn_like(q)
+    v = torch.randn_like(q)
+    # Give the keys a shared offset (real H3 keys are far from zero-mean; K smoothing exists for that).
+    k = (k + 0.5 * torch.randn(1, 1, heads, 128, device=dev)).to(torch.bfloat16)
+    return layout, plan, (q, k, v)
+
+
+def error_heads(num_heads: int, count: int):
+    """``count`` evenly spaced head indices on which the fp32 references are computed."""
+    return torch.linspace(0, num_heads - 1, count).round().long().tolist()
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
+    a, b = out.float().flatten(), ref.float().flatten()
+    return {
+        "rel_l2": ((a - b).norm() / b.norm()).item(),
+        "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+        "rel_l1": ((a - b).abs().sum() / b.abs().sum()).item(),
+    }
+
+
+def cudnn_attention(q, k, v):
+    """Dense bf16 attention through cuDNN (the baseline of the attention suites) on ``[B, S, H, D]`` rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        ).transpose(1, 2)
+
+
+def dense_reference(q, k, v, heads):
+    """fp32 dense attention for the chosen heads: ``[B, S, len(heads), D]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (x[:, :, heads].float().transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+    return out.transpose(1, 2)
+
+
+def selection(q, k, plan, sparsity):
+    """VSA's tile selection mask ``[B, H, T, T]`` at ``sparsity`` (pooled scores, prefix tiles always kept)."""
+    from diffusers_h3.kernels.attention.vsa_pool import tile_pool
+    from diffusers_h3.kernels.attention.vsa_select import build_block_mask, topk_for_sparsity
+
+    rows = (plan.slot_rows, plan.tile_counts, plan.block)
+    pq, _ = tile_pool(q, *rows)
+    pk, _ = tile_pool(k, *rows)
+    scores = pq @ pk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return build_block_mask(scores, plan.num_prefix_tiles, topk_for_sparsity(sparsity, plan.num_video_tiles))
+
+
+def sparse_reference(q, k, v, plan, mask, heads, chunk=8192):
+    """fp32 attention restricted to the selected tiles, for the chosen heads (chunked over query rows)."""
+    s, d = q.shape[1], q.shape[-1]
+    out = torch.empty(q.shape[0], s, len(heads), d, device=q.device, dtype=torch.float32)
+    row_tile = plan.row_tile
+    for bi in range(q.shape[0]):
+        for hi, h in enumerate(heads):
+            kf, vf = k[bi, :, h].float(), v[bi, :, h].float()
+            tile_mask = mask[bi, h]
+            for a in range(0, s, chunk):
+                qf = q[bi, a : a + chunk, h].float()
+                scores = (qf @ kf.T) / math.sqrt(d)
+                allowed = tile_mask[row_tile[a : a + chunk]][:, row_tile]
+                scores.masked_fill_(~allowed, float("-inf"))
+                out[bi, a : a + chunk, hi] = torch.softmax(scores, -1) @ vf
+    return out
+
+
+def computed_pairs(plan, mask):
+    """Valid (query row, key row) pairs the sparse kernel computes, summed over heads."""
+    counts = plan.tile_counts.to(torch.float64)
+    keys_per_qtile = (mask.to(torch.float64) * counts).sum(-1)  # [B, H, T]
+    return float((keys_per_qtile * counts).sum())
+
+
+class AttentionCases:
+    """Times attention cases against one baseline and records them in the results schema.
+
+    ``record`` runs ``fn`` once (compilation, autotuning), measures the error of that output against ``ref`` on the
+    error heads, then times ``fn`` alone; a failing case is recorded with ``ms: null`` and the reason, and the
+    others go on.
+    """
+
+    def __init__(self, err_heads, dense_flops: float, head_dim: int, rows: int, heads: int, reps: int = 7,
+                 baseline: str = "cudnn_dense", skip=()):  # fmt: skip
+        self.err_heads, self.dense_flops, self.head_dim = err_heads, dense_flops, head_dim
+        self.all_pairs = float(rows) * rows * heads
+        self.reps, self.baseline, self.skip = reps, baseline, [s for s in skip if s]
+        self.baseline_ms: Optional[float] = None
+        self.cases: Dict[str, Dict[str, Any]] = {}
+        self.notes: Dict[str, str] = {}
+
+    def not_measured(self, name: str, why: str) -> None:
+        self.cases[name] = {"ms": None, "baseline": self.baseline, "ratio": None, "rel_l2": None, "peak_gib": None}
+        self.notes[name] = why
+        print(f"{name:34s} not measured: {why}", flush=True)
+
+    def record(self, name, fn, ref, pairs=None, note=None, to_rows=None, vs_baseline=True) -> Optional[float]:
+        """``pairs``: computed (query, key) pairs of a sparse case (else dense); ``to_rows`` maps an output in
+        another layout to ``[B, S, H, D]`` rows for the error only (the timed call stays ``fn`` alone);
+        ``vs_baseline=False`` for a case on other inputs than the baseline (no ratio, no density)."""
+        if any(part in name for part in self.skip):
+            return None
+        try:
+            ms = self._record(name, fn, ref, pairs, to_rows, vs_baseline)
+        except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
+            self.not_measured(name, f"failed: {type(error).__name__}: {str(error)[:400]}")
+            return None
+        if note:
+            self.notes[name] = note
+        if name == self.baseline:
+            self.baseline_ms = ms
+            self.cases[name]["ratio"] = 1.0
+        return ms
+
+    def _record(self, name, fn, ref, pairs, to_rows, vs_baseline):
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+        if to_rows is not None:
+            out = to_rows(out)
+        err = errors(out[:, :, self.err_heads], ref) if ref is not None else {}
+        del out
+        ms = cuda_median_ms(fn, reps=self.reps)
+        flops = self.dense_flops if pairs is None else 4.0 * pairs * self.head_dim
+        case = self.cases[name] = {
+            "ms": round(ms, 3),
+            "baseline": self.baseline if vs_baseline else None,
+            "ratio": round(self.baseline_ms / ms, 3) if vs_baseline and self.baseline_ms else None,
+            "rel_l2": err.get("rel_l2"),
+            "cosine": err.get("cosine"),
+            "rel_l1": err.get("rel_l1"),
+            "peak_gib": round(peak, 3),
+            "tflops": round(flops / ms / 1e9, 1),
+            "density": round(pairs / self.all_pairs, 4) if vs_baseline and pairs is not None else None,
+        }
+        print(f"{name:34s} {ms:8.2f} ms  ratio {case['ratio']}  rel_l2 {case['rel_l2']}  {case['tflops']} TF/s",
+              flush=True)  # fmt: skip
+        return ms

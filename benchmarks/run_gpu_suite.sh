@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU suite on any CUDA host with the package installed (`pip install -e ".[test]"`): the GPU tests, then the
+# benchmark suites, each writing <out>/<suite>_<device>.json with commit, device and command (docs/benchmarking.md).
+#
+#   bash benchmarks/run_gpu_suite.sh [--out DIR] [--parts tests,gemm,attention,e2e] [--commit SHA] [--peer-dir DIR]
+#
+#   --out       where the JSON and logs go (default: benchmarks/results)
+#   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer (default: tests,gemm,attention,e2e)
+#   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
+#   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=benchmarks/results
+PARTS=tests,gemm,attention,e2e
+COMMIT_ARGS=()
+PEER_ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) OUT=$2; shift 2 ;;
+    --parts) PARTS=$2; shift 2 ;;
+    --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
+    --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+# A short device tag for the file names: "NVIDIA H200" -> h200.
+DEVICE=$(python -c "import re, torch; assert torch.cuda.is_available(), 'no CUDA GPU'; \
+print(re.sub('[^a-z0-9]+', '_', torch.cuda.get_device_name().lower().replace('nvidia', '')).strip('_'))" 2>/dev/null) || {
+  echo "run_gpu_suite.sh: error: no CUDA GPU visible to torch — run it on a GPU host" >&2; exit 2; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+
+status=0
+run() {  # run <name> <command...>: log to $OUT/<name>.log, keep going on failure, remember it
+  echo "== $1"
+  "${@:2}" 2>&1 | tee "$OUT/$1.log" | tail -30
+  local rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { echo "== $1 failed (exit $rc)"; status=1; }
+}
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+
+has tests && run gpu_tests python -m pytest -m gpu tests -q -p no:cacheprovider
+has gemm && run gemm python benchmarks/gemm.py --no-fused "${COMMIT_ARGS[@]}" --out "$OUT/gemm_$DEVICE.json"
+has attention && run attention python benchmarks/attention.py "${PEER_ARGS[@]}" "${COMMIT_ARGS[@]}" \
+  --out "$OUT/attention_$DEVICE.json"
+has e2e && run end_to_end python benchmarks/end_to_end.py --reps 5 "${COMMIT_ARGS[@]}" --out "$OUT/end_to_end_$DEVICE.json"
+has v100 && run fa_v100 python benchmarks/attention_v100.py "${COMMIT_ARGS[@]}" --out "$OUT/fa_v100_$DEVICE.json"
+has flashinfer && run flashinfer python benchmarks/flashinfer_peers.py "${COMMIT_ARGS[@]}" \
+  --out "$OUT/attention_flashinfer_$DEVICE.json"
+exit $status

@@ -1,0 +1,141 @@
+"""``MiniMaxH3AttnProcessorBase``: what every attention processor of this package shares.
+
+A processor replaces only the attention core ``softmax(Q K^T / sqrt(d)) V`` of ``MiniMaxH3Attention``. The base owns
+the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH3AttnProcessor`` outside that core:
+
+* **refiner calls** (``rotary_emb is None``: the token refiner, text only) run diffusers' default processor code path,
+  without context parallelism, so that the refiner runs once per rank on the unsharded text;
+* **projections → core → output**: :func:`~._projections.project_qkv`, then :meth:`core` on
+  ``(batch, seq, heads, head_dim)`` tensors, then :func:`~._projections.project_output`;
+* **context parallelism**: the hook points ``_attention_backend`` and ``_parallel_config`` (diffusers'
+  ``enable_parallelism`` writes ``_parallel_config`` into every processor that declares it). With
+  ``ulysses_degree > 1`` the core runs on the full sequence with ``heads / degree`` heads through
+  ``_ulysses.ulysses_attention`` (all-to-all before and after); ring attention is refused (it needs a core that returns
+  the log-sum-exp);
+* **describe_path()** from the :class:`~diffusers_h3.kernels.attention.KernelChoice` that the last call recorded.
+
+Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads) and may add
+per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+from ..kernels.attention.router import KernelChoice
+from ._projections import project_output, project_qkv
+
+
+class MiniMaxH3AttnProcessorBase:
+    r"""
+    Base class of the attention processors for ``MiniMaxH3Attention``: refiner policy, context-parallel seam,
+    projection → :meth:`core` → output, and :meth:`describe_path` from the recorded :class:`KernelChoice`.
+
+    Subclasses implement ``core(query, key, value, attention_mask=None, **extras) -> out`` on
+    ``(batch, seq, heads, head_dim)`` tensors and record what they ran with :meth:`record_choice`.
+    """
+
+    # Context-parallel hook points: diffusers' `enable_parallelism` sets `_parallel_config` on processors that
+    # declare it; `set_attention_backend` sets `_attention_backend` (used by the refiner path and dense cores).
+    _attention_backend = None
+    _parallel_config = None
+
+    def __init__(self):
+        self._last_choice: Optional[KernelChoice] = None
+        self._refiner = MiniMaxH3AttnProcessor()  # never given the parallel config
+
+    # -- the seams subclasses fill ------------------------------------------------------------------------------------
+    def core(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        **extras: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention core on ``(batch, seq, heads, head_dim)`` tensors; returns the same layout."""
+        raise NotImplementedError(f"{type(self).__name__} must implement core(query, key, value, attention_mask)")
+
+    def extras(self, attn, hidden_states: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Per-row, per-head tensors ``(batch, seq, heads, ...)`` that :meth:`core` needs besides Q/K/V (they are
+        sharded like Q/K/V under context parallelism). None by default."""
+        return {}
+
+    def record_choice(self, choice: KernelChoice) -> None:
+        """Remember what the last call ran (``describe_path`` reports it)."""
+        self._last_choice = choice
+
+    @property
+    def last_choice(self) -> Optional[KernelChoice]:
+        return self._last_choice
+
+    def describe_path(self) -> str:
+        """One line: what the last call ran, and why."""
+        if self._last_choice is None:
+            return f"{type(self).__name__}: not called yet"
+        return f"{type(self).__name__}: {self._last_choice.describe()}"
+
+    # -- the call ---------------------------------------------------------------------------------------------------
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if rotary_emb is None:
+            return self.refiner_call(attn, hidden_states, attention_mask)
+        query, key, value = project_qkv(attn, hidden_states, rotary_emb)
+        out = self.attend(query, key, value, attention_mask, self.extras(attn, hidden_states))
+        return project_output(attn, out, query.dtype)
+
+    def refiner_call(self, attn, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+        """Token-refiner calls (text only, ``rotary_emb=None``): diffusers' default processor, on one rank's full
+        (unsharded) text, so without the context-parallel config."""
+        self._refiner._attention_backend = self._attention_backend
+        return self._refiner(attn, hidden_states, None, attention_mask)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        extras: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """:meth:`core`, through Ulysses sequence parallelism when the parallel config asks for it."""
+        extras = extras or {}
+        degree = self._ulysses_degree()
+        if degree <= 1:
+            return self.core(query, key, value, attention_mask, **extras)
+        if attention_mask is not None:
+            raise ValueError(f"{type(self).__name__}: context parallelism takes no attention_mask (H3 passes none)")
+        try:
+            from ._ulysses import ulysses_attention
+        except ImportError as error:
+            raise NotImplementedError(
+                f"{type(self).__name__}: Ulysses context parallelism needs diffusers_h3.attention_processors._ulysses, "
+                f"which could not be imported ({error}); run without enable_parallelism"
+            ) from error
+
+        def core_fn(q, k, v, shard_extras):
+            return self.core(q, k, v, None, **(shard_extras or {}))
+
+        return ulysses_attention(core_fn, query, key, value, self._parallel_config, extras or None)
+
+    def _ulysses_degree(self) -> int:
+        """The Ulysses degree of the context-parallel config (1 without one); ring attention is refused here, once for
+        every processor."""
+        config = getattr(self._parallel_config, "context_parallel_config", None)
+        if config is None:
+            return 1
+        ring = getattr(config, "ring_degree", None) or 1
+        if ring > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}: ring attention needs a backend with LSE; use ulysses_degree (ring_degree={ring})"
+            )
+        return getattr(config, "ulysses_degree", None) or 1
+

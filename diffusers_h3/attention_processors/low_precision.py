@@ -1,0 +1,283 @@
+"""Dense low-precision attention for ``MiniMaxH3Attention``: FP8 / INT8 Q/K (optionally FP8 P·V), or emulated FP4.
+
+:class:`MiniMaxH3LowPrecisionAttnProcessor` replaces the attention core with
+
+* ``"fp8"``: E4M3 Q per token, K per key block (mean-centred with ``smooth_k``), through the dense mode of the
+  block-sparse flash kernels (:func:`~diffusers_h3.kernels.attention.fp8_attention`); FP8 tensor cores (SM89+);
+* ``"int8"``: the same with symmetric INT8 Q/K (SageAttention's choice): INT8 tensor cores (SM80+), ~4x less rounding
+  error than E4M3;
+* ``"fp4"``: NVFP4-style E2M1 Q/K/V with 16-element E4M3 scales, and P emulated before P·V (``fp4_p``); always
+  emulated (quantize-dequantize + 16-bit kernels): native FP4 attention is not implemented and not run on hardware.
+
+Without the tensor cores of the precision the 8-bit numerics run as emulation (quantize-dequantize + SDPA) with a
+one-time warning, or raise with ``strict=True``. :func:`enable_low_precision_attention` installs one processor per
+transformer block; the VSA processor delegates its dense calls to the same core.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
+from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
+from ..kernels.attention.dense_quantized import fp8_attention
+from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
+from ..kernels.numerics import fake_quant_fp4, fake_quant_fp8_per_token
+from .base import MiniMaxH3AttnProcessorBase
+
+
+PRECISIONS = ("fp8", "int8", "fp4")
+PV_PRECISIONS = ("bf16", "fp8")
+FP4_P_MODES = (None, "two_level", "single_level")
+KERNELS = ("auto", "sm90", "triton")
+BACKENDS = ("auto", "triton", "torch")
+# The 8-bit Q/K precisions and their operand dtype (same kernels; INT8 has ~4x less rounding error than E4M3).
+QK_8BIT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def _kernel_available(device: torch.device) -> bool:
+    return HAS_TRITON and (device.type == "cuda" or triton_interpreter_active())
+
+
+def _fp8_native(device: torch.device) -> bool:
+    """FP8 ``tl.dot`` runs on SM89+ GPUs (and in the interpreter, which emulates it)."""
+    if device.type == "cuda":
+        return HAS_TRITON and has_fp8_tensor_cores(device)
+    return triton_interpreter_active()
+
+
+def _qk_native(precision: str, device: torch.device) -> bool:
+    """Whether the 8-bit Q/K ``precision`` has tensor cores on ``device``: FP8 on SM89+, INT8 ``tl.dot`` on SM80+."""
+    if precision != "int8":
+        return _fp8_native(device)
+    if device.type != "cuda":
+        return triton_interpreter_active()
+    cap = cuda_capability(device)
+    return HAS_TRITON and cap is not None and tuple(cap) >= (8, 0)
+
+
+def check_low_precision_options(precision: str, *, pv_precision: str = "bf16", fp4_p: Optional[str] = "two_level",
+                                strict: bool = False, backend: str = "auto", kernel: str = "auto",
+                                allowed: Sequence[str] = PRECISIONS) -> None:
+    """One clear error for a bad option of the low-precision attention (shared with ``VSAConfig``)."""
+    if precision not in allowed:
+        raise ValueError(f"precision must be one of {tuple(allowed)}, got {precision!r}")
+    if pv_precision not in PV_PRECISIONS:
+        raise ValueError(f"pv_precision must be one of {PV_PRECISIONS}, got {pv_precision!r}")
+    if pv_precision == "fp8" and precision not in QK_8BIT:
+        raise ValueError("pv_precision='fp8' needs precision='fp8' or 'int8'")
+    if fp4_p not in FP4_P_MODES:
+        raise ValueError(f"fp4_p must be 'two_level', 'single_level' or None (bf16 P), got {fp4_p!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if precision == "fp4" and strict:
+        raise NotImplementedError(
+            "precision='fp4' with strict=True: native FP4 attention is not implemented (FP4 numerics are emulated "
+            "with quantize-dequantize and 16-bit kernels); pass strict=False to run the emulation"
+        )
+
+
+def precision_label(precision: str, *, smooth_k: bool, pv_precision: str, fp4_p: Optional[str],
+                    emulated: Optional[bool]) -> str:
+    """The numerics of ``precision`` in words; ``emulated`` is what the last call ran (``None``: not called yet)."""
+    if precision in QK_8BIT:
+        name = "FP8 E4M3" if precision == "fp8" else "INT8"
+        label = f"{name} Q per token, K per tile{' (mean-centred)' if smooth_k else ''}, {pv_precision} PV"
+        if emulated:
+            label += f" [emulated here: no {name.split()[0]} tensor cores]"
+        return label
+    if precision == "fp4":
+        p_part = f"{fp4_p.replace('_', '-')} FP4 P" if fp4_p else "bf16 P"
+        label = (f"FP4 E2M1/E4M3-16 Q/K/V + {p_part} emulated (quantize-dequantize + 16-bit kernels; native FP4 "
+                 "attention not implemented, not run on hardware)")
+        if torch.cuda.is_available() and has_fp4_tensor_cores(torch.device("cuda")):
+            label += " [this GPU has FP4 tensor cores, unused]"
+        return label
+    return "bf16"
+
+
+def fake_quant_fp4_seq(value: torch.Tensor) -> torch.Tensor:
+    """FP4 emulation of V along the sequence (groups of 16 tokens per channel), padding the tail group with zeros."""
+    s = value.shape[1]
+    pad = (-s) % 16
+    if pad:
+        value = torch.cat([value, value.new_zeros(value.shape[0], pad, *value.shape[2:])], dim=1)
+    return fake_quant_fp4(value, dim=1)[:, :s]
+
+
+class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
+    r"""
+    Dense attention in FP8 / INT8 (tensor cores) or emulated FP4 for ``MiniMaxH3Attention`` (install one per block
+    with :func:`enable_low_precision_attention`, or with ``transformer.set_attn_processor``).
+
+    Args:
+        precision (`str`, defaults to `"fp8"`): ``"fp8"`` (E4M3 Q per token, K per key block; SM89+), ``"int8"``
+            (symmetric INT8 Q/K; SM80+) or ``"fp4"`` (E2M1 with 16-element E4M3 scales; always emulated).
+        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantization (exact under softmax).
+        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (per-channel V scales).
+        fp4_p (`str`, defaults to `"two_level"`): with ``"fp4"``, how P is emulated before P·V (``"two_level"``,
+            ``"single_level"`` or ``None`` = 16-bit P).
+        strict (`bool`, defaults to `False`): raise instead of emulating when the GPU lacks the precision's tensor cores.
+        backend (`str`, defaults to `"auto"`): ``"triton"`` / ``"torch"`` (reference kernels) / ``"auto"``.
+        kernel (`str`, defaults to `"auto"`): the flash kernel: ``"sm90"`` (Hopper Gluon), ``"triton"`` or ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        precision: str = "fp8",
+        *,
+        smooth_k: bool = True,
+        pv_precision: str = "bf16",
+        fp4_p: Optional[str] = "two_level",
+        strict: bool = False,
+        backend: str = "auto",
+        kernel: str = "auto",
+    ):
+        super().__init__()
+        check_low_precision_options(precision, pv_precision=pv_precision, fp4_p=fp4_p, strict=strict, backend=backend,
+                                    kernel=kernel)
+        self.precision = precision
+        self.smooth_k = bool(smooth_k)
+        self.pv_precision = pv_precision
+        self.fp4_p = fp4_p
+        self.strict = bool(strict)
+        self.backend = backend
+        self.kernel = kernel
+        self._emulated: Optional[bool] = None
+        self._who = type(self).__name__  # the processor named in warnings and errors (VSA when it delegates here)
+
+    # -- emulation policy -------------------------------------------------------------------------------------------
+    def emulated(self, device: torch.device) -> bool:
+        """Whether the numerics run as quantize-dequantize emulation on ``device`` (warns once, or raises when
+        strict); records the answer for :meth:`describe_path`."""
+        if self.precision not in QK_8BIT or _qk_native(self.precision, device):
+            self._emulated = self.precision == "fp4"
+            return self._emulated
+        self._emulated = True
+        cap = cuda_capability(device) if device.type == "cuda" else None
+        where = f"sm_{cap[0]}{cap[1]}" if cap else device.type
+        name, needs = ("FP8", "SM89+") if self.precision == "fp8" else ("INT8", "SM80+")
+        if self.strict:
+            raise RuntimeError(
+                f"precision={self.precision!r} needs {name} tensor cores ({needs}) and Triton; {where} has none. Pass "
+                f"strict=False to run the {name} numerics as emulation (quantize-dequantize + 16-bit kernels), or use "
+                "precision='bf16'"
+            )
+        warn_once(f"{self._who}-{self.precision}-emulated-{where}", f"{self._who}: no {name} tensor cores on "
+                  f"{where}; {name} attention runs as emulation (quantize-dequantize + 16-bit kernels)")
+        return True
+
+    def _tuning(self, device: torch.device) -> Optional[TuningOptions]:
+        if self.kernel == "auto" or self.backend == "torch" or not _kernel_available(device):
+            return None
+        return TuningOptions(kernel=self.kernel)
+
+    # -- the core ----------------------------------------------------------------------------------------------------
+    def core(self, query, key, value, attention_mask=None, **extras):
+        if extras:
+            raise TypeError(f"{self._who}: dense low-precision attention takes no extras, got {sorted(extras)}")
+        if attention_mask is not None:
+            raise ValueError(f"{self._who}: FP8/INT8/FP4 dense attention takes no attention_mask (H3 passes none)")
+        value = value.contiguous()
+        device = query.device
+        emulate = self.emulated(device)
+        if self.precision in QK_8BIT and not emulate and _kernel_available(device):
+            out, choice = fp8_attention(
+                query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
+                qk_dtype=QK_8BIT[self.precision], backend=self.backend, tuning=self._tuning(device),
+                return_choice=True,
+            )
+            self.record_choice(choice)
+            return out
+        if self.precision == "fp4":
+            if self.smooth_k:
+                key = key - key.float().mean(1, keepdim=True).to(key.dtype)
+            query, key, value = fake_quant_fp4(query), fake_quant_fp4(key), fake_quant_fp4_seq(value)
+            if self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
+                out, choice = block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
+                                                     p_fp4=self.fp4_p, backend="triton", return_choice=True)
+                self.record_choice(choice)
+                return out
+            reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
+        else:
+            qk_dtype = QK_8BIT[self.precision]
+            query = fake_quant_fp8_per_token(query, dtype=qk_dtype)
+            key = fake_quant_fp8_per_token(key, dtype=qk_dtype)
+            reason = f"{self.precision.upper()} emulation (quantize-dequantize)"
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        ).transpose(1, 2)
+        self.record_choice(KernelChoice("torch-sdpa", "dense", reason))
+        return out
+
+    def precision_label(self) -> str:
+        return precision_label(self.precision, smooth_k=self.smooth_k, pv_precision=self.pv_precision,
+                               fp4_p=self.fp4_p, emulated=self._emulated)
+
+    def describe_path(self) -> str:
+        kernel = self._last_choice.describe() if self._last_choice is not None else "kernel chosen on the first call"
+        return f"dense low-precision attention ({self.precision_label()}) via {kernel}"
+
+
+# -- installation helpers --------------------------------------------------------------------------------------------
+
+
+def transformer_blocks(transformer, who: str) -> Sequence[torch.nn.Module]:
+    blocks = getattr(transformer, "transformer_blocks", None)
+    if blocks is None:
+        raise TypeError(f"{who} expects a MiniMaxH3Transformer3DModel (with .transformer_blocks) or a MiniMaxH3Pipeline, "
+                        f"got {type(transformer).__name__}")
+    return blocks
+
+
+def _models(pipe_or_transformer, who: str):
+    """``[(name, transformer)]`` of a pipeline (its loaded transformer partitions) or of one transformer."""
+    partitions = getattr(pipe_or_transformer, "_partitions", None)
+    if callable(partitions):
+        return list(partitions())
+    transformer_blocks(pipe_or_transformer, who)
+    return [("transformer", pipe_or_transformer)]
+
+
+def enable_low_precision_attention(
+    pipe_or_transformer,
+    precision: str = "fp8",
+    *,
+    smooth_k: bool = True,
+    pv_precision: str = "bf16",
+    fp4_p: Optional[str] = "two_level",
+    strict: bool = False,
+    backend: str = "auto",
+    kernel: str = "auto",
+) -> Dict[str, Dict[str, Any]]:
+    """Install one :class:`MiniMaxH3LowPrecisionAttnProcessor` per transformer block of a pipeline's transformer
+    partition(s) or of one transformer (the token refiner keeps its processor). Returns per partition the number of
+    blocks, the precision and one ``describe_path`` line."""
+    checked = {"pv_precision": pv_precision, "fp4_p": fp4_p, "strict": strict, "backend": backend, "kernel": kernel}
+    check_low_precision_options(precision, **checked)
+    options = {"smooth_k": smooth_k, **checked}
+    summary = {}
+    for name, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
+        blocks = transformer_blocks(model, "enable_low_precision_attention")
+        processors = []
+        for block in blocks:
+            processor = MiniMaxH3LowPrecisionAttnProcessor(precision, **options)
+            if strict:
+                processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
+            block.attn.set_processor(processor)
+            processors.append(processor)
+        summary[name] = {"blocks": len(blocks), "precision": precision,
+                         "path": processors[0].describe_path() if processors else "no blocks"}
+    return summary
+
+
+def disable_low_precision_attention(pipe_or_transformer) -> None:
+    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block."""
+    for _, model in _models(pipe_or_transformer, "disable_low_precision_attention"):
+        for block in transformer_blocks(model, "disable_low_precision_attention"):
+            block.attn.set_processor(MiniMaxH3AttnProcessor())

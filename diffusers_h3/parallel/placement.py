@@ -1,0 +1,115 @@
+"""Placement recipes: where the 33 B DiT, the 32 B text encoder and the VAEs live, per hardware class.
+
+Each recipe is one call around diffusers / Accelerate machinery (quantization configs, group offloading, device maps):
+
+| hardware | recipe |
+|---|---|
+| one 80 GB GPU, everything resident | `from_pretrained(..., **single_gpu_resident_kwargs())` then `pipe.to("cuda")` |
+| one 40-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (block-level group offload for DiT + text encoder) |
+| two or more GPUs, one component per GPU | `from_pretrained(..., **balanced_kwargs({0: "70GiB", 1: "70GiB"}))` |
+| GPUs too small for one DiT replica | `MiniMaxH3Transformer3DModel.from_pretrained(..., **split_transformer_kwargs(...))` |
+
+Peak memory per recipe is measured by `benchmarks/multi_gpu.py` and listed in docs/multi_gpu.md.
+"""
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+
+def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
+    """`from_pretrained` kwargs for one 80 GB GPU: 8-bit DiT (`"fp8"`: FP8 GEMMs, SM89+; `"w8a16"`: any GPU) and a
+    W8A16 text encoder, so that the whole pipeline stays resident (weights about half of bf16's 124 GiB)."""
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    from ..quantizers import FP8Config, W8A16Config
+
+    configs = {"fp8": FP8Config, "w8a16": W8A16Config}
+    for who, choice in (("transformer", transformer), ("text_encoder", text_encoder)):
+        if choice not in configs:
+            raise ValueError(f"{who}={choice!r}: choose one of {sorted(configs)}.")
+    mapping = {"transformer": configs[transformer](), "text_encoder": configs[text_encoder]()}
+    mapping["transformer_ref"] = configs[transformer]()
+    return {"quantization_config": PipelineQuantizationConfig(quant_mapping=mapping)}
+
+
+def balanced_kwargs(max_memory: Dict[Union[int, str], str]) -> Dict[str, Any]:
+    """`from_pretrained` kwargs placing whole components over several GPUs (diffusers' `device_map="balanced"`);
+    `max_memory` caps each device, e.g. `{0: "75GiB", 1: "75GiB"}`. Tensors follow each component's device."""
+    if not max_memory:
+        raise ValueError("balanced_kwargs needs max_memory, e.g. {0: '75GiB', 1: '75GiB'}.")
+    return {"device_map": "balanced", "max_memory": dict(max_memory)}
+
+
+def split_transformer_kwargs(
+    max_memory: Dict[Union[int, str], str], offload_folder: Optional[str] = None
+) -> Dict[str, Any]:
+    """`MiniMaxH3Transformer3DModel.from_pretrained` kwargs splitting the DiT by blocks over the devices in
+    `max_memory` (Accelerate's `device_map="auto"`; whole `MiniMaxH3TransformerBlock`s, per the class's
+    `_no_split_modules`). `"cpu"` and `"disk"` entries (with `offload_folder`) take what the GPUs cannot hold."""
+    if not max_memory:
+        raise ValueError("split_transformer_kwargs needs max_memory, e.g. {0: '30GiB', 1: '30GiB'}.")
+    kwargs: Dict[str, Any] = {"device_map": "auto", "max_memory": dict(max_memory)}
+    if offload_folder is not None:
+        kwargs["offload_folder"] = offload_folder
+    return kwargs
+
+
+def _has_weight_norm(module: torch.nn.Module) -> bool:
+    # Weight norm recomputes `weight` from `weight_g`/`weight_v` in a forward pre-hook (or a parametrization): group
+    # offloading moves parameters around that hook and breaks it, so such modules move as a whole instead.
+    for sub in module.modules():
+        if hasattr(sub, "weight_g") or getattr(sub, "parametrizations", None) is not None:
+            return True
+    return False
+
+
+def enable_low_memory_offload(
+    pipe,
+    device: Union[str, torch.device] = "cuda",
+    *,
+    num_blocks_per_group: int = 1,
+    use_stream: Optional[bool] = None,
+) -> Dict[str, str]:
+    """One 40-48 GB GPU: block-level group offload for the DiT partitions and the text encoder, model offload for the
+    rest (the VAEs; the audio VAE's weight norm cannot be group-offloaded, so it always moves as a whole).
+
+    Args:
+        pipe: a `MiniMaxH3Pipeline` on the CPU.
+        device: where computation runs.
+        num_blocks_per_group: transformer blocks onloaded together.
+        use_stream: prefetch the next group on a CUDA stream (default: on when `device` is CUDA).
+
+    Returns:
+        `{component: placement}`, what each component got.
+    """
+    from accelerate import cpu_offload_with_hook
+    from diffusers.hooks import apply_group_offloading
+
+    device = torch.device(device)
+    if use_stream is None:
+        use_stream = device.type == "cuda"
+    if use_stream and device.type != "cuda":
+        raise ValueError(f"use_stream=True needs a CUDA device, got {device}.")
+    group_offloaded = ("transformer", "transformer_ref", "text_encoder")
+    placements: Dict[str, str] = {}
+    previous_hook = None
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        if name in group_offloaded and not _has_weight_norm(component):
+            apply_group_offloading(
+                component,
+                onload_device=device,
+                offload_device=torch.device("cpu"),
+                offload_type="block_level",
+                num_blocks_per_group=num_blocks_per_group,
+                use_stream=use_stream,
+            )
+            placements[name] = f"group offload (block level, {num_blocks_per_group} block(s), stream={use_stream})"
+        else:
+            _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
+            reason = " (weight norm: no group offload)" if name in group_offloaded else ""
+            placements[name] = f"model offload{reason}"
+    pipe._diffusers_h3_placement = dict(placements)
+    return placements

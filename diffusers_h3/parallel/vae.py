@@ -1,0 +1,121 @@
+"""Parallel decode of the MiniMax-H3 video VAE: its tiles are split over the ranks, gathered, and stitched serially.
+
+`AutoencoderKLMiniMaxH3` decodes in temporal chunks (`tokens_chunk_size + token_overlap` latent frames each) and, with
+tiling on (the released default), each chunk in overlapping spatial tiles (28 at 768x1344). Every (chunk, tile)
+decode is independent; only the blending is not. Here each rank decodes every W-th tile, the decoded tiles are
+broadcast to all ranks, and diffusers' own `_decode` then runs with its per-chunk decoder answered from those tiles —
+so the temporal cross-fade, the spatial blending and the tail trimming are diffusers' code, and the result equals the
+serial tiled decode.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _chunk_inputs(vae, z: torch.Tensor) -> List[torch.Tensor]:
+    """The latent slices `AutoencoderKLMiniMaxH3._decode` hands to `_decode_clip`, in call order (same padding)."""
+    tokens_chunk_size = vae.tokens_chunk_size
+    token_drop = vae.config.token_drop
+    num_tokens = z.shape[2] + token_drop
+    pad_tokens = (-num_tokens) % tokens_chunk_size
+    num_chunks = (num_tokens + pad_tokens) // tokens_chunk_size - int(token_drop > 0)
+    if pad_tokens > 0:
+        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
+    return [
+        z[:, :, i * tokens_chunk_size : i * tokens_chunk_size + tokens_chunk_size + vae.token_overlap]
+        for i in range(num_chunks)
+    ]
+
+
+def _tile_grid(vae, clip: torch.Tensor):
+    """Latent tile slices of one chunk (row-major) and the pixel overlaps, as `_decode_clip` lays them out."""
+    if not vae.use_tiling:
+        return [[clip]], [], []
+    ratio = vae.spatial_compression_ratio
+    y_indices, y_lengths, y_overlaps = vae._split_tiles(
+        clip.shape[-2] * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
+    )
+    x_indices, x_lengths, x_overlaps = vae._split_tiles(
+        clip.shape[-1] * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
+    )
+    rows = [
+        [
+            clip[..., i // ratio : i // ratio + h // ratio, j // ratio : j // ratio + w // ratio]
+            for j, w in zip(x_indices, x_lengths)
+        ]
+        for i, h in zip(y_indices, y_lengths)
+    ]
+    return rows, y_overlaps, x_overlaps
+
+
+def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[torch.Tensor]:
+    """Decode `units[k]` on rank `k % W`, then broadcast every decoded unit to all ranks."""
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine: Dict[int, torch.Tensor] = {}
+    for k in range(rank, len(units), world_size):
+        mine[k] = vae.decoder(vae.post_quant_conv(units[k])).contiguous()
+    # Decoded shapes are exchanged first so that receivers can allocate (every rank holds one small list).
+    shapes: List[Optional[Dict[int, Tuple[torch.Size, torch.dtype]]]] = [None] * world_size
+    dist.all_gather_object(shapes, {k: (tuple(t.shape), t.dtype) for k, t in mine.items()}, group=group)
+    decoded = []
+    for k in range(len(units)):
+        owner = k % world_size
+        if owner == rank:
+            tensor = mine[k]
+        else:
+            shape, dtype = shapes[owner][k]
+            tensor = torch.empty(shape, dtype=dtype, device=units[k].device)
+        dist.broadcast(tensor, group_src=owner, group=group)
+        decoded.append(tensor)
+    return decoded
+
+
+def _parallel_decode_one(vae, z: torch.Tensor, group) -> torch.Tensor:
+    chunks = _chunk_inputs(vae, z)
+    grids = [_tile_grid(vae, chunk) for chunk in chunks]
+    units = [tile for rows, _, _ in grids for row in rows for tile in row]
+    decoded = iter(_decode_units_in_parallel(vae, units, group))
+
+    stitched = []
+    for rows, y_overlaps, x_overlaps in grids:
+        tiles = [[next(decoded) for _ in row] for row in rows]
+        stitched.append(vae._stitch_tiles(tiles, y_overlaps, x_overlaps) if vae.use_tiling else tiles[0][0])
+
+    answers = iter(stitched)
+
+    def decode_clip_from_tiles(clip: torch.Tensor) -> torch.Tensor:
+        return next(answers)
+
+    # diffusers' `_decode` (temporal cross-fade, padding trim) runs unchanged; its per-chunk decode is answered
+    # from the tiles decoded above, in the same call order.
+    vae._decode_clip = decode_clip_from_tiles
+    try:
+        out = vae._decode(z)
+    finally:
+        del vae._decode_clip
+    if next(answers, None) is not None:
+        raise RuntimeError("parallel VAE decode: diffusers' _decode used fewer chunks than laid out; please report.")
+    return out
+
+
+@torch.no_grad()
+def parallel_vae_decode(vae, latents: torch.Tensor, group=None) -> torch.Tensor:
+    """Decode `latents` `(B, C, T, H, W)` with `AutoencoderKLMiniMaxH3`, its tiles split over the ranks of `group`.
+
+    Call it in every rank with the same latents; every rank returns the full decoded video, equal to
+    `vae.decode(latents).sample` (same tiles, same blending). Without an initialized process group, or with one
+    rank, it is `vae.decode`.
+    """
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    if not isinstance(vae, AutoencoderKLMiniMaxH3):
+        raise TypeError(f"parallel_vae_decode expects AutoencoderKLMiniMaxH3, got {type(vae).__name__}.")
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return vae.decode(latents).sample
+    latents = latents.to(next(vae.post_quant_conv.parameters()).dtype)
+    if vae.use_slicing and latents.shape[0] > 1:
+        return torch.cat([_parallel_decode_one(vae, z, group) for z in latents.split(1)])
+    return _parallel_decode_one(vae, latents, group)

@@ -1,0 +1,171 @@
+"""The one table of quantization formats.
+
+A format is registered once, with :func:`register_format`; everything else reads it from here: ``quantize()`` (which
+layer replaces an ``nn.Linear``), the diffusers quantizer (``from_pretrained(..., quantization_config=...)`` and
+pre-quantized checkpoints, through diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``) and
+the CLI's ``--quantize`` choices. Adding a format is a config, a layer, a kernel and one ``register_format(...)``
+line at the bottom of this file (see docs/quantization.md, "Adding a format").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Type
+
+from diffusers.quantizers import auto as _diffusers_auto
+
+from .config import FP8Config, NVFP4Config, QuantizationConfigBase, QuantMethod, W8A16Config
+from .diffusers_quantizer import QuantizerBase
+from .layers import FP8Linear, NVFP4Linear, QuantizedLinear, W8A16Linear
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One quantization format.
+
+    - ``name``: the short name of the CLI (``--quantize w8a16``);
+    - ``method``: the ``quant_method`` written to ``config.json`` (prefixed so it clashes with no diffusers /
+      transformers method);
+    - ``config_cls`` / ``layer_cls``: its :class:`QuantizationConfigBase` and :class:`QuantizedLinear` subclasses;
+    - ``quantizer_cls``: its :class:`QuantizerBase` subclass (made by :func:`register_format` when not given).
+    """
+
+    name: str
+    method: str
+    config_cls: Type[QuantizationConfigBase]
+    layer_cls: Type[QuantizedLinear]
+    quantizer_cls: Optional[Type[QuantizerBase]] = None
+
+
+_FORMATS: Dict[str, QuantFormat] = {}  # by name, in registration order
+_installed_in_diffusers = False
+
+
+def _check_new_format(name, method, config_cls, layer_cls, quantizer_cls) -> None:
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise ValueError(f"register_format: name must be a lowercase identifier such as 'w8a16', got {name!r}.")
+    if name in _FORMATS:
+        raise ValueError(f"register_format: a format named {name!r} is already registered; unregister_format it first.")
+    if not isinstance(method, str) or not method:
+        raise ValueError(f"register_format: method must be a non-empty string such as 'h3_w8a16', got {method!r}.")
+    taken = {fmt.method: fmt.name for fmt in _FORMATS.values()}
+    if method in taken:
+        raise ValueError(f"register_format: method {method!r} already belongs to format {taken[method]!r}.")
+    if method in _diffusers_auto.AUTO_QUANTIZER_MAPPING:
+        raise ValueError(
+            f"register_format: method {method!r} is one of diffusers' own quantization methods; pick a prefixed "
+            "name (e.g. 'h3_...')."
+        )
+    if not (isinstance(config_cls, type) and issubclass(config_cls, QuantizationConfigBase)):
+        raise TypeError(f"register_format: config_cls must subclass QuantizationConfigBase, got {config_cls!r}.")
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, QuantizedLinear)):
+        raise TypeError(f"register_format: layer_cls must subclass QuantizedLinear, got {layer_cls!r}.")
+    if quantizer_cls is not None and not (isinstance(quantizer_cls, type) and issubclass(quantizer_cls, QuantizerBase)):
+        raise TypeError(f"register_format: quantizer_cls must subclass QuantizerBase, got {quantizer_cls!r}.")
+    for cls in (config_cls, layer_cls, quantizer_cls):
+        bound = [fmt.name for fmt in _FORMATS.values() if cls in (fmt.config_cls, fmt.layer_cls, fmt.quantizer_cls)]
+        if cls is not None and bound:
+            raise ValueError(f"register_format: {cls.__name__} already serves format {bound[0]!r}.")
+
+
+def register_format(
+    name: str,
+    method: str,
+    config_cls: Type[QuantizationConfigBase],
+    layer_cls: Type[QuantizedLinear],
+    quantizer_cls: Optional[Type[QuantizerBase]] = None,
+) -> QuantFormat:
+    """Register a quantization format (see :class:`QuantFormat`) and return its record.
+
+    Sets ``config_cls.quant_method`` and ``layer_cls.quant_method`` to ``method``, makes the diffusers quantizer
+    ``<Config name without "Config">Quantizer`` when ``quantizer_cls`` is not given, and adds the method to diffusers'
+    auto maps if :func:`register_quantizers` already ran (it runs when ``diffusers_h3`` is imported).
+    """
+    _check_new_format(name, method, config_cls, layer_cls, quantizer_cls)
+    if quantizer_cls is None:
+        stem = config_cls.__name__[: -len("Config")] if config_cls.__name__.endswith("Config") else config_cls.__name__
+        quantizer_cls = type(
+            f"{stem}Quantizer",
+            (QuantizerBase,),
+            {"__module__": __name__, "__doc__": f"Diffusers quantizer of the {name!r} format ({method})."},
+        )
+    quantizer_cls.config_class = config_cls
+    quantizer_cls.layer_class = layer_cls
+    config_cls.quant_method = QuantMethod(method)
+    layer_cls.quant_method = method
+    fmt = QuantFormat(name, method, config_cls, layer_cls, quantizer_cls)
+    _FORMATS[name] = fmt
+    if _installed_in_diffusers:
+        _install(fmt)
+    return fmt
+
+
+def unregister_format(name: str) -> QuantFormat:
+    """Remove a format registered with :func:`register_format` (from this table and from diffusers' auto maps)."""
+    fmt = get_format(name)
+    del _FORMATS[name]
+    if _diffusers_auto.AUTO_QUANTIZER_MAPPING.get(fmt.method) is fmt.quantizer_cls:
+        del _diffusers_auto.AUTO_QUANTIZER_MAPPING[fmt.method]
+    if _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(fmt.method) is fmt.config_cls:
+        del _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method]
+    fmt.config_cls.quant_method = None
+    fmt.layer_cls.quant_method = ""
+    return fmt
+
+
+def _install(fmt: QuantFormat) -> None:
+    _diffusers_auto.AUTO_QUANTIZER_MAPPING[fmt.method] = fmt.quantizer_cls
+    _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method] = fmt.config_cls
+
+
+def register_quantizers() -> None:
+    """Add every registered format to diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``
+    (diffusers has no registration API; this is the mechanism its own plugins use), and every format registered
+    later as it is registered. Idempotent."""
+    global _installed_in_diffusers
+    for fmt in _FORMATS.values():
+        _install(fmt)
+    _installed_in_diffusers = True
+
+
+def formats() -> Tuple[QuantFormat, ...]:
+    """Every registered format, in registration order."""
+    return tuple(_FORMATS.values())
+
+
+def format_names() -> Tuple[str, ...]:
+    """The CLI names of the registered formats, in registration order."""
+    return tuple(_FORMATS)
+
+
+def get_format(name: str) -> QuantFormat:
+    """The format registered under the CLI name ``name``."""
+    if name not in _FORMATS:
+        raise KeyError(f"Unknown quantization format {name!r}; registered formats: {list(_FORMATS)}.")
+    return _FORMATS[name]
+
+
+def format_for_config(config: QuantizationConfigBase) -> QuantFormat:
+    """The format whose config class ``config`` is an instance of (the nearest registered class of its MRO)."""
+    by_config = {fmt.config_cls: fmt for fmt in _FORMATS.values()}
+    for cls in type(config).__mro__:
+        if cls in by_config:
+            return by_config[cls]
+    raise TypeError(
+        f"{type(config).__name__} is not the config of a registered quantization format "
+        f"(registered: {[fmt.config_cls.__name__ for fmt in _FORMATS.values()]}); call register_format(...) first."
+    )
+
+
+def layer_class_for(config: QuantizationConfigBase) -> Type[QuantizedLinear]:
+    return format_for_config(config).layer_cls
+
+
+def quantizer_for(config: QuantizationConfigBase, pre_quantized: bool = True) -> QuantizerBase:
+    return format_for_config(config).quantizer_cls(config, pre_quantized=pre_quantized)
+
+
+# -- built-in formats: one line each --------------------------------------------------------------------------------
+register_format(name="fp8", method="h3_fp8", config_cls=FP8Config, layer_cls=FP8Linear)
+register_format(name="w8a16", method="h3_w8a16", config_cls=W8A16Config, layer_cls=W8A16Linear)
+register_format(name="nvfp4", method="h3_nvfp4", config_cls=NVFP4Config, layer_cls=NVFP4Linear)

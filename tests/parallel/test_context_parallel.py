@@ -1,0 +1,147 @@
+"""`enable_context_parallel` on 2 and 4 gloo ranks: the tiny DiT forward equals the one-process forward."""
+
+import pytest
+import torch
+
+from diffusers_h3.parallel._launch import launch
+
+from ._tiny_cp import add_random_gates, cp_inputs, cp_transformer, forward, forward_with_layout, vsa_inputs
+
+
+# (text rows, batch): packed lengths 21 and 24 (uneven and even shards for 2 and 4 ranks).
+SHAPES = [(5, 1), (8, 2)]
+
+
+class _ProcessorWithoutCP:
+    """A processor that does not declare `_parallel_config`: it would attend over its own shard only."""
+
+    def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
+        return hidden_states
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _install_vsa(sparsity):
+    def install(model):
+        from diffusers_h3.attention_processors import enable_vsa
+
+        add_random_gates(model)
+        enable_vsa(model, sparsity=sparsity, tile=(2, 2, 4), backend="torch")  # exact references: fast on CPU
+
+    return install
+
+
+def _install_low_precision(precision):
+    def install(model):
+        from diffusers_h3.attention_processors import enable_low_precision_attention
+
+        enable_low_precision_attention(model, precision)
+
+    return install
+
+
+def _install_diffusers_default(model):
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    model.set_attn_processor(MiniMaxH3AttnProcessor())  # one instance shared by every module, refiner included
+
+
+# name -> (installer, installed before or after enable_context_parallel, uses the VSA grid and its layout)
+VARIANTS = {
+    "diffusers_default": (lambda model: None, "before", False),
+    "diffusers_default_installed_after": (_install_diffusers_default, "after", False),
+    "vsa_sparsity_0": (_install_vsa(0.0), "after", True),
+    "vsa_sparsity_0.8": (_install_vsa(0.8), "after", True),
+    "low_precision_fp8": (_install_low_precision("fp8"), "before", True),
+    "low_precision_int8": (_install_low_precision("int8"), "after", True),
+}
+
+
+def _variant_forward(variant, shape, world_size=None):
+    """The variant's forward on a fresh model; with `world_size`, under context parallelism."""
+    install, when, uses_layout = VARIANTS[variant]
+    model = cp_transformer()
+    if when == "before" or world_size is None:
+        install(model)
+    if world_size is not None:
+        from diffusers_h3.parallel import enable_context_parallel
+
+        enable_context_parallel(model, ulysses_degree=world_size)
+        if when == "after":
+            install(model)
+    if uses_layout:
+        inputs, layout = vsa_inputs(seq_text=shape[0])
+        outputs = forward_with_layout(model, inputs, layout)
+    else:
+        outputs = forward(model, cp_inputs(*shape))
+    refiner_unconfigured = {
+        name: getattr(module.processor, "_parallel_config", None) is None
+        for name, module in model.named_modules()
+        if name.startswith("token_refiner.") and hasattr(module, "processor")
+    }
+    return outputs, refiner_unconfigured
+
+
+def _variant_shapes(variant):
+    # (text rows, batch); packed lengths 21 / 24 for the default grid, 99 for the VSA grid (uneven on 2 and 4 ranks).
+    return SHAPES if not VARIANTS[variant][2] else [(5, 1)]
+
+
+def _rank_context_parallel(world_size):
+    import torch.distributed as dist
+
+    from diffusers_h3.parallel import enable_context_parallel
+
+    results = {"rank": dist.get_rank()}
+    for variant in VARIANTS:
+        for shape in _variant_shapes(variant):
+            try:
+                results[(variant, shape)] = _variant_forward(variant, shape, world_size)
+            except Exception as error:  # reported per variant by the parent, with the others' results
+                results[(variant, shape)] = f"{type(error).__name__}: {error}"
+
+    results["bad_heads"] = _error_of(
+        lambda: enable_context_parallel(cp_transformer(num_attention_heads=3), ulysses_degree=world_size)
+    )
+    results["world_mismatch"] = _error_of(lambda: enable_context_parallel(cp_transformer(), ulysses_degree=2 * world_size))
+    results["ring_native"] = _error_of(
+        lambda: enable_context_parallel(cp_transformer(), ulysses_degree=world_size // 2, ring_degree=2)
+    )
+    # Rank 1 loads a different model: every rank gets the same error, none hangs.
+    ffn = 64 if dist.get_rank() != 1 else 96
+    results["config_mismatch"] = _error_of(
+        lambda: enable_context_parallel(cp_transformer(ffn_dim=ffn), ulysses_degree=world_size)
+    )
+    model = enable_context_parallel(cp_transformer(), ulysses_degree=world_size)
+    model.transformer_blocks[1].attn.set_processor(_ProcessorWithoutCP())
+    results["processor_without_cp"] = _error_of(lambda: forward(model, cp_inputs(5)))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_forward_matches_one_process(world_size):
+    rank_results = launch(_rank_context_parallel, world_size, args=(world_size,), timeout_s=400)
+    for variant in VARIANTS:
+        for shape in _variant_shapes(variant):
+            (expected_video, expected_audio), _ = _variant_forward(variant, shape)
+            for results in rank_results:
+                outcome = results[(variant, shape)]
+                assert not isinstance(outcome, str), f"{variant} failed on rank {results['rank']}: {outcome}"
+                (video, audio), refiner_unconfigured = outcome
+                torch.testing.assert_close(video, expected_video, atol=1e-5, rtol=0, msg=lambda m: f"{variant}: {m}")
+                torch.testing.assert_close(audio, expected_audio, atol=1e-5, rtol=0, msg=lambda m: f"{variant}: {m}")
+                # The refiner's text rows are not sharded: its attention runs without the config.
+                assert refiner_unconfigured and all(refiner_unconfigured.values()), (variant, refiner_unconfigured)
+
+    for results in rank_results:
+        assert "head count (3)" in results["bad_heads"] and "ulysses_degree" in results["bad_heads"]
+        assert "world size" in results["world_mismatch"]
+        assert "native" in results["ring_native"] and "ring_degree" in results["ring_native"]
+        assert "differs across ranks" in results["config_mismatch"]
+        assert "_ProcessorWithoutCP" in results["processor_without_cp"]

@@ -1,0 +1,55 @@
+"""The tiny `MiniMaxH3Pipeline` under context parallelism on 2 gloo ranks equals the one-process pipeline."""
+
+import torch
+
+from diffusers_h3.parallel._launch import launch
+from diffusers_h3.testing.tiny import tiny_pipeline
+
+
+RUN = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3, "output_type": "pt"}
+
+
+def _counting(module, calls, name):
+    module.register_forward_pre_hook(lambda *args: calls.__setitem__(name, calls.get(name, 0) + 1))
+
+
+def _rank_pipeline():
+    import torch.distributed as dist
+
+    from diffusers_h3.parallel import enable_context_parallel
+
+    pipe = tiny_pipeline(seed=2)
+    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    calls = {}
+    _counting(pipe._language_layers()[0], calls, "text_encoder")  # the encoder exits early: count its first layer
+    _counting(pipe.transformer.context_embedder, calls, "context_embedder")
+    _counting(pipe.transformer.token_refiner.refiner_blocks[0], calls, "refiner")
+    _counting(pipe.vae.decoder, calls, "vae_decoder")
+    out = pipe(**RUN, generator=torch.Generator().manual_seed(0))
+    result = {"frames": out.frames, "audio": out.audio, "calls": calls}
+    try:  # a rank seeded differently: every rank gets the error, none hangs
+        pipe(**RUN, generator=torch.Generator().manual_seed(dist.get_rank()))
+        result["seed_mismatch"] = None
+    except ValueError as error:
+        result["seed_mismatch"] = str(error)
+    return result
+
+
+def test_pipeline_under_context_parallel_matches_one_process():
+    rank_results = launch(_rank_pipeline, 2, timeout_s=400)
+    pipe = tiny_pipeline(seed=2)
+    calls = {}
+    _counting(pipe.vae.decoder, calls, "vae_decoder")
+    expected = pipe(**RUN, generator=torch.Generator().manual_seed(0))
+    for rank, result in enumerate(rank_results):
+        torch.testing.assert_close(result["frames"], expected.frames, atol=1e-5, rtol=0)
+        torch.testing.assert_close(result["audio"], expected.audio, atol=1e-5, rtol=0)
+        assert "generators differ across ranks" in result["seed_mismatch"]
+        steps = RUN["num_inference_steps"] - 1
+        # The text encoder runs on rank 0 only; the refiner once per request although the DiT runs every step.
+        assert result["calls"].get("text_encoder", 0) == (1 if rank == 0 else 0)
+        assert result["calls"]["context_embedder"] == steps
+        assert result["calls"]["refiner"] == 1
+    # The VAE tile decodes are split over the ranks.
+    assert sum(r["calls"]["vae_decoder"] for r in rank_results) == calls["vae_decoder"]
+    assert all(r["calls"]["vae_decoder"] < calls["vae_decoder"] for r in rank_results)

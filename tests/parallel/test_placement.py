@@ -1,0 +1,85 @@
+"""Placement recipes on the CPU where Accelerate allows (cpu / disk maps, CPU group offload); GPU ones marked `gpu`."""
+
+import pytest
+import torch
+
+from diffusers_h3.parallel.placement import (
+    balanced_kwargs,
+    enable_low_memory_offload,
+    single_gpu_resident_kwargs,
+    split_transformer_kwargs,
+)
+from diffusers_h3.testing.tiny import tiny_pipeline, tiny_transformer, tiny_transformer_inputs
+
+
+RUN = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2}
+
+
+def _forward(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.sample, out.audio_sample
+
+
+def test_split_transformer_over_cpu_and_disk_keeps_blocks_whole(tmp_path):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    reference = tiny_transformer(num_layers=4)
+    reference.save_pretrained(tmp_path / "transformer")
+    size = sum(p.numel() * p.element_size() for p in reference.parameters())
+    # Room on the "cpu" for about half the weights: the rest goes to disk.
+    kwargs = split_transformer_kwargs({"cpu": int(size * 0.5)}, offload_folder=str(tmp_path / "offload"))
+    model = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer", **kwargs).eval()
+
+    device_map = model.hf_device_map
+    assert set(device_map.values()) == {"cpu", "disk"}, device_map
+    for name in device_map:  # no block is split between devices
+        assert name.count(".") <= 1 or not name.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.")), name
+    inputs = tiny_transformer_inputs()
+    for got, expected in zip(_forward(model, inputs), _forward(reference, inputs)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_low_memory_offload_runs_the_pipeline_and_keeps_weight_norm_whole():
+    reference = tiny_pipeline(seed=2)
+    expected = reference(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+
+    pipe = tiny_pipeline(seed=2)
+    placements = enable_low_memory_offload(pipe, "cpu")
+    assert placements["transformer"].startswith("group offload")
+    assert placements["text_encoder"].startswith("group offload")
+    assert placements["audio_vae"] == "model offload"
+    got = pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.frames, expected.frames, atol=0, rtol=0)
+    torch.testing.assert_close(got.audio, expected.audio, atol=0, rtol=0)
+
+
+def test_weight_norm_component_is_never_group_offloaded():
+    pipe = tiny_pipeline(seed=2)
+    pipe.register_modules(text_encoder=pipe.audio_vae)  # a weight-norm module where group offload would go
+    placements = enable_low_memory_offload(pipe, "cpu")
+    assert placements["text_encoder"] == "model offload (weight norm: no group offload)"
+
+
+def test_recipe_arguments_are_checked():
+    with pytest.raises(ValueError, match="choose one of"):
+        single_gpu_resident_kwargs(transformer="int4")
+    with pytest.raises(ValueError, match="max_memory"):
+        balanced_kwargs({})
+    config = single_gpu_resident_kwargs()["quantization_config"]
+    assert type(config.quant_mapping["transformer"]).__name__ == "FP8Config"
+    assert type(config.quant_mapping["text_encoder"]).__name__ == "W8A16Config"
+
+
+@pytest.mark.gpu
+def test_balanced_pipeline_over_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    tiny_pipeline(seed=2).save_pretrained(tmp_path)
+    pipe = MiniMaxH3Pipeline.from_pretrained(tmp_path, **balanced_kwargs({0: "2GiB", 1: "2GiB"}))
+    out = pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.frames).all()
+    assert len({str(d) for d in pipe.hf_device_map.values()}) >= 1

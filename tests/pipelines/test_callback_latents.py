@@ -1,0 +1,95 @@
+"""`callback_on_step_end` returning new tensors: diffusers' contract is that the returned latents replace the
+pipeline's. Oracle: the same change made between two pipeline runs, the first stopped after step 1 (diffusers'
+`interrupt`, `output_type="latent"`) and the second resuming from the changed latents on the rest of the sigma grid
+(explicit `sigmas`, which must end at 0)."""
+
+import pytest
+import torch
+
+from diffusers_h3.testing.tiny import tiny_pipeline
+
+CALL = dict(prompt="a cat", height=32, width=32, num_frames=124)
+SIGMAS = [1.0, 0.8, 0.55, 0.3, 0.0]
+AUDIO_SIGMAS = [1.0, 0.7, 0.5, 0.2, 0.0]
+CHANGE_AT = 1  # the callback of step 1 (after the second scheduler step: the state is at SIGMAS[2])
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline(seed=3)
+
+
+@pytest.fixture(scope="module")
+def noise():
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(1, 4, 37, 2, 2, generator=g), torch.randn(2, 8, 207, generator=g)
+
+
+def _change_video(x):
+    return x * 0.5 + 0.25
+
+
+def _change_audio(x):
+    return x * -0.75
+
+
+def _stop_after(step):
+    def callback(p, i, t, tensors):  # reads nothing, returns nothing: only stops the loop
+        if i == step:
+            p._interrupt = True
+
+    return callback
+
+
+def _run(pipe, noise, sigmas, audio_sigmas, **kwargs):
+    latents, audio_latents = noise
+    return pipe(
+        **CALL, sigmas=sigmas, audio_sigmas=audio_sigmas, latents=latents.clone(), audio_latents=audio_latents.clone(),
+        output_type="latent", **kwargs,
+    )
+
+
+@pytest.mark.parametrize("replace", [("latents",), ("audio_latents",), ("latents", "audio_latents")])
+def test_returned_latents_replace_the_pipeline_latents(pipe, noise, replace):
+    def callback(p, i, t, tensors):
+        if i != CHANGE_AT:
+            return {}
+        out = {}
+        if "latents" in replace:
+            out["latents"] = _change_video(tensors["latents"])  # new tensors, not in-place edits
+        if "audio_latents" in replace:
+            out["audio_latents"] = _change_audio(tensors["audio_latents"])
+        return out
+
+    got = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS, callback_on_step_end=callback,
+               callback_on_step_end_tensor_inputs=list(replace))
+
+    # Oracle: stop after step CHANGE_AT (the state is then at SIGMAS[CHANGE_AT + 1]), change the (unpacked) latents,
+    # resume on the remaining sigmas. The changes
+    # are elementwise, so applying them to the unpacked latents equals applying them to the packed rows.
+    cut = CHANGE_AT + 1
+    first = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS, callback_on_step_end=_stop_after(CHANGE_AT))
+    video, audio = first.frames, first.audio
+    if "latents" in replace:
+        video = _change_video(video)
+    if "audio_latents" in replace:
+        audio = _change_audio(audio)
+    expected = _run(pipe, (video, audio), SIGMAS[cut:], AUDIO_SIGMAS[cut:])
+
+    assert torch.equal(got.frames, expected.frames)
+    assert torch.equal(got.audio, expected.audio)
+    # The change is visible at all: without it the result differs.
+    plain = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS)
+    if "latents" in replace:
+        assert (got.frames - plain.frames).abs().max() > 1e-2
+    if "audio_latents" in replace:
+        assert (got.audio - plain.audio).abs().max() > 1e-2
+
+
+def test_split_run_reproduces_the_uninterrupted_run(pipe, noise):
+    """The oracle's premise: stopping after a step and resuming on the rest of the grid is bitwise the same run."""
+    cut = CHANGE_AT + 1
+    first = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS, callback_on_step_end=_stop_after(CHANGE_AT))
+    resumed = _run(pipe, (first.frames, first.audio), SIGMAS[cut:], AUDIO_SIGMAS[cut:])
+    whole = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS)
+    assert torch.equal(resumed.frames, whole.frames) and torch.equal(resumed.audio, whole.audio)

@@ -195,7 +195,7 @@ def main():
                 "rel_l2": ((out - reference).norm() / reference.norm()).item(),
                 "peak_gib_per_rank": peaks,
             }
-    del model
+    model = None  # frees the DiT before the VAE case
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

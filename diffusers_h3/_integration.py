@@ -1,13 +1,15 @@
 """Import-time integration with diffusers: `import diffusers_h3` runs :func:`integrate_with_diffusers` once.
 
-It makes `diffusers.MiniMaxH3Pipeline` resolve to ours, routes `DiffusionPipeline.from_pretrained(<H3 folder>)` to
-`MiniMaxH3Pipeline.from_pretrained`, registers the diffusers-h3 quantizers with diffusers' quantizer registry and
+It makes `diffusers.MiniMaxH3Pipeline` resolve to ours, routes `DiffusionPipeline.from_pretrained(<H3 folder or hub
+repo id>)` to `MiniMaxH3Pipeline.from_pretrained`, registers the diffusers-h3 quantizers with diffusers' quantizer registry and
 H3's transformer block with diffusers' cache hooks, and makes a saved H3 transformer carry a Hub model card.
 
 diffusers resolves a folder's `_class_name` with `getattr(diffusers, name)`, which names the *modular* class for the
 official hub layout and has no plugin discovery; so the dispatch classifies the folder by its files
 (`classify_checkpoint`) and sends every MiniMax-H3 folder ("ours", "hub", and "native", which gets our explanation
-of why it cannot load) to our loader, and every other folder to diffusers unchanged.
+of why it cannot load) to our loader, and every other folder to diffusers unchanged. A hub repo id is classified the
+same way by its index file (`modular_model_index.json` / `model_index.json`, read from the hub cache when it is
+there); a repo whose index cannot be fetched goes to diffusers unchanged, which reports its own error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
 
 from ._model_card import save_with_card, transformer_model_card
 from .hooks.cache import register_cache_blocks
-from .pipelines.loading import _DIFFUSERS_FROM_PRETRAINED, classify_checkpoint
+from .pipelines.loading import _DIFFUSERS_FROM_PRETRAINED, HUB_KWARGS, classify_checkpoint, classify_repo
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
 
@@ -34,13 +36,27 @@ def _is_h3_folder(path) -> bool:
     return os.path.isdir(str(path)) and classify_checkpoint(path) in H3_KINDS
 
 
+def _is_h3_repo(repo_id, kwargs) -> bool:
+    """Whether `repo_id` (not a local folder) names a hub repo whose index file describes MiniMax-H3."""
+    if not isinstance(repo_id, str) or os.path.exists(repo_id) or repo_id.count("/") > 1:
+        return False
+    hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    try:
+        return classify_repo(repo_id, hub_kwargs) in ("ours", "hub")
+    except Exception:  # noqa: BLE001 - unreachable hub, bad id, gated repo: diffusers' loader reports it
+        return False
+
+
 def install_diffusion_pipeline_dispatch() -> None:
-    """Route `DiffusionPipeline.from_pretrained(<H3 folder>)` to `MiniMaxH3Pipeline.from_pretrained` (idempotent)."""
+    """Route `DiffusionPipeline.from_pretrained(<H3 folder or repo id>)` to `MiniMaxH3Pipeline.from_pretrained`
+    (idempotent)."""
     if getattr(DiffusionPipeline.from_pretrained, "_diffusers_h3_dispatch", False):
         return
 
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        if cls is DiffusionPipeline and _is_h3_folder(pretrained_model_name_or_path):
+        if cls is DiffusionPipeline and (
+            _is_h3_folder(pretrained_model_name_or_path) or _is_h3_repo(pretrained_model_name_or_path, kwargs)
+        ):
             return MiniMaxH3Pipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
         return _DIFFUSERS_FROM_PRETRAINED(cls, pretrained_model_name_or_path, **kwargs)
 

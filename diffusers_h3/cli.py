@@ -1,57 +1,364 @@
-"""`diffusers-h3` command line: `generate` an MP4 with audio, `describe` the environment and a pipeline's paths."""
+"""`diffusers-h3` command line: `generate` an MP4 with audio, `describe` the environment and a pipeline's paths.
+
+Every user mistake ends in one line, `diffusers-h3: error: <what> — <fix>`, and exit code 2 (`--debug` shows the
+traceback instead). Whatever can be checked without the weights (sizes, frames, prompt, files, flag combinations) is
+checked before any model loads. torch and diffusers are imported inside the commands, so parsing `--help` and
+`--version` imports neither.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import struct
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
-from .quantizers.registry import format_names, get_format
+from ._version import __version__
 
+
+PROG = "diffusers-h3"
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+REFERENCE_KINDS = ("image", "video", "audio")
+REFERENCE_EXTENSIONS = {
+    "png": "image", "jpg": "image", "jpeg": "image", "webp": "image", "mp4": "video", "mov": "video", "mkv": "video",
+    "webm": "video", "wav": "audio", "mp3": "audio", "flac": "audio", "m4a": "audio",
+}  # fmt: skip
+# The names of `diffusers_h3.hooks.cache.CACHE_METHODS`, spelled out so that `--help` imports no diffusers (tested).
+CACHE_METHOD_CHOICES = ("first-block", "mag", "taylorseer")
+# The tiny demo checkpoint runs on a small canvas.
+DEMO_CANVAS = (64, 96)
+# A hub repo id: `name` or `namespace/name` (huggingface_hub's characters).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_PYTHON_TO_FLAGS = (
+    ("`height` and `width`", "--height and --width"),
+    ("`num_frames`=", "--frames "),
+    ("`num_frames`", "--frames"),
+    ("`references`", "--reference"),
+    ("`prompt`", "--prompt"),
+)
 
 
+class UsageError(Exception):
+    """A user mistake, printed as one line `diffusers-h3: error: <what> — <fix>` (exit code 2)."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(f"{what.rstrip('.')} — {fix.rstrip('.')}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage errors as one line too (argparse already exits with 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{PROG}: error: {message} — see `{self.prog} --help`\n")
+
+
+def _as_flags(message: str) -> str:
+    """A library error message in the CLI's words (its flags instead of Python argument names)."""
+    for python, flag in _PYTHON_TO_FLAGS:
+        message = message.replace(python, flag)
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks that need no weights (run before any model loads)
+# ---------------------------------------------------------------------------------------------------------------------
+def _local_path(value: str, flag: str) -> Optional[Path]:
+    """`value` as an existing local path, or `None` when it is a hub repo id; a path that does not exist is an error
+    here, so that a mistyped path never reaches the network."""
+    path = Path(value).expanduser()
+    if path.exists():
+        return path
+    first_part_exists = "/" in value and Path(value.split("/")[0]).expanduser().exists()
+    looks_like_path = (
+        value.startswith(("./", "../", "/", "~", ".\\", "..\\"))
+        or value in (".", "..")
+        or (os.sep in value and os.sep != "/")
+        or first_part_exists
+        or not _REPO_ID.match(value)
+    )
+    if looks_like_path:
+        raise UsageError(
+            f"{flag} {value}: no such file or folder ({path.absolute()} does not exist)",
+            "check the path, or pass a hub repo id such as 'namespace/name'",
+        )
+    return None
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a complete safetensors file, or `None`; reads its header only."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"not a safetensors file ({size} bytes, shorter than a safetensors header)"
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        if header_size > size - 8:
+            return (
+                f"not a safetensors file (its first 8 bytes announce a {header_size}-byte header, the file has "
+                f"{size} bytes)"
+            )
+        try:
+            header = json.loads(handle.read(header_size))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
+            return f"not a safetensors file (unreadable header: {error})"
+    if 8 + header_size + end > size:
+        return f"truncated: {size} bytes, but its header describes {8 + header_size + end} bytes"
+    return None
+
+
+def _check_model_folder(path: Path, flag: str = "--model") -> None:
+    """The folder's JSON files parse and its safetensors files are complete (a corrupt file is named, with why)."""
+    if not path.is_dir():
+        raise UsageError(f"{flag} {path}: is a file, not a checkpoint folder", "pass the folder that holds model_index.json")
+    for file in sorted([*path.glob("*.json"), *path.glob("*/*.json")]):
+        try:
+            json.loads(file.read_text())
+        except (UnicodeDecodeError, ValueError) as error:
+            raise UsageError(f"{file}: not valid JSON ({error})", "restore the file from the original checkpoint")
+    for file in sorted([*path.glob("*.safetensors"), *path.glob("*/*.safetensors")]):
+        problem = safetensors_problem(file)
+        if problem:
+            raise UsageError(f"{file}: {problem}", "download or copy the file again")
+
+
+def _check_image(path_text: str, flag: str):
+    """An existing, readable image file, opened (RGB)."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise UsageError(f"{flag} {path_text}: no such file ({path.absolute()} does not exist)", "check the path")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise UsageError(f"{flag} {path_text}: not a readable image ({error})", "pass a PNG, JPEG or WebP file")
+
+
+def _split_reference(value: str):
+    """`image:PATH`, `video:PATH` or `audio:PATH`; the kind may be omitted for common file extensions."""
+    kind, sep, path = value.partition(":")
+    if sep and kind in REFERENCE_KINDS:
+        return kind, path
+    kind = REFERENCE_EXTENSIONS.get(value.rsplit(".", 1)[-1].lower())
+    if kind is None:
+        raise UsageError(
+            f"--reference {value}: unknown reference kind",
+            "write it as image:PATH, video:PATH or audio:PATH",
+        )
+    return kind, value
+
+
+def _load_reference(value: str):
+    """A `MiniMaxH3{Image,Video,Audio}Reference` decoded from `value`; a missing or unreadable file is named."""
+    kind, path_text = _split_reference(value)
+    if kind == "image":
+        from diffusers_h3 import MiniMaxH3ImageReference
+
+        return MiniMaxH3ImageReference(image=_check_image(path_text, "--reference"))
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--reference {value}: no such file ({path.absolute()} does not exist)", "check the path")
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            streams = container.streams.video if kind == "video" else container.streams.audio
+            if not streams:
+                raise UsageError(f"--reference {value}: the file has no {kind} stream", f"pass a {kind} file")
+    except av.error.FFmpegError as error:
+        raise UsageError(f"--reference {value}: not a readable {kind} file ({error})", f"pass a {kind} file")
+    from diffusers_h3 import MiniMaxH3AudioReference, MiniMaxH3VideoReference
+
+    reference_cls = MiniMaxH3VideoReference if kind == "video" else MiniMaxH3AudioReference
+    try:
+        return reference_cls.from_file(str(path))
+    except (ValueError, OSError, RuntimeError) as error:
+        raise UsageError(f"--reference {value}: cannot decode the {kind} ({_as_flags(str(error))})", f"pass a {kind} file")
+
+
+def _check_out(value: str) -> None:
+    path = Path(value).expanduser()
+    if path.suffix.lower() != ".mp4":
+        raise UsageError(f"--out {value}: the clip is written as MP4", f"end the name with .mp4, e.g. {path.with_suffix('.mp4')}")
+    if path.is_dir():
+        raise UsageError(f"--out {value}: is a folder", f"name a file in it, e.g. {path / 'clip.mp4'}")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {value}: the folder {parent} does not exist", "create it first or pick another --out")
+
+
+def _check_flag_combinations(args) -> None:
+    if args.dense_first_steps is not None and args.vsa is None:
+        raise UsageError("--dense-first-steps only applies to video sparse attention", "add --vsa SPARSITY or drop it")
+    if args.lora_scale is not None and args.lora is None:
+        raise UsageError("--lora-scale without --lora", "add --lora FILE or drop --lora-scale")
+    if args.lora_allow_unmatched and args.lora is None:
+        raise UsageError("--lora-allow-unmatched without --lora", "add --lora FILE or drop --lora-allow-unmatched")
+    if args.cache_threshold is not None and args.cache is None:
+        raise UsageError("--cache-threshold without --cache", "add --cache first-block or --cache mag")
+    if args.v100 and (args.vsa is not None or args.attention_precision is not None):
+        raise UsageError(
+            "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",
+            "drop one of them",
+        )
+    if args.reference_short_edge is not None and not args.reference:
+        raise UsageError("--reference-short-edge without --reference", "add --reference or drop it")
+    if args.gpus < 1:
+        raise UsageError(f"--gpus {args.gpus}: needs at least one process", "pass --gpus 1 or more")
+
+
+def _check_choices(args) -> None:
+    """Options whose valid values live in the library (imported here, after parsing, not for `--help`)."""
+    if getattr(args, "quantize", None) or getattr(args, "quantize_text_encoder", None):
+        from diffusers_h3.quantizers.registry import format_names
+
+        for flag, value in (("--quantize", args.quantize), ("--quantize-text-encoder", args.quantize_text_encoder)):
+            if value is not None and value not in format_names():
+                raise UsageError(f"{flag} {value}: unknown quantization format", f"choose one of {', '.join(format_names())}")
+    if getattr(args, "cache", None):
+        from diffusers_h3.hooks.cache import cache_config
+
+        try:
+            args.cache_config = cache_config(args.cache, num_inference_steps=args.steps, threshold=args.cache_threshold)
+        except ValueError as error:
+            message = str(error).replace("MagCache needs num_inference_steps", "--cache mag needs --steps")
+            what, _, fix = message.partition(": ")
+            raise UsageError(what if what.startswith("--cache") else f"--cache {args.cache}: {what}", fix or "see --help")
+
+
+def _check_model_option(args) -> None:
+    """`--model` as a checked local folder (`args.model_path`) or a hub repo id."""
+    args.model_path = None
+    if args.model is not None:
+        args.model_path = _local_path(args.model, "--model")
+        if args.model_path is not None:
+            _check_model_folder(args.model_path)
+
+
+def _check_request(args, task: str, conditioning) -> None:
+    """The pipeline's own request checks (sizes, aspect, frames, conditioning) on the checkpoint's geometry, read
+    from its configs (the VAE is built on the meta device: no weights)."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+
+    from diffusers_h3.pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
+    from diffusers_h3.tasks import partition_for_task
+
+    partition = partition_for_task(task)
+    folder = args.model_path
+
+    def config_of(component):
+        if folder is None:  # the tiny demo checkpoint
+            from diffusers_h3.testing import tiny
+
+            return dict(tiny.TINY_VAE_CONFIG if component == "vae" else tiny.TINY_TRANSFORMER_CONFIG)
+        file = folder / component / "config.json"
+        return json.loads(file.read_text()) if file.is_file() else {}  # {}: the class defaults, the released model
+
+    if folder is not None and not (folder / partition).is_dir() and (folder / "vae").is_dir():
+        raise UsageError(
+            f"--model {args.model}: has no {partition}/ folder, which {task} runs on",
+            "pass a checkpoint that holds it" + (" or drop --reference" if task == "ref2va" else ""),
+        )
+    with init_empty_weights():
+        vae = AutoencoderKLMiniMaxH3.from_config(config_of("vae"))
+    patch_size = config_of(partition).get("patch_size") or _default_patch_size(MiniMaxH3Transformer3DModel)
+    names = ("canvas_multiple", "patch_size", "vae_frames_per_chunk", "vae_latents_per_chunk", "_partitions",
+             "check_inputs", "_callback_tensor_inputs")  # fmt: skip
+    geometry_cls = type("RequestGeometry", (), {name: getattr(MiniMaxH3Pipeline, name) for name in names})
+    geometry = geometry_cls()
+    geometry.vae, geometry.vae_spatial_compression_ratio = vae, vae.spatial_compression_ratio
+    setattr(geometry, partition, argparse.Namespace(config=argparse.Namespace(patch_size=list(patch_size))))
+    try:
+        geometry.check_inputs(task, args.prompt, args.height, args.width, args.frames, conditioning, "np", None, None, None)
+    except ValueError as error:
+        raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
+
+
+def _default_patch_size(model_cls):
+    import inspect
+
+    return inspect.signature(model_cls.__init__).parameters["patch_size"].default
+
+
+def check_generate(args):
+    """Every check of `generate` that needs no weights; returns the decoded conditioning inputs."""
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty", "describe the clip, e.g. --prompt 'a cat playing the piano'")
+    _check_flag_combinations(args)
+    _check_out(args.out)
+    if args.lora is not None:
+        lora_path = _local_path(args.lora, "--lora")
+        if lora_path is not None and lora_path.is_file() and lora_path.suffix.lower() not in (".bin", ".pt", ".pth"):
+            problem = safetensors_problem(lora_path)
+            if problem:
+                raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file")
+    _check_model_option(args)
+    if args.model is None and args.height is None and args.width is None:
+        args.height, args.width = DEMO_CANVAS
+    conditioning = {
+        "image": _check_image(args.image, "--image") if args.image else None,
+        "last_image": _check_image(args.last_image, "--last-image") if args.last_image else None,
+        "references": [_load_reference(value) for value in args.reference] if args.reference else None,
+    }
+    from diffusers_h3.tasks import partition_for_task, select_task
+    from diffusers_h3.testing.tiny import DEMO_PARTITIONS
+
+    try:
+        task = select_task(**conditioning)
+    except ValueError:
+        raise UsageError(
+            "--reference (ref2va) cannot be combined with --image/--last-image (fl2va)",
+            "pass the inputs of one task",
+        ) from None
+    if args.model is None and partition_for_task(task) not in DEMO_PARTITIONS:
+        raise UsageError(
+            f"the tiny demo checkpoint holds only the {'/'.join(DEMO_PARTITIONS)} partition, not the one {task} runs on",
+            "pass --model",
+        )
+    _check_choices(args)
+    _check_request(args, task, conditioning)
+    args.task = task
+    return conditioning
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading and running
+# ---------------------------------------------------------------------------------------------------------------------
 def _quant_config(method: str):
     """The default config of the quantization format registered under the CLI name ``method``."""
+    from diffusers_h3.quantizers.registry import get_format
+
     return get_format(method).config_cls()
 
 
-def _parse_reference(value: str):
-    """`image:path`, `video:path` or `audio:path` (the kind may be omitted for common file extensions)."""
-    from diffusers_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+def _device(args) -> str:
+    if args.device is None:
+        import torch
 
-    kinds = {"image": MiniMaxH3ImageReference, "video": MiniMaxH3VideoReference, "audio": MiniMaxH3AudioReference}
-    kind, sep, path = value.partition(":")
-    if not sep or kind not in kinds:
-        path = value
-        extension = value.rsplit(".", 1)[-1].lower()
-        kind = {"png": "image", "jpg": "image", "jpeg": "image", "webp": "image", "mp4": "video", "mov": "video",
-                "mkv": "video", "webm": "video", "wav": "audio", "mp3": "audio", "flac": "audio", "m4a": "audio"}.get(extension)  # fmt: skip
-        if kind is None:
-            raise SystemExit(f"--reference {value!r}: write it as image:PATH, video:PATH or audio:PATH")
-    return kinds[kind].from_file(path)
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
 
 
 def _load_pipeline(args):
     import torch
 
     from diffusers_h3 import MiniMaxH3Pipeline
-    from diffusers_h3.tasks import partition_for_task, select_task
-    from diffusers_h3.testing.tiny import DEMO_PARTITIONS, demo_checkpoint_dir
+    from diffusers_h3.tasks import partition_for_task
+    from diffusers_h3.testing.tiny import demo_checkpoint_dir
 
+    task = getattr(args, "task", None) or "t2va"
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    reference, image, last_image = (getattr(args, k, None) for k in ("reference", "image", "last_image"))
-    task = select_task(image=image, last_image=last_image, references=reference)
     if args.model is None:
         print("No --model given: using the embedded tiny demo checkpoint (random weights: the output is noise).", file=sys.stderr)
         model = demo_checkpoint_dir()
-        if partition_for_task(task) not in DEMO_PARTITIONS:
-            raise SystemExit(
-                f"The tiny demo checkpoint holds only the {'/'.join(DEMO_PARTITIONS)} partition, not the one {task} "
-                "runs on; pass --model."
-            )
     else:
         model = args.model
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
@@ -64,32 +371,49 @@ def _load_pipeline(args):
         from diffusers.quantizers import PipelineQuantizationConfig
 
         kwargs["quantization_config"] = PipelineQuantizationConfig(quant_mapping=quant_mapping)
-    pipe = MiniMaxH3Pipeline.from_pretrained(model, task=task, **kwargs)
+    try:
+        pipe = MiniMaxH3Pipeline.from_pretrained(model, task=task, **kwargs)
+    except (OSError, ValueError) as error:  # corrupt or missing files the checks could not see (e.g. on the hub)
+        raise UsageError(f"--model {args.model or model}: cannot load ({_as_flags(str(error))})",
+                         "check the checkpoint's files, or run with --debug for the traceback") from error  # fmt: skip
     if args.cpu_offload:
-        pipe.enable_model_cpu_offload(device=args.device)
+        pipe.enable_model_cpu_offload(device=_device(args))
     else:
-        pipe.to(args.device)
+        pipe.to(_device(args))
     return pipe
 
 
+def _load_lora(pipe, args) -> None:
+    try:
+        report = pipe.load_lora_weights(args.lora, adapter_name="cli", allow_unmatched_keys=args.lora_allow_unmatched)
+    except ValueError as error:
+        message = str(error)
+        what, marker, rest = message.partition(" Pass `allow_unmatched_keys=True` to load")
+        if marker:
+            raise UsageError(f"--lora {args.lora}: {what}", f"add --lora-allow-unmatched to load{rest}") from error
+        raise UsageError(f"--lora {args.lora}: {_as_flags(message)}", "pass a MiniMax-H3 LoRA") from error
+    pipe.set_adapters(["cli"], [1.0 if args.lora_scale is None else args.lora_scale])
+    print(f"LoRA {args.lora}: {report}", file=sys.stderr)
+
+
 def _apply_fast_paths(pipe, args) -> None:
-    """LoRA, V100 mode, attention (VSA / FP8) and regional torch.compile, in the order they must be applied."""
+    """LoRA, V100 mode, attention (VSA / FP8), step cache and regional torch.compile, in the order they must be
+    applied."""
     if args.lora:
-        report = pipe.load_lora_weights(args.lora, adapter_name="cli")
-        pipe.set_adapters(["cli"], [args.lora_scale])
-        print(f"LoRA {args.lora}: {report}", file=sys.stderr)
+        _load_lora(pipe, args)
     if args.v100:
         pipe.enable_v100_mode()
     if args.vsa is not None or args.attention_precision is not None:
-        if args.v100:
-            raise SystemExit("--v100 installs the FA-V100 attention; it cannot be combined with --vsa/--attention-precision")
         if args.vsa is not None:
             pipe.enable_vsa(sparsity=args.vsa, precision=args.attention_precision or "bf16",
-                            dense_first_steps=args.dense_first_steps)
+                            dense_first_steps=args.dense_first_steps or 0)  # fmt: skip
         elif args.attention_precision != "bf16":  # dense attention in FP8 / INT8 / FP4 (bf16 is the default path)
             from diffusers_h3.attention_processors import enable_low_precision_attention
 
             enable_low_precision_attention(pipe, precision=args.attention_precision)
+    if args.cache:
+        for _, model in pipe._partitions():
+            model.enable_cache(args.cache_config)
     if args.compile:
         for _, model in pipe._partitions():
             model.compile_repeated_blocks(fullgraph=False)
@@ -123,19 +447,24 @@ def _generate_rank(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    import os
+    conditioning = check_generate(args)  # before torch, the model or any output file
 
     import torch
-    from PIL import Image
 
     from diffusers_h3 import export_to_video
 
+    _device(args)
     if args.gpus > 1:
         from diffusers_h3.parallel._launch import launch
 
         backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"
         if args.device.startswith("cuda") and torch.cuda.device_count() < args.gpus:
-            raise SystemExit(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA device(s) visible.")
+            raise UsageError(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA device(s) visible",
+                             "lower --gpus or make more GPUs visible")  # fmt: skip
+        if args.model is None:  # build the demo checkpoint once here, not concurrently in every rank
+            from diffusers_h3.testing.tiny import demo_checkpoint_dir
+
+            demo_checkpoint_dir()
         # Rank 0 encodes the prompt while the others wait in a broadcast: collectives may wait long.
         launch(_generate_rank, args.gpus, args=(args,), backend=backend, timeout_s=7 * 24 * 3600,
                collective_timeout_s=3600, num_threads=None)  # fmt: skip
@@ -147,6 +476,8 @@ def cmd_generate(args) -> int:
         if args.device.startswith("cuda"):
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     pipe = _load_pipeline(args)
+    if args.reference_short_edge is not None:
+        pipe.register_to_config(reference_image_short_edge=args.reference_short_edge)
     _apply_fast_paths(pipe, args)
     world_size = _world_size()
     if world_size > 1:
@@ -159,19 +490,15 @@ def cmd_generate(args) -> int:
         num_inference_steps=args.steps,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type="np",
+        height=args.height,
+        width=args.width,
+        **{name: value for name, value in conditioning.items() if value is not None},
     )
-    if args.model is None and args.height is None:
-        args.height, args.width = 64, 96  # the tiny demo runs on a small canvas
-    if args.height is not None or args.width is not None:
-        call.update(height=args.height, width=args.width)
-    if args.image:
-        call["image"] = Image.open(args.image).convert("RGB")
-    if args.last_image:
-        call["last_image"] = Image.open(args.last_image).convert("RGB")
-    if args.reference:
-        call["references"] = [_parse_reference(value) for value in args.reference]
     start = time.perf_counter()
-    output = pipe(**call)
+    try:
+        output = pipe(**call)
+    except ValueError as error:  # the pipeline's input checks that need the loaded model
+        raise UsageError(_as_flags(str(error)), "see `diffusers-h3 generate --help`") from error
     seconds = time.perf_counter() - start
     from diffusers_h3.parallel.ranks import is_main_rank
 
@@ -186,6 +513,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_describe(args) -> int:
+    if args.demo and args.model is not None:
+        raise UsageError("--demo and --model name two pipelines", "pass one of them")
+    _check_model_option(args)
     from diffusers_h3 import describe
     from diffusers_h3._report import format_report
 
@@ -197,74 +527,112 @@ def cmd_describe(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusers-h3", description="MiniMax-H3 video + audio with Hugging Face Diffusers")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------------------------------------------------
+# The parser
+# ---------------------------------------------------------------------------------------------------------------------
+def _ranged(kind, minimum=None, below=None, what="value"):
+    """An argparse type: `kind(value)` within [minimum, below)."""
 
-    def add_model_options(p):
-        p.add_argument("--model", default=None, help="local folder or hub repo id (default: embedded tiny demo checkpoint)")
-        p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if (minimum is not None and number < minimum) or (below is not None and number >= below):
+            bounds = f"at least {minimum}" if below is None else f"in [{minimum}, {below})"
+            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {value}")
+        return number
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="MiniMax-H3 video + stereo audio with Hugging Face Diffusers")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,describe}")
+
+    def add_common_options(p, model_help):
+        p.add_argument("--model", default=None, help=model_help)
+        p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
         p.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
+        p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
 
     gen = sub.add_parser("generate", help="generate a clip and write it as MP4 with stereo audio")
-    add_model_options(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--out", default="clip.mp4")
-    gen.add_argument("--image", help="first keyframe (fl2va)")
-    gen.add_argument("--last-image", help="last keyframe (fl2va)")
-    gen.add_argument("--reference", action="append", help="ref2va reference: image:PATH | video:PATH | audio:PATH (repeat)")
-    gen.add_argument("--height", type=int, default=None)
-    gen.add_argument("--width", type=int, default=None)
-    gen.add_argument("--frames", type=int, default=124, help="frames at 24 fps (17n+5, 5-15 s)")
-    gen.add_argument("--steps", type=int, default=None, help="sigma grid points (default 50, or a LoRA preset)")
-    gen.add_argument("--seed", type=int, default=0)
+    add_common_options(gen, "local checkpoint folder or hub repo id (default: the embedded tiny demo checkpoint, "
+                            "random weights, t2va/fl2va only)")  # fmt: skip
+    gen.add_argument("--prompt", required=True, help="what the clip shows and sounds like (one non-empty string)")
+    gen.add_argument("--out", default="clip.mp4",
+                     help="output file, .mp4 in an existing folder (default: %(default)s)")  # fmt: skip
+    gen.add_argument("--image", help="first keyframe image (fl2va)")
+    gen.add_argument("--last-image", help="last keyframe image (fl2va)")
+    gen.add_argument("--reference", action="append",
+                     help="ref2va reference: image:PATH | video:PATH | audio:PATH (repeat; at most 9 images, 3 videos, "
+                          "3 audios, 12 in all, not audio only). Image references are encoded at the checkpoint's "
+                          "reference short edge (2048 px for the released model, slow with tiny test checkpoints: "
+                          "see --reference-short-edge)")  # fmt: skip
+    gen.add_argument("--reference-short-edge", type=_ranged(int, 1, what="--reference-short-edge"), default=None,
+                     metavar="PIXELS", help="encode image references at this short edge instead of the checkpoint's "
+                                            "(2048 for the released model, which it was trained at; lower is faster "
+                                            "but departs from the reference pipeline)")  # fmt: skip
+    gen.add_argument("--height", type=int, default=None,
+                     help="canvas height in pixels, with --width: multiples of 32 (the VAE's 16x times the DiT's "
+                          "patch 2), aspect ratio 1:4 to 4:1 (default: 768x1344 for t2va/ref2va, the first keyframe's "
+                          "aspect at a 768 short edge for fl2va, %s on the tiny demo)" % "x".join(map(str, DEMO_CANVAS)))  # fmt: skip
+    gen.add_argument("--width", type=int, default=None, help="canvas width in pixels (see --height)")
+    gen.add_argument("--frames", "--num-frames", dest="frames", type=int, default=124,
+                     help="frames at 24 fps, rounded up to 17n+5; 5-15 s after rounding, i.e. 120-345 frames "
+                          "(default: %(default)s = 5.2 s)")  # fmt: skip
+    gen.add_argument("--steps", type=_ranged(int, 2, what="--steps"), default=None,
+                     help="sigma grid points including the final 0 (STEPS-1 transformer forwards), at least 2 "
+                          "(default: 50, or the schedule of a step-distillation LoRA)")  # fmt: skip
+    gen.add_argument("--seed", type=int, default=0, help="seed of the one CPU generator (default: %(default)s)")
     gen.add_argument("--gpus", type=int, default=1,
-                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes)")
+                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
+                          "(default: %(default)s)")  # fmt: skip
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
-    fast.add_argument("--vsa", type=_sparsity, default=None, metavar="SPARSITY",
+    fast.add_argument("--vsa", type=_ranged(float, 0.0, 1.0, what="sparsity"), default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")
     fast.add_argument("--attention-precision", choices=("bf16", "fp8", "int8", "fp4"), default=None,
                       help="VSA precision; without --vsa: dense attention in this precision (MiniMaxH3LowPrecisionAttnProcessor; fp8: Ada/Hopper+, int8: Ampere+)")
-    fast.add_argument("--dense-first-steps", type=int, default=0, help="with --vsa: dense attention for these steps")
-    quant_methods = format_names()  # every registered quantization format
-    fast.add_argument("--quantize", choices=quant_methods, default=None, help="quantize the DiT while loading")
-    fast.add_argument("--quantize-text-encoder", choices=quant_methods, default=None,
-                      help="quantize the Qwen3-VL text encoder while loading")
+    fast.add_argument("--dense-first-steps", type=_ranged(int, 0, what="--dense-first-steps"), default=None,
+                      metavar="STEPS", help="with --vsa: dense attention for the first STEPS steps (default: 0)")
+    fast.add_argument("--quantize", default=None, metavar="FORMAT",
+                      help="quantize the DiT while loading, in a registered format (built in: fp8, w8a16, nvfp4)")
+    fast.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
+                      help="quantize the Qwen3-VL text encoder while loading (formats as --quantize)")
     fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
-    fast.add_argument("--lora-scale", type=float, default=1.0)
+    fast.add_argument("--lora-scale", type=float, default=None, help="with --lora: adapter weight (default: 1.0)")
+    fast.add_argument("--lora-allow-unmatched", action="store_true",
+                      help="with --lora: load the matching modules and skip LoRA keys that match none")
+    fast.add_argument("--cache", choices=CACHE_METHOD_CHOICES, default=None,
+                      help="diffusers' step cache on the DiT: first-block (FirstBlockCache), mag (MagCache; needs "
+                           "--steps, calibrates on its first run) or taylorseer (TaylorSeer)")  # fmt: skip
+    fast.add_argument("--cache-threshold", type=_ranged(float, 0.0, what="--cache-threshold"), default=None,
+                      help="with --cache first-block/mag: the skip threshold (default: diffusers' 0.05 / 0.06)")
     fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")
     fast.add_argument("--compile", action="store_true",
                       help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)
 
     des = sub.add_parser("describe", help="print versions, devices and which attention/quantization paths run")
-    add_model_options(des)
-    des.add_argument("--demo", action="store_true", help="describe the tiny demo pipeline")
-    des.add_argument("--json", action="store_true")
+    add_common_options(des, "local checkpoint folder or hub repo id to load and describe (omitted, with no --demo: "
+                            "nothing is loaded, only the environment is described)")  # fmt: skip
+    des.add_argument("--demo", action="store_true", help="load and describe the embedded tiny demo pipeline")
+    des.add_argument("--json", action="store_true", help="print the report as JSON")
     des.set_defaults(func=cmd_describe)
     return parser
 
 
-def _sparsity(value: str) -> float:
-    sparsity = float(value)
-    if not 0.0 <= sparsity < 1.0:
-        raise argparse.ArgumentTypeError(f"sparsity must be in [0, 1), got {value}")
-    return sparsity
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as error:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -108,6 +108,6 @@ def test_cli_generate_with_fast_paths(tmp_path, monkeypatch, capsys):
 def test_cli_rejects_bad_fast_path_options(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--vsa", "1.5"])
-    assert "sparsity must be in [0, 1)" in capsys.readouterr().err
+    assert "sparsity must be in [0.0, 1.0)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--quantize", "int3"])

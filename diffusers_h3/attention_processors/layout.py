@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
+import torch
+
 
 SEGMENT_KINDS = ("text", "video", "audio")
 SEGMENT_ROLES = ("prompt", "target", "keyframe", "reference")
@@ -129,3 +131,38 @@ def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayo
             "layout does not belong to this call (with context parallelism, gather the sequence first)."
         )
     return layout
+
+
+def keep_layout_in_checkpoints(model: torch.nn.Module) -> None:
+    """Make gradient-checkpointed blocks of ``model`` see their forward's layout again when backward recomputes them.
+
+    Checkpointed blocks run a second time during backward, after the ``use_packed_layout`` context of the forward has
+    exited. A forward pre-hook wraps each ``_gradient_checkpointing_func`` that diffusers' ``enable_gradient_checkpointing``
+    installs (before or after this call) so the recomputation re-enters the layout captured at forward time.
+    """
+    if getattr(model, "_diffusers_h3_layout_checkpoints", None) is None:
+        model._diffusers_h3_layout_checkpoints = model.register_forward_pre_hook(_wrap_checkpoint_functions)
+
+
+def _wrap_checkpoint_functions(model: torch.nn.Module, args) -> None:
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+        if checkpoint is not None and not getattr(checkpoint, "_keeps_packed_layout", False):
+            module._gradient_checkpointing_func = _layout_preserving(checkpoint)
+
+
+def _layout_preserving(checkpoint):
+    def checkpoint_with_layout(function, *args, **kwargs):
+        layout = _CURRENT_LAYOUT.get()
+        if layout is None:
+            return checkpoint(function, *args, **kwargs)
+
+        def run(*inner_args, **inner_kwargs):
+            with use_packed_layout(layout):
+                return function(*inner_args, **inner_kwargs)
+
+        return checkpoint(run, *args, **kwargs)
+
+    checkpoint_with_layout._keeps_packed_layout = True
+    return checkpoint_with_layout
+

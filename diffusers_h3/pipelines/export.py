@@ -1,8 +1,13 @@
-"""Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV (diffusers' `encode_video`)."""
+"""Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV (diffusers' `encode_video`).
+
+The clip is encoded into a hidden temporary file beside the target and renamed onto it only when encoding finished,
+so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never clobbers an existing one.
+"""
 
 from __future__ import annotations
 
 import os
+import uuid
 from typing import List, Optional, Union
 
 import numpy as np
@@ -57,6 +62,26 @@ def _audio_to_tensor(audio) -> torch.Tensor:
     return tensor
 
 
+VIDEO_EXTENSIONS = (".mp4",)
+
+
+def check_output_path(path: Union[str, os.PathLike]) -> str:
+    """The one clear error for an output path we cannot write (checked before any encoding or generation)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"the output directory {directory} does not exist: create it or choose another path.")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory: pass a file name such as {os.path.join(path, 'clip.mp4')}.")
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in VIDEO_EXTENSIONS:
+        raise ValueError(
+            f"{path}: export_to_video writes MP4 (H.264 + AAC); the file name must end in .mp4"
+            f"{f', not {extension}' if extension else ''}."
+        )
+    return path
+
+
 def export_to_video(
     frames: Union[np.ndarray, torch.Tensor, List[PIL.Image.Image]],
     path: Union[str, os.PathLike],
@@ -64,13 +89,28 @@ def export_to_video(
     audio: Optional[Union[np.ndarray, torch.Tensor]] = None,
     sampling_rate: int = 32000,
 ) -> str:
-    """Write `frames` (and, if given, the stereo `audio` at `sampling_rate`) to an MP4 file; returns the path."""
+    """Write `frames` (and, if given, the stereo `audio` at `sampling_rate`) to an MP4 file; returns the path.
+
+    Atomic: the file at `path` is either the complete new clip or left as it was (an existing file keeps its bytes).
+    """
     from diffusers.utils.export_utils import encode_video
 
+    path = check_output_path(path)
     if fps <= 0:
         raise ValueError(f"`fps` must be positive, got {fps}.")
     video = torch.from_numpy(_frames_to_uint8(frames))
     audio_tensor = _audio_to_tensor(audio) if audio is not None else None
-    path = os.fspath(path)
-    encode_video(video, fps=fps, output_path=path, audio=audio_tensor, audio_sample_rate=sampling_rate if audio is not None else None)
+    directory, name = os.path.split(os.path.abspath(path))
+    # Same directory (so the rename is atomic), hidden, unique per call; PyAV creates it with the usual permissions.
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.partial.mp4")
+    try:
+        encode_video(
+            video, fps=fps, output_path=temporary, audio=audio_tensor,
+            audio_sample_rate=sampling_rate if audio is not None else None,
+        )  # fmt: skip
+        os.replace(temporary, path)
+    except BaseException:  # KeyboardInterrupt too: never leave the partial file behind
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     return path

@@ -5,8 +5,13 @@ The official repository (`MiniMaxAI/MiniMax-H3`) stores the diffusers components
 to the directory it was given, offline, and must load only the DiT partition the task needs (61.7 GiB each).
 It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that diffusers cannot read.
 
-`classify_checkpoint` tells the folder kinds apart by their files; `diffusers_h3._integration` uses it to route
-`DiffusionPipeline.from_pretrained(<H3 folder>)` here.
+`classify_checkpoint` tells the folder kinds apart by their files (`classify_index` by the index files alone);
+`diffusers_h3._integration` uses them to route `DiffusionPipeline.from_pretrained(<H3 folder or repo id>)` here.
+
+A hub repo id resolves through `huggingface_hub` to a local snapshot first (`resolve_repo`): its index file is read
+from the cache when it is there (downloaded otherwise), and `snapshot_download` fetches only the index files, the
+shared components and the DiT partition the task needs; `cache_dir`, `revision`, `token`, `local_files_only` and
+`HF_HUB_OFFLINE` are honoured. The snapshot then loads exactly as a local folder does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import importlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
@@ -46,6 +51,19 @@ def _read_json(path: Path) -> Optional[Dict[str, Any]]:
         return json.load(handle)
 
 
+def classify_index(modular: Optional[Dict[str, Any]], root: Optional[Dict[str, Any]], has_native_folders=False) -> str:
+    """What kind of checkpoint a folder or repo holds, read from its `modular_model_index.json` (`modular`) and
+    `model_index.json` (`root`) contents (`None` where absent); see :func:`classify_checkpoint`."""
+    if root is not None and "_minimax_h3" in root:
+        return "native"
+    if modular is not None:
+        is_h3 = modular.get("_class_name") == MODULAR_CLASS or modular.get("_blocks_class_name") == MODULAR_BLOCKS_CLASS
+        return "hub" if is_h3 else "foreign"
+    if root is None:
+        return "native" if has_native_folders else "foreign"
+    return {OUR_CLASS: "ours", MODULAR_CLASS: "hub"}.get(root.get("_class_name"), "foreign")
+
+
 def classify_checkpoint(directory) -> str:
     """What kind of checkpoint `directory` holds, read from its files.
 
@@ -59,14 +77,7 @@ def classify_checkpoint(directory) -> str:
     directory = Path(directory)
     modular = _read_json(directory / "modular_model_index.json")
     root = _read_json(directory / "model_index.json")
-    if root is not None and "_minimax_h3" in root:
-        return "native"
-    if modular is not None:
-        is_h3 = modular.get("_class_name") == MODULAR_CLASS or modular.get("_blocks_class_name") == MODULAR_BLOCKS_CLASS
-        return "hub" if is_h3 else "foreign"
-    if root is None:
-        return "native" if any((directory / name).is_dir() for name in NATIVE_FOLDERS) else "foreign"
-    return {OUR_CLASS: "ours", MODULAR_CLASS: "hub"}.get(root.get("_class_name"), "foreign")
+    return classify_index(modular, root, any((directory / name).is_dir() for name in NATIVE_FOLDERS))
 
 
 def _refusal(directory: Path, kind: str) -> NotAnH3CheckpointError:
@@ -109,19 +120,113 @@ def _read_index(directory: Path, kind: str) -> Dict[str, Any]:
     return {k: (v if k.startswith("_") else [v[0], v[1], {"subfolder": k}]) for k, v in root.items()}
 
 
-def _snapshot(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) -> str:
-    """Fetch only the index files and the subfolders `task` needs (respects HF_HUB_OFFLINE / local_files_only)."""
+# Keyword arguments of `from_pretrained` that select where a hub repo id resolves (`huggingface_hub` names).
+HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "proxies", "force_download")
+INDEX_FILES = ("modular_model_index.json", "model_index.json")
+
+
+def _offline(hub_kwargs: Dict[str, Any]) -> bool:
+    """`local_files_only`, or hub offline mode (`HF_HUB_OFFLINE`, also when set after `huggingface_hub` imported)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return bool(hub_kwargs.get("local_files_only")) or constants.HF_HUB_OFFLINE or env
+
+
+def _hub_file(repo_id: str, filename: str, hub_kwargs: Dict[str, Any]) -> Optional[str]:
+    """Local path of `filename` in `repo_id`: from the cache when it is there, else downloaded; `None` if the repo
+    has no such file (or, offline, the cache does not hold it)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    if not hub_kwargs.get("force_download"):
+        cached = try_to_load_from_cache(
+            repo_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=hub_kwargs.get("revision")
+        )
+        if isinstance(cached, str):
+            return cached
+    kwargs = {k: v for k, v in hub_kwargs.items() if k != "local_files_only"}
+    try:
+        return hf_hub_download(repo_id, filename, local_files_only=_offline(hub_kwargs), **kwargs)
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return None
+
+
+def fetch_repo_indexes(repo_id: str, hub_kwargs: Dict[str, Any]) -> Tuple[Optional[Dict], Optional[Dict]]:
+    """The `(modular_model_index.json, model_index.json)` contents of a hub repo (`None` where absent)."""
+    indexes = []
+    for filename in INDEX_FILES:
+        path = _hub_file(repo_id, filename, hub_kwargs)
+        indexes.append(_read_json(Path(path)) if path is not None else None)
+    return tuple(indexes)
+
+
+def classify_repo(repo_id: str, hub_kwargs: Dict[str, Any]) -> str:
+    """:func:`classify_checkpoint` for a hub repo id, decided by its index files."""
+    return classify_index(*fetch_repo_indexes(repo_id, hub_kwargs))
+
+
+def _needed_subfolders(index: Dict[str, Any], task: Optional[str]) -> list:
+    wanted = partitions_for_task(task)
+    folders = []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, (list, tuple)) or entry[0] is None:
+            continue
+        if name in PARTITIONS and name not in wanted:
+            continue
+        spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+        folders.append(spec.get("subfolder") or name)
+    return folders
+
+
+def resolve_repo(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) -> str:
+    """A local snapshot of hub repo `repo_id` holding the index files, the shared components and the DiT
+    partition(s) `task` needs (nothing else is downloaded)."""
     from huggingface_hub import snapshot_download
 
-    skip = [p for p in PARTITIONS if p not in partitions_for_task(task)]
-    ignore = [f"{p}/*" for p in skip] + ["FL2VA/*", "Ref2VA/*", "docs/*"]
-    return snapshot_download(repo_id, ignore_patterns=ignore, **hub_kwargs)
+    modular, root = fetch_repo_indexes(repo_id, hub_kwargs)
+    kind = classify_index(modular, root)
+    if modular is None and root is None:
+        where = "in the local cache (offline mode)" if _offline(hub_kwargs) else "on the Hub"
+        raise NotAnH3CheckpointError(
+            f"{repo_id!r} is neither a local folder nor a hub repo with a model_index.json or "
+            f"modular_model_index.json {where}. Pass an existing folder, or a repo id such as 'MiniMaxAI/MiniMax-H3' "
+            "(download it first with `hf download` to use it offline)."
+        )
+    if kind not in ("ours", "hub"):
+        raise NotAnH3CheckpointError(
+            f"{repo_id!r} is a {(modular or root).get('_class_name')!r} checkpoint, not MiniMax-H3; load it with "
+            "diffusers' own pipeline class."
+        )
+    index = modular if modular is not None else root
+    allow = list(INDEX_FILES) + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
+    kwargs = {k: v for k, v in hub_kwargs.items() if k != "local_files_only"}
+    return snapshot_download(repo_id, allow_patterns=allow, local_files_only=_offline(hub_kwargs), **kwargs)
+
+
+def pop_dtype(kwargs: Dict[str, Any]):
+    """`dtype` from `kwargs` (one `torch.dtype`, or a dict of component name → dtype with an optional `"default"`),
+    accepting diffusers' deprecated `torch_dtype` alias as diffusers does (with its deprecation warning)."""
+    from diffusers.utils.deprecation_utils import _resolve_dtype
+
+    return _resolve_dtype(kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None))
+
+
+def component_dtype(dtype, name: str):
+    """The dtype component `name` loads in: diffusers' rule for dtype dicts (missing names take `"default"`, else
+    float32)."""
+    if isinstance(dtype, dict):
+        import torch
+
+        return dtype.get(name, dtype.get("default", torch.float32))
+    return dtype
 
 
 def _component_kwargs(library: str, name: str, dtype, quantization_config, extra: Dict[str, Any]) -> Dict[str, Any]:
     kwargs = dict(extra)
+    dtype = component_dtype(dtype, name)
     if dtype is not None:
-        kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
+        kwargs["dtype"] = dtype  # diffusers models and transformers >= 4.56 both take `dtype`
     if quantization_config is not None:
         resolve = getattr(quantization_config, "_resolve_quant_config", None)
         config = resolve(is_diffusers=library == "diffusers", module_name=name) if resolve else quantization_config
@@ -130,10 +235,22 @@ def _component_kwargs(library: str, name: str, dtype, quantization_config, extra
     return kwargs
 
 
+def _check_device_map(device_map) -> None:
+    from diffusers.pipelines.pipeline_utils import SUPPORTED_DEVICE_MAP
+
+    if device_map is not None and (not isinstance(device_map, str) or device_map not in SUPPORTED_DEVICE_MAP):
+        raise ValueError(
+            f"`device_map`={device_map!r} is not supported; pass one of {', '.join(SUPPORTED_DEVICE_MAP)} (as "
+            "diffusers' DiffusionPipeline.from_pretrained), or load and place components yourself."
+        )
+
+
 def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional[str], kwargs: Dict[str, Any]):
-    dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
+    dtype = pop_dtype(kwargs)
     quantization_config = kwargs.pop("quantization_config", None)
-    model_kwargs = {k: kwargs.pop(k) for k in ("low_cpu_mem_usage", "variant", "device_map") if k in kwargs}
+    model_kwargs = {k: kwargs.pop(k) for k in ("low_cpu_mem_usage", "variant", "max_memory") if k in kwargs}
+    device_map = kwargs.pop("device_map", None)
+    _check_device_map(device_map)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index or k in PARTITIONS}
     init_extra = {k: kwargs.pop(k) for k in list(kwargs) if k == "text_encoder_layer"}
     if kwargs:
@@ -141,8 +258,9 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     wanted = partitions_for_task(task)
 
     entries = [(name, entry) for name, entry in index.items() if not name.startswith("_")]
+    to_load = {}
     components: Dict[str, Any] = dict(passed)
-    for name, entry in tqdm(entries, desc="Loading MiniMax-H3 components"):
+    for name, entry in entries:
         if name in components:
             continue
         if name in PARTITIONS and name not in wanted:
@@ -159,12 +277,43 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
                 components[name] = None
                 continue
             raise ValueError(f"{directory} lists component {name!r} but has no `{folder.name}/` folder.")
+        to_load[name] = (library, class_name, folder)
+
+    final_device_map = _final_device_map(cls, device_map, to_load, components, dtype, directory, model_kwargs)
+    for name, (library, class_name, folder) in tqdm(to_load.items(), desc="Loading MiniMax-H3 components"):
         component_class = getattr(importlib.import_module(library), class_name)
-        load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
         if not hasattr(component_class, "dtype") and not issubclass(component_class, _torch_module()):
-            load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization
+            load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization / placement
+        else:
+            load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
+            if isinstance(final_device_map, dict):
+                load_kwargs["device_map"] = {"": final_device_map[name]} if name in final_device_map else None
+            elif final_device_map is not None:
+                load_kwargs["device_map"] = final_device_map
         components[name] = component_class.from_pretrained(str(folder), **load_kwargs)
-    return cls(**{k: v for k, v in components.items() if k in _init_names(cls)}, **init_extra)
+    pipe = cls(**{k: v for k, v in components.items() if k in _init_names(cls)}, **init_extra)
+    if device_map is not None:
+        pipe.hf_device_map = final_device_map
+    return pipe
+
+
+def _final_device_map(cls, device_map, to_load, passed, dtype, directory: Path, model_kwargs):
+    """Per-component placement as diffusers derives it (`"balanced"` spreads components over the GPUs)."""
+    if device_map is None or device_map != "balanced":
+        return device_map
+    import diffusers
+    from diffusers.pipelines.pipeline_loading_utils import _get_final_device_map
+
+    return _get_final_device_map(
+        device_map=device_map,
+        pipeline_class=cls,
+        passed_class_obj={k: v for k, v in passed.items() if v is not None},
+        init_dict={name: (library, class_name) for name, (library, class_name, _) in to_load.items()},
+        library=diffusers,
+        max_memory=model_kwargs.get("max_memory"),
+        dtype=dtype,
+        cached_folder=str(directory),
+    )
 
 
 def _torch_module():
@@ -242,8 +391,8 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
     wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):
-        hub_kwargs = {k: kwargs.pop(k) for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
-        path = _snapshot(path, task, hub_kwargs)
+        hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        path = resolve_repo(path, task, hub_kwargs)
     directory = Path(path)
     kind = classify_checkpoint(directory)
     if kind not in ("ours", "hub"):
@@ -255,4 +404,6 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
     for partition in PARTITIONS:
         if partition not in wanted:
             kwargs.setdefault(partition, None)
+    if "torch_dtype" in kwargs or "dtype" in kwargs:
+        kwargs["dtype"] = pop_dtype(kwargs)
     return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)

@@ -11,12 +11,20 @@ Differences from the modular pipeline, none of which change the numbers:
   later decoder layers and no LM head run;
 - the packed layout is published to attention processors for every transformer call (`PackedLayout`);
 - `callback_on_step_end`, `interrupt`, `sigmas` / `audio_sigmas`, `flow_shift` / `audio_flow_shift` and
-  `output_type="latent"` are supported; a scheduler shift set for one call does not leak into the next.
+  `output_type="latent"` are supported; a scheduler shift set for one call does not leak into the next;
+- a list of prompts and `num_videos_per_prompt` run as one request after another (H3 packs one request into one
+  sequence), stacked like diffusers' video pipelines stack a batch.
+
+Threads may call one pipeline concurrently (a web server's shape) and get exactly the outputs of sequential calls:
+per-call state lives in the call (the text encoder's early exit and the packed layout are context variables), and
+the denoising loop, which steps the shared schedulers, takes turns under the pipeline's `denoise_lock`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -86,8 +94,29 @@ class MiniMaxH3PipelineOutput(BaseOutput):
     sampling_rate: int
 
 
+def _stack_outputs(outputs, output_type):
+    """Per-request `(frames, audio)` stacked along the batch axis as diffusers' video pipelines return a batch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    frames, audio = zip(*outputs)
+    if output_type == "pil":
+        return [clip for batch in frames for clip in batch], _concat(audio)
+    return _concat(frames), _concat(audio)
+
+
+def _concat(parts):
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+
+
 class _StopAfterLayer(Exception):
     """Raised by a forward hook once the hidden state H3 reads exists, so later decoder layers never run."""
+
+
+# The capture dict of the text-encoder forward running in this thread / task. A hook only acts for its own call, so
+# concurrent calls on one text encoder (each with its own hook) never take each other's hidden states.
+_TEXT_ENCODER_CAPTURE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "diffusers_h3_text_encoder_capture", default=None
+)
 
 
 class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
@@ -158,6 +187,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         self.video_processor = VideoProcessor(vae_scale_factor=16, do_normalize=False)
         self._interrupt = False
         self._num_timesteps = 0
+        # The schedulers' state (timesteps, step index, shift) and `interrupt` belong to the running denoising loop:
+        # concurrent calls take turns in the loop (text encoding, conditioning and decoding still overlap).
+        self.denoise_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading
@@ -266,10 +298,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         `references`) to their values, which the task's spec checks.
         """
         spec = get_task(task) if isinstance(task, str) else task
-        if not isinstance(prompt, str):
-            raise ValueError(
-                f"`prompt` must be a single string (H3 packs one request into one sequence), got {type(prompt).__name__}."
-            )
+        prompts = prompt if isinstance(prompt, (list, tuple)) else [prompt]
+        if not prompts:
+            raise ValueError("`prompt` is an empty list: pass a non-empty string or a list of them.")
+        for i, text in enumerate(prompts):
+            where = f"`prompt[{i}]`" if isinstance(prompt, (list, tuple)) else "`prompt`"
+            if not isinstance(text, str):
+                raise ValueError(f"{where} must be a string (or `prompt` a list of strings), got {type(text).__name__}.")
+            if not text.strip():
+                raise ValueError(
+                    f"{where} is empty: MiniMax-H3 needs a text description of the clip (any language), e.g. "
+                    "'A red fox runs through fresh snow'."
+                )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         partition = spec.partition
@@ -373,9 +413,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         captured = {}
 
         def stop_here(module, args, output):
+            if _TEXT_ENCODER_CAPTURE.get() is not captured:
+                return None  # another call's forward (another thread) runs through this layer: not ours
             captured["hidden_states"] = output[0] if isinstance(output, tuple) else output
             raise _StopAfterLayer
 
+        token = _TEXT_ENCODER_CAPTURE.set(captured)
         handle = self._language_layers()[layer - 1].register_forward_hook(stop_here)
         try:
             text_encoder.model(
@@ -389,6 +432,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             pass
         finally:
             handle.remove()
+            _TEXT_ENCODER_CAPTURE.reset(token)
         if "hidden_states" not in captured:
             raise RuntimeError(f"the text encoder finished without running decoder layer {layer - 1}")
         return captured["hidden_states"].to(device=device, dtype=text_encoder.dtype)
@@ -541,7 +585,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str = None,
+        prompt: Union[str, List[str]] = None,
         image: Optional[PIL.Image.Image] = None,
         last_image: Optional[PIL.Image.Image] = None,
         references: Optional[Sequence[MiniMaxH3Reference]] = None,
@@ -553,7 +597,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         audio_sigmas: Optional[Sequence[float]] = None,
         flow_shift: Optional[float] = None,
         audio_flow_shift: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
+        num_videos_per_prompt: int = 1,
+        generator: Optional[Union[torch.Generator, List[torch.Generator]]] = None,
         latents: Optional[torch.Tensor] = None,
         audio_latents: Optional[torch.Tensor] = None,
         output_type: str = "np",
@@ -566,7 +611,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         Generate a video with its stereo soundtrack.
 
         Args:
-            prompt (`str`): The prompt, one string (used verbatim, no chat template).
+            prompt (`str` or `list[str]`): The prompt (used verbatim, no chat template). A list runs one request
+                per prompt, one after another, with the same conditioning inputs.
             image (`PIL.Image.Image`, *optional*): First keyframe (fl2va); stretched onto the canvas, whose aspect
                 ratio it sets unless `height`/`width` are given.
             last_image (`PIL.Image.Image`, *optional*): Last keyframe (fl2va); cover-cropped when `image` is given.
@@ -581,10 +627,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 used verbatim. `audio_sigmas` defaults to the audio scheduler's grid with as many points as `sigmas`.
             flow_shift, audio_flow_shift (`float`, *optional*): Sigma shifts for this call (defaults: the
                 schedulers' configs, 12 and 3).
-            generator (`torch.Generator`, *optional*): One generator; draws conditioning noise, video noise, audio
-                noise in that order (as diffusers' modular pipeline does).
-            latents (`torch.Tensor`, *optional*): Initial video noise `(1, channels, latent_frames, h, w)`.
-            audio_latents (`torch.Tensor`, *optional*): Initial audio noise `(2, channels, num_latents)`.
+            num_videos_per_prompt (`int`, defaults to 1): Clips per prompt (consecutive in the output).
+            generator (`torch.Generator` or `list[torch.Generator]`, *optional*): One generator, which every request
+                draws from in turn (conditioning noise, video noise, audio noise, as diffusers' modular pipeline
+                does), or one generator per output clip.
+            latents (`torch.Tensor`, *optional*): Initial video noise `(batch, channels, latent_frames, h, w)`,
+                `batch = len(prompt) * num_videos_per_prompt`.
+            audio_latents (`torch.Tensor`, *optional*): Initial audio noise `(2 * batch, channels, num_latents)`
+                (a left/right pair per clip).
             output_type (`str`, defaults to `"np"`): `"np"`, `"pil"`, `"pt"` or `"latent"`.
             return_dict (`bool`, defaults to `True`): Return a [`MiniMaxH3PipelineOutput`] instead of a tuple.
             attention_kwargs (`dict`, *optional*): Passed to the transformer (e.g. `{"scale": s}` for LoRA).
@@ -594,7 +644,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 conditioning rows first) and `"prompt_embeds"`.
 
         Returns:
-            [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`.
+            [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`; a batch is stacked along the first axis
+            (frames `(batch, ...)`, audio `(batch, 2, samples)`; for `"latent"`, audio `(2 * batch, C, n)`).
         """
         # 1. Route the task and check the request before any model runs.
         conditioning = {"image": image, "last_image": last_image, "references": references}
@@ -609,8 +660,66 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             spec, prompt, height, width, num_frames, conditioning, output_type,
             callback_on_step_end_tensor_inputs, sigmas, audio_sigmas,
         )  # fmt: skip
+        if not isinstance(num_videos_per_prompt, int) or isinstance(num_videos_per_prompt, bool) or num_videos_per_prompt < 1:
+            raise ValueError(f"`num_videos_per_prompt` must be a positive int, got {num_videos_per_prompt!r}.")
+        prompts = [text for text in ([prompt] if isinstance(prompt, str) else prompt) for _ in range(num_videos_per_prompt)]
+        requests = self._split_batch(len(prompts), generator, latents, audio_latents)
+
+        # H3 packs one request into one sequence: a batch runs one request after another, stacked like diffusers.
+        outputs = [
+            self._generate(
+                spec, text, conditioning, height, width, num_frames, num_inference_steps, sigmas, audio_sigmas,
+                flow_shift, audio_flow_shift, request_generator, request_latents, request_audio_latents, output_type,
+                attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            )  # fmt: skip
+            for text, (request_generator, request_latents, request_audio_latents) in zip(prompts, requests)
+        ]
+        frames, audio = _stack_outputs(outputs, output_type)
+        self.maybe_free_model_hooks()
+
+        if not return_dict:
+            return (frames, audio, self.audio_sampling_rate)
+        return MiniMaxH3PipelineOutput(frames=frames, audio=audio, sampling_rate=self.audio_sampling_rate)
+
+    def _split_batch(self, batch_size, generator, latents, audio_latents):
+        """`(generator, latents, audio_latents)` per request; one shared generator advances from request to request."""
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != batch_size:
+                raise ValueError(
+                    f"`generator` is a list of {len(generator)} generators but the batch has {batch_size} clips "
+                    "(prompts x num_videos_per_prompt): pass one generator per clip, or a single generator."
+                )
+            generators = list(generator)
+        else:
+            generators = [generator] * batch_size
+        if batch_size == 1:
+            return [(generators[0], latents, audio_latents)]
+        if latents is not None and latents.shape[0] != batch_size:
+            raise ValueError(
+                f"`latents` has batch {latents.shape[0]} but the batch has {batch_size} clips: pass "
+                f"({batch_size}, C, latent_frames, h, w)."
+            )
+        if audio_latents is not None and audio_latents.shape[0] != 2 * batch_size:
+            raise ValueError(
+                f"`audio_latents` has {audio_latents.shape[0]} items but {batch_size} stereo clips need "
+                f"{2 * batch_size} (a left/right pair per clip): pass ({2 * batch_size}, C, num_latents)."
+            )
+        return [
+            (
+                generators[i],
+                latents[i : i + 1] if latents is not None else None,
+                audio_latents[2 * i : 2 * i + 2] if audio_latents is not None else None,
+            )
+            for i in range(batch_size)
+        ]
+
+    def _generate(
+        self, spec, prompt, conditioning, height, width, num_frames, num_inference_steps, sigmas, audio_sigmas,
+        flow_shift, audio_flow_shift, generator, latents, audio_latents, output_type, attention_kwargs,
+        callback_on_step_end, callback_on_step_end_tensor_inputs,
+    ):  # fmt: skip
+        """One request (one prompt, one clip), already checked: returns `(frames, audio)` with a batch axis of 1."""
         transformer = getattr(self, spec.partition)
-        self._interrupt = False
         device = self._device_of(transformer)  # where the denoising loop runs; other components may sit elsewhere
         # Under context parallelism every rank runs this call: same noise (checked), one prompt encode (rank 0).
         cp_group = self._context_parallel_group = context_parallel_group(transformer)
@@ -647,6 +756,34 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 f"(2, C, {geometry.num_audio_latents})."
             )
 
+        # 7-8 step the shared schedulers (and read `interrupt`): concurrent calls take turns here.
+        with self.denoise_lock:
+            latents, audio_latents = self._denoise(
+                transformer, spec, structure, layout, n_cond_video, n_cond_audio, latents, audio_latents,
+                prompt_embeds, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device,
+                attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            )  # fmt: skip
+
+        # 9. Unpack the generated rows into latents.
+        video_latents, audio_latents = self._unpack_latents(latents, audio_latents, n_cond_video, n_cond_audio, geometry)
+
+        # 10. Decode video (ImageNet-normalized RGB → [0, 1]) and audio (stereo = 2 mono items).
+        if output_type == "latent":
+            return video_latents, audio_latents
+        frames = self._decode_video(video_latents, output_type, self._device_of(self.vae))
+        audio = self._decode_audio(audio_latents, self._device_of(self.audio_vae))
+        if output_type == "np":
+            audio = audio.cpu().numpy()
+        return frames, audio
+
+    def _denoise(
+        self, transformer, spec, structure, layout, n_cond_video, n_cond_audio, latents, audio_latents, prompt_embeds,
+        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device, attention_kwargs,
+        callback_on_step_end, callback_on_step_end_tensor_inputs,
+    ):  # fmt: skip
+        """Steps 7-8 of `__call__`; the caller holds `denoise_lock`."""
+        self._interrupt = False
+        video_indices, audio_indices = structure["video_indices"], structure["audio_indices"]
         # 7. Schedules and the per-step row-timestep plan (conditioning rows pinned at 0.999, reference audio at 1).
         timesteps, audio_timesteps = self._set_schedules(
             num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device
@@ -699,22 +836,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     prompt_embeds = outputs.get("prompt_embeds", prompt_embeds)
                 progress_bar.update()
 
-        # 9. Unpack the generated rows into latents.
-        video_latents, audio_latents = self._unpack_latents(latents, audio_latents, n_cond_video, n_cond_audio, geometry)
-
-        # 10. Decode video (ImageNet-normalized RGB → [0, 1]) and audio (stereo = 2 mono items).
-        if output_type == "latent":
-            frames, audio = video_latents, audio_latents
-        else:
-            frames = self._decode_video(video_latents, output_type, self._device_of(self.vae))
-            audio = self._decode_audio(audio_latents, self._device_of(self.audio_vae))
-            if output_type == "np":
-                audio = audio.cpu().numpy()
-        self.maybe_free_model_hooks()
-
-        if not return_dict:
-            return (frames, audio, self.audio_sampling_rate)
-        return MiniMaxH3PipelineOutput(frames=frames, audio=audio, sampling_rate=self.audio_sampling_rate)
+        return latents, audio_latents
 
     def _decode_video(self, video_latents, output_type, device):
         mean = torch.tensor(self.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)

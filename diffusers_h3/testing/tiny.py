@@ -256,6 +256,34 @@ def save_hub_layout(components: Dict[str, object], directory: Union[str, os.Path
     return directory
 
 
+def save_to_hub_cache(
+    components: Dict[str, object],
+    cache_dir: Union[str, os.PathLike],
+    repo_id: str = HUB_REPO_ID,
+    revision: str = "0123456789abcdef0123456789abcdef01234567",
+    layout: str = "hub",
+) -> Path:
+    """Write `components` into a `huggingface_hub` cache as the snapshot `revision` of `repo_id` (and point the
+    `main` ref at it), so that loading by repo id works offline: `cache_dir/models--org--name/snapshots/<rev>/...`.
+
+    `layout` is `"hub"` (the official layout, :func:`save_hub_layout`) or `"ours"` (`MiniMaxH3Pipeline.save_pretrained`).
+    Returns the snapshot folder.
+    """
+    repo_folder = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo_folder / "snapshots" / revision
+    if layout == "hub":
+        save_hub_layout(components, snapshot, repo_id=repo_id)
+    elif layout == "ours":
+        from ..pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
+
+        MiniMaxH3Pipeline(**components).save_pretrained(snapshot)
+    else:
+        raise ValueError(f"`layout` must be 'hub' or 'ours', got {layout!r}.")
+    (repo_folder / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_folder / "refs" / "main").write_text(revision)
+    return snapshot
+
+
 def demo_checkpoint_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """The embedded tiny demo checkpoint, built offline into a cache folder on first use (our own save layout)."""
     if cache_dir is None:

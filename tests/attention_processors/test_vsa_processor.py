@@ -368,3 +368,26 @@ def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
     assert choice.describe() in line and "sm90" not in line and "Hopper Gluon" not in line
     assert line in describe(model)["model"]["attention"]
     _reset(model)
+
+
+@pytest.mark.parametrize("checkpointing_first", [False, True])
+def test_sparse_vsa_under_gradient_checkpointing_gives_the_same_gradients(checkpointing_first):
+    def grads(checkpointing):
+        torch.manual_seed(0)
+        m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
+        if checkpointing and checkpointing_first:
+            m.enable_gradient_checkpointing()
+        enable_vsa(m, sparsity=0.5)
+        if checkpointing and not checkpointing_first:
+            m.enable_gradient_checkpointing()
+        inputs = _inputs(seed=3)
+        with use_packed_layout(_layout()):
+            video, audio = m(**inputs)
+        # backward runs after the layout context has exited, as in a training loop
+        (video.square().mean() + audio.square().mean()).backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)

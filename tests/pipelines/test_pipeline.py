@@ -34,8 +34,15 @@ def _image(w=40, h=36):
         (dict(height=32, width=160), "aspect ratios from 1:4 to 4:1"),
         (dict(height=48, width=64), "multiples of 32"),
         (dict(height=32, width=None), "passed together"),
-        (dict(prompt=["a", "b"]), "single string"),
-        (dict(prompt=None), "single string"),
+        (dict(prompt=None), "`prompt` must be a string"),
+        (dict(prompt=""), "`prompt` is empty"),
+        (dict(prompt=" \n\t"), "`prompt` is empty"),
+        (dict(prompt=[]), "empty list"),
+        (dict(prompt=["a", "  "]), r"`prompt\[1\]` is empty"),
+        (dict(prompt=["a", 3]), r"`prompt\[1\]` must be a string"),
+        (dict(num_videos_per_prompt=0), "`num_videos_per_prompt` must be a positive int"),
+        (dict(prompt=["a", "b"], generator=[torch.Generator()]), "one generator per clip"),
+        (dict(prompt=["a", "b"], latents=torch.randn(1, 4, 37, 2, 2)), "the batch has 2 clips"),
         (dict(output_type="gif"), "`output_type` must be one of"),
         (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
         (dict(audio_sigmas=[1.0, 0.0]), "`audio_sigmas` needs `sigmas`"),
@@ -43,8 +50,14 @@ def _image(w=40, h=36):
     ],
 )
 def test_bad_input_raises_clear_error(pipe, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        pipe(**{**BASE, **overrides})
+    calls = []
+    hook = pipe.text_encoder.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            pipe(**{**BASE, **overrides})
+    finally:
+        hook.remove()
+    assert not calls, "bad input must be refused before any model runs"
 
 
 def test_too_many_references(pipe):

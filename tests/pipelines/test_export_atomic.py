@@ -1,0 +1,68 @@
+"""`export_to_video` is atomic: it writes a hidden temporary file beside the target and renames it on success; a
+failure mid-write (here: the audio muxing of diffusers' PyAV writer raising after the video packets went out) leaves
+an existing file's bytes and no temporary file. Bad paths are refused before anything is encoded."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from diffusers.utils import export_utils
+
+from diffusers_h3 import export_to_video
+
+av = pytest.importorskip("av")
+
+FRAMES = np.random.default_rng(0).random((6, 32, 32, 3)).astype(np.float32)
+AUDIO = (0.1 * torch.randn(2, 3200, generator=torch.Generator().manual_seed(0))).numpy()
+
+
+def _files(directory):
+    return sorted(os.listdir(directory))
+
+
+def test_success_writes_only_the_target(tmp_path):
+    target = tmp_path / "clip.mp4"
+    assert export_to_video(FRAMES, target, audio=AUDIO, sampling_rate=32000) == str(target)
+    assert _files(tmp_path) == ["clip.mp4"]
+    with av.open(str(target)) as container:
+        assert len(container.streams.video) == 1 and len(container.streams.audio) == 1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("encoder failed"), KeyboardInterrupt()])
+def test_failure_mid_write_keeps_the_existing_file_and_leaves_no_temporary(tmp_path, monkeypatch, error):
+    target = tmp_path / "clip.mp4"
+    export_to_video(FRAMES, target, audio=AUDIO)
+    good = target.read_bytes()
+    written = []
+
+    def failing_write_audio(container, *args, **kwargs):
+        # The video stream is already muxed into the file being written when the audio write fails.
+        written.extend(name for name in _files(tmp_path) if name != "clip.mp4")
+        raise error
+
+    monkeypatch.setattr(export_utils, "_write_audio", failing_write_audio)
+    with pytest.raises(type(error)):
+        export_to_video(FRAMES[::-1].copy(), target, audio=AUDIO)
+    assert written and all(name.startswith(".clip.mp4.") for name in written), "it wrote beside the target"
+    assert target.read_bytes() == good
+    assert _files(tmp_path) == ["clip.mp4"]
+
+    fresh = tmp_path / "new.mp4"
+    with pytest.raises(type(error)):
+        export_to_video(FRAMES, fresh, audio=AUDIO)
+    assert not fresh.exists() and _files(tmp_path) == ["clip.mp4"]
+
+
+def test_bad_paths_are_refused_before_encoding(tmp_path, monkeypatch):
+    monkeypatch.setattr(export_utils, "encode_video", lambda *a, **k: pytest.fail("must not encode"))
+    missing = tmp_path / "no" / "such" / "dir" / "clip.mp4"
+    with pytest.raises(FileNotFoundError, match=str(missing.parent)):
+        export_to_video(FRAMES, missing)
+    with pytest.raises(ValueError, match=r"must end in \.mp4, not \.gif"):
+        export_to_video(FRAMES, tmp_path / "clip.gif")
+    with pytest.raises(ValueError, match=r"must end in \.mp4"):
+        export_to_video(FRAMES, tmp_path / "clip")
+    with pytest.raises(IsADirectoryError):
+        export_to_video(FRAMES, tmp_path)
+    assert _files(tmp_path) == []

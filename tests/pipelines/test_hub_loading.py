@@ -1,0 +1,112 @@
+"""Loading by hub repo id: an offline `huggingface_hub` cache holding the tiny official layout (and our own layout)
+resolves, through `DiffusionPipeline` and `MiniMaxH3Pipeline`, to the same loader as the folder itself."""
+
+import huggingface_hub
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from diffusers_h3 import MiniMaxH3Pipeline
+from diffusers_h3.pipelines.loading import NotAnH3CheckpointError
+from diffusers_h3.testing.tiny import HUB_REPO_ID, save_to_hub_cache, tiny_components
+
+RUN = dict(prompt="x", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+OWN_REPO_ID = "someone/h3-own-layout"
+REVISION = "feedfacefeedfacefeedfacefeedfacefeedface"
+
+
+def _latents(pipe):
+    return pipe(**RUN, generator=torch.Generator().manual_seed(0))
+
+
+def _assert_same_output(pipe, reference):
+    out, expected = _latents(pipe), _latents(reference)
+    # Identical weights; CPU GEMMs may round differently for differently aligned (mmapped) buffers.
+    assert torch.allclose(out.frames, expected.frames, atol=1e-5, rtol=0)
+    assert torch.allclose(out.audio, expected.audio, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def components():
+    return tiny_components(seed=21)
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, components):
+    cache = tmp_path_factory.mktemp("hf-cache")
+    snapshots = {
+        "hub": save_to_hub_cache(components, cache, HUB_REPO_ID, revision=REVISION, layout="hub"),
+        "ours": save_to_hub_cache(components, cache, OWN_REPO_ID, layout="ours"),
+    }
+    return cache, snapshots
+
+
+@pytest.fixture
+def offline(hub_cache, monkeypatch):
+    """The cache as `HF_HUB_CACHE` in offline mode, for the environment and for the already imported hub library."""
+    cache, snapshots = hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return snapshots
+
+
+def test_diffusion_pipeline_loads_hub_repo_id_like_its_folder(offline):
+    pipe = DiffusionPipeline.from_pretrained(HUB_REPO_ID)
+    assert type(pipe) is MiniMaxH3Pipeline
+    assert pipe.transformer is not None and pipe.transformer_ref is not None
+    _assert_same_output(pipe, MiniMaxH3Pipeline.from_pretrained(offline["hub"]))
+
+
+def test_pipeline_loads_repo_id_per_task_like_its_folder(offline):
+    pipe = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va")
+    assert pipe.transformer is not None and pipe.transformer_ref is None
+    _assert_same_output(pipe, MiniMaxH3Pipeline.from_pretrained(offline["hub"], task="t2va"))
+    ref = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="ref2va", revision=REVISION)
+    assert ref.transformer is None and ref.transformer_ref is not None
+
+
+def test_own_layout_repo_id_loads_through_both_entry_points(offline):
+    reference = MiniMaxH3Pipeline.from_pretrained(offline["ours"], task="t2va")
+    for pipe in (
+        DiffusionPipeline.from_pretrained(OWN_REPO_ID, task="t2va"),
+        MiniMaxH3Pipeline.from_pretrained(OWN_REPO_ID, task="t2va"),
+    ):
+        assert type(pipe) is MiniMaxH3Pipeline and pipe.transformer_ref is None
+        _assert_same_output(pipe, reference)
+
+
+def test_explicit_cache_dir_and_local_files_only(hub_cache, monkeypatch, tmp_path):
+    cache, _ = hub_cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty default cache
+    pipe = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", cache_dir=str(cache), local_files_only=True)
+    assert pipe.transformer is not None
+    with pytest.raises(NotAnH3CheckpointError, match="neither a local folder nor a hub repo"):
+        MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", cache_dir=str(tmp_path), local_files_only=True)
+
+
+def test_only_the_needed_partition_is_requested(offline, monkeypatch):
+    requested = []
+    original = huggingface_hub.snapshot_download
+
+    def recording(repo_id, **kwargs):
+        requested.append(kwargs.get("allow_patterns"))
+        return original(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va")
+    MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="ref2va")
+    t2va, ref2va = (set(patterns) for patterns in requested)
+    shared = {"text_encoder/*", "tokenizer/*", "processor/*", "vae/*", "audio_vae/*", "scheduler/*"}
+    assert shared <= t2va and shared <= ref2va
+    assert "transformer/*" in t2va and "transformer_ref/*" not in t2va
+    assert "transformer_ref/*" in ref2va and "transformer/*" not in ref2va
+
+
+def test_unknown_repo_id_goes_to_diffusers_and_gets_our_error_directly(offline):
+    with pytest.raises(Exception) as error:
+        DiffusionPipeline.from_pretrained("nobody/not-cached")
+    assert not isinstance(error.value, NotAnH3CheckpointError)  # diffusers' own error
+    with pytest.raises(NotAnH3CheckpointError, match="offline mode"):
+        MiniMaxH3Pipeline.from_pretrained("nobody/not-cached")

@@ -47,6 +47,11 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     quant = getattr(model, "hf_quantizer", None)
     if quant is not None:
         info["quantization"] = type(quant.quantization_config).__name__
+    from .parallel import context_parallel_state, tensor_parallel_state
+
+    for label, state in (("tensor parallel", tensor_parallel_state), ("context parallel", context_parallel_state)):
+        if state(model) is not None:
+            info[label] = dict(state(model))
     if attention:
         info["attention"] = dict(attention)
     if linears:
@@ -90,6 +95,9 @@ def describe(pipe_or_model: Any = None) -> Dict[str, Any]:
         elif component is not None:
             components[name] = {"class": type(component).__name__}
     report["components"] = components
+    speed_preset = getattr(pipe_or_model, "_h3_speed_preset", None)  # recorded by enable_speed_preset
+    if speed_preset is not None:
+        report["speed_preset"] = speed_preset.describe()
     extra = getattr(pipe_or_model, "describe_paths", None)
     if callable(extra):
         report["pipeline"] = extra()

@@ -361,7 +361,7 @@ def _load_pipeline(args):
         model = demo_checkpoint_dir()
     else:
         model = args.model
-    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    kwargs = {"dtype": dtype} if dtype is not None else {}
     quant_mapping = {}
     if getattr(args, "quantize", None):
         quant_mapping[partition_for_task(task)] = _quant_config(args.quantize)

@@ -79,9 +79,8 @@ def test_cli_describe_json(tmp_path, monkeypatch, capsys):
 def test_cli_generate_with_fast_paths(tmp_path, monkeypatch, capsys):
     # VSA in FP8 (emulated on CPU), the DiT quantized to W8A16 while loading, a LoRA on the quantized layers and the
     # compile switch; the CLI reports the path each part ran.
-    from safetensors.torch import save_file
-
     from diffusers import MiniMaxH3Transformer3DModel
+    from safetensors.torch import save_file
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     compiled = []

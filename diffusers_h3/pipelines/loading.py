@@ -286,6 +286,8 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
             load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization / placement
         else:
             load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
+            if load_kwargs.get("variant") and not _has_variant(folder, load_kwargs["variant"]):
+                load_kwargs.pop("variant")  # as diffusers: a component without files of that variant loads its default
             if isinstance(final_device_map, dict):
                 load_kwargs["device_map"] = {"": final_device_map[name]} if name in final_device_map else None
             elif final_device_map is not None:
@@ -295,6 +297,10 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     if device_map is not None:
         pipe.hf_device_map = final_device_map
     return pipe
+
+
+def _has_variant(folder: Path, variant: str) -> bool:
+    return any(f".{variant}." in path.name for path in folder.iterdir())
 
 
 def _final_device_map(cls, device_map, to_load, passed, dtype, directory: Path, model_kwargs):

@@ -263,6 +263,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
 
+    def enable_speed_preset(self, preset: str, compile: bool = True):
+        """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
+        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md."""
+        from .speed_presets import enable_speed_preset
+
+        return enable_speed_preset(self, preset, compile=compile)
+
     def _device_of(self, module: torch.nn.Module) -> torch.device:
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may
         sit on different GPUs (`device_map="balanced"`, or the text encoder on a second GPU); tensors follow them."""
@@ -660,7 +667,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             spec, prompt, height, width, num_frames, conditioning, output_type,
             callback_on_step_end_tensor_inputs, sigmas, audio_sigmas,
         )  # fmt: skip
-        if not isinstance(num_videos_per_prompt, int) or isinstance(num_videos_per_prompt, bool) or num_videos_per_prompt < 1:
+        count = num_videos_per_prompt
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"`num_videos_per_prompt` must be a positive int, got {num_videos_per_prompt!r}.")
         prompts = [text for text in ([prompt] if isinstance(prompt, str) else prompt) for _ in range(num_videos_per_prompt)]
         requests = self._split_batch(len(prompts), generator, latents, audio_latents)

@@ -44,6 +44,9 @@ from ..kernels.gemm import (
     w8a16_linear,
     w8a16_quantize,
 )
+from ..kernels.gemm.fp8 import _AMAX_EPS as FP8_AMAX_EPS
+from ..kernels.gemm.fp8 import SCALED_MM_MIN_ROWS, fp8_small_m_product
+from ..kernels.numerics import E4M3_MAX, to_e4m3
 
 
 class QuantizedLinear(nn.Module):
@@ -142,6 +145,61 @@ class QuantizedLinear(nn.Module):
     def normalize_loaded(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """Hook for accepting equivalent layouts of other exporters (e.g. ``[N, 1]`` scales)."""
         return value
+
+    # -- tensor-parallel sharding --------------------------------------------------------------------------------------
+    def shard_ranges(self, dim: int, rank: int, world: int, chunks: int = 1):
+        """The ``(start, stop)`` feature ranges ``shard_`` keeps; raises if a shard would split a scale group.
+
+        ``dim`` 0 splits output rows (column parallel), 1 input columns (row parallel); the features are split into
+        ``chunks`` equal parts first (e.g. 2 for a packed ``[up | gate]`` projection) and each part into ``world``.
+        """
+        if dim not in (0, 1):
+            raise ValueError(f"shard_ dim must be 0 (output rows) or 1 (input columns), got {dim}.")
+        features = self.out_features if dim == 0 else self.in_features
+        if world < 1 or not 0 <= rank < world or features % (chunks * world):
+            raise ValueError(
+                f"{type(self).__name__}: {features} {'output' if dim == 0 else 'input'} features do not split into "
+                f"{chunks} x {world} equal shards (rank {rank}); pick a degree that divides {features // chunks}."
+            )
+        width = features // (chunks * world)
+        if dim == 1:
+            for name in self._storage_spec():
+                stored = self._buffers[name]
+                if stored.dim() == 2 and (width * stored.shape[1]) % self.in_features:
+                    group = self.in_features // stored.shape[1]
+                    raise ValueError(
+                        f"{type(self).__name__} ({self.quant_method}): a tensor-parallel shard of {width} input "
+                        f"features would split a {name} group of {group}; use a degree for which "
+                        f"{self.in_features // chunks} / degree is a multiple of {group}."
+                    )
+        part = features // chunks
+        return [(c * part + rank * width, c * part + (rank + 1) * width) for c in range(chunks)]
+
+    @torch.no_grad()
+    def shard_(self, dim: int, rank: int, world: int, chunks: int = 1) -> "QuantizedLinear":
+        """Keep this rank's slice of the stored weight and its scales (see :meth:`shard_ranges`), in place.
+
+        Row scales follow their rows; 2-D scales of input groups (W8A16 ``group_size``, NVFP4 blocks of 16) follow
+        their columns; per-tensor scales are kept whole. The bias follows output rows; with ``dim=1`` it is kept
+        whole (the caller adds it once, after reducing the partial outputs).
+        """
+        ranges = self.shard_ranges(dim, rank, world, chunks)
+        features = self.out_features if dim == 0 else self.in_features
+        for name in self._storage_spec():
+            stored = self._buffers[name]
+            if stored.dim() <= dim:
+                continue
+            per_feature = stored.shape[dim] / features
+            pieces = [stored.narrow(dim, int(a * per_feature), int((b - a) * per_feature)) for a, b in ranges]
+            self._buffers[name] = torch.cat(pieces, dim).contiguous()
+        kept = sum(b - a for a, b in ranges)
+        if dim == 0:
+            if self.bias is not None:
+                self.bias = nn.Parameter(torch.cat([self.bias[a:b] for a, b in ranges]), requires_grad=False)
+            self.out_features = kept
+        else:
+            self.in_features = kept
+        return self
 
     # -- run ---------------------------------------------------------------------------------------------------------
     @opaque_to_compile  # path choice + kernels: one eager island under torch.compile (no per-shape recompiles)
@@ -279,6 +337,14 @@ class NVFP4Linear(QuantizedLinear):
             return value.reshape(())
         return value
 
+    def shard_ranges(self, dim, rank, world, chunks=1):
+        if dim == 1 and self.activation == "nvfp4":
+            raise ValueError(
+                "NVFP4Linear with activation='nvfp4' (W4A4) cannot be split along its input: the activation's "
+                "per-tensor scale would differ per shard. Use NVFP4Config(activation=None) under tensor parallelism."
+            )
+        return super().shard_ranges(dim, rank, world, chunks)
+
     def dequantize(self, dtype=None):
         return nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype or self.compute_dtype)
 
@@ -314,6 +380,10 @@ class FP8Linear(QuantizedLinear):
     def __init__(self, in_features, out_features, bias=True, compute_dtype=torch.bfloat16, device=None,
                  backend="auto", use_fast_accum: bool = True):  # fmt: skip
         self.use_fast_accum = use_fast_accum
+        # Set by tensor parallelism on a row-parallel layer: `x` is one shard of each activation row, and the
+        # per-token scale must come from the whole row (a MAX all-reduce over this group), so that every shard
+        # quantizes its part exactly as the unsplit layer would.
+        self.input_shard_group = None
         super().__init__(in_features, out_features, bias, compute_dtype, device, backend)
 
     def _storage_spec(self):
@@ -350,6 +420,33 @@ class FP8Linear(QuantizedLinear):
         return "torch", "fp32 emulation of the W8A8 numerics (CPU)"
 
     def _run(self, x, backend):
+        if self.input_shard_group is not None and backend in ("torch", "scaled_mm"):
+            return self._run_on_row_shard(x, backend)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, backend=backend,
                           use_fast_accum=self.use_fast_accum)  # fmt: skip
+
+    def _run_on_row_shard(self, x, backend):
+        """Per-token FP8 quantization with the amax of the whole (unsplit) row, then this shard's partial product."""
+        import torch.distributed as dist
+
+        x2 = x.reshape(-1, x.shape[-1])
+        xf = x2.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.input_shard_group)
+        amax = amax.clamp(min=FP8_AMAX_EPS)
+        xq, xs = to_e4m3(xf * (E4M3_MAX / amax)), amax / E4M3_MAX
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if backend == "torch":
+            out = (xq.float() @ self.weight.float().T) * xs * self.weight_scale.float().reshape(1, -1)
+            if self.bias is not None:
+                out = out + self.bias.float()
+        elif xq.shape[0] < SCALED_MM_MIN_ROWS:
+            out = fp8_small_m_product(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype)
+        else:
+            out = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.float().reshape(1, -1),
+                bias=self.bias.to(out_dtype) if self.bias is not None else None, out_dtype=out_dtype,
+                use_fast_accum=self.use_fast_accum,
+            )  # fmt: skip
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 

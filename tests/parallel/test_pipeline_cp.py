@@ -32,6 +32,14 @@ def _rank_pipeline():
         result["seed_mismatch"] = None
     except ValueError as error:
         result["seed_mismatch"] = str(error)
+    # The prompt is encoded on rank 0 only: its failure reaches every rank instead of leaving them in a broadcast.
+    if dist.get_rank() == 0:
+        pipe.encode_prompt = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("encoder out of memory"))
+    try:
+        pipe(**RUN, generator=torch.Generator().manual_seed(0))
+        result["encode_failure"] = None
+    except RuntimeError as error:
+        result["encode_failure"] = str(error)
     return result
 
 
@@ -45,6 +53,7 @@ def test_pipeline_under_context_parallel_matches_one_process():
         torch.testing.assert_close(result["frames"], expected.frames, atol=1e-5, rtol=0)
         torch.testing.assert_close(result["audio"], expected.audio, atol=1e-5, rtol=0)
         assert "generators differ across ranks" in result["seed_mismatch"]
+        assert "encoder out of memory" in result["encode_failure"]
         steps = RUN["num_inference_steps"] - 1
         # The text encoder runs on rank 0 only; the refiner once per request although the DiT runs every step.
         assert result["calls"].get("text_encoder", 0) == (1 if rank == 0 else 0)

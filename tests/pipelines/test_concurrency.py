@@ -10,7 +10,7 @@ import torch
 from diffusers_h3.pipelines import pipeline_minimax_h3
 from diffusers_h3.testing.tiny import tiny_pipeline
 
-RUN = dict(height=32, width=32, num_frames=124, num_inference_steps=3, output_type="latent")
+RUN = dict(height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
 REQUESTS = [("a fox in snow", 0), ("a drummer under neon lights", 1), ("rain on a window", 2), ("waves", 3)]
 
 
@@ -46,10 +46,9 @@ def test_threads_give_the_outputs_of_sequential_calls(attention):
         pipe.enable_vsa(sparsity=0.5)
     sequential = [_call(pipe, *request) for request in REQUESTS]
     assert not torch.equal(sequential[0].frames, sequential[1].frames)
-    for _ in range(2):
-        concurrent = _concurrent(pipe)
-        for expected, out in zip(sequential, concurrent):
-            assert torch.equal(out.frames, expected.frames) and torch.equal(out.audio, expected.audio)
+    concurrent = _concurrent(pipe)
+    for expected, out in zip(sequential, concurrent):
+        assert torch.equal(out.frames, expected.frames) and torch.equal(out.audio, expected.audio)
     if attention == "vsa":
         processors = [block.attn.processor for block in pipe.transformer.transformer_blocks]
         assert any(p._sparse_choice is not None for p in processors), "the sparse VSA path must have run"

@@ -82,10 +82,54 @@ def test_hub_layout_resolves_subfolders_locally_and_per_task(hub_dir, components
     assert both.transformer is not None and both.transformer_ref is not None
 
 
-def test_hub_layout_dtype(hub_dir):
-    pipe = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="t2va", torch_dtype=torch.bfloat16)
+@pytest.mark.parametrize("layout", ["own", "hub"])
+def test_dtype_dict_per_component(layout, own_dir, hub_dir):
+    directory = own_dir if layout == "own" else hub_dir
+    dtype = {"transformer": torch.bfloat16, "default": torch.float16}
+    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", dtype=dtype)
     assert pipe.transformer.dtype == torch.bfloat16
-    assert pipe.text_encoder.dtype == torch.bfloat16
+    assert pipe.text_encoder.dtype == pipe.vae.dtype == torch.float16  # (diffusers keeps the audio VAE's own rule)
+    without_default = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", dtype={"vae": torch.float16})
+    assert without_default.vae.dtype == torch.float16 and without_default.transformer.dtype == torch.float32
+
+
+@pytest.mark.parametrize("layout", ["own", "hub"])
+def test_torch_dtype_is_the_deprecated_alias_of_dtype(layout, own_dir, hub_dir):
+    import warnings
+
+    directory = own_dir if layout == "own" else hub_dir
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", dtype=torch.bfloat16)
+    assert not [w for w in caught if "torch_dtype" in str(w.message)], "`dtype` itself must not warn"
+    assert pipe.transformer.dtype == pipe.text_encoder.dtype == torch.bfloat16
+    with pytest.warns(FutureWarning, match="torch_dtype"):
+        old = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", torch_dtype=torch.bfloat16)
+    assert old.transformer.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="both `dtype` and `torch_dtype`"):
+        MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", dtype=torch.float16, torch_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("layout", ["own", "hub"])
+def test_device_map_cpu_and_unsupported_device_map(layout, own_dir, hub_dir):
+    directory = own_dir if layout == "own" else hub_dir
+    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", device_map="cpu")
+    assert pipe.hf_device_map == "cpu" and pipe.transformer.device.type == "cpu"
+    with pytest.raises((ValueError, NotImplementedError), match="not supported"):  # diffusers raises the latter
+        MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", device_map="sideways")
+
+
+def test_hub_layout_variant_files(tmp_path, components):
+    directory = save_hub_layout(components, tmp_path / "variant")
+    variant = tiny_components(seed=12)["transformer"]  # other weights, saved as the "v2" variant
+    variant.save_pretrained(directory / "transformer", variant="v2")
+    default = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va")
+    chosen = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", variant="v2")
+    name, param = next(iter(variant.state_dict().items()))
+    assert torch.equal(chosen.transformer.state_dict()[name], param)
+    assert not torch.equal(default.transformer.state_dict()[name], param)
+    vae_name, vae_param = next(iter(components["vae"].state_dict().items()))
+    assert torch.equal(chosen.vae.state_dict()[vae_name], vae_param)  # components without the variant: default files
 
 
 def test_diffusion_pipeline_from_pretrained_dispatches_both_layouts(hub_dir, own_dir):

@@ -1,0 +1,227 @@
+# Copyright 2026 The diffusers-h3 authors. Licensed under the Apache License, Version 2.0.
+"""Speed presets: one call that turns on a consistent set of fast paths on the transformer partition(s).
+
+* ``"exact"``: no approximation. bf16 weights, dense bf16 attention through the fastest exact kernel diffusers'
+  dispatcher offers here (cuDNN on CUDA SM80+, PyTorch SDPA otherwise), regional ``torch.compile`` on CUDA.
+* ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
+  dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as FP8
+  Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA.
+* ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
+  on CUDA.
+
+Each call logs what it turned on and records it on the pipeline (``diffusers_h3.describe(pipe)["speed_preset"]``).
+Weight quantization is applied in place once: switching between ``"fast"`` and ``"fastest"`` keeps the quantized
+weights, and a preset that needs other weights than the ones loaded (``"exact"`` after ``"fast"``, FP8 over W8A16)
+raises instead of quantizing twice. docs/speed.md has the exactness and determinism of each preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from diffusers.utils import logging
+
+from .._utils import cuda_capability, has_fp8_tensor_cores
+from ..attention_processors import disable_low_precision_attention, enable_low_precision_attention, enable_vsa
+from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, quantize
+
+
+logger = logging.get_logger(__name__)
+
+SPEED_PRESETS = ("exact", "fast", "fastest")
+# Sparsity of the "fastest" preset (the operating point of docs/attention.md and benchmarks/results).
+FASTEST_SPARSITY = 0.8
+# INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, ~4x less rounding error (docs/attention.md).
+ATTENTION_PRECISION = "int8"
+
+# Whether two identical requests give bitwise identical outputs on one GPU, and why (docs/speed.md).
+DETERMINISM = {
+    "exact": "bitwise reproducible on one GPU: cuDNN/SDPA forward attention and cuBLAS GEMMs use no atomics for "
+             "fixed shapes; inductor's generated kernels are fixed per shape",
+    "fast": "bitwise reproducible on one GPU: the INT8 attention kernels and the FP8 GEMM path (Triton activation "
+            "quantization + torch._scaled_mm) use no atomics or split reductions across launches",
+    "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
+               "atomics; ties in top-k resolve the same way on every run",
+}  # fmt: skip
+
+
+def check_speed_preset(preset: Any) -> str:
+    """``preset`` if it names a speed preset; one clear error otherwise."""
+    if preset not in SPEED_PRESETS:
+        raise ValueError(f"unknown speed preset {preset!r}: choose one of {', '.join(repr(p) for p in SPEED_PRESETS)}")
+    return preset
+
+
+def gemm_format(device: torch.device) -> str:
+    """The weight format the ``"fast"`` presets quantize the DiT to on ``device``: ``"fp8"`` (FP8 tensor cores,
+    SM89+) or ``"w8a16"`` (everywhere else: weight-only INT8 with 16-bit GEMMs)."""
+    device = torch.device(device)
+    return "fp8" if device.type == "cuda" and has_fp8_tensor_cores(device) else "w8a16"
+
+
+def exact_attention_backend(device: torch.device) -> Optional[str]:
+    """diffusers' attention backend for exact dense attention on ``device``: cuDNN's fused attention on CUDA SM80+
+    (the fastest exact kernel diffusers dispatches to on Hopper), ``None`` (keep the active backend) elsewhere."""
+    device = torch.device(device)
+    cap = cuda_capability(device) if device.type == "cuda" else None
+    if cap is not None and tuple(cap) >= (8, 0) and torch.backends.cudnn.is_available():
+        return "_native_cudnn"
+    return None
+
+
+@dataclass
+class SpeedPresetRecord:
+    """What ``enable_speed_preset`` turned on, per partition, for ``describe``."""
+
+    preset: str
+    weights: Dict[str, str] = field(default_factory=dict)
+    attention: Dict[str, str] = field(default_factory=dict)
+    compile: Dict[str, str] = field(default_factory=dict)
+    determinism: str = ""
+
+    def describe(self) -> Dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "weights": dict(self.weights),
+            "attention": dict(self.attention),
+            "compile": dict(self.compile),
+            "determinism": self.determinism,
+        }
+
+
+def _quantized_method(model: torch.nn.Module) -> Optional[str]:
+    methods = {str(m.quant_method) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    return ", ".join(sorted(methods)) if methods else None
+
+
+def _has_lora(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "peft_config", None)) or any("lora_A" in name for name, _ in model.named_modules())
+
+
+def _is_compiled(model: torch.nn.Module) -> bool:
+    repeated = set(getattr(model, "_repeated_blocks", ()) or ())
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+        if type(module).__name__ in repeated
+    )
+
+
+def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.device) -> Tuple[Optional[Any], str]:
+    """``(config to quantize with or None, what the weights will be)``; raises when the loaded weights cannot become
+    what ``preset`` needs without quantizing twice."""
+    loaded = _quantized_method(model)
+    if preset == "exact":
+        if loaded is not None:
+            raise ValueError(
+                f"speed preset 'exact' runs bf16 weights, but {name} is already quantized ({loaded}): quantized weights "
+                "cannot be restored exactly; reload the pipeline without quantization and apply 'exact' first"
+            )
+        dtype = str(next(model.transformer_blocks.parameters()).dtype).replace("torch.", "")
+        return None, f"{dtype} (not quantized)"
+    wanted = gemm_format(device)
+    config = FP8Config() if wanted == "fp8" else W8A16Config()
+    why = (
+        "FP8 tensor cores" if wanted == "fp8" else f"no FP8 tensor cores on {device} (SM89+ needed for FP8 GEMMs)"
+    )
+    label = ("FP8 E4M3 weights + per-token FP8 activations (FP8Config)" if wanted == "fp8" else
+             "weight-only INT8 with 16-bit GEMMs (W8A16Config)") + f": {why}"  # fmt: skip
+    if loaded is not None:
+        if loaded != str(config.quant_method):
+            raise ValueError(
+                f"speed preset {preset!r} quantizes {name} with {type(config).__name__} on {device}, but it is already "
+                f"quantized ({loaded}); reload it in bf16 (or with {type(config).__name__}) before applying the preset"
+            )
+        return None, label + " [already quantized: kept]"
+    if _has_lora(model):
+        raise ValueError(
+            f"speed preset {preset!r} quantizes {name} in place, but it has LoRA adapters loaded: apply the preset "
+            "before load_lora_weights (LoRA loads onto quantized layers)"
+        )
+    return config, label
+
+
+def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetRecord:
+    r"""
+    Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
+
+    Args:
+        pipe (`MiniMaxH3Pipeline`): the pipeline (its components already on their devices: FP8 or W8A16 and the
+            attention kernels are chosen for the transformer's device).
+        preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"`` (see the module docstring and docs/speed.md).
+        compile (`bool`, defaults to `True`): regional ``torch.compile`` of the transformer blocks on CUDA (diffusers'
+            ``compile_repeated_blocks``; the first call compiles). Ignored with a log line on CPU.
+
+    Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
+    """
+    check_speed_preset(preset)
+    partitions = getattr(pipe, "_partitions", None)
+    if not callable(partitions):
+        raise TypeError(f"enable_speed_preset expects a MiniMaxH3Pipeline, got {type(pipe).__name__}")
+    models = list(partitions())
+    if not models:
+        raise ValueError("enable_speed_preset: the pipeline holds no transformer partition to speed up")
+    # Check every partition before changing any (one clear error, nothing half-applied).
+    plans = {}
+    for name, model in models:
+        device = pipe._device_of(model)
+        plans[name] = (device, *_plan_weights(name, model, preset, device))
+
+    record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset])
+    for name, model in models:
+        device, config, weights = plans[name]
+        if config is not None:
+            quantize(model, config)
+        record.weights[name] = weights
+
+        if preset == "exact":
+            disable_low_precision_attention(model)  # diffusers' default processor on every block
+            backend = exact_attention_backend(device)
+            if backend is not None:
+                model.set_attention_backend(backend)
+                record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
+            else:
+                record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
+        elif preset == "fast":
+            enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
+            record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
+        else:
+            enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
+            record.attention[name] = (
+                f"VSA sparsity={FASTEST_SPARSITY} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
+            )
+
+        if _is_compiled(model):
+            record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
+        elif compile and device.type == "cuda":
+            model.compile_repeated_blocks(fullgraph=False)
+            record.compile[name] = "regional torch.compile (compile_repeated_blocks, fullgraph=False)"
+        elif compile:
+            record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
+        else:
+            record.compile[name] = "off (compile=False)"
+        logger.info(
+            f"speed preset {preset!r} on {name}: weights {record.weights[name]}; attention {record.attention[name]}; "
+            f"compile {record.compile[name]}"
+        )
+    pipe._h3_speed_preset = record
+    return record
+
+
+def speed_preset_report(pipe) -> Optional[Dict[str, Any]]:
+    """The recorded speed preset of ``pipe`` (``None`` when none was applied)."""
+    record = getattr(pipe, "_h3_speed_preset", None)
+    return record.describe() if record is not None else None
+
+
+__all__: List[str] = [
+    "SPEED_PRESETS",
+    "SpeedPresetRecord",
+    "check_speed_preset",
+    "enable_speed_preset",
+    "exact_attention_backend",
+    "gemm_format",
+    "speed_preset_report",
+]

@@ -1,0 +1,124 @@
+"""Speed presets on the tiny pipeline (CPU: emulated / interpreted paths, compile=False)."""
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+import diffusers_h3
+from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
+from diffusers_h3.testing.tiny import tiny_pipeline
+
+CALL = dict(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+
+def _pipe():
+    return tiny_pipeline(seed=3, with_transformer_ref=False)
+
+
+def _run(pipe):
+    frames = pipe(**CALL, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.isfinite(frames).all()
+    return frames
+
+
+def _block_processors(pipe):
+    return [block.attn.processor for block in pipe.transformer.transformer_blocks]
+
+
+def _quantized(pipe):
+    return [m for m in pipe.transformer.modules() if isinstance(m, QuantizedLinear)]
+
+
+@pytest.fixture(scope="module")
+def native_frames():
+    return _run(_pipe())
+
+
+def test_unknown_preset_lists_presets():
+    pipe = _pipe()
+    with pytest.raises(ValueError, match=r"unknown speed preset 'turbo'.*'exact', 'fast', 'fastest'"):
+        pipe.enable_speed_preset("turbo")
+    assert getattr(pipe, "_h3_speed_preset", None) is None
+    assert not _quantized(pipe)
+
+
+def test_exact_is_bitwise_the_native_output(native_frames):
+    pipe = _pipe()
+    record = diffusers_h3.enable_speed_preset(pipe, "exact", compile=False)
+    assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
+    assert not _quantized(pipe)
+    report = diffusers_h3.describe(pipe)["speed_preset"]
+    assert report == record.describe() and report["preset"] == "exact"
+    assert "not quantized" in report["weights"]["transformer"] and "dense bf16" in report["attention"]["transformer"]
+    assert report["compile"]["transformer"] == "off (compile=False)"
+    assert torch.equal(_run(pipe), native_frames)
+
+
+@pytest.mark.parametrize("preset", ["fast", "fastest"])
+def test_fast_presets_turn_on_what_they_report(preset, native_frames):
+    pipe = _pipe()
+    pipe.enable_speed_preset(preset, compile=True)  # CPU: compile is reported as off, not silently dropped
+    processors = _block_processors(pipe)
+    expected = MiniMaxH3LowPrecisionAttnProcessor if preset == "fast" else MiniMaxH3VSAProcessor
+    assert processors and all(type(p) is expected for p in processors)
+    assert all(p.precision == "int8" for p in processors)
+    if preset == "fastest":
+        assert all(p.sparsity == 0.8 for p in processors)
+    quantized = _quantized(pipe)
+    assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized)  # no FP8 tensor cores on a CPU
+
+    report = diffusers_h3.describe(pipe)
+    assert report["speed_preset"]["preset"] == preset
+    assert "W8A16Config" in report["speed_preset"]["weights"]["transformer"]
+    assert "no FP8 tensor cores" in report["speed_preset"]["weights"]["transformer"]
+    assert "INT8" in report["speed_preset"]["attention"]["transformer"]
+    assert "CUDA only" in report["speed_preset"]["compile"]["transformer"]
+    assert report["components"]["transformer"]["quantization"] == "W8A16Config"
+
+    frames = _run(pipe)
+    rel = ((frames - native_frames).norm() / native_frames.norm()).item()
+    assert 0 < rel < 0.1, f"{preset}: rel-L2 {rel} vs the exact output (0 would mean the preset did nothing)"
+    # What ran, as the processors recorded it.
+    paths = diffusers_h3.describe(pipe)["components"]["transformer"]["attention"]
+    assert any(("VSA sparsity=0.8" if preset == "fastest" else "dense low-precision") in path for path in paths)
+
+
+def test_switching_presets_never_quantizes_twice():
+    pipe = _pipe()
+    pipe.enable_speed_preset("fast", compile=False)
+    layers = _quantized(pipe)
+    pipe.enable_speed_preset("fast", compile=False)  # re-applying keeps the quantized weights
+    pipe.enable_speed_preset("fastest", compile=False)
+    assert _quantized(pipe) == layers
+    assert all(type(p) is MiniMaxH3VSAProcessor for p in _block_processors(pipe))
+    assert "already quantized: kept" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["transformer"]
+    pipe.enable_speed_preset("fast", compile=False)
+    assert all(type(p) is MiniMaxH3LowPrecisionAttnProcessor for p in _block_processors(pipe))
+
+    with pytest.raises(ValueError, match=r"'exact' runs bf16 weights.*already quantized \(h3_w8a16\).*reload"):
+        pipe.enable_speed_preset("exact")
+    assert diffusers_h3.describe(pipe)["speed_preset"]["preset"] == "fast"  # the failed call changed nothing
+
+
+def test_other_quantization_is_refused_not_stacked():
+    pipe = _pipe()
+    diffusers_h3.quantize(pipe.transformer, diffusers_h3.NVFP4Config())
+    with pytest.raises(ValueError, match=r"already quantized \(h3_nvfp4\); reload it in bf16"):
+        pipe.enable_speed_preset("fast")
+    assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
+
+
+def test_preset_logs_what_it_turned_on(caplog):
+    from diffusers.utils import logging as diffusers_logging
+
+    pipe = _pipe()
+    logger = diffusers_logging.get_logger("diffusers_h3.pipelines.speed_presets")
+    logger.addHandler(caplog.handler)
+    level = logger.level
+    logger.setLevel("INFO")
+    try:
+        pipe.enable_speed_preset("fastest", compile=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+    assert "speed preset 'fastest' on transformer" in caplog.text and "VSA sparsity=0.8" in caplog.text

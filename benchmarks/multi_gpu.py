@@ -8,7 +8,8 @@ One launch measures one context-parallel degree (= the world size). Protocol (do
 with random bf16 weights (fp32 modules kept fp32) and the packed layout of a 768x1344x124 t2va request (38,222 rows);
 first rank 0 alone runs every case without context parallelism (the baseline; the other ranks wait), then all ranks
 run the same cases under Ulysses context parallelism. Cases: diffusers' processor (``_native_cudnn``), VSA bf16 0.8,
-dense FP8 attention. ``ms`` = median of ``--reps`` timed forwards after one warm-up, synchronized over ranks;
+dense FP8 attention; ``tp<N>`` (``--cases ...,tp4`` or ``--tp``; N = the world size) runs diffusers' processor under
+tensor parallelism instead (heads and FFN columns split, rank-order reduction; ``--tp-fp32-reduce`` adds in fp32). ``ms`` = median of ``--reps`` timed forwards after one warm-up, synchronized over ranks;
 ``speedup`` = baseline ms / CP ms; ``rel_l2`` = CP output vs baseline output; ``peak_gib_per_rank`` = peak allocated
 memory of each rank during the case. The video VAE decode of the same request is timed serially (rank 0) and with its
 tiles split over all ranks.
@@ -141,9 +142,13 @@ def main():
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny random model (smoke test of the script)")
     parser.add_argument("--skip-vae", action="store_true")
+    parser.add_argument("--tp", action="store_true", help="also run the tensor-parallel case tp<world size>")
+    parser.add_argument("--tp-fp32-reduce", action="store_true", help="tensor-parallel partial sums added in fp32")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     args = parser.parse_args()
     cases = args.cases.split(",")
+    tp_cases = [c for c in cases if c.startswith("tp")]
+    cases = [c for c in cases if not c.startswith("tp")]
 
     from diffusers_h3.attention_processors.layout import use_packed_layout
     from diffusers_h3.parallel import enable_context_parallel
@@ -194,6 +199,36 @@ def main():
                 "speedup": baseline[case]["ms"] / ms,
                 "rel_l2": ((out - reference).norm() / reference.norm()).item(),
                 "peak_gib_per_rank": peaks,
+            }
+    # 2b. Tensor parallelism over all ranks (`tp<N>`): a fresh copy of the same weights (the CP one has its hooks),
+    # diffusers' processor, heads and FFN columns split, deterministic rank-order reduction.
+    tp_case = f"tp{world_size}"
+    if tp_cases and tp_cases != [tp_case]:
+        raise SystemExit(f"one launch measures one degree: {tp_cases} asked, the world size gives {tp_case}")
+    if tp_cases or args.tp:
+        from diffusers_h3.parallel import enable_tensor_parallel, tensor_parallel_state
+
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = build_transformer(device, args.tiny)
+        set_case(model, "native_cudnn", args.tiny)
+        enable_tensor_parallel(model, tp_degree=world_size, reduce_dtype=torch.float32 if args.tp_fp32_reduce else None)
+        reset_peak(device)
+        ms, out = timed(forward, device, args.reps, group=dist.group.WORLD)
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, peak_gib(device))
+        if rank == 0:
+            reference = baseline["native_cudnn"]["out"] if "native_cudnn" in baseline else None
+            out = out.float().cpu()
+            results[tp_case] = {
+                "baseline_1gpu_ms": baseline.get("native_cudnn", {}).get("ms"),
+                "tp_ms": ms,
+                "speedup": baseline["native_cudnn"]["ms"] / ms if reference is not None else None,
+                "rel_l2": ((out - reference).norm() / reference.norm()).item() if reference is not None else None,
+                "peak_gib_per_rank": peaks,
+                "parameter_gib_per_rank": tensor_parallel_state(model)["parameter_bytes_per_rank"] / 2**30,
+                "reduce_dtype": tensor_parallel_state(model)["reduce_dtype"],
             }
     model = None  # frees the DiT before the VAE case
     if device.type == "cuda":

@@ -33,6 +33,7 @@ from .attention_processors.layout import (
     require_packed_layout,
     use_packed_layout,
 )
+from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
 from .hooks.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mode
 from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
@@ -73,6 +74,8 @@ __all__ = [
     "add_gate_compress",
     "enable_low_precision_attention",
     "disable_low_precision_attention",
+    "enable_fast_vae_decode",
+    "disable_fast_vae_decode",
     "enable_v100_mode",
     "enable_speed_preset",
     "SPEED_PRESETS",

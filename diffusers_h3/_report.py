@@ -12,6 +12,9 @@ from typing import Any, Dict, List
 
 import torch
 
+from .hooks.cache import describe_cache
+from .hooks.fast_vae_decode import describe_vae_decode
+
 
 def _path_of(obj: Any) -> str:
     describe_path = getattr(obj, "describe_path", None)
@@ -56,6 +59,11 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
         info["attention"] = dict(attention)
     if linears:
         info["quantized_layers"] = dict(linears)
+    cache = describe_cache(model)
+    if cache is not None:
+        info["cache"] = cache
+    if hasattr(model, "tokens_chunk_size") and hasattr(model, "_stitch_tiles"):  # the MiniMax-H3 video VAE
+        info["decode"] = describe_vae_decode(model)
     return info
 
 

@@ -203,6 +203,13 @@ def _check_flag_combinations(args) -> None:
         raise UsageError("--lora-allow-unmatched without --lora", "add --lora FILE or drop --lora-allow-unmatched")
     if args.cache_threshold is not None and args.cache is None:
         raise UsageError("--cache-threshold without --cache", "add --cache first-block or --cache mag")
+    speed = getattr(args, "speed", None)
+    if speed is not None and (args.vsa is not None or args.attention_precision is not None or args.v100):
+        raise UsageError(f"--speed {speed} sets the attention itself and cannot be combined with "
+                         "--vsa/--attention-precision/--v100", "drop --speed or those flags")  # fmt: skip
+    if speed == "exact" and args.quantize is not None:
+        raise UsageError(f"--speed exact runs bf16 weights and cannot be combined with --quantize {args.quantize}",
+                         "drop --quantize, or use --speed fast")  # fmt: skip
     if args.v100 and (args.vsa is not None or args.attention_precision is not None):
         raise UsageError(
             "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",
@@ -365,6 +372,11 @@ def _load_pipeline(args):
     quant_mapping = {}
     if getattr(args, "quantize", None):
         quant_mapping[partition_for_task(task)] = _quant_config(args.quantize)
+    elif getattr(args, "speed", None) in ("fast", "fastest"):
+        # The preset's weight format, quantized while loading (the preset then keeps it instead of quantizing again).
+        from diffusers_h3.pipelines.speed_presets import gemm_format
+
+        quant_mapping[partition_for_task(task)] = _quant_config(gemm_format(_device(args)))
     if getattr(args, "quantize_text_encoder", None):
         quant_mapping["text_encoder"] = _quant_config(args.quantize_text_encoder)
     if quant_mapping:  # quantized while loading: the bf16 weights never sit on the GPU whole
@@ -414,7 +426,10 @@ def _apply_fast_paths(pipe, args) -> None:
     if args.cache:
         for _, model in pipe._partitions():
             model.enable_cache(args.cache_config)
-    if args.compile:
+    if getattr(args, "speed", None):  # after the cache hooks: the preset compiles the blocks last
+        pipe.enable_speed_preset(args.speed, compile=True)
+        print(f"speed preset {args.speed}: {pipe._h3_speed_preset.describe()}", file=sys.stderr)
+    elif args.compile:
         for _, model in pipe._partitions():
             model.compile_repeated_blocks(fullgraph=False)
 
@@ -611,6 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--cache-threshold", type=_ranged(float, 0.0, what="--cache-threshold"), default=None,
                       help="with --cache first-block/mag: the skip threshold (default: diffusers' 0.05 / 0.06)")
     fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")
+    fast.add_argument("--speed", choices=("exact", "fast", "fastest"), default=None,
+                      help="speed preset (docs/speed.md): exact = bf16, fastest exact attention, regional compile; "
+                           "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8")
     fast.add_argument("--compile", action="store_true",
                       help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)

@@ -257,3 +257,87 @@ def test_cli_reference_short_edge_is_registered(cli_run):
     assert ("register_to_config", {"reference_image_short_edge": 200}) in log
     assert _entries(log, "call")[0][1]["references"] == [reference]
     assert not _entries(cli_run(conditioning={}), "register_to_config")
+
+
+# -- behaviours the planted-bug round found unguarded -----------------------------------------------------------------
+
+
+def test_t2va_fl2va_layout_on_a_non_square_canvas_matches_the_hand_built_plan():
+    from diffusers_h3.packing import t2va_fl2va_layout
+
+    # 2 latent frames of 6 x 10 latents, patch (1, 2, 2): keyframe grid (1, 3, 5), target grid (2, 3, 5)
+    layout = t2va_fl2va_layout(7, 2, 2, 6, 10, 11, (1, 2, 2), 2)
+    got = [(s.kind, s.role, s.start, s.stop, s.grid, s.channels) for s in layout.segments]
+    layout_order = sorted(got, key=lambda s: s[2])
+    expected = [
+        ("text", "prompt", 0, 7, None, 1),
+        ("video", "keyframe", 7, 22, (1, 3, 5), 1),
+        ("video", "keyframe", 22, 37, (1, 3, 5), 1),
+        ("audio", "target", 37, 59, None, 2),  # 11 latents x 2 channels
+        ("video", "target", 59, 89, (2, 3, 5), 1),
+    ]
+    normalised = [(k, r, a, b, tuple(g) if g else None, c) for k, r, a, b, g, c in layout_order]
+    assert normalised == expected and layout.seq_len == 89
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_per_token_8bit_quantization_rounds_to_nearest_even(dtype):
+    from diffusers_h3.kernels.numerics import quantize_fp8_per_token
+
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    x8, scale = quantize_fp8_per_token(x, dtype=dtype)
+    expected_scale = x.abs().amax(-1, keepdim=True) * (1.0 / qmax)
+    torch.testing.assert_close(scale, expected_scale.squeeze(-1), atol=0, rtol=0)
+    y = (x / expected_scale).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        import numpy as np
+
+        expected = torch.from_numpy(np.rint(y.numpy()))  # numpy's rint: nearest, ties to even
+        assert torch.equal(x8.float(), expected)
+        # exact ties on the scaled grid: the row's amax maps to 127, the others to k + 0.5
+        ties = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5]]) * (1.0 / 127.0)
+        tied, _ = quantize_fp8_per_token(ties * 127.0 / 127.0, dtype=dtype)
+        y_ties = ties / (ties.abs().amax(-1, keepdim=True) * (1.0 / 127.0))
+        assert torch.equal(tied.float(), torch.from_numpy(np.rint(y_ties.numpy())))
+    else:
+        assert torch.equal(x8.float(), y.to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize(
+    "modular, root, native_folders, kind",
+    [
+        (None, {"_class_name": "MiniMaxH3Pipeline"}, False, "ours"),
+        (None, {"_class_name": "MiniMaxH3ModularPipeline"}, False, "hub"),
+        ({"_blocks_class_name": "MiniMaxH3Blocks"}, None, False, "hub"),
+        ({"_class_name": "MiniMaxH3ModularPipeline"}, {"_class_name": "MiniMaxH3ModularPipeline"}, False, "hub"),
+        ({"_class_name": "WanModularPipeline"}, None, False, "foreign"),
+        (None, {"_class_name": "WanPipeline"}, False, "foreign"),
+        (None, {"_class_name": "MiniMaxH3Pipeline", "_minimax_h3": {}}, False, "native"),
+        (None, None, True, "native"),
+        (None, None, False, "foreign"),
+    ],
+)
+def test_classify_index_kinds(modular, root, native_folders, kind):
+    from diffusers_h3.pipelines.loading import classify_index
+
+    assert classify_index(modular, root, native_folders) == kind
+
+
+def test_pipeline_card_tags_name_the_quantization_of_each_partition(tmp_path):
+    from diffusers_h3 import W8A16Config, quantize
+    from diffusers_h3._model_card import pipeline_model_card, quantization_method
+
+    pipe = tiny_pipeline(with_transformer_ref=False)
+    plain_tags = pipeline_model_card(pipe).data.to_dict()["tags"]
+    quantize(pipe.transformer, W8A16Config())
+    method = quantization_method(pipe.transformer)
+    assert method
+    card = pipeline_model_card(pipe, repo_id="me/h3-w8a16")
+    path = tmp_path / "README.md"
+    card.save(path)
+    from huggingface_hub import ModelCard
+
+    tags = ModelCard.load(path).data.to_dict()["tags"]
+    assert f"quantized-{method}" in tags and f"quantized-{method}" not in plain_tags
+    assert method in card.text

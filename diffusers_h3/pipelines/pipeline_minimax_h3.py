@@ -58,6 +58,7 @@ from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qw
 
 from .._model_card import pipeline_model_card, save_with_card
 from ..attention_processors.layout import use_packed_layout
+from ..hooks.cache import start_cache_request
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
 from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
@@ -256,6 +257,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         from ..attention_processors.vsa import enable_vsa
 
         return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
+
+    def enable_fast_vae_decode(self, **options):
+        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`."""
+        from ..hooks.fast_vae_decode import enable_fast_vae_decode
+
+        return enable_fast_vae_decode(self.vae, **options)
 
     def enable_v100_mode(self, **options):
         """Run a bf16-trained H3 in fp16 safely on Volta GPUs; see `diffusers_h3.enable_v100_mode`."""
@@ -797,6 +804,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device
         )
         self._num_timesteps = len(timesteps)
+        start_cache_request(transformer, len(timesteps))  # no step-cache state carries over between requests
         rows = (video_indices.cpu(), audio_indices.cpu(), n_cond_video, n_cond_audio, structure["text_indices"].numel())
         row_plan = [
             tuple(

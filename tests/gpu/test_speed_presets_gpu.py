@@ -9,10 +9,11 @@ import torch
 import diffusers_h3
 from diffusers_h3.testing.tiny import tiny_pipeline
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # A canvas whose video rows fill several VSA tiles (partial ones included), decoded to pixels and audio.
-CALL = dict(prompt="a cat", height=64, width=96, num_frames=124, num_inference_steps=3, output_type="pt")
+CALL = {"prompt": "a cat", "height": 64, "width": 96, "num_frames": 124, "num_inference_steps": 3, "output_type": "pt"}
 
 
 @pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])

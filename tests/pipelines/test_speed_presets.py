@@ -8,7 +8,8 @@ import diffusers_h3
 from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
 from diffusers_h3.testing.tiny import tiny_pipeline
 
-CALL = dict(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
 
 
 def _pipe():

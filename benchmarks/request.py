@@ -1,0 +1,373 @@
+"""The whole MiniMax-H3 request on one GPU at the released sizes: text encoding, every forward, video and audio decode,
+MP4 mux, and peak memory, for the speed presets (docs/speed.md).
+
+    python benchmarks/request.py --out benchmarks/results/request_h200.json --forwards 3
+    python benchmarks/request.py --tiny --cases t2va_fast --out /tmp/request_tiny.json   # CPU smoke test
+
+Random weights at the released sizes, no downloads: the Qwen3-VL-32B text encoder built from its public config
+(its decoder layers after the one H3 reads are never run by the pipeline's early exit and are not built: same compute,
+less memory), the full 50-block DiT, both VAEs at diffusers' default (released) configs, bf16 as the pipeline loads
+them (fp32 modules kept fp32). Every component is built directly on the GPU. 768x1344, 124 frames, t2va with a
+512-token prompt; fl2va with two 768x1344 keyframes.
+
+Cases, in this order (the presets quantize in place, so the bf16 ones come first):
+
+* ``t2va_native``           the pipeline as loaded (diffusers' default attention processor and backend), 50 sigma
+                            points (49 forwards);
+* ``t2va_exact``            ``pipe.enable_speed_preset("exact")``;
+* ``t2va_fast``             ``pipe.enable_speed_preset("fast")``;
+* ``t2va_fastest``          ``pipe.enable_speed_preset("fastest")``;
+* ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
+                            fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
+
+Each case runs one untimed warm-up request (compilation, autotuning, cuDNN plans) and one timed request. With
+``--forwards K`` a case of more than K forwards times only the first K (the rest of the loop is interrupted, decode
+and mux still run) and the whole-request ``ms`` is extrapolated with the median forward: the JSON says so per case
+(``forwards_timed``, ``extrapolated``). Stage times are CUDA-synchronized wall times; the partial JSON is written
+after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from _common import result_header, write_json
+
+
+HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
+PROMPT_TOKENS = 512  # the byte-level tokenizer makes one token per byte
+CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fastest", "fl2va_light4_fastest")
+# case -> (task, speed preset or None, sigma points, flow_shift, audio_flow_shift)
+CASE_SETUP = {
+    "t2va_native": ("t2va", None, 50, None, None),
+    "t2va_exact": ("t2va", "exact", 50, None, None),
+    "t2va_fast": ("t2va", "fast", 50, None, None),
+    "t2va_fastest": ("t2va", "fastest", 50, None, None),
+    "fl2va_light4_fastest": ("fl2va", "fastest", 5, 6.0, 3.0),  # lightx2v-fl2v-turbo-4step-768p
+}
+
+# Qwen3-VL-32B (public config.json of Qwen/Qwen3-VL-32B-Instruct).
+QWEN3_VL_32B_TEXT = {
+    "vocab_size": 151936,
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                     "mrope_interleaved": True},
+}  # fmt: skip
+QWEN3_VL_32B_VISION = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "hidden_act": "gelu_pytorch_tanh",
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 5120,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+# Qwen3-VL's image processor (preprocessor_config.json).
+QWEN3_VL_IMAGE_PROCESSOR = {
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}  # fmt: skip
+TEXT_ENCODER_LAYER = 50  # hidden_states[50]: decoder layers 0..49 run
+
+
+@contextlib.contextmanager
+def default_dtype_and_device(dtype, device):
+    """Build modules directly in ``dtype`` on ``device`` (no fp32 CPU copy of 100+ GB of random weights)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def keep_fp32_modules(model):
+    """Cast the modules named by ``_keep_in_fp32_modules`` back to fp32, as ``from_pretrained(dtype=bf16)`` does."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, module in model.named_modules():
+        if keep & set(name.split(".")):
+            module.float()
+    return model.eval().requires_grad_(False)
+
+
+def build_pipeline(device, tiny: bool):
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    from diffusers_h3 import MiniMaxH3Pipeline
+    from diffusers_h3.testing import tiny as tiny_parts
+
+    if tiny:
+        components = tiny_parts.tiny_components(seed=0, with_transformer_ref=False)
+        components.pop("transformer_ref")
+        pipe = MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER)
+        return pipe.to(device)
+
+    tokenizer = tiny_parts.tiny_tokenizer()  # byte-level: no download; token ids stay far below the real vocab
+    ids = {token: 257 + i for i, token in enumerate(tiny_parts.VISION_TOKENS)}
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**QWEN3_VL_IMAGE_PROCESSOR), tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(**QWEN3_VL_IMAGE_PROCESSOR),
+    )  # fmt: skip
+    # The early exit never runs decoder layers 50..63 (nor the LM head's output): build 51 so the pipeline's layer
+    # check passes, skipping 13 layers (~26 GiB) of weights that would only sit there.
+    text_config = {**QWEN3_VL_32B_TEXT, "num_hidden_layers": TEXT_ENCODER_LAYER + 1}
+    config = Qwen3VLConfig(
+        text_config=text_config, vision_config=QWEN3_VL_32B_VISION, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    with default_dtype_and_device(torch.bfloat16, device):
+        text_encoder = Qwen3VLForConditionalGeneration(config).eval().requires_grad_(False)
+        transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel())
+        vae = keep_fp32_modules(AutoencoderKLMiniMaxH3())
+    with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)
+        audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
+    audio_vae = audio_vae.eval().requires_grad_(False)
+    return MiniMaxH3Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, processor=processor, vae=vae, audio_vae=audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+        transformer=transformer, text_encoder_layer=TEXT_ENCODER_LAYER,
+    )  # fmt: skip
+
+
+class StageTimer:
+    """CUDA-synchronized wall times of the pipeline's stages, by wrapping its stage methods and hooking the DiT."""
+
+    def __init__(self, pipe, device):
+        self.pipe, self.device = pipe, device
+        self.stages, self.forwards = {}, []
+        self._start = None
+        self._handles = []
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _wrap(self, attr, stage):
+        original = getattr(self.pipe, attr)
+
+        def timed(*args, **kwargs):
+            self._sync()
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            self._sync()
+            self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - start) * 1000
+            return out
+
+        setattr(self.pipe, attr, timed)
+
+    def __enter__(self):
+        self._wrap("encode_prompt", "text_encode")
+        self._wrap("_encode_visual_condition", "condition_encode")
+        self._wrap("_decode_video", "video_decode")
+        self._wrap("_decode_audio", "audio_decode")
+
+        def before(module, args, kwargs):
+            self._sync()
+            self._start = time.perf_counter()
+
+        def after(module, args, kwargs, output):
+            self._sync()
+            self.forwards.append((time.perf_counter() - self._start) * 1000)
+
+        transformer = self.pipe.transformer
+        self._handles = [
+            transformer.register_forward_pre_hook(before, with_kwargs=True),
+            transformer.register_forward_hook(after, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for attr in ("encode_prompt", "_encode_visual_condition", "_decode_video", "_decode_audio"):
+            self.pipe.__dict__.pop(attr, None)
+        for handle in self._handles:
+            handle.remove()
+
+
+def request(pipe, case, device, out_dir, forwards_limit, tiny):
+    """One request of ``case``; returns its record (ms, stages, forwards, peak)."""
+    from PIL import Image
+
+    from diffusers_h3 import export_to_video
+
+    task, _, sigma_points, flow_shift, audio_flow_shift = CASE_SETUP[case]
+    height, width = (64, 96) if tiny else (HEIGHT, WIDTH)
+    rng = np.random.default_rng(0)
+    prompt = ("A street drummer plays under neon lights, the crowd claps along. " * 16)[:PROMPT_TOKENS]
+    kwargs = {"prompt": prompt, "height": height, "width": width, "num_frames": NUM_FRAMES, "num_inference_steps": sigma_points,
+                  "flow_shift": flow_shift, "audio_flow_shift": audio_flow_shift, "output_type": "np"}  # fmt: skip
+    if task == "fl2va":
+        kwargs["image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        kwargs["last_image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    total_forwards = sigma_points - 1
+    timed_forwards = total_forwards if forwards_limit is None else min(forwards_limit, total_forwards)
+
+    def stop_after_limit(pipeline, step, timestep, tensors):
+        if step + 1 >= timed_forwards:
+            pipeline._interrupt = True  # the loop skips the remaining forwards; decoding still runs
+        return {}
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    with StageTimer(pipe, device) as timer:
+        start = time.perf_counter()
+        out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after_limit)
+        mux_start = time.perf_counter()
+        export_to_video(out.frames[0], str(Path(out_dir) / f"{case}.mp4"), audio=out.audio[0],
+                        sampling_rate=out.sampling_rate)  # fmt: skip
+        end = time.perf_counter()
+    timer.stages["mux"] = (end - mux_start) * 1000
+    assert len(timer.forwards) == timed_forwards, (len(timer.forwards), timed_forwards)
+    forward_ms = statistics.median(timer.forwards)
+    measured_ms = (end - start) * 1000
+    missing = total_forwards - timed_forwards
+    stages = {"text_encode": timer.stages.get("text_encode", 0.0)}
+    if task == "fl2va":
+        stages["condition_encode"] = timer.stages.get("condition_encode", 0.0)
+    stages["forwards"] = sum(timer.forwards) + missing * forward_ms
+    stages.update({k: timer.stages[k] for k in ("video_decode", "audio_decode", "mux")})
+    stages["other"] = measured_ms + missing * forward_ms - sum(stages.values())  # packing, scheduler steps, ...
+    return {
+        "ms": round(measured_ms + missing * forward_ms, 1),
+        "stages": {k: round(v, 1) for k, v in stages.items()},
+        "forward_ms": [round(t, 1) for t in timer.forwards],
+        "forward_median_ms": round(forward_ms, 1),
+        "forwards": total_forwards,
+        "forwards_timed": timed_forwards,
+        "extrapolated": missing > 0,
+        "sigma_points": sigma_points,
+        "resident_gib": round(resident, 2) if resident is not None else None,
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/request_h200.json")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases to run (default: all)")
+    parser.add_argument("--skip", default="", help="comma list of cases to skip")
+    parser.add_argument("--forwards", type=int, default=None, metavar="K",
+                        help="time at most K forwards per request and extrapolate the rest (default: all)")
+    parser.add_argument("--no-compile", action="store_true", help="presets without regional torch.compile")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request (smoke tests only)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU smoke test)")
+    parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny when no GPU)")
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    args = parser.parse_args()
+
+    wanted = [c for c in args.cases.split(",") if c]
+    skip = {c for c in args.skip.split(",") if c}
+    unknown = sorted((set(wanted) | skip) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
+    if args.forwards is not None and args.forwards < 1:
+        raise SystemExit(f"--forwards {args.forwards}: must be at least 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or not args.tiny else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/request.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
+    run = [c for c in CASES if c in wanted and c not in skip]
+
+    import diffusers_h3
+
+    started = time.perf_counter()
+    pipe = build_pipeline(device, args.tiny)
+    pipe.set_progress_bar_config(disable=True)
+    build_s = time.perf_counter() - started
+    print(f"built the pipeline in {build_s:.1f} s", flush=True)
+
+    results, notes, applied = {}, {}, None
+    out_dir = tempfile.mkdtemp(prefix="h3_request_")
+    for case in run:
+        preset = CASE_SETUP[case][1]
+        try:
+            if preset is not None and preset != applied:
+                torch._dynamo.reset()  # compile the new preset's blocks from scratch (no stale guards or cache limit)
+                diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile)
+                applied = preset
+            case_start = time.perf_counter()
+            # Warm-up: one request of at most 2 forwards (compilation, autotuning, cuDNN plans, decode).
+            if not args.no_warmup:
+                request(pipe, case, device, out_dir, forwards_limit=min(2, args.forwards or 2), tiny=args.tiny)
+            warmup_s = time.perf_counter() - case_start
+            record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny)
+        except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
+            results[case] = {"ms": None, "stages": None, "peak_gib": None}
+            notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
+            print(f"{case:22s} {notes[case]}", flush=True)
+        else:
+            record["preset"] = preset
+            record["warmup_s"] = round(warmup_s, 1)
+            record["speed_preset"] = diffusers_h3.describe(pipe).get("speed_preset")
+            results[case] = record
+            stages = " ".join(f"{k} {v / 1000:.2f}" for k, v in record["stages"].items())
+            print(f"{case:22s} {record['ms'] / 1000:7.2f} s ({stages}) peak {record['peak_gib']} GiB "
+                  f"[{record['forwards_timed']}/{record['forwards']} forwards timed]", flush=True)  # fmt: skip
+        write_report(args, results, notes, build_s, device)  # after every case: a time limit loses nothing done
+    write_report(args, results, notes, build_s, device)
+
+
+def write_report(args, results, notes, build_s, device):
+    base = results.get("t2va_native", {}).get("ms")
+    for name, case in results.items():
+        if name.startswith("t2va") and case.get("ms"):
+            case["baseline"] = "t2va_native"
+            case["ratio"] = round(base / case["ms"], 3) if base else None
+        case.setdefault("rel_l2", None)  # random weights: numerical distance is measured by the forward suite
+    report = {
+        **result_header("request", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
+        "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": NUM_FRAMES,
+                  "prompt_tokens": PROMPT_TOKENS, "tiny": args.tiny,
+                  "text_encoder": "Qwen3-VL-32B config, decoder layers 0-49 built and run (early exit at "
+                                  "hidden_states[50]), vision tower built" if not args.tiny else "tiny",
+                  "transformer": "MiniMaxH3Transformer3DModel() defaults: 50 blocks, hidden 5376, 56x128 heads",
+                  "vae": "AutoencoderKLMiniMaxH3() / AutoencoderKLMiniMaxH3Audio() defaults (released sizes), tiled"},
+        "protocol": "random weights built on the device; per case 1 warm-up request (<= 2 forwards) + 1 timed request "
+                    "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
+                    "stages.forwards add the missing ones at the median forward ('extrapolated': true)",
+        "build_s": round(build_s, 1),
+        "cases": results,
+        "notes": notes,
+    }  # fmt: skip
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

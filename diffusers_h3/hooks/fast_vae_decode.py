@@ -1,0 +1,234 @@
+"""Faster decode of the MiniMax-H3 video VAE: its tiles decoded as batches, optionally through `torch.compile`.
+
+`AutoencoderKLMiniMaxH3` decodes in temporal chunks (`tokens_chunk_size + token_overlap` latent frames each) and, with
+tiling on (the released default), each chunk in overlapping spatial tiles: 7 chunks x 28 tiles at 768x1344x124. Its
+decoder is a non-causal ViT that keeps no state between calls, so every (chunk, tile) decode is independent, and all
+of them have the same shape. Decoded one by one, each of the 196 calls runs its 36 layers as small GEMMs and the GPU
+waits on launches; here same-shaped tiles are stacked along the batch axis and decoded together (batch elements do not
+interact: per-token linears and norms, attention within each element).
+
+Only the decoder calls change. diffusers' own `_decode` still runs, with its per-chunk `_decode_clip` answered from the
+batch results in call order, and each chunk's tiles are stitched by diffusers' `_stitch_tiles`: the temporal
+cross-fade, the spatial tile blend and the tail trimming are diffusers' code. In fp32 the result equals the native
+tiled decode up to GEMM summation order (tested within 1e-6 relative L2); in bf16 the batched GEMMs may use other
+kernels, and the measured distance is in `benchmarks/results/vae_h200.json`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+# Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
+DEFAULT_TILES_PER_BATCH = 32
+
+
+@dataclass
+class FastVAEDecodeState:
+    """What `enable_fast_vae_decode` installed on a VAE, and what its last decode actually ran."""
+
+    tiles_per_batch: int
+    compile: bool
+    decoder: Callable[[torch.Tensor], torch.Tensor]
+    last_run: Optional[str] = None
+    compile_seconds: Optional[float] = None
+    _warned_deferred: bool = field(default=False, repr=False)
+
+    def describe_path(self) -> str:
+        mode = f"batched tiles (up to {self.tiles_per_batch} per decoder call)"
+        mode += ", decoder under torch.compile" if self.compile else ", eager decoder"
+        return f"{mode}; last decode: {self.last_run or 'none yet'}"
+
+
+def _vae_of(pipe_or_vae):
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    vae = getattr(pipe_or_vae, "vae", pipe_or_vae)
+    if not isinstance(vae, AutoencoderKLMiniMaxH3):
+        raise TypeError(
+            f"fast VAE decode needs a MiniMax-H3 pipeline or an AutoencoderKLMiniMaxH3, got {type(pipe_or_vae).__name__}"
+            " — pass `pipe` or `pipe.vae`."
+        )
+    return vae
+
+
+def _chunk_inputs(vae, z: torch.Tensor) -> List[torch.Tensor]:
+    """The latent slices diffusers' `_decode` hands to `_decode_clip`, in call order (same end padding)."""
+    tokens_chunk_size = vae.tokens_chunk_size
+    token_drop = vae.config.token_drop
+    num_tokens = z.shape[2] + token_drop
+    pad_tokens = (-num_tokens) % tokens_chunk_size
+    num_chunks = (num_tokens + pad_tokens) // tokens_chunk_size - int(token_drop > 0)
+    if pad_tokens > 0:
+        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
+    return [
+        z[:, :, i * tokens_chunk_size : i * tokens_chunk_size + tokens_chunk_size + vae.token_overlap]
+        for i in range(num_chunks)
+    ]
+
+
+def _tile_layout(vae, clip: torch.Tensor) -> Tuple[List[List[torch.Tensor]], List[int], List[int]]:
+    """The latent tiles of one chunk (rows of columns) and the pixel overlaps, laid out as diffusers' `_decode_clip`."""
+    if not vae.use_tiling:
+        return [[clip]], [], []
+    ratio = vae.spatial_compression_ratio
+    y_indices, y_lengths, y_overlaps = vae._split_tiles(
+        clip.shape[-2] * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
+    )
+    x_indices, x_lengths, x_overlaps = vae._split_tiles(
+        clip.shape[-1] * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
+    )
+    rows = [
+        [
+            clip[..., i // ratio : i // ratio + h // ratio, j // ratio : j // ratio + w // ratio]
+            for j, w in zip(x_indices, x_lengths)
+        ]
+        for i, h in zip(y_indices, y_lengths)
+    ]
+    return rows, y_overlaps, x_overlaps
+
+
+def _balanced_batches(indices: List[int], limit: int) -> List[List[int]]:
+    """`indices` split into the fewest batches of at most `limit`, of sizes differing by at most one (fewer shapes
+    for a compiled decoder to specialize on)."""
+    num_batches = math.ceil(len(indices) / limit)
+    base, extra = divmod(len(indices), num_batches)
+    batches, start = [], 0
+    for b in range(num_batches):
+        size = base + int(b < extra)
+        batches.append(indices[start : start + size])
+        start += size
+    return batches
+
+
+def _decode_units(vae, state: FastVAEDecodeState, units: List[torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
+    """Decode every latent unit `(B, C, t, h, w)`; same-shaped units share decoder calls. Returns outputs in order
+    and the number of decoder calls."""
+    by_shape: Dict[Tuple[int, ...], List[int]] = {}
+    for index, unit in enumerate(units):
+        by_shape.setdefault(tuple(unit.shape), []).append(index)
+    decoded: List[Optional[torch.Tensor]] = [None] * len(units)
+    calls = 0
+    for indices in by_shape.values():
+        for batch in _balanced_batches(indices, state.tiles_per_batch):
+            stacked = torch.cat([units[i] for i in batch], dim=0)
+            started = time.perf_counter() if state.compile and state.compile_seconds is None else None
+            out = state.decoder(vae.post_quant_conv(stacked))
+            if started is not None:  # the first compiled call pays the compilation
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                state.compile_seconds = time.perf_counter() - started
+            calls += 1
+            for i, piece in zip(batch, out.split(units[batch[0]].shape[0], dim=0)):
+                decoded[i] = piece
+    return decoded, calls
+
+
+def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """Installed as `vae._decode`: diffusers' `_decode` with its chunks answered from batched tile decodes."""
+    state: FastVAEDecodeState = vae._h3_fast_decode
+    native_decode = type(vae)._decode
+    if "_decode_clip" in vae.__dict__:
+        # Another path (the context-parallel decode) already answers the chunks: it decodes the tiles itself.
+        if not state._warned_deferred:
+            warnings.warn(
+                "fast VAE decode: the context-parallel VAE decode splits the tiles over the ranks itself; tiles are not "
+                "batched on this path.",
+                RuntimeWarning,
+            )
+            state._warned_deferred = True
+        state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"
+        return native_decode(vae, z)
+
+    layouts = [_tile_layout(vae, clip) for clip in _chunk_inputs(vae, z)]
+    units = [tile for rows, _, _ in layouts for row in rows for tile in row]
+    decoded, calls = _decode_units(vae, state, units)
+    outputs = iter(decoded)
+    stitched = []
+    for rows, y_overlaps, x_overlaps in layouts:
+        tiles = [[next(outputs) for _ in row] for row in rows]
+        stitched.append(vae._stitch_tiles(tiles, y_overlaps, x_overlaps) if vae.use_tiling else tiles[0][0])
+
+    answers = iter(stitched)
+
+    def decode_clip_from_batches(clip: torch.Tensor) -> torch.Tensor:
+        answer = next(answers, None)
+        if answer is None:
+            raise RuntimeError("fast VAE decode: diffusers' _decode asked for more chunks than laid out; please report.")
+        return answer
+
+    vae._decode_clip = decode_clip_from_batches
+    try:
+        out = native_decode(vae, z)
+    finally:
+        del vae._decode_clip
+    if next(answers, None) is not None:
+        raise RuntimeError("fast VAE decode: diffusers' _decode used fewer chunks than laid out; please report.")
+    state.last_run = f"{len(units)} tiles in {calls} decoder calls ({len(layouts)} chunks)"
+    return out
+
+
+def enable_fast_vae_decode(
+    pipe_or_vae: Any,
+    batch_tiles: Union[bool, int] = True,
+    compile: bool = False,
+) -> FastVAEDecodeState:
+    """Decode the MiniMax-H3 video VAE's tiles in batches; `pipe.vae.decode` (and so the pipeline) uses it from now on.
+
+    Args:
+        pipe_or_vae: A `MiniMaxH3Pipeline` (its `vae`) or an `AutoencoderKLMiniMaxH3`.
+        batch_tiles (`bool` or `int`, defaults to `True`): Stack same-shaped tiles (of all temporal chunks) into one
+            decoder call, at most `DEFAULT_TILES_PER_BATCH` per call for `True`, or at most this many for an int.
+            The decoder's activation memory grows linearly with it.
+            `False` decodes one tile per call (only useful with `compile`).
+        compile (`bool`, defaults to `False`): Run the decoder through `torch.compile` (one graph per batch shape,
+            compiled on the first decode; the time it took is reported by `describe`). The VAE's own `decoder`
+            module is left as it is.
+
+    Returns the installed `FastVAEDecodeState` (reported by `diffusers_h3.describe`). The tile geometry and blend are
+    the VAE's own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
+    """
+    vae = _vae_of(pipe_or_vae)
+    if isinstance(batch_tiles, bool):
+        tiles_per_batch = DEFAULT_TILES_PER_BATCH if batch_tiles else 1
+    elif isinstance(batch_tiles, int) and batch_tiles >= 1:
+        tiles_per_batch = batch_tiles
+    else:
+        raise ValueError(f"`batch_tiles` must be True, False or a positive int, got {batch_tiles!r}.")
+    if not isinstance(compile, bool):
+        raise ValueError(f"`compile` must be True or False, got {compile!r}.")
+    if tiles_per_batch == 1 and not compile:
+        raise ValueError(
+            "enable_fast_vae_decode(batch_tiles=False, compile=False) would change nothing: enable one of them, or "
+            "call disable_fast_vae_decode."
+        )
+    decoder = torch.compile(vae.decoder, dynamic=False) if compile else vae.decoder
+    state = FastVAEDecodeState(tiles_per_batch=tiles_per_batch, compile=compile, decoder=decoder)
+    vae._h3_fast_decode = state
+    vae._decode = types.MethodType(_batched_decode, vae)
+    return state
+
+
+def disable_fast_vae_decode(pipe_or_vae: Any) -> None:
+    """Restore diffusers' tile-by-tile decode (a no-op when the fast decode is not enabled)."""
+    vae = _vae_of(pipe_or_vae)
+    vae.__dict__.pop("_decode", None)
+    vae.__dict__.pop("_h3_fast_decode", None)
+
+
+def describe_vae_decode(vae: torch.nn.Module) -> str:
+    """The decode path of an `AutoencoderKLMiniMaxH3`, with what its last decode ran."""
+    state: Optional[FastVAEDecodeState] = getattr(vae, "_h3_fast_decode", None)
+    if state is None:
+        tiling = "tiled" if getattr(vae, "use_tiling", False) else "untiled"
+        return f"diffusers native {tiling} decode (one decoder call per tile)"
+    text = state.describe_path()
+    if state.compile_seconds is not None:
+        text += f"; first compiled call {state.compile_seconds:.1f} s"
+    return text

@@ -1,0 +1,125 @@
+"""diffusers' step caches (FirstBlockCache, MagCache, TaylorSeer) through `MiniMaxH3Pipeline.__call__`: they skip
+steps (the output changes), compose with VSA and a quantizer, keep no state between requests, and are reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffusers_h3
+from diffusers_h3 import W8A16Config
+from diffusers_h3.hooks.cache import cache_config
+from diffusers_h3.testing.tiny import tiny_pipeline
+
+# 5 sigma points = 4 transformer forwards; latents only (the cache acts on the denoiser, the decoders are not needed).
+RUN = dict(height=32, width=32, num_frames=124, num_inference_steps=5, output_type="latent")
+
+
+def _pipe(cache=None):
+    pipe = tiny_pipeline(seed=5, with_transformer_ref=False)
+    pipe.set_progress_bar_config(disable=True)
+    if cache is not None:
+        pipe.transformer.enable_cache(cache)
+    return pipe
+
+
+def _call(pipe, prompt="a fox in snow", seed=0, **kwargs):
+    out = pipe(prompt=prompt, **RUN, generator=torch.Generator().manual_seed(seed), **kwargs)
+    return out.frames
+
+
+def _cache_report(pipe):
+    return diffusers_h3.describe(pipe)["components"]["transformer"].get("cache")
+
+
+# Per method: the config and the forwards it skips out of 4, derived from the hook's rule.
+CASES = {
+    # threshold far above any relative change: every step after the first reuses the tail residual.
+    "first-block": (lambda: cache_config("first-block", threshold=1e9), [1, 2, 3]),
+    # retention int(0.2 * 4 + 0.5) = 1 step computed; unit ratios accumulate no error; at most 3 skips in a row.
+    "mag": (lambda: cache_config("mag", num_inference_steps=5, mag_ratios=[1.0] * 4), [1, 2, 3]),
+    # steps 0-2 warm up; step 3 is not a refresh step ((3 - 3 - 1) % 5 != 0): the attention outputs are predicted.
+    "taylorseer": (lambda: cache_config("taylorseer"), [3]),
+}
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    return _call(_pipe())
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_cache_skips_steps_through_the_pipeline_and_reports_them(method, uncached):
+    make_config, skipped = CASES[method]
+    pipe = _pipe(make_config())
+    first = _call(pipe)
+    assert torch.isfinite(first).all()
+    assert not torch.allclose(first, uncached, atol=1e-5), "a skipped step must change the output"
+    report = _cache_report(pipe)
+    assert report["config"] == repr(pipe.transformer._cache_config)
+    steps = ", ".join(map(str, skipped))
+    assert report["last_request"] == f"skipped {len(skipped)} of 4 steps (steps {steps})"
+    # No state leaks: the same request again gives the same output.
+    assert torch.equal(_call(pipe), first)
+    pipe.transformer.disable_cache()
+    assert _cache_report(pipe) is None
+    assert torch.equal(_call(pipe), uncached)
+
+
+def test_never_skipping_cache_equals_no_cache(uncached):
+    """Sanity of the comparison above: a cache that never skips leaves the pipeline output unchanged."""
+    pipe = _pipe(cache_config("first-block", threshold=0.0))
+    assert torch.allclose(_call(pipe), uncached, rtol=0, atol=1e-6)
+    assert _cache_report(pipe)["last_request"] == "skipped 0 of 4 steps (steps none)"
+
+
+def test_no_state_leaks_between_the_clips_of_one_call():
+    """Two identical clips in one call: the second must not start from the first one's cached residual."""
+    pipe = _pipe(cache_config("first-block", threshold=1e9))
+    both = pipe(
+        prompt=["a fox in snow", "a fox in snow"], **RUN,
+        generator=[torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)],
+    ).frames  # fmt: skip
+    assert torch.equal(both[0], both[1])
+    assert _cache_report(pipe)["last_request"] == "skipped 3 of 4 steps (steps 1, 2, 3)"
+
+
+def test_a_call_after_a_different_and_an_interrupted_call_equals_a_fresh_pipeline():
+    config = CASES["first-block"][0]
+    fresh = _call(_pipe(config()), prompt="waves", seed=3)
+    pipe = _pipe(config())
+    _call(pipe, prompt="a drummer under neon lights", seed=1)
+
+    def stop(pipe, step, timestep, tensors):
+        raise KeyboardInterrupt  # a request aborted mid-way leaves the hooks' state behind
+
+    with pytest.raises(KeyboardInterrupt):
+        _call(pipe, prompt="rain on a window", seed=2, callback_on_step_end=stop)
+    assert torch.equal(_call(pipe, prompt="waves", seed=3), fresh)
+
+
+def test_mag_cache_built_for_another_step_count_is_refused():
+    pipe = _pipe(cache_config("mag", num_inference_steps=8, mag_ratios=[1.0] * 7))
+    with pytest.raises(ValueError, match=r"configured for 7 transformer forwards but this request runs 4 .*"
+                                         r"num_inference_steps=5"):  # fmt: skip
+        _call(pipe)
+
+
+def test_cache_composes_with_vsa_and_a_quantizer():
+    def build(with_cache):
+        pipe = _pipe()
+        pipe.enable_vsa(sparsity=0.5)
+        diffusers_h3.quantize(pipe.transformer, W8A16Config())
+        if with_cache:
+            pipe.transformer.enable_cache(cache_config("first-block", threshold=1e9))
+        return pipe
+
+    plain, cached = build(False), build(True)
+    expected, got = _call(plain), _call(cached)
+    assert torch.isfinite(got).all() and not torch.allclose(got, expected, atol=1e-5)
+    assert torch.equal(_call(cached), got)
+    transformer = diffusers_h3.describe(cached)["components"]["transformer"]
+    assert transformer["cache"]["last_request"] == "skipped 3 of 4 steps (steps 1, 2, 3)"
+    assert any("W8A16" in path for path in transformer["quantized_layers"])
+    processors = [block.attn.processor for block in cached.transformer.transformer_blocks]
+    assert any(p._sparse_choice is not None for p in processors), "the sparse VSA path must have run"

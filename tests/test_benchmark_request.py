@@ -1,0 +1,53 @@
+"""benchmarks/request.py runs end to end on the CPU with tiny components (the full-size run is for a GPU)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "request.py"
+
+
+def test_unknown_case_is_refused_before_building(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_turbo", "--out", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert run.returncode != 0 and "unknown case(s) ['t2va_turbo']" in run.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_tiny_request_records_every_stage(tmp_path):
+    out = tmp_path / "request_h200.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_native", "--forwards", "1", "--no-warmup",
+         "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["suite"] == "request" and data["shape"]["tiny"] is True
+    assert set(data["cases"]) == {"t2va_native"}
+    case = data["cases"]["t2va_native"]
+    assert list(case["stages"]) == ["text_encode", "forwards", "video_decode", "audio_decode", "mux", "other"]
+    assert all(case["stages"][s] > 0 for s in ("text_encode", "forwards", "video_decode", "audio_decode", "mux"))
+    # 50 sigma points = 49 forwards; one timed, the rest extrapolated at the median forward.
+    assert case["forwards"] == 49 and case["forwards_timed"] == 1 and case["extrapolated"] is True
+    assert len(case["forward_ms"]) == 1
+    assert case["stages"]["forwards"] == pytest.approx(49 * case["forward_median_ms"], rel=1e-3, abs=0.5)
+    assert sum(case["stages"].values()) == pytest.approx(case["ms"], rel=1e-3, abs=1.0)
+
+    # The summary plot's stage panel reads exactly these numbers.
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("benchmarks_plot", ROOT / "benchmarks" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    stages = plot.stage_table(tmp_path)
+    (name, seconds, total, extrapolated), = stages["rows"]
+    assert name == "t2va_native" and extrapolated is True and total == pytest.approx(case["ms"] / 1000)
+    assert seconds == {k: pytest.approx(v / 1000) for k, v in case["stages"].items()}
+    plot.main(["--results", str(tmp_path), "--out", str(tmp_path / "summary.png")])
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

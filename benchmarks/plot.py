@@ -50,7 +50,8 @@ def summary_table(results_dir=RESULTS) -> Dict[str, dict]:
 
 REQUEST_FILE = "request_h200.json"
 STAGE_COLORS = {"text_encode": "#264653", "condition_encode": "#8ab17d", "forwards": "#2a9d8f",
-                "video_decode": "#e9c46a", "audio_decode": "#f4a261", "mux": "#e76f51", "other": "#bbbbbb"}  # fmt: skip
+                "video_decode": "#e9c46a", "audio_decode": "#f4a261", "mux": "#e76f51",
+                "other": "#bbbbbb"}  # fmt: skip
 
 
 def stage_table(results_dir=RESULTS) -> Optional[dict]:
@@ -66,7 +67,8 @@ def stage_table(results_dir=RESULTS) -> Optional[dict]:
         if case.get("ms") is not None and case.get("stages")
     ]
     shape = data.get("shape", {})
-    title = f"Whole request, {shape.get('height')}x{shape.get('width')}x{shape.get('frames')} ({data['device']}, {data['commit']})"
+    size = f"{shape.get('height')}x{shape.get('width')}x{shape.get('frames')}"
+    title = f"Whole request, {size} ({data['device']}, {data['commit']})"
     return {"title": title, "rows": rows}
 
 

@@ -20,7 +20,8 @@ Cases, in this order (the presets quantize in place, so the bf16 ones come first
 * ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
                             fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
 
-Each case runs one untimed warm-up request (compilation, autotuning, cuDNN plans) and one timed request. With
+Each case runs one untimed warm-up request of one forward (compilation, autotuning, cuDNN plans; decoding too in the
+first case) and one timed request. With
 ``--forwards K`` a case of more than K forwards times only the first K (the rest of the loop is interrupted, decode
 and mux still run) and the whole-request ``ms`` is extrapolated with the median forward: the JSON says so per case
 (``forwards_timed``, ``extrapolated``). Stage times are CUDA-synchronized wall times; the partial JSON is written
@@ -87,7 +88,8 @@ QWEN3_VL_32B_VISION = {
 }
 # Qwen3-VL's image processor (preprocessor_config.json).
 QWEN3_VL_IMAGE_PROCESSOR = {
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }  # fmt: skip
 TEXT_ENCODER_LAYER = 50  # hidden_states[50]: decoder layers 0..49 run
@@ -220,28 +222,49 @@ class StageTimer:
             handle.remove()
 
 
-def request(pipe, case, device, out_dir, forwards_limit, tiny):
-    """One request of ``case``; returns its record (ms, stages, forwards, peak)."""
+def request_kwargs(case, tiny):
+    """The pipeline arguments of ``case``'s request."""
     from PIL import Image
-
-    from diffusers_h3 import export_to_video
 
     task, _, sigma_points, flow_shift, audio_flow_shift = CASE_SETUP[case]
     height, width = (64, 96) if tiny else (HEIGHT, WIDTH)
     rng = np.random.default_rng(0)
     prompt = ("A street drummer plays under neon lights, the crowd claps along. " * 16)[:PROMPT_TOKENS]
-    kwargs = {"prompt": prompt, "height": height, "width": width, "num_frames": NUM_FRAMES, "num_inference_steps": sigma_points,
-                  "flow_shift": flow_shift, "audio_flow_shift": audio_flow_shift, "output_type": "np"}  # fmt: skip
+    kwargs = {"prompt": prompt, "height": height, "width": width, "num_frames": NUM_FRAMES,
+              "num_inference_steps": sigma_points, "flow_shift": flow_shift, "audio_flow_shift": audio_flow_shift,
+              "output_type": "np"}  # fmt: skip
     if task == "fl2va":
         kwargs["image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
         kwargs["last_image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    return kwargs
+
+
+def stop_after(forwards):
+    """A step callback that interrupts the denoising loop after ``forwards`` forwards (decoding still runs)."""
+
+    def callback(pipeline, step, timestep, tensors):
+        if step + 1 >= forwards:
+            pipeline._interrupt = True  # the loop skips the remaining forwards
+        return {}
+
+    return callback
+
+
+def warm_up(pipe, case, tiny, decode):
+    """One untimed request with a single forward: compilation (all blocks share one graph), Triton autotuning,
+    cuDNN / cuBLAS plans; ``decode`` also warms the VAE decoders (they do not change between cases)."""
+    kwargs = {**request_kwargs(case, tiny), "output_type": "np" if decode else "latent"}
+    pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(1))
+
+
+def request(pipe, case, device, out_dir, forwards_limit, tiny):
+    """One request of ``case``; returns its record (ms, stages, forwards, peak)."""
+    from diffusers_h3 import export_to_video
+
+    task, _, sigma_points, _, _ = CASE_SETUP[case]
+    kwargs = request_kwargs(case, tiny)
     total_forwards = sigma_points - 1
     timed_forwards = total_forwards if forwards_limit is None else min(forwards_limit, total_forwards)
-
-    def stop_after_limit(pipeline, step, timestep, tensors):
-        if step + 1 >= timed_forwards:
-            pipeline._interrupt = True  # the loop skips the remaining forwards; decoding still runs
-        return {}
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -249,7 +272,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     with StageTimer(pipe, device) as timer:
         start = time.perf_counter()
-        out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after_limit)
+        out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(timed_forwards))
         mux_start = time.perf_counter()
         export_to_video(out.frames[0], str(Path(out_dir) / f"{case}.mp4"), audio=out.audio[0],
                         sampling_rate=out.sampling_rate)  # fmt: skip
@@ -313,7 +336,7 @@ def main():
     build_s = time.perf_counter() - started
     print(f"built the pipeline in {build_s:.1f} s", flush=True)
 
-    results, notes, applied = {}, {}, None
+    results, notes, applied, decoders_warm = {}, {}, None, False
     out_dir = tempfile.mkdtemp(prefix="h3_request_")
     for case in run:
         preset = CASE_SETUP[case][1]
@@ -323,9 +346,9 @@ def main():
                 diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile)
                 applied = preset
             case_start = time.perf_counter()
-            # Warm-up: one request of at most 2 forwards (compilation, autotuning, cuDNN plans, decode).
             if not args.no_warmup:
-                request(pipe, case, device, out_dir, forwards_limit=min(2, args.forwards or 2), tiny=args.tiny)
+                warm_up(pipe, case, args.tiny, decode=not decoders_warm)
+                decoders_warm = True
             warmup_s = time.perf_counter() - case_start
             record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny)
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
@@ -359,7 +382,7 @@ def write_report(args, results, notes, build_s, device):
                                   "hidden_states[50]), vision tower built" if not args.tiny else "tiny",
                   "transformer": "MiniMaxH3Transformer3DModel() defaults: 50 blocks, hidden 5376, 56x128 heads",
                   "vae": "AutoencoderKLMiniMaxH3() / AutoencoderKLMiniMaxH3Audio() defaults (released sizes), tiled"},
-        "protocol": "random weights built on the device; per case 1 warm-up request (<= 2 forwards) + 1 timed request "
+        "protocol": "random weights built on the device; per case 1 warm-up request (1 forward) + 1 timed request "
                     "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
                     "stages.forwards add the missing ones at the median forward ('extrapolated': true)",
         "build_s": round(build_s, 1),

@@ -14,8 +14,8 @@ SCRIPT = ROOT / "benchmarks" / "request.py"
 
 
 def test_unknown_case_is_refused_before_building(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_turbo", "--out", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    command = [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_turbo", "--out", str(tmp_path / "r.json")]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode != 0 and "unknown case(s) ['t2va_turbo']" in run.stderr
     assert not (tmp_path / "r.json").exists()
 

@@ -116,8 +116,8 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
     if preset == "exact":
         if loaded is not None:
             raise ValueError(
-                f"speed preset 'exact' runs bf16 weights, but {name} is already quantized ({loaded}): quantized weights "
-                "cannot be restored exactly; reload the pipeline without quantization and apply 'exact' first"
+                f"speed preset 'exact' runs bf16 weights, but {name} is already quantized ({loaded}): quantized "
+                "weights cannot be restored exactly; reload the pipeline without quantization and apply 'exact' first"
             )
         dtype = str(next(model.transformer_blocks.parameters()).dtype).replace("torch.", "")
         return None, f"{dtype} (not quantized)"
@@ -131,8 +131,8 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
     if loaded is not None:
         if loaded != str(config.quant_method):
             raise ValueError(
-                f"speed preset {preset!r} quantizes {name} with {type(config).__name__} on {device}, but it is already "
-                f"quantized ({loaded}); reload it in bf16 (or with {type(config).__name__}) before applying the preset"
+                f"speed preset {preset!r} quantizes {name} with {type(config).__name__} on {device}, but it is "
+                f"already quantized ({loaded}); reload it in bf16 (or with {type(config).__name__}) before applying the preset"
             )
         return None, label + " [already quantized: kept]"
     if _has_lora(model):
@@ -186,7 +186,9 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
                 record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
         elif preset == "fast":
             enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
-            record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
+            record.attention[name] = (
+                f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
+            )
         else:
             enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
             record.attention[name] = (

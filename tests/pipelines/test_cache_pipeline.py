@@ -63,7 +63,6 @@ def test_cache_skips_steps_through_the_pipeline_and_reports_them(method, uncache
     assert torch.equal(_call(pipe), first)
     pipe.transformer.disable_cache()
     assert _cache_report(pipe) is None
-    assert torch.equal(_call(pipe), uncached)
 
 
 def test_never_skipping_cache_equals_no_cache(uncached):

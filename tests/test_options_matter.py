@@ -341,3 +341,45 @@ def test_pipeline_card_tags_name_the_quantization_of_each_partition(tmp_path):
     tags = ModelCard.load(path).data.to_dict()["tags"]
     assert f"quantized-{method}" in tags and f"quantized-{method}" not in plain_tags
     assert method in card.text
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--reference-short-edge", "200"], "--reference-short-edge without --reference"),
+        (["--lora-allow-unmatched"], "--lora-allow-unmatched without --lora"),
+        (["--v100", "--vsa", "0.5"], "--v100 installs the FA-V100 attention"),
+        (["--v100", "--attention-precision", "fp8"], "--v100 installs the FA-V100 attention"),
+        (["--gpus", "0"], "--gpus 0"),
+    ],
+)
+def test_cli_flag_combinations_are_refused_before_loading(flags, expected, capsys, monkeypatch, tmp_path):
+    from diffusers_h3 import MiniMaxH3Pipeline, cli
+
+    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", staticmethod(lambda *a, **k: pytest.fail("loaded")))
+    out = tmp_path / "o.mp4"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diffusers-h3: error:") and expected in err[0]
+    assert not out.exists()
+
+
+def test_int8_dense_attention_quantizes_q_k_to_int8_not_e4m3():
+    from diffusers_h3.attention_processors import MiniMaxH3LowPrecisionAttnProcessor
+    from diffusers_h3.kernels.attention import fp8_attention
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 70, 2, 16, generator=g) for _ in range(3))
+    oracle = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), v.double().transpose(1, 2)
+    ).transpose(1, 2)
+    int8 = MiniMaxH3LowPrecisionAttnProcessor("int8").core(q, k, v)
+    fp8 = MiniMaxH3LowPrecisionAttnProcessor("fp8").core(q, k, v)
+    assert torch.equal(int8, fp8_attention(q, k, v, qk_dtype=torch.int8))
+
+    def err(x):
+        return ((x.double() - oracle).norm() / oracle.norm()).item()
+
+    assert not torch.equal(int8, fp8) and err(int8) < 0.5 * err(fp8)  # INT8's finer grid: well below E4M3's error

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
 
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
 

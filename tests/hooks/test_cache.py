@@ -86,6 +86,10 @@ def test_cache_config_choices_and_errors():
     assert cache_config("first-block", threshold=0.2).threshold == 0.2
     calibrating = cache_config("mag", num_inference_steps=8)
     assert calibrating.calibrate and calibrating.mag_ratios is None
+    # The pipeline's num_inference_steps counts sigma points; MagCache counts transformer forwards (one fewer).
+    assert calibrating.num_inference_steps == 7
+    with pytest.raises(ValueError, match="num_inference_steps >= 2"):
+        cache_config("mag", num_inference_steps=1)
     tuned = cache_config("mag", num_inference_steps=2, mag_ratios=[1.0, 0.9])
     assert not tuned.calibrate
     assert isinstance(cache_config("taylorseer"), TaylorSeerCacheConfig)

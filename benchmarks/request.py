@@ -155,9 +155,11 @@ def build_pipeline(device, tiny: bool):
         vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
     with default_dtype_and_device(torch.bfloat16, device):
-        text_encoder = Qwen3VLForConditionalGeneration(config).eval().requires_grad_(False)
-        transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel())
-        vae = keep_fp32_modules(AutoencoderKLMiniMaxH3())
+        # Some parameters are created in fp32 whatever the default dtype: cast whole modules to bf16 first, then
+        # restore `_keep_in_fp32_modules`, which is what `from_pretrained(dtype=torch.bfloat16)` ends up with.
+        text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
+        transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
+        vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
     with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)
         audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
     audio_vae = audio_vae.eval().requires_grad_(False)

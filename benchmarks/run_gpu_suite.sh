@@ -43,7 +43,7 @@ run() {  # run <name> <command...>: log to $OUT/<name>.log, keep going on failur
 }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
-has tests && run gpu_tests python -m pytest -m gpu tests -q -p no:cacheprovider
+has tests && run gpu_tests python -m pytest -o addopts="" -m gpu tests -q -p no:cacheprovider
 has gemm && run gemm python benchmarks/gemm.py --no-fused "${COMMIT_ARGS[@]}" --out "$OUT/gemm_$DEVICE.json"
 has attention && run attention python benchmarks/attention.py "${PEER_ARGS[@]}" "${COMMIT_ARGS[@]}" \
   --out "$OUT/attention_$DEVICE.json"

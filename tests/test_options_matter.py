@@ -8,7 +8,8 @@ import torch
 
 from diffusers_h3.testing.tiny import tiny_pipeline
 
-RUN = dict(height=32, width=32, num_frames=124, num_inference_steps=3, output_type="latent")
+
+RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3, "output_type": "latent"}
 
 
 def _call(pipe, **kwargs):
@@ -211,6 +212,10 @@ def test_cli_dtype_and_cpu_offload(cli_run):
     assert _entries(chosen, "from_pretrained")[0][2]["dtype"] is torch.bfloat16
     assert _entries(chosen, "enable_model_cpu_offload") == [("enable_model_cpu_offload", "cpu")]
     assert not _entries(chosen, "to")
+    for flags in (["--cpu-offload"], ["--dtype", "fp32"]):  # each flag alone has its own effect
+        alone = cli_run(*flags)
+        assert bool(_entries(alone, "enable_model_cpu_offload")) == ("--cpu-offload" in flags)
+        assert ("dtype" in _entries(alone, "from_pretrained")[0][2]) == ("--dtype" in flags)
 
 
 def test_cli_lora_scale_and_allow_unmatched(cli_run, tmp_path):
@@ -383,3 +388,21 @@ def test_int8_dense_attention_quantizes_q_k_to_int8_not_e4m3():
         return ((x.double() - oracle).norm() / oracle.norm()).item()
 
     assert not torch.equal(int8, fp8) and err(int8) < 0.5 * err(fp8)  # INT8's finer grid: well below E4M3's error
+
+
+def test_describe_counts_every_attention_module_and_quantized_layer():
+    from diffusers_h3 import W8A16Config, describe, enable_vsa, quantize
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    model = tiny_transformer()
+    attention_modules = [m for m in model.modules() if hasattr(m, "set_processor") and hasattr(m, "processor")]
+    blocks = len(model.transformer_blocks)
+    assert sum(describe(model)["model"]["attention"].values()) == len(attention_modules)
+    enable_vsa(model, sparsity=0.5)
+    attention = describe(model)["model"]["attention"]
+    vsa = {path: count for path, count in attention.items() if "VSA" in path}
+    assert sum(vsa.values()) == blocks and sum(attention.values()) == len(attention_modules)
+    quantize(model, W8A16Config())
+    quantized = [m for m in model.modules() if hasattr(m, "describe_path") and not hasattr(m, "set_processor")]
+    assert len(quantized) > 1
+    assert sum(describe(model)["model"]["quantized_layers"].values()) == len(quantized)

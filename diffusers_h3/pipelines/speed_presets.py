@@ -25,6 +25,7 @@ from diffusers.utils import logging
 
 from .._utils import cuda_capability, has_fp8_tensor_cores
 from ..attention_processors import disable_low_precision_attention, enable_low_precision_attention, enable_vsa
+from ..hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
 from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, quantize
 
 
@@ -79,6 +80,7 @@ class SpeedPresetRecord:
     weights: Dict[str, str] = field(default_factory=dict)
     attention: Dict[str, str] = field(default_factory=dict)
     compile: Dict[str, str] = field(default_factory=dict)
+    decode: str = ""
     determinism: str = ""
 
     def describe(self) -> Dict[str, Any]:
@@ -87,6 +89,7 @@ class SpeedPresetRecord:
             "weights": dict(self.weights),
             "attention": dict(self.attention),
             "compile": dict(self.compile),
+            "decode": self.decode,
             "determinism": self.determinism,
         }
 
@@ -208,6 +211,19 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
             f"speed preset {preset!r} on {name}: weights {record.weights[name]}; attention {record.attention[name]}; "
             f"compile {record.compile[name]}"
         )
+    # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
+    # the exact preset keeps diffusers' decode.
+    vae = getattr(pipe, "vae", None)
+    if vae is None:
+        record.decode = "no video VAE"
+    elif preset == "exact":
+        disable_fast_vae_decode(vae)
+        record.decode = "diffusers' tiled decode"
+    else:
+        vae_compile = compile and pipe._device_of(vae).type == "cuda"
+        enable_fast_vae_decode(vae, batch_tiles=True, compile=vae_compile)
+        record.decode = "batched tiles" + (" + torch.compile" if vae_compile else "") + " (enable_fast_vae_decode)"
+    logger.info(f"speed preset {preset!r}: video decode {record.decode}")
     pipe._h3_speed_preset = record
     return record
 

@@ -124,3 +124,14 @@ def test_preset_logs_what_it_turned_on(caplog):
         logger.removeHandler(caplog.handler)
         logger.setLevel(level)
     assert "speed preset 'fastest' on transformer" in caplog.text and "VSA sparsity=0.8" in caplog.text
+
+
+def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
+    pipe = _pipe()
+    pipe.enable_speed_preset("fastest", compile=False)
+    assert "_h3_fast_decode" in pipe.vae.__dict__
+    assert diffusers_h3.describe(pipe)["speed_preset"]["decode"].startswith("batched tiles")
+    exact = _pipe()
+    exact.enable_speed_preset("exact", compile=False)
+    assert "_h3_fast_decode" not in exact.vae.__dict__
+    assert diffusers_h3.describe(exact)["speed_preset"]["decode"] == "diffusers' tiled decode"

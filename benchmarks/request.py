@@ -35,6 +35,7 @@ import contextlib
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -357,6 +358,7 @@ def main():
             results[case] = {"ms": None, "stages": None, "peak_gib": None}
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
             print(f"{case:22s} {notes[case]}", flush=True)
+            traceback.print_exc()
         else:
             record["preset"] = preset
             record["warmup_s"] = round(warmup_s, 1)

@@ -23,9 +23,9 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
-from ..kernels.attention.dense_quantized import fp8_attention
+from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
 from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
-from ..kernels.numerics import fake_quant_fp4, fake_quant_fp8_per_token
+from ..kernels.numerics import fake_quant_fp4
 from .base import MiniMaxH3AttnProcessorBase
 
 
@@ -205,10 +205,11 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
                 return out
             reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
         else:
-            qk_dtype = QK_8BIT[self.precision]
-            query = fake_quant_fp8_per_token(query, dtype=qk_dtype)
-            key = fake_quant_fp8_per_token(key, dtype=qk_dtype)
-            reason = f"{self.precision.upper()} emulation (quantize-dequantize)"
+            query, key, value = fake_quantize_operands(
+                query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
+                qk_dtype=QK_8BIT[self.precision],
+            )  # fmt: skip
+            reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         ).transpose(1, 2)

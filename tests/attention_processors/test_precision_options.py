@@ -77,11 +77,6 @@ def test_fp4_p_changes_the_p_emulation():
 
 
 @pytest.mark.parametrize("option", [{"smooth_k": False}, {"pv_precision": "fp8"}])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: low_precision.py:206-211, the emulated FP8/INT8 dense path (GPUs without FP8/INT8 tensor cores) "
-    "quantizes K per token and ignores smooth_k and pv_precision, while describe_path() reports them",
-)
 def test_emulated_8bit_dense_path_honours_its_options(monkeypatch, option):
     monkeypatch.setattr(low_precision_module, "_qk_native", lambda *args: False)
     q, k, v = _qkv(seed=3)
@@ -92,14 +87,29 @@ def test_emulated_8bit_dense_path_honours_its_options(monkeypatch, option):
     assert not torch.equal(out_default, out_changed), f"{option} is reported by describe_path() but has no effect"
 
 
-def test_emulated_8bit_dense_path_is_the_per_token_oracle(monkeypatch):
-    # What the emulation does run today, checked against its recipe (so that a change to it is noticed).
+def test_emulated_8bit_dense_path_rounds_operands_like_the_kernel(monkeypatch):
+    # The emulation's recipe written out: K centred over the sequence, one scale per query row, one per 64-key block
+    # and head, one per V channel with pv_precision="fp8"; then exact attention.
     monkeypatch.setattr(low_precision_module, "_qk_native", lambda *args: False)
     q, k, v = _qkv(seed=4)
+
+    def rounded(x, scale_shape_dims, dtype):
+        qmax = 448.0 if dtype == torch.float8_e4m3fn else 127.0
+        scale = x.abs().amax(dim=scale_shape_dims, keepdim=True).clamp_min(1e-12) * (1.0 / qmax)
+        y = (x / scale).clamp(-qmax, qmax)
+        y = torch.round(y) if dtype == torch.int8 else y.to(dtype).float()
+        return y * scale
+
     for precision, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
-        got = MiniMaxH3LowPrecisionAttnProcessor(precision).core(q, k, v)
-        expected = _sdpa(fake_quant_fp8_per_token(q, dtype=dtype), fake_quant_fp8_per_token(k, dtype=dtype), v)
-        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+        for pv in ("bf16", "fp8"):
+            got = MiniMaxH3LowPrecisionAttnProcessor(precision, pv_precision=pv).core(q, k, v)
+            kc = k.float() - k.float().mean(1, keepdim=True)
+            b, n, h, d = kc.shape
+            blocks = torch.nn.functional.pad(kc, (0, 0, 0, 0, 0, (-n) % 64)).view(b, -1, 64, h, d)
+            kq = rounded(blocks, (2, 4), dtype).view(b, -1, h, d)[:, :n]
+            vq = rounded(v.float(), (1,), torch.float8_e4m3fn) if pv == "fp8" else v.float()
+            expected = _sdpa(rounded(q.float(), (-1,), dtype), kq, vq)
+            torch.testing.assert_close(got.double(), expected.double(), atol=1e-5, rtol=0)
 
 
 def test_vsa_smooth_k_and_pv_precision_reach_the_sparse_core(model):  # noqa: F811

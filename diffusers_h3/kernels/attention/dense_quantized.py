@@ -21,7 +21,12 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .._triton_utils import opaque_to_compile, use_triton
-from ..numerics import quantize_fp8_per_block, quantize_fp8_per_channel, quantize_fp8_per_token
+from ..numerics import (
+    dequantize_fp8_per_block,
+    quantize_fp8_per_block,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_token,
+)
 from .bsa_triton import block_sparse_attention_reference
 from .router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention, sm90_available_for
 from .v_fp8 import quantize_v_fp8_channel_major
@@ -40,6 +45,18 @@ def _quantize(q, k, v, smooth_k: bool, pv_fp8: bool, block_n: int,
     if pv_fp8:
         v, v_scale = quantize_fp8_per_channel(v, seq_dim=1)
     return q8, k8, v, q_scale, k_scale, v_scale
+
+
+def fake_quantize_operands(q, k, v, *, smooth_k: bool = True, pv_fp8: bool = False, block_n: int = 64,
+                           qk_dtype: torch.dtype = torch.float8_e4m3fn) -> Tuple[torch.Tensor, ...]:
+    """Q, K, V rounded as :func:`fp8_attention` rounds its operands (K centred, per-token Q and per-key-block K
+    scales, per-channel E4M3 V with ``pv_fp8``), returned dequantized in ``q.dtype``: a fast emulation for devices
+    without 8-bit tensor cores. P's own E4M3 rounding (``pv_fp8``) is not emulated here."""
+    q8, k8, v_, qs, ks, vs = _quantize(q, k, v, smooth_k, pv_fp8, block_n, qk_dtype)
+    q_ = (q8.float() * qs.unsqueeze(-1)).to(q.dtype)
+    k_ = dequantize_fp8_per_block(k8, ks, block_n).to(q.dtype)
+    v_ = v if vs is None else (v_.float() * vs.unsqueeze(1)).to(v.dtype)
+    return q_, k_, v_
 
 
 def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:

@@ -111,9 +111,10 @@ def default_dtype_and_device(dtype, device):
 def keep_fp32_modules(model):
     """Cast the modules named by ``_keep_in_fp32_modules`` back to fp32, as ``from_pretrained(dtype=bf16)`` does."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, module in model.named_modules():
-        if keep & set(name.split(".")):
-            module.float()
+    with torch.no_grad():  # by parameter name, as diffusers does (entries like `scale1` name parameters, not modules)
+        for name, param in model.named_parameters():
+            if keep & set(name.split(".")):
+                param.data = param.data.float()
     return model.eval().requires_grad_(False)
 
 

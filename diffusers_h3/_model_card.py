@@ -14,6 +14,7 @@ from typing import List, Optional
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
+
 PIPELINE_TAG = "text-to-video"
 BASE_TAGS = ("diffusers", "diffusers-h3", "minimax-h3", "text-to-video", "text-to-audio")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

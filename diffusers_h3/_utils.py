@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
+
 _WARNED: set = set()
 
 

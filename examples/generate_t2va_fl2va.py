@@ -33,7 +33,7 @@ def main():
     model = demo_checkpoint_dir() if tiny else args.model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe = MiniMaxH3Pipeline.from_pretrained(model, task="fl2va", torch_dtype=getattr(torch, args.dtype)).to(device)
-    size = dict(height=64, width=96) if tiny else {}
+    size = {"height": 64, "width": 96} if tiny else {}
     steps = args.steps or (4 if tiny else 50)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

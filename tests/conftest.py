@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+
 # Run Triton kernels through the interpreter on machines without a GPU (CI). Must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,4 +20,4 @@ def tiny_components_factory():
 
 
 # Small canvas rule shared by both pipelines in parity tests so that video references stay tiny.
-SMALL_CANVAS = dict(canvas_short_edge=32, canvas_max_pixels=32 * 64, reference_image_short_edge=64)
+SMALL_CANVAS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 64, "reference_image_short_edge": 64}

@@ -5,6 +5,7 @@ import runpy
 import sys
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

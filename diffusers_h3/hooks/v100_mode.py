@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+
 
 FP16_MAX = 65504.0
 INPUT_SUFFIX = " (input)"

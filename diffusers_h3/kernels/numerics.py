@@ -22,6 +22,7 @@ from typing import Tuple
 
 import torch
 
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 INT8_MAX = 127.0

@@ -18,38 +18,39 @@ from typing import Dict, Optional, Union
 
 import torch
 
+
 HUB_REPO_ID = "MiniMaxAI/MiniMax-H3"
 # The embedded demo checkpoint holds the t2va / fl2va partition only.
 DEMO_PARTITIONS = ("transformer",)
 
-TINY_TRANSFORMER_CONFIG = dict(
-    num_attention_heads=2,
-    attention_head_dim=32,
-    hidden_size=32,
-    num_layers=2,
-    num_refiner_layers=1,
-    ffn_dim=64,
-    in_channels=4,
-    audio_in_channels=8,
-    text_dim=16,
-    freq_dim=32,
-    time_embed_hidden_dim=32,
-    time_embed_dim=16,
-    rope_freq_dim=4,
-)
+TINY_TRANSFORMER_CONFIG = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_refiner_layers": 1,
+    "ffn_dim": 64,
+    "in_channels": 4,
+    "audio_in_channels": 8,
+    "text_dim": 16,
+    "freq_dim": 32,
+    "time_embed_hidden_dim": 32,
+    "time_embed_dim": 16,
+    "rope_freq_dim": 4,
+}
 
-TINY_VAE_CONFIG = dict(
-    latent_channels=4,
-    block_out_channels=(8, 8, 8, 8, 8, 8),
-    layers_per_block=1,
-    norm_num_groups=4,
-    decoder_num_layers=1,
-    decoder_num_attention_heads=2,
-    decoder_attention_head_dim=16,
-    decoder_num_register_tokens=1,
-)
+TINY_VAE_CONFIG = {
+    "latent_channels": 4,
+    "block_out_channels": (8, 8, 8, 8, 8, 8),
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "decoder_num_layers": 1,
+    "decoder_num_attention_heads": 2,
+    "decoder_attention_head_dim": 16,
+    "decoder_num_register_tokens": 1,
+}
 
-TINY_AUDIO_VAE_CONFIG = dict(encoder_dim=4, latent_dim=16, latent_channels=8, num_attention_heads=2, decoder_dim=128)
+TINY_AUDIO_VAE_CONFIG = {"encoder_dim": 4, "latent_dim": 16, "latent_channels": 8, "num_attention_heads": 2, "decoder_dim": 128}
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -69,12 +70,12 @@ def tiny_tokenizer():
 def tiny_processor(tokenizer=None):
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    kwargs = dict(
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
-        size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
-    )
+    kwargs = {
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+    }
     return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**kwargs),
         tokenizer=tokenizer if tokenizer is not None else tiny_tokenizer(),
@@ -88,33 +89,33 @@ def tiny_text_encoder(num_hidden_layers: int = 51, hidden_size: int = 16):
 
     tokenizer_ids = {token: 257 + i for i, token in enumerate(VISION_TOKENS)}
     config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=261,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            rope_parameters={
+        text_config={
+            "vocab_size": 261,
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 5e5,
                 "mrope_section": [2, 1, 1],
                 "mrope_interleaved": True,
             },
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=hidden_size,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[1],
-        ),
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": hidden_size,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1],
+        },
         image_token_id=tokenizer_ids["<|image_pad|>"],
         video_token_id=tokenizer_ids["<|video_pad|>"],
         vision_start_token_id=tokenizer_ids["<|vision_start|>"],
@@ -149,18 +150,18 @@ def tiny_transformer_inputs(
     pos[seq_text + seq_audio :] = torch.stack(
         torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij"), -1
     ).reshape(-1, 3)
-    return dict(
-        hidden_states=torch.randn(1, n_video, video_dim, generator=gen) * video_scale,
-        audio_hidden_states=torch.randn(1, seq_audio, audio_dim, generator=gen),
-        encoder_hidden_states=torch.randn(1, seq_text, text_dim, generator=gen) * text_scale,
-        timestep=torch.tensor([0.7]),
-        timestep_indices=torch.zeros(seq, dtype=torch.long),
-        token_tags=torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
-        position_ids=pos,
-        video_indices=torch.arange(seq_text + seq_audio, seq),
-        audio_indices=torch.arange(seq_text, seq_text + seq_audio),
-        text_indices=torch.arange(seq_text),
-    )
+    return {
+        "hidden_states": torch.randn(1, n_video, video_dim, generator=gen) * video_scale,
+        "audio_hidden_states": torch.randn(1, seq_audio, audio_dim, generator=gen),
+        "encoder_hidden_states": torch.randn(1, seq_text, text_dim, generator=gen) * text_scale,
+        "timestep": torch.tensor([0.7]),
+        "timestep_indices": torch.zeros(seq, dtype=torch.long),
+        "token_tags": torch.tensor([1] * seq_text + [2] * seq_audio + [0] * n_video),
+        "position_ids": pos,
+        "video_indices": torch.arange(seq_text + seq_audio, seq),
+        "audio_indices": torch.arange(seq_text, seq_text + seq_audio),
+        "text_indices": torch.arange(seq_text),
+    }
 
 
 def tiny_vae():

@@ -16,6 +16,7 @@ from diffusers_h3.attention_processors.fa_v100 import (
     MiniMaxH3FAV100Processor,
 )
 
+
 B, S, H, D = 2, 37, 3, 64
 
 

@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 import diffusers_h3._utils as h3_utils  # noqa: E402
 from diffusers_h3.attention_processors import MiniMaxH3LowPrecisionAttnProcessor, enable_vsa  # noqa: E402
 from diffusers_h3.attention_processors import low_precision as low_precision_module  # noqa: E402
-from diffusers_h3.kernels.numerics import fake_quant_fp8_per_token  # noqa: E402
 
 from .test_vsa_processor import _reset, _run, model, rel_l2  # noqa: E402, F401
 

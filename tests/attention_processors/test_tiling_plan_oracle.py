@@ -7,6 +7,7 @@ import os
 
 import torch
 
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -15,6 +16,7 @@ import pytest  # noqa: E402
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.kernels.attention.vsa_select import select_tiles, topk_for_sparsity  # noqa: E402
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

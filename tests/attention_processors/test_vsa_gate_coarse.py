@@ -8,6 +8,7 @@ import os
 
 import torch
 
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -17,6 +18,7 @@ from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 from diffusers_h3.attention_processors import vsa as vsa_module  # noqa: E402
 from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG  # noqa: E402
+
 
 TILE = (2, 2, 4)  # 16 rows per tile
 GRID = (3, 5, 6)  # target video: partial tiles on every axis (t: 2+1, h: 2+2+1, w: 4+2)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

@@ -5,9 +5,10 @@ import torch
 
 from diffusers_h3.testing.tiny import tiny_pipeline
 
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CALL = dict(prompt="a cat", height=64, width=96, num_frames=124, num_inference_steps=3, output_type="latent")
+CALL = {"prompt": "a cat", "height": 64, "width": 96, "num_frames": 124, "num_inference_steps": 3, "output_type": "latent"}
 
 
 def _run(pipe):

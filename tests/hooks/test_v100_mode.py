@@ -14,6 +14,7 @@ from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
 from diffusers_h3.hooks.v100_mode import NonFiniteActivationError, enable_v100_mode, pow2_row_scale
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
+
 TINY = TINY_TRANSFORMER_CONFIG
 
 
@@ -200,7 +201,7 @@ def test_w8a16_dequant_path_runs_in_fp16():
 def test_pipeline_enable_v100_mode_end_to_end():
     tiny = pytest.importorskip("diffusers_h3.testing.tiny")
     pipe = tiny.tiny_pipeline(seed=0)
-    call = dict(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+    call = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
     ref = pipe(**call, generator=torch.Generator().manual_seed(0))
     modes = pipe.enable_v100_mode()
     assert modes and all("V100 mode" in m.describe_path() for m in modes.values())

@@ -14,12 +14,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from torch import nn
 
 from diffusers_h3.loaders.lora import MiniMaxH3LoraMixin
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
 
 TINY = TINY_TRANSFORMER_CONFIG
 

@@ -8,7 +8,8 @@ import torch
 
 from diffusers_h3.testing.tiny import tiny_pipeline
 
-CALL = dict(prompt="a cat", height=32, width=32, num_frames=124)
+
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124}
 SIGMAS = [1.0, 0.8, 0.55, 0.3, 0.0]
 AUDIO_SIGMAS = [1.0, 0.7, 0.5, 0.2, 0.0]
 CHANGE_AT = 1  # the callback of step 1 (after the second scheduler step: the state is at SIGMAS[2])

@@ -12,7 +12,8 @@ import torch
 from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.testing.tiny import tiny_components, tiny_pipeline
 
-RUN = dict(height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
 
 
 def _call(pipe, prompt="a fox in snow", seed=0, **kwargs):

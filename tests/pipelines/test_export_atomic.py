@@ -11,6 +11,7 @@ from diffusers.utils import export_utils
 
 from diffusers_h3 import export_to_video
 
+
 av = pytest.importorskip("av")
 
 FRAMES = np.random.default_rng(0).random((6, 32, 32, 3)).astype(np.float32)

@@ -7,6 +7,7 @@ import torch
 
 from diffusers_h3 import export_to_video
 
+
 av = pytest.importorskip("av")
 
 RATE = 32000

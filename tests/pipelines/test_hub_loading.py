@@ -10,7 +10,8 @@ from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.pipelines.loading import NotAnH3CheckpointError
 from diffusers_h3.testing.tiny import HUB_REPO_ID, save_to_hub_cache, tiny_components
 
-RUN = dict(prompt="x", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
 OWN_REPO_ID = "someone/h3-own-layout"
 REVISION = "feedfacefeedfacefeedfacefeedfacefeedface"
 

@@ -20,7 +20,8 @@ from diffusers_h3.testing.tiny import tiny_components
 
 from ..conftest import SMALL_CANVAS
 
-COMMON = dict(num_frames=124, num_inference_steps=3, output_type="np")
+
+COMMON = {"num_frames": 124, "num_inference_steps": 3, "output_type": "np"}
 
 
 def _random_image(width, height, seed):
@@ -57,7 +58,7 @@ def test_t2va_bitwise():
 
 @pytest.mark.parametrize("which", ["first", "last", "both"])
 def test_fl2va_bitwise(which):
-    inputs = dict(prompt="the keyframe comes alive", height=32, width=32)
+    inputs = {"prompt": "the keyframe comes alive", "height": 32, "width": 32}
     if which in ("first", "both"):
         inputs["image"] = _random_image(40, 36, seed=3)
     if which in ("last", "both"):

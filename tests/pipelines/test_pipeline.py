@@ -8,7 +8,8 @@ from PIL import Image
 from diffusers_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, current_packed_layout
 from diffusers_h3.testing.tiny import tiny_pipeline
 
-BASE = dict(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2)
+
+BASE = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +29,25 @@ def _image(w=40, h=36):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(num_frames=100), r"5–15 s.*rounds up to 107"),
-        (dict(num_frames=346), r"rounds up to 362"),
-        (dict(num_frames=0), "positive int"),
-        (dict(height=32, width=160), "aspect ratios from 1:4 to 4:1"),
-        (dict(height=48, width=64), "multiples of 32"),
-        (dict(height=32, width=None), "passed together"),
-        (dict(prompt=None), "`prompt` must be a string"),
-        (dict(prompt=""), "`prompt` is empty"),
-        (dict(prompt=" \n\t"), "`prompt` is empty"),
-        (dict(prompt=[]), "empty list"),
-        (dict(prompt=["a", "  "]), r"`prompt\[1\]` is empty"),
-        (dict(prompt=["a", 3]), r"`prompt\[1\]` must be a string"),
-        (dict(num_videos_per_prompt=0), "`num_videos_per_prompt` must be a positive int"),
-        (dict(prompt=["a", "b"], generator=[torch.Generator()]), "one generator per clip"),
-        (dict(prompt=["a", "b"], latents=torch.randn(1, 4, 37, 2, 2)), "the batch has 2 clips"),
-        (dict(output_type="gif"), "`output_type` must be one of"),
-        (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
-        (dict(audio_sigmas=[1.0, 0.0]), "`audio_sigmas` needs `sigmas`"),
-        (dict(sigmas=[1.0, 0.5, 0.0], audio_sigmas=[1.0, 0.0]), "same length"),
+        ({"num_frames": 100}, r"5–15 s.*rounds up to 107"),
+        ({"num_frames": 346}, r"rounds up to 362"),
+        ({"num_frames": 0}, "positive int"),
+        ({"height": 32, "width": 160}, "aspect ratios from 1:4 to 4:1"),
+        ({"height": 48, "width": 64}, "multiples of 32"),
+        ({"height": 32, "width": None}, "passed together"),
+        ({"prompt": None}, "`prompt` must be a string"),
+        ({"prompt": ""}, "`prompt` is empty"),
+        ({"prompt": " \n\t"}, "`prompt` is empty"),
+        ({"prompt": []}, "empty list"),
+        ({"prompt": ["a", "  "]}, r"`prompt\[1\]` is empty"),
+        ({"prompt": ["a", 3]}, r"`prompt\[1\]` must be a string"),
+        ({"num_videos_per_prompt": 0}, "`num_videos_per_prompt` must be a positive int"),
+        ({"prompt": ["a", "b"], "generator": [torch.Generator()]}, "one generator per clip"),
+        ({"prompt": ["a", "b"], "latents": torch.randn(1, 4, 37, 2, 2)}, "the batch has 2 clips"),
+        ({"output_type": "gif"}, "`output_type` must be one of"),
+        ({"callback_on_step_end_tensor_inputs": ["noise"]}, "callback_on_step_end_tensor_inputs"),
+        ({"audio_sigmas": [1.0, 0.0]}, "`audio_sigmas` needs `sigmas`"),
+        ({"sigmas": [1.0, 0.5, 0.0], "audio_sigmas": [1.0, 0.0]}, "same length"),
     ],
 )
 def test_bad_input_raises_clear_error(pipe, overrides, message):

@@ -46,6 +46,13 @@ def _install_low_precision(precision):
     return install
 
 
+def _install_fa_v100(model):
+    from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
+
+    # On CPU its core is the SDPA fallback; what is checked is the Ulysses exchange around that core.
+    model.set_attn_processor(MiniMaxH3FAV100Processor())
+
+
 def _install_diffusers_default(model):
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
@@ -60,6 +67,8 @@ VARIANTS = {
     "vsa_sparsity_0.8": (_install_vsa(0.8), "after", True),
     "low_precision_fp8": (_install_low_precision("fp8"), "before", True),
     "low_precision_int8": (_install_low_precision("int8"), "after", True),
+    "fa_v100": (_install_fa_v100, "before", False),
+    "fa_v100_installed_after": (_install_fa_v100, "after", False),
 }
 
 

@@ -1,6 +1,7 @@
 """`enable_tensor_parallel` on 2 and 4 gloo ranks: the tiny DiT (4 heads) equals the one-process DiT for dense,
-quantized and LoRA layers; the reduction is bitwise reproducible and identical on every rank; bad setups give one
-clear error. One spawn per world size (each spawn pays a torch import per rank)."""
+quantized and LoRA layers and under V100 mode (applied before or after the split); the reduction is bitwise
+reproducible and identical on every rank; bad setups give one clear error. One spawn per world size (each spawn pays
+a torch import per rank)."""
 
 import pytest
 import torch
@@ -34,6 +35,36 @@ def _with_lora(model, seed=3):
     return model
 
 
+# Block 0's FFN sees activations ~1e4 (its SwiGLU product ~1e7) and the inputs leave fp16's range after projection:
+# a plain fp16 model overflows, so V100 mode's per-row power-of-two scaling is exercised on the row-parallel shards.
+V100_HOT_NORM = 1e4
+V100_INPUT_SCALES = {"hidden_states": 3e4, "encoder_hidden_states": 1e5}
+
+
+def _hot(model):
+    with torch.no_grad():
+        model.transformer_blocks[0].norm2.weight.mul_(V100_HOT_NORM)
+    return model
+
+
+def _v100_mode(model):
+    from diffusers_h3.hooks.v100_mode import enable_v100_mode
+
+    enable_v100_mode(model)  # FA-V100 attention: its SDPA fallback on CPU
+    return model
+
+
+def _v100_facts(model):
+    """What shows that V100 mode is on the model: fp16 GEMM weights, its hooks, the FA-V100 processor's last path."""
+    mode = model._h3_v100_mode
+    return {
+        "to_q_dtype": model.transformer_blocks[0].attn.to_q.weight.dtype,
+        "down_dtype": model.transformer_blocks[0].ff.net[2].weight.dtype,
+        "hooked_linears": len(mode.hooked_linears),
+        "path": model.transformer_blocks[0].attn.processor.describe_path(),
+    }
+
+
 # name -> (build from the fp32 tiny model, tolerance against the one-process output)
 VARIANTS = {
     "fp32": (lambda m: m, 1e-5),
@@ -47,17 +78,35 @@ VARIANTS = {
     # ranks and runs like every variant.
     "fp16_reduce_fp32": (lambda m: m.half(), 2e-2),
     "bf16": (lambda m: m.to(torch.bfloat16), 6e-2),
+    # V100 mode rounds only the GEMM operands and outputs to fp16 (residual stream, norms, softmax and the reduction
+    # stay fp32), a subset of the roundings of "fp16_reduce_fp32", so that variant's bound holds here too; the split
+    # only changes which fp16 partials are rounded before the fp32 sum. Compared with one process in V100 mode.
+    "v100_mode": (lambda m: _v100_mode(_hot(m)), 2e-2),
+    "tp_then_v100_mode": (lambda m: _v100_mode(_hot(m)), 2e-2),  # the same, applied after enable_tensor_parallel
 }
 REDUCE_DTYPE = {"fp16_reduce_fp32": torch.float32}
 INPUT_DTYPE = {"fp16_reduce_fp32": torch.float16, "bf16": torch.bfloat16}
+BUILT_AFTER_TENSOR_PARALLEL = {"tp_then_v100_mode"}
+V100_VARIANTS = ("v100_mode", "tp_then_v100_mode")
 
 
 def _variant_model(variant):
     return VARIANTS[variant][0](cp_transformer())
 
 
+def _tensor_parallel_model(variant, world_size):
+    from diffusers_h3.parallel import enable_tensor_parallel
+
+    build = VARIANTS[variant][0]
+    if variant in BUILT_AFTER_TENSOR_PARALLEL:
+        return build(enable_tensor_parallel(cp_transformer(), world_size, reduce_dtype=REDUCE_DTYPE.get(variant)))
+    return enable_tensor_parallel(build(cp_transformer()), world_size, reduce_dtype=REDUCE_DTYPE.get(variant))
+
+
 def _inputs(variant):
     inputs = cp_inputs(5, batch=2)
+    if variant in V100_VARIANTS:
+        inputs = {**inputs, **{k: inputs[k] * scale for k, scale in V100_INPUT_SCALES.items()}}
     dtype = INPUT_DTYPE.get(variant)
     if dtype is not None:
         inputs = {k: v.to(dtype) if v.is_floating_point() and k != "timestep" else v for k, v in inputs.items()}
@@ -135,12 +184,12 @@ def _rank_loader(folder, world_size):
 def _rank_tensor_parallel(world_size, extras):
     import torch.distributed as dist
 
-    from diffusers_h3.parallel import enable_tensor_parallel, tensor_parallel_state
+    from diffusers_h3.parallel import tensor_parallel_state
 
     results = {"rank": dist.get_rank()}
     for variant in _variants_for(world_size):
         try:
-            model = enable_tensor_parallel(_variant_model(variant), world_size, reduce_dtype=REDUCE_DTYPE.get(variant))
+            model = _tensor_parallel_model(variant, world_size)
             inputs = _inputs(variant)
             results[variant] = {
                 "runs": [forward(model, inputs), forward(model, inputs)],
@@ -148,6 +197,8 @@ def _rank_tensor_parallel(world_size, extras):
                 "refiner_heads": model.token_refiner.refiner_blocks[0].attn.heads,
                 "state": dict(tensor_parallel_state(model)),
             }
+            if variant in V100_VARIANTS:
+                results[variant]["v100"] = _v100_facts(model)
         except Exception as error:  # reported per variant by the parent
             results[variant] = f"{type(error).__name__}: {error}"
     results["errors"] = _rank_errors(world_size)
@@ -206,6 +257,23 @@ def test_tensor_parallel_matches_one_process(world_size, tmp_path):
             replicated, split = state["replicated_bytes"], state["split_bytes_per_rank"]
             assert state["parameter_bytes_per_rank"] == replicated + split
             assert state["unsplit_model_bytes"] == replicated + world_size * split  # dense: exactly 1/N of the split
+
+    if world_size == 2:
+        # The inputs overflow a plain fp16 model, so a rank without V100 mode's scaling would not be finite.
+        half_inputs = {k: v.half() if v.is_floating_point() and k != "timestep" else v
+                       for k, v in _inputs("v100_mode").items()}  # fmt: skip
+        plain_half = forward(_hot(cp_transformer()).half(), half_inputs)
+        assert not all(torch.isfinite(out).all() for out in plain_half)
+        one_process = _v100_facts(_variant_model("v100_mode"))
+        for results in rank_results:
+            # The order does not matter: same fp16 weight slices, same hooks (the split layers carry no bias).
+            _assert_bitwise(results["v100_mode"]["runs"][0], results["tp_then_v100_mode"]["runs"][0], "V100 orders")
+            for variant in V100_VARIANTS:
+                facts = results[variant]["v100"]
+                assert facts["to_q_dtype"] == facts["down_dtype"] == torch.float16, (variant, facts)
+                assert facts["hooked_linears"] == one_process["hooked_linears"], (variant, facts)
+                # The FA-V100 processor ran (its CPU path: SDPA), not diffusers' processor.
+                assert facts["path"].startswith("fallback: torch SDPA on CPU"), (variant, facts)
 
     for results in rank_results:
         errors = results["errors"]

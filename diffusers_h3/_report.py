@@ -1,4 +1,4 @@
-"""``diffusers_h3._report(pipe)``: which path every attention processor and quantized layer runs.
+"""``diffusers_h3.describe(pipe)``: which path every attention processor and quantized layer runs.
 
 Processors and quantized layers of this package implement ``describe_path() -> str`` (one line: kernel or fallback,
 and why; "not run on hardware" where that applies). Anything else is reported by class name.

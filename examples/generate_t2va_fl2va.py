@@ -32,7 +32,7 @@ def main():
     tiny = args.model is None
     model = demo_checkpoint_dir() if tiny else args.model
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pipe = MiniMaxH3Pipeline.from_pretrained(model, task="fl2va", torch_dtype=getattr(torch, args.dtype)).to(device)
+    pipe = MiniMaxH3Pipeline.from_pretrained(model, task="fl2va", dtype=getattr(torch, args.dtype)).to(device)
     size = {"height": 64, "width": 96} if tiny else {}
     steps = args.steps or (4 if tiny else 50)
     out_dir = Path(args.out_dir)

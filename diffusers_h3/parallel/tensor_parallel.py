@@ -426,7 +426,7 @@ def load_transformer_tensor_parallel(
     rank: int,
     *,
     subfolder: Optional[str] = None,
-    torch_dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype] = None,
     process_group=None,
     reduce_dtype: Optional[torch.dtype] = None,
     **hub_kwargs,
@@ -476,8 +476,8 @@ def load_transformer_tensor_parallel(
                     tensor = _read_slice(handle, key, dim, _ranges(size, rank, tp_degree, chunks))
                 else:
                     tensor = handle.get_tensor(key)
-                if torch_dtype is not None and tensor.is_floating_point() and not any(m in key for m in keep_fp32):
-                    tensor = tensor.to(torch_dtype)
+                if dtype is not None and tensor.is_floating_point() and not any(m in key for m in keep_fp32):
+                    tensor = tensor.to(dtype)
                 state_dict[key] = tensor
     # Shapes of the split layers on meta first, so that `load_state_dict(assign=True)` accepts the slices.
     for path, chunks in plan["column"].items():

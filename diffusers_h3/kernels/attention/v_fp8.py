@@ -70,7 +70,7 @@ def quantize_v_fp8_channel_major(v: torch.Tensor, *, eps: float = 1e-12,
     b, n, h, d = v.shape
     if d & (d - 1) or v.stride(-1) != 1:
         raise ValueError(f"v needs a power-of-two head_dim and a contiguous last dimension, got {tuple(v.shape)}")
-    # amax |v| over the sequence from two reductions (no |v| temporary), scale = amax / 448 as in quant_utils.
+    # amax |v| over the sequence from two reductions (no |v| temporary), scale = amax / 448 as in kernels.numerics.
     amax = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg()).float()
     scale = amax.clamp_min(eps) * (1.0 / E4M3_MAX)
     out = _empty_channel_major(v)

@@ -224,3 +224,34 @@ def test_help_and_version_import_no_torch():
     assert result.returncode == 0, result.stderr
     assert "HEAVY []" in result.stdout, result.stdout
     assert "--prompt" in result.stdout and "diffusers-h3 0.1.0" in result.stdout
+
+
+_LAUNCHER = """
+import sys
+import diffusers_h3_launcher
+for argv in (["--help"], ["--version"], ["generate", "--help"], ["generate", "--no-such-flag"]):
+    try:
+        diffusers_h3_launcher.main(argv)
+    except SystemExit as stop:
+        print("EXIT", argv[-1], stop.code)
+heavy = sorted(name for name in ("torch", "diffusers", "transformers", "diffusers_h3") if name in sys.modules)
+print("HEAVY", heavy)
+try:
+    diffusers_h3_launcher.main(["generate", "--prompt", " ", "--out", "x.mp4"])
+except SystemExit as stop:
+    print("EXIT empty-prompt", stop.code)
+print("LOADED", "diffusers_h3" in sys.modules and hasattr(sys.modules["diffusers_h3"], "MiniMaxH3Pipeline"))
+"""
+
+
+def test_console_entry_point_parses_before_importing_the_package(tmp_path):
+    # The installed `diffusers-h3` command runs diffusers_h3_launcher.main: help, version and usage errors answer
+    # without importing diffusers; a real command imports the package proper (registration included).
+    root = str(Path(cli.__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", _LAUNCHER], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    out = result.stdout
+    assert "EXIT --help 0" in out and "EXIT --version 0" in out and "EXIT --no-such-flag 2" in out, out
+    assert "HEAVY []" in out, out
+    assert "EXIT empty-prompt 2" in out and "LOADED True" in out, out
+    assert "--prompt is empty" in result.stderr

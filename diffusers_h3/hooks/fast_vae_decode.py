@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .._vae_tiles import chunk_inputs, tile_layout
+
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
@@ -57,42 +59,6 @@ def _vae_of(pipe_or_vae):
             " — pass `pipe` or `pipe.vae`."
         )
     return vae
-
-
-def _chunk_inputs(vae, z: torch.Tensor) -> List[torch.Tensor]:
-    """The latent slices diffusers' `_decode` hands to `_decode_clip`, in call order (same end padding)."""
-    tokens_chunk_size = vae.tokens_chunk_size
-    token_drop = vae.config.token_drop
-    num_tokens = z.shape[2] + token_drop
-    pad_tokens = (-num_tokens) % tokens_chunk_size
-    num_chunks = (num_tokens + pad_tokens) // tokens_chunk_size - int(token_drop > 0)
-    if pad_tokens > 0:
-        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
-    return [
-        z[:, :, i * tokens_chunk_size : i * tokens_chunk_size + tokens_chunk_size + vae.token_overlap]
-        for i in range(num_chunks)
-    ]
-
-
-def _tile_layout(vae, clip: torch.Tensor) -> Tuple[List[List[torch.Tensor]], List[int], List[int]]:
-    """The latent tiles of one chunk (rows of columns) and the pixel overlaps, laid out as diffusers' `_decode_clip`."""
-    if not vae.use_tiling:
-        return [[clip]], [], []
-    ratio = vae.spatial_compression_ratio
-    y_indices, y_lengths, y_overlaps = vae._split_tiles(
-        clip.shape[-2] * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
-    )
-    x_indices, x_lengths, x_overlaps = vae._split_tiles(
-        clip.shape[-1] * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
-    )
-    rows = [
-        [
-            clip[..., i // ratio : i // ratio + h // ratio, j // ratio : j // ratio + w // ratio]
-            for j, w in zip(x_indices, x_lengths)
-        ]
-        for i, h in zip(y_indices, y_lengths)
-    ]
-    return rows, y_overlaps, x_overlaps
 
 
 def _balanced_batches(indices: List[int], limit: int) -> List[List[int]]:
@@ -147,7 +113,7 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"
         return native_decode(vae, z)
 
-    layouts = [_tile_layout(vae, clip) for clip in _chunk_inputs(vae, z)]
+    layouts = [tile_layout(vae, clip) for clip in chunk_inputs(vae, z)]
     units = [tile for rows, _, _ in layouts for row in rows for tile in row]
     decoded, calls = _decode_units(vae, state, units)
     outputs = iter(decoded)

@@ -13,41 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-
-def _chunk_inputs(vae, z: torch.Tensor) -> List[torch.Tensor]:
-    """The latent slices `AutoencoderKLMiniMaxH3._decode` hands to `_decode_clip`, in call order (same padding)."""
-    tokens_chunk_size = vae.tokens_chunk_size
-    token_drop = vae.config.token_drop
-    num_tokens = z.shape[2] + token_drop
-    pad_tokens = (-num_tokens) % tokens_chunk_size
-    num_chunks = (num_tokens + pad_tokens) // tokens_chunk_size - int(token_drop > 0)
-    if pad_tokens > 0:
-        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
-    return [
-        z[:, :, i * tokens_chunk_size : i * tokens_chunk_size + tokens_chunk_size + vae.token_overlap]
-        for i in range(num_chunks)
-    ]
-
-
-def _tile_grid(vae, clip: torch.Tensor):
-    """Latent tile slices of one chunk (row-major) and the pixel overlaps, as `_decode_clip` lays them out."""
-    if not vae.use_tiling:
-        return [[clip]], [], []
-    ratio = vae.spatial_compression_ratio
-    y_indices, y_lengths, y_overlaps = vae._split_tiles(
-        clip.shape[-2] * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
-    )
-    x_indices, x_lengths, x_overlaps = vae._split_tiles(
-        clip.shape[-1] * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
-    )
-    rows = [
-        [
-            clip[..., i // ratio : i // ratio + h // ratio, j // ratio : j // ratio + w // ratio]
-            for j, w in zip(x_indices, x_lengths)
-        ]
-        for i, h in zip(y_indices, y_lengths)
-    ]
-    return rows, y_overlaps, x_overlaps
+from .._vae_tiles import chunk_inputs, tile_layout
 
 
 def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[torch.Tensor]:
@@ -74,8 +40,8 @@ def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[tor
 
 
 def _parallel_decode_one(vae, z: torch.Tensor, group) -> torch.Tensor:
-    chunks = _chunk_inputs(vae, z)
-    grids = [_tile_grid(vae, chunk) for chunk in chunks]
+    chunks = chunk_inputs(vae, z)
+    grids = [tile_layout(vae, chunk) for chunk in chunks]
     units = [tile for rows, _, _ in grids for row in rows for tile in row]
     decoded = iter(_decode_units_in_parallel(vae, units, group))
 

@@ -46,9 +46,9 @@ def _rank_decode():
 
 
 def _tile_decodes(vae, shape):
-    from diffusers_h3.parallel.vae import _chunk_inputs, _tile_grid
+    from diffusers_h3._vae_tiles import chunk_inputs, tile_layout
 
-    per_item = sum(sum(len(row) for row in _tile_grid(vae, c)[0]) for c in _chunk_inputs(vae, torch.zeros(1, *shape[1:])))
+    per_item = sum(sum(len(row) for row in tile_layout(vae, c)[0]) for c in chunk_inputs(vae, torch.zeros(1, *shape[1:])))
     return per_item * shape[0]
 
 

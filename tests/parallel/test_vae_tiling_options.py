@@ -4,6 +4,7 @@ in one process: the tiles it lays out, decoded one after another, must stitch to
 import pytest
 import torch
 
+from diffusers_h3._vae_tiles import chunk_inputs, tile_layout
 from diffusers_h3.parallel import vae as parallel_vae
 from diffusers_h3.testing.tiny import tiny_vae
 
@@ -21,7 +22,7 @@ def test_non_square_tiles_stitch_to_the_serial_decode(monkeypatch, tile_hw, over
     # the tiles of one rank group, decoded here one after another (no process group needed)
     monkeypatch.setattr(parallel_vae, "_decode_units_in_parallel",
                         lambda vae, units, group: [vae.decoder(vae.post_quant_conv(u)).contiguous() for u in units])
-    rows, _, _ = parallel_vae._tile_grid(vae, parallel_vae._chunk_inputs(vae, latents)[0])
+    rows, _, _ = tile_layout(vae, chunk_inputs(vae, latents)[0])
     assert len(rows) > 1 and len(rows[0]) > 1  # tiled in both axes
     with torch.no_grad():
         serial = vae.decode(latents).sample

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .._vae_tiles import chunk_inputs, tile_layout
+from .._vae_tiles import decode_from_tiles
 
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
@@ -113,31 +113,16 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"
         return native_decode(vae, z)
 
-    layouts = [tile_layout(vae, clip) for clip in chunk_inputs(vae, z)]
-    units = [tile for rows, _, _ in layouts for row in rows for tile in row]
-    decoded, calls = _decode_units(vae, state, units)
-    outputs = iter(decoded)
-    stitched = []
-    for rows, y_overlaps, x_overlaps in layouts:
-        tiles = [[next(outputs) for _ in row] for row in rows]
-        stitched.append(vae._stitch_tiles(tiles, y_overlaps, x_overlaps) if vae.use_tiling else tiles[0][0])
+    decoder_calls = 0
 
-    answers = iter(stitched)
+    def decode_tiles(tiles):
+        nonlocal decoder_calls
+        decoded, decoder_calls = _decode_units(vae, state, tiles)
+        return decoded
 
-    def decode_clip_from_batches(clip: torch.Tensor) -> torch.Tensor:
-        answer = next(answers, None)
-        if answer is None:
-            raise RuntimeError("fast VAE decode: diffusers' _decode asked for more chunks than laid out; please report.")
-        return answer
-
-    vae._decode_clip = decode_clip_from_batches
-    try:
-        out = native_decode(vae, z)
-    finally:
-        del vae._decode_clip
-    if next(answers, None) is not None:
-        raise RuntimeError("fast VAE decode: diffusers' _decode used fewer chunks than laid out; please report.")
-    state.last_run = f"{len(units)} tiles in {calls} decoder calls ({len(layouts)} chunks)"
+    out, tiles, chunks = decode_from_tiles(vae, z, decode_tiles, lambda latents: native_decode(vae, latents),
+                                           "fast VAE decode")
+    state.last_run = f"{tiles} tiles in {decoder_calls} decoder calls ({chunks} chunks)"
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .._vae_tiles import chunk_inputs, tile_layout
+from .._vae_tiles import decode_from_tiles
 
 
 def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[torch.Tensor]:
@@ -40,30 +40,10 @@ def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[tor
 
 
 def _parallel_decode_one(vae, z: torch.Tensor, group) -> torch.Tensor:
-    chunks = chunk_inputs(vae, z)
-    grids = [tile_layout(vae, chunk) for chunk in chunks]
-    units = [tile for rows, _, _ in grids for row in rows for tile in row]
-    decoded = iter(_decode_units_in_parallel(vae, units, group))
-
-    stitched = []
-    for rows, y_overlaps, x_overlaps in grids:
-        tiles = [[next(decoded) for _ in row] for row in rows]
-        stitched.append(vae._stitch_tiles(tiles, y_overlaps, x_overlaps) if vae.use_tiling else tiles[0][0])
-
-    answers = iter(stitched)
-
-    def decode_clip_from_tiles(clip: torch.Tensor) -> torch.Tensor:
-        return next(answers)
-
-    # diffusers' `_decode` (temporal cross-fade, padding trim) runs unchanged; its per-chunk decode is answered
-    # from the tiles decoded above, in the same call order.
-    vae._decode_clip = decode_clip_from_tiles
-    try:
-        out = vae._decode(z)
-    finally:
-        del vae._decode_clip
-    if next(answers, None) is not None:
-        raise RuntimeError("parallel VAE decode: diffusers' _decode used fewer chunks than laid out; please report.")
+    # diffusers' `_decode` (temporal cross-fade, padding trim) runs unchanged through `vae._decode`; its per-chunk
+    # decode is answered from the tiles decoded over the ranks.
+    out, _, _ = decode_from_tiles(vae, z, lambda tiles: _decode_units_in_parallel(vae, tiles, group), vae._decode,
+                                  "parallel VAE decode")
     return out
 
 

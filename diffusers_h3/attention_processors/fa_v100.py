@@ -196,6 +196,3 @@ class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
         if value_scale is None:
             return out.to(out_dtype)
         return (out.float() * value_scale).to(out_dtype)
-
-    # The core under its earlier public name.
-    attention = core

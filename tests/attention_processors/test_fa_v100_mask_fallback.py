@@ -59,7 +59,7 @@ def _reference(q, k, v, mask):
 
 def _core(processor, *args, **kwargs):
     """The processor's attention core (``core``; ``attention`` is its earlier name)."""
-    core = getattr(processor, "core", None) or processor.attention
+    core = processor.core
     return core(*args, **kwargs)
 
 

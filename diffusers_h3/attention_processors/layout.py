@@ -145,6 +145,8 @@ def keep_layout_in_checkpoints(model: torch.nn.Module) -> None:
 
 
 def _wrap_checkpoint_functions(model: torch.nn.Module, args) -> None:
+    if not (torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False)):
+        return  # inference, or no checkpointing: nothing to wrap (keeps the per-forward cost at one check)
     for module in model.modules():
         checkpoint = getattr(module, "_gradient_checkpointing_func", None)
         if checkpoint is not None and not getattr(checkpoint, "_keeps_packed_layout", False):

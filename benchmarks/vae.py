@@ -10,7 +10,12 @@ bf16 with the checkpoint's fp32 modules kept fp32, decoding a (1, 24, 37, 48, 84
 * ``native``                  diffusers' ``vae.decode`` (one decoder call per tile; the baseline and the reference);
 * ``batched_tiles``           ``enable_fast_vae_decode(vae, batch_tiles=N)``;
 * ``batched_tiles+compile``   the same with ``compile=True``; the first decode (which compiles) is recorded apart
-  as ``compile_s``.
+  as ``compile_s``;
+* ``batched_tiles+compile+fp8``  the same with the decoder's linears quantized to FP8 (``FP8Config``: E4M3 weights,
+  per-token E4M3 activations, ``torch._scaled_mm``; ``proj_in`` (24 inputs) stays bf16). In place, so it runs last.
+
+``--profile`` adds, for each compiled case, a CUDA kernel-time breakdown of one decode (GEMMs, attention,
+inductor-fused elementwise, FP8 quantization, copies, other) and its top kernels.
 
 ``ms`` = median of ``--reps`` timed decodes after one untimed decode (whose output is compared); ``rel_l2`` = ||video -
 native|| / ||native|| (random weights: numerical distance, not quality); ``peak_gib`` = peak memory allocated beyond
@@ -93,7 +98,53 @@ def build_vae(device, dtype, tiny):
     return vae.eval().requires_grad_(False)
 
 
-def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record):
+COMPILED_CASES = ("batched_tiles+compile", "batched_tiles+compile+fp8")
+CASES = ("native", "batched_tiles") + COMPILED_CASES
+
+
+def kernel_category(name: str) -> str:
+    """The family of a CUDA kernel, by name (for the decode's time breakdown)."""
+    lowered = name.lower()
+    if any(k in lowered for k in ("flash", "fmha", "attention", "sdpa", "cudnn_generated")):
+        return "attention"
+    if "quant" in lowered:
+        return "fp8_quantization"
+    if any(k in lowered for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "scaled_mm", "cublas")):
+        return "gemm"
+    if lowered.startswith("triton_"):
+        return "inductor_fused"
+    if any(k in lowered for k in ("copy", "cat", "memcpy", "memset")):
+        return "copies"
+    return "other"
+
+
+def kernel_profile(decode, device, top=12):
+    """Kernel time per category (and the top kernels) of one decode under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode()
+        _sync(device)
+    kernels = {}
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", 0) or 0
+        if cuda_us and event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.key] = (cuda_us, event.count)
+    total = sum(us for us, _ in kernels.values()) or 1.0
+    categories = {}
+    for name, (us, count) in kernels.items():
+        entry = categories.setdefault(kernel_category(name), {"ms": 0.0, "kernels": 0})
+        entry["ms"] += us / 1e3
+        entry["kernels"] += count
+    for entry in categories.values():
+        entry["percent"] = round(100 * entry["ms"] * 1e3 / total, 1)
+        entry["ms"] = round(entry["ms"], 1)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms": round(total / 1e3, 1), "categories": categories,
+            "top": [{"kernel": k[:120], "ms": round(us / 1e3, 1), "count": n} for k, (us, n) in ranked]}  # fmt: skip
+
+
+def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=False):
     from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
 
     def decode():
@@ -108,17 +159,22 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record):
             compile_s = None
             if name == "batched_tiles":
                 enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch)
-            elif name == "batched_tiles+compile":
+            elif name in COMPILED_CASES:
                 if device.type != "cuda":
                     entry["notes"] = "not run: --tiny runs on the CPU, compile is measured on the GPU only"
                     record(name, entry)
                     continue
+                if name.endswith("+fp8"):
+                    from diffusers_h3.quantizers import FP8Config, quantize
+
+                    quantize(vae.decoder, FP8Config(modules_to_not_convert=["proj_in"]))
+                    torch._dynamo.reset()  # the bf16 decoder's graphs must not be reused
                 state = enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True)
             base = peak_start(device)
             started = time.perf_counter()
             out = decode()  # untimed: compilation on the compiled case, and the output that is compared
             _sync(device)
-            if name == "batched_tiles+compile":
+            if name in COMPILED_CASES:
                 compile_s = round(state.compile_seconds if state.compile_seconds is not None else 0.0, 1)
                 entry["compile_s"] = compile_s
                 entry["first_decode_s"] = round(time.perf_counter() - started, 1)
@@ -132,6 +188,8 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record):
                 from diffusers_h3.hooks.fast_vae_decode import describe_vae_decode
 
                 entry["path"] = describe_vae_decode(vae)
+            if profile and name in COMPILED_CASES:
+                entry["profile"] = kernel_profile(decode, device)
         except Exception as error:  # noqa: BLE001 - a case that fails is recorded with its reason, not dropped
             entry["ms"] = None
             entry["notes"] = f"failed: {type(error).__name__}: {error}"[:500]
@@ -198,15 +256,18 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/vae_h200.json")
     parser.add_argument("--reps", type=int, default=3, help="timed decodes per case (after one untimed)")
     parser.add_argument("--tiles-per-batch", type=int, default=28, help="tiles per decoder call (28 = one chunk)")
-    parser.add_argument("--cases", default="native,batched_tiles,batched_tiles+compile")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--profile", action="store_true", help="kernel-time breakdown of the compiled cases")
     parser.add_argument("--dit-layers", type=int, default=4, help="FirstBlockCache overhead on an L-block DiT; 0: off")
     parser.add_argument("--commit", default=None, help="commit measured (a copy of the tree without .git)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with tiny models")
     args = parser.parse_args(argv)
     cases = args.cases.split(",")
-    unknown = set(cases) - {"native", "batched_tiles", "batched_tiles+compile"}
+    unknown = set(cases) - set(CASES)
     if unknown or "native" not in cases:
-        parser.error(f"--cases must include native and may add batched_tiles, batched_tiles+compile; got {args.cases}")
+        parser.error(f"--cases must include native and may add {', '.join(CASES[1:])}; got {args.cases}")
+    if "batched_tiles+compile+fp8" in cases and cases[-1] != "batched_tiles+compile+fp8":
+        parser.error("--cases: batched_tiles+compile+fp8 quantizes the decoder in place, so it must come last")
 
     if args.tiny:
         device, dtype, shape = torch.device("cpu"), torch.float32, TINY_LATENT_SHAPE
@@ -238,7 +299,7 @@ def main(argv=None):
         write_json(args.out, results)
         print(name, entry, flush=True)
 
-    decode_cases(vae, z, device, args.reps, args.tiles_per_batch, cases, record)
+    decode_cases(vae, z, device, args.reps, args.tiles_per_batch, cases, record, profile=args.profile)
     del vae, z
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -26,15 +26,41 @@ def test_tiny_run_records_every_case(tmp_path):
     data = json.loads(out.read_text())
     assert data["suite"] == "vae" and data["shape"]["latents"] == [1, 4, 9, 6, 9]
     cases = data["cases"]
-    assert list(cases) == ["native", "batched_tiles", "batched_tiles+compile", "dit_no_cache", "dit_fbc_never_skips",
-                           "dit_fbc_skips"]  # fmt: skip
+    assert list(cases) == ["native", "batched_tiles", "batched_tiles+compile", "batched_tiles+compile+fp8",
+                           "dit_no_cache", "dit_fbc_never_skips", "dit_fbc_skips"]  # fmt: skip
     assert cases["native"]["ratio"] == 1.0 and cases["native"]["rel_l2"] == 0.0
     batched = cases["batched_tiles"]
     assert batched["ms"] > 0 and batched["rel_l2"] <= 1e-6
     assert "16 tiles in 4 decoder calls (2 chunks)" in batched["path"]  # what ran, recorded at run time
-    assert cases["batched_tiles+compile"]["ms"] is None and "not run" in cases["batched_tiles+compile"]["notes"]
+    for compiled in ("batched_tiles+compile", "batched_tiles+compile+fp8"):
+        assert cases[compiled]["ms"] is None and "not run" in cases[compiled]["notes"]
     assert cases["dit_fbc_never_skips"]["cache"] == "skipped 0 of 2 steps (steps none)"
     assert cases["dit_fbc_skips"]["cache"] == "skipped 1 of 2 steps (steps 1)"
     # Same inputs every step: a skip (head output + cached tail residual) reproduces the full forward.
     assert cases["dit_fbc_never_skips"]["rel_l2"] == 0.0 and cases["dit_fbc_skips"]["rel_l2"] <= 1e-5
     assert all(cases[name]["ms"] > 0 for name in ("dit_no_cache", "dit_fbc_never_skips", "dit_fbc_skips"))
+
+
+def test_fp8_case_must_come_last(tmp_path):
+    command = [sys.executable, str(SCRIPT), "--tiny", "--cases", "native,batched_tiles+compile+fp8,batched_tiles",
+               "--out", str(tmp_path / "v.json")]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode != 0 and "must come last" in run.stderr
+
+
+def test_kernel_categories():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_vae", SCRIPT)
+    vae = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec.loader.exec_module(vae)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert vae.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert vae.kernel_category("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert vae.kernel_category("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert vae.kernel_category("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "inductor_fused"
+    assert vae.kernel_category("_quant_row_kernel") == "fp8_quantization"
+    assert vae.kernel_category("void at::native::elementwise_kernel<128, 2>") == "other"

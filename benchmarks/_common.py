@@ -10,11 +10,12 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -251,3 +252,136 @@ class AttentionCases:
         print(f"{name:34s} {ms:8.2f} ms  ratio {case['ratio']}  rel_l2 {case['rel_l2']}  {case['tflops']} TF/s",
               flush=True)  # fmt: skip
         return ms
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel categories of the profile (a pure function of the kernel name: tests/test_benchmark_forward.py)
+
+CATEGORIES = ("gemm", "attention", "inductor_fused", "quantization", "other")
+# Inductor's generated Triton kernels: pointwise, persistent / looped reductions, templates (max-autotune GEMM
+# templates are inductor_fused too: they only appear when inductor chose to fuse an epilogue into a GEMM), foreach.
+INDUCTOR_PREFIXES = ("triton_poi_", "triton_per_", "triton_red_", "triton_tem_", "triton_for_")
+# This package's kernels by function name (diffusers_h3/kernels): Triton / Gluon kernels keep their Python name.
+OUR_KERNELS = {
+    # attention: the block-sparse / dense flash kernels (Triton, Hopper Gluon), VSA's tile selection, FA-V100
+    "_bsa_fwd_kernel": "attention",
+    "_bsa_fwd_sm90_kernel": "attention",
+    "_dense_fwd_sm90_ws_kernel": "attention",
+    "_sparse_fwd_sm90_ws_kernel": "attention",
+    "_select_tiles_kernel": "attention",
+    "_mask_to_index_kernel": "attention",
+    "fa_v100_forward_kernel": "attention",
+    # quantization: per-token FP8 activations of the FP8 GEMM (gemm/fp8.py), the fused Q/K 8-bit quantization of the
+    # attention operands (vsa_pool.py: with VSA it also mean-pools the tiles, with bf16 VSA it only pools / packs),
+    # channel-major FP8 V, and the weight dequantization to a scratch weight of W8A16 / NVFP4 at large M
+    "_quant_row_kernel": "quantization",
+    "_tile_pool_kernel": "quantization",
+    "_quantize_v_kernel": "quantization",
+    "_w8a16_dequant_kernel": "quantization",
+    "_nvfp4_dequant_kernel": "quantization",
+    # gemm: the weight-only Triton GEMMs (dequantization in registers)
+    "_w8a16_kernel": "gemm",
+    "_nvfp4_wo_kernel": "gemm",
+}
+_OUR_KERNEL = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, OUR_KERNELS)) + r")(?![A-Za-z0-9_])")
+# Vendor / PyTorch attention: cuDNN fused attention ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_..."),
+# FlashAttention ("flash_fwd_kernel", FA3's "flash::FlashAttnFwdSm90"), PyTorch's memory-efficient "fmha_cutlassF",
+# CPU SDPA ("aten::_scaled_dot_product_flash_attention_for_cpu"). Checked before gemm: their names mention cutlass,
+# wgmma or gemm tiles.
+ATTENTION_WORDS = ("flash", "fmha", "sdpa", "attention", "attn", "scaled_dot_product")
+# cuBLAS / cuBLASLt (sm90_xmma_gemm_*, nvjet_*, *s16816gemm*, gemv, split-K reduction), CUTLASS, torch._scaled_mm,
+# and the CPU ops of a --tiny profile.
+GEMM_WORDS = ("gemm", "gemv", "cublas", "cutlass", "scaled_mm", "nvjet", "xmma", "s16816", "s1688", "splitkreduce",
+              "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")  # fmt: skip
+QUANT_WORDS = ("quant",)
+
+
+def kernel_category(name: str) -> str:
+    """The category of a profiled kernel (or, on CPU, operator) name: one of :data:`CATEGORIES`.
+
+    Order matters: inductor's generated kernels first (``triton_poi_/per_/red_/tem_``: a fused region may contain a
+    quantizing cast, it is still inductor's), then this package's kernels by name, then vendor attention (before gemm:
+    cuDNN / FlashAttention names contain gemm tile words), quantization, gemm; memcpy / memset and eager elementwise
+    kernels are ``other``.
+    """
+    stripped = name.strip()
+    if stripped.startswith(INDUCTOR_PREFIXES):
+        return "inductor_fused"
+    ours = _OUR_KERNEL.search(stripped)
+    if ours:
+        return OUR_KERNELS[ours.group(1)]
+    lower = stripped.lower()
+    if any(word in lower for word in ATTENTION_WORDS):
+        return "attention"
+    if any(word in lower for word in QUANT_WORDS):
+        return "quantization"
+    if any(word in lower for word in GEMM_WORDS):
+        return "gemm"
+    return "other"
+
+
+def kernel_breakdown(kernels: Iterable[Tuple[str, float, int]], top: int = 15) -> Dict[str, Any]:
+    """Kernel time by category from ``(name, total_us, launches)`` rows (one per kernel name).
+
+    Returns ``{"kernel_ms", "categories": {cat: {"ms", "pct", "count", "top"}}, "top_kernels": [...]}``: ``count`` is
+    the number of launches, ``top`` the category's 5 most expensive kernel names, ``top_kernels`` the ``top`` most
+    expensive kernels overall (name, category, ms, pct, count).
+    """
+    rows = sorted(((name, float(us), int(count)) for name, us, count in kernels), key=lambda r: -r[1])
+    total_us = sum(us for _, us, _ in rows)
+
+    def pct(us):
+        return round(100.0 * us / total_us, 2) if total_us else 0.0
+
+    categories: Dict[str, Dict[str, Any]] = {c: {"ms": 0.0, "pct": 0.0, "count": 0, "top": []} for c in CATEGORIES}
+    for name, us, count in rows:
+        entry = categories[kernel_category(name)]
+        entry["ms"] += us / 1000
+        entry["count"] += count
+        if len(entry["top"]) < 5:
+            entry["top"].append(name[:160])
+    for entry in categories.values():
+        entry["pct"] = pct(entry["ms"] * 1000)
+        entry["ms"] = round(entry["ms"], 3)
+    top_kernels = [
+        {"name": name[:160], "category": kernel_category(name), "ms": round(us / 1000, 3), "pct": pct(us),
+         "count": count}
+        for name, us, count in rows[:top]
+    ]  # fmt: skip
+    return {"kernel_ms": round(total_us / 1000, 3), "categories": categories, "top_kernels": top_kernels}
+
+
+def profile_forward(run, device: torch.device, top: int = 15) -> Dict[str, Any]:
+    """One forward under torch.profiler: CUDA kernel times (CPU operator self times on a CPU) by category."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    # Per kernel name: (device time, launches), counted as torch's own profiler table sums device time: device events
+    # that are not record_function ranges (user annotations are on the GPU timeline too: they span kernels and would
+    # count them twice). On a CPU (--tiny): the operators' self time.
+    totals: Dict[str, List[float]] = {}
+    for event in prof.events():
+        if event.is_user_annotation:
+            continue
+        if device.type == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.self_device_time_total
+        else:
+            if event.device_type != DeviceType.CPU or event.is_async:
+                continue
+            us = event.self_cpu_time_total
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    rows = [(name, us, count) for name, (us, count) in totals.items() if us > 0]
+    result = kernel_breakdown(rows, top=top)
+    result["source"] = "CUDA kernels" if device.type == "cuda" else "CPU operators (self time; --tiny)"
+    return result

@@ -118,7 +118,14 @@ def keep_fp32_modules(model):
     return model.eval().requires_grad_(False)
 
 
-def build_pipeline(device, tiny: bool):
+def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None):
+    """The pipeline with random weights: tiny components, or the released sizes built directly on ``device``.
+
+    ``component_hook(name, module) -> module``, if given, is applied to each model right after it is built, in the
+    order text_encoder, transformer, vae, audio_vae, before the next one is built (e.g. quantize in place and move
+    to the CPU, so that no two 16-bit components sit on the device together). ``text_encoder_layers``: decoder layers
+    of the text encoder (default ``TEXT_ENCODER_LAYER + 1``, the fewest the early exit needs; 64 is the released
+    model)."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -136,11 +143,14 @@ def build_pipeline(device, tiny: bool):
     from diffusers_h3 import MiniMaxH3Pipeline
     from diffusers_h3.testing import tiny as tiny_parts
 
+    hook = component_hook or (lambda name, module: module)
+    layers = TEXT_ENCODER_LAYER + 1 if text_encoder_layers is None else int(text_encoder_layers)
     if tiny:
-        components = tiny_parts.tiny_components(seed=0, with_transformer_ref=False)
+        components = tiny_parts.tiny_components(seed=0, text_encoder_layers=layers, with_transformer_ref=False)
         components.pop("transformer_ref")
-        pipe = MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER)
-        return pipe.to(device)
+        for name in ("text_encoder", "transformer", "vae", "audio_vae"):
+            components[name] = hook(name, components[name].to(device))
+        return MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER)
 
     tokenizer = tiny_parts.tiny_tokenizer()  # byte-level: no download; token ids stay far below the real vocab
     ids = {token: 257 + i for i, token in enumerate(tiny_parts.VISION_TOKENS)}
@@ -148,23 +158,29 @@ def build_pipeline(device, tiny: bool):
         image_processor=Qwen2VLImageProcessor(**QWEN3_VL_IMAGE_PROCESSOR), tokenizer=tokenizer,
         video_processor=Qwen3VLVideoProcessor(**QWEN3_VL_IMAGE_PROCESSOR),
     )  # fmt: skip
-    # The early exit never runs decoder layers 50..63 (nor the LM head's output): build 51 so the pipeline's layer
-    # check passes, skipping 13 layers (~26 GiB) of weights that would only sit there.
-    text_config = {**QWEN3_VL_32B_TEXT, "num_hidden_layers": TEXT_ENCODER_LAYER + 1}
+    # The early exit never runs decoder layers 50..63 (nor the LM head's output): by default build 51 so the
+    # pipeline's layer check passes, skipping 13 layers (~12 GiB in bf16) of weights that would only sit there.
+    text_config = {**QWEN3_VL_32B_TEXT, "num_hidden_layers": layers}
     config = Qwen3VLConfig(
         text_config=text_config, vision_config=QWEN3_VL_32B_VISION, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
+    # Some parameters are created in fp32 whatever the default dtype: cast whole modules to bf16 first, then restore
+    # `_keep_in_fp32_modules`, which is what `from_pretrained(dtype=torch.bfloat16)` ends up with. Each component is
+    # built in its own context so that the hook runs with the default dtype and device restored.
     with default_dtype_and_device(torch.bfloat16, device):
-        # Some parameters are created in fp32 whatever the default dtype: cast whole modules to bf16 first, then
-        # restore `_keep_in_fp32_modules`, which is what `from_pretrained(dtype=torch.bfloat16)` ends up with.
         text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
+    text_encoder = hook("text_encoder", text_encoder)
+    with default_dtype_and_device(torch.bfloat16, device):
         transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
+    transformer = hook("transformer", transformer)
+    with default_dtype_and_device(torch.bfloat16, device):
         vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
+    vae = hook("vae", vae)
     with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)
         audio_vae = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
-    audio_vae = audio_vae.eval().requires_grad_(False)
+    audio_vae = hook("audio_vae", audio_vae.eval().requires_grad_(False))
     return MiniMaxH3Pipeline(
         text_encoder=text_encoder, tokenizer=tokenizer, processor=processor, vae=vae, audio_vae=audio_vae,
         scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0),

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from _common import result_header, write_json
+from _common import profile_forward, result_header, write_json
 
 
 LATENT_SHAPE = (1, 24, 37, 48, 84)  # 124 frames -> 5 * 7 + 2 latent frames; 768 / 16 x 1344 / 16 latents
@@ -102,48 +102,6 @@ COMPILED_CASES = ("batched_tiles+compile", "batched_tiles+compile+fp8")
 CASES = ("native", "batched_tiles") + COMPILED_CASES
 
 
-def kernel_category(name: str) -> str:
-    """The family of a CUDA kernel, by name (for the decode's time breakdown)."""
-    lowered = name.lower()
-    if any(k in lowered for k in ("flash", "fmha", "attention", "sdpa", "cudnn_generated")):
-        return "attention"
-    if "quant" in lowered:
-        return "fp8_quantization"
-    if any(k in lowered for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "scaled_mm", "cublas")):
-        return "gemm"
-    if lowered.startswith("triton_"):
-        return "inductor_fused"
-    if any(k in lowered for k in ("copy", "cat", "memcpy", "memset")):
-        return "copies"
-    return "other"
-
-
-def kernel_profile(decode, device, top=12):
-    """Kernel time per category (and the top kernels) of one decode under ``torch.profiler``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decode()
-        _sync(device)
-    kernels = {}
-    for event in prof.key_averages():
-        cuda_us = getattr(event, "device_time_total", 0) or 0
-        if cuda_us and event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.key] = (cuda_us, event.count)
-    total = sum(us for us, _ in kernels.values()) or 1.0
-    categories = {}
-    for name, (us, count) in kernels.items():
-        entry = categories.setdefault(kernel_category(name), {"ms": 0.0, "kernels": 0})
-        entry["ms"] += us / 1e3
-        entry["kernels"] += count
-    for entry in categories.values():
-        entry["percent"] = round(100 * entry["ms"] * 1e3 / total, 1)
-        entry["ms"] = round(entry["ms"], 1)
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"kernel_ms": round(total / 1e3, 1), "categories": categories,
-            "top": [{"kernel": k[:120], "ms": round(us / 1e3, 1), "count": n} for k, (us, n) in ranked]}  # fmt: skip
-
-
 def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=False):
     from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
 
@@ -189,7 +147,7 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
 
                 entry["path"] = describe_vae_decode(vae)
             if profile and name in COMPILED_CASES:
-                entry["profile"] = kernel_profile(decode, device)
+                entry["profile"] = profile_forward(decode, device, top=12)
         except Exception as error:  # noqa: BLE001 - a case that fails is recorded with its reason, not dropped
             entry["ms"] = None
             entry["notes"] = f"failed: {type(error).__name__}: {error}"[:500]

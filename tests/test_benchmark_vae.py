@@ -47,20 +47,3 @@ def test_fp8_case_must_come_last(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode != 0 and "must come last" in run.stderr
 
-
-def test_kernel_categories():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchmarks_vae", SCRIPT)
-    vae = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(vae)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    assert vae.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
-    assert vae.kernel_category("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
-    assert vae.kernel_category("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
-    assert vae.kernel_category("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "inductor_fused"
-    assert vae.kernel_category("_quant_row_kernel") == "fp8_quantization"
-    assert vae.kernel_category("void at::native::elementwise_kernel<128, 2>") == "other"

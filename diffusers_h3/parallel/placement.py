@@ -5,11 +5,11 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 | hardware | recipe |
 |---|---|
 | one 80 GB GPU, everything resident | `from_pretrained(..., **single_gpu_resident_kwargs())` then `pipe.to("cuda")` |
-| one 40-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (block-level group offload for DiT + text encoder) |
+| one 40-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (group offload: DiT by blocks, text encoder by leaves) |
 | two or more GPUs, one component per GPU | `from_pretrained(..., **balanced_kwargs({0: "70GiB", 1: "70GiB"}))` |
 | GPUs too small for one DiT replica | `MiniMaxH3Transformer3DModel.from_pretrained(..., **split_transformer_kwargs(...))` |
 
-Peak memory per recipe is measured by `benchmarks/multi_gpu.py` and listed in docs/multi_gpu.md.
+Peak memory of the single-GPU recipes is measured by `benchmarks/placement.py` (`placement_h200.json`).
 """
 
 from typing import Any, Dict, Optional, Union
@@ -70,46 +70,66 @@ def enable_low_memory_offload(
     *,
     num_blocks_per_group: int = 1,
     use_stream: Optional[bool] = None,
+    low_cpu_mem_usage: bool = False,
 ) -> Dict[str, str]:
-    """One 40-48 GB GPU: block-level group offload for the DiT partitions and the text encoder, model offload for the
-    rest (the VAEs; the audio VAE's weight norm cannot be group-offloaded, so it always moves as a whole).
+    """One 40-48 GB GPU: diffusers' group offloading for the DiT partitions (block level) and the text encoder (leaf
+    level), model offload for the rest (the VAEs; the audio VAE's weight norm cannot be group-offloaded, so it always
+    moves as a whole).
+
+    The text encoder is offloaded leaf by leaf because the pipeline runs `text_encoder.model` only up to the layer it
+    reads (early exit), never the top-level forward, and Qwen3-VL has no top-level block list: block-level offloading
+    would make the whole encoder one group hooked on a forward that never runs (its weights would stay on the CPU).
+    Each leaf (Linear, quantized Linear, norm, embedding) onloads itself when it runs, whatever calls it.
 
     Args:
         pipe: a `MiniMaxH3Pipeline` on the CPU.
         device: where computation runs.
-        num_blocks_per_group: transformer blocks onloaded together.
+        num_blocks_per_group: transformer blocks onloaded together (diffusers uses 1 when streams are on).
         use_stream: prefetch the next group on a CUDA stream (default: on when `device` is CUDA).
+        low_cpu_mem_usage: with streams, pin each group's weights on the fly at every transfer instead of keeping a
+            pinned copy of all of them (diffusers' `low_cpu_mem_usage`). False (diffusers' default) transfers
+            faster, but the pinned copies of all the DiT's groups are made before its weights are released, and
+            pinned sizes round up to powers of two: about 2.5x the DiT's weights in host memory during this call
+            (W8A16 DiT: 31 GiB of weights, 45 GiB pinned). True keeps host memory at the weights once, at the cost
+            of a host copy per transfer.
 
     Returns:
         `{component: placement}`, what each component got.
     """
     from accelerate import cpu_offload_with_hook
-    from diffusers.hooks import apply_group_offloading
+    from diffusers.hooks import HookRegistry, apply_group_offloading
 
     device = torch.device(device)
     if use_stream is None:
         use_stream = device.type == "cuda"
     if use_stream and device.type != "cuda":
         raise ValueError(f"use_stream=True needs a CUDA device, got {device}.")
-    group_offloaded = ("transformer", "transformer_ref", "text_encoder")
+    block_level = ("transformer", "transformer_ref")
+    leaf_level = ("text_encoder",)
     placements: Dict[str, str] = {}
     previous_hook = None
+    common = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": use_stream,
+              "low_cpu_mem_usage": low_cpu_mem_usage}  # fmt: skip
+    settings = f"stream={use_stream}, low_cpu_mem_usage={low_cpu_mem_usage}"
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if name in group_offloaded and not _has_weight_norm(component):
-            apply_group_offloading(
-                component,
-                onload_device=device,
-                offload_device=torch.device("cpu"),
-                offload_type="block_level",
-                num_blocks_per_group=num_blocks_per_group,
-                use_stream=use_stream,
-            )
-            placements[name] = f"group offload (block level, {num_blocks_per_group} block(s), stream={use_stream})"
+        group_offloaded = name in block_level or name in leaf_level
+        if group_offloaded and not _has_weight_norm(component):
+            if name in block_level:
+                apply_group_offloading(
+                    component, offload_type="block_level", num_blocks_per_group=num_blocks_per_group, **common
+                )
+                placements[name] = f"group offload (block level, {num_blocks_per_group} block(s), {settings})"
+            else:
+                apply_group_offloading(component, offload_type="leaf_level", **common)
+                # Without streams no hook sits on the top module; the pipeline looks for one there to send the
+                # encoder's inputs to the execution device rather than to where the offloaded weights rest.
+                HookRegistry.check_if_exists_or_initialize(component)
+                placements[name] = f"group offload (leaf level, {settings})"
         else:
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
-            reason = " (weight norm: no group offload)" if name in group_offloaded else ""
+            reason = " (weight norm: no group offload)" if group_offloaded else ""
             placements[name] = f"model offload{reason}"
     pipe._diffusers_h3_placement = dict(placements)
     return placements

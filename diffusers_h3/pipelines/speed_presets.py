@@ -12,7 +12,8 @@
 Each call logs what it turned on and records it on the pipeline (``diffusers_h3.describe(pipe)["speed_preset"]``).
 Weight quantization is applied in place once: switching between ``"fast"`` and ``"fastest"`` keeps the quantized
 weights, and a preset that needs other weights than the ones loaded (``"exact"`` after ``"fast"``, FP8 over W8A16)
-raises instead of quantizing twice. docs/speed.md has the exactness and determinism of each preset.
+raises instead of quantizing twice. ``enable_speed_preset_on_transformer`` applies the transformer part of a preset to
+one model without a pipeline (benchmarks/forward.py). docs/speed.md has the exactness and determinism of each preset.
 """
 
 from __future__ import annotations
@@ -146,6 +147,57 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
     return config, label
 
 
+def _apply_to_transformer(
+    record: SpeedPresetRecord,
+    name: str,
+    model: torch.nn.Module,
+    device: torch.device,
+    config: Optional[Any],
+    weights: str,
+    preset: str,
+    compile: bool,
+) -> None:
+    """Turn ``preset``'s weights, attention and compile on for one transformer (planned by ``_plan_weights``) and
+    record it under ``name``."""
+    if config is not None:
+        quantize(model, config)
+    record.weights[name] = weights
+
+    if preset == "exact":
+        disable_low_precision_attention(model)  # diffusers' default processor on every block
+        backend = exact_attention_backend(device)
+        if backend is not None:
+            model.set_attention_backend(backend)
+            record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
+        else:
+            record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
+    elif preset == "fast":
+        enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
+        record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
+    else:
+        enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
+        record.attention[name] = (
+            f"VSA sparsity={FASTEST_SPARSITY} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
+        )
+
+    # Blocks compiled before (an earlier preset) keep their torch.compile wrappers: Dynamo's guards on the swapped
+    # processors / linears make the next call re-trace them (up to torch._dynamo.config.recompile_limit re-traces;
+    # torch._dynamo.reset() before the switch starts from an empty cache).
+    if _is_compiled(model):
+        record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
+    elif compile and device.type == "cuda":
+        model.compile_repeated_blocks(fullgraph=False)
+        record.compile[name] = "regional torch.compile (compile_repeated_blocks, fullgraph=False)"
+    elif compile:
+        record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
+    else:
+        record.compile[name] = "off (compile=False)"
+    logger.info(
+        f"speed preset {preset!r} on {name}: weights {record.weights[name]}; attention {record.attention[name]}; "
+        f"compile {record.compile[name]}"
+    )
+
+
 def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetRecord:
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
@@ -174,43 +226,7 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
 
     record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset])
     for name, model in models:
-        device, config, weights = plans[name]
-        if config is not None:
-            quantize(model, config)
-        record.weights[name] = weights
-
-        if preset == "exact":
-            disable_low_precision_attention(model)  # diffusers' default processor on every block
-            backend = exact_attention_backend(device)
-            if backend is not None:
-                model.set_attention_backend(backend)
-                record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
-            else:
-                record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
-        elif preset == "fast":
-            enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
-            record.attention[name] = (
-                f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
-            )
-        else:
-            enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
-            record.attention[name] = (
-                f"VSA sparsity={FASTEST_SPARSITY} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
-            )
-
-        if _is_compiled(model):
-            record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
-        elif compile and device.type == "cuda":
-            model.compile_repeated_blocks(fullgraph=False)
-            record.compile[name] = "regional torch.compile (compile_repeated_blocks, fullgraph=False)"
-        elif compile:
-            record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
-        else:
-            record.compile[name] = "off (compile=False)"
-        logger.info(
-            f"speed preset {preset!r} on {name}: weights {record.weights[name]}; attention {record.attention[name]}; "
-            f"compile {record.compile[name]}"
-        )
+        _apply_to_transformer(record, name, model, *plans[name], preset, compile)
     # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
     # the exact preset keeps diffusers' decode.
     vae = getattr(pipe, "vae", None)
@@ -228,6 +244,33 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
     return record
 
 
+def enable_speed_preset_on_transformer(
+    transformer: torch.nn.Module, preset: str, compile: bool = True, name: str = "transformer"
+) -> SpeedPresetRecord:
+    r"""
+    Turn on a speed preset's transformer part (weights, attention, regional compile) on one
+    `MiniMaxH3Transformer3DModel`, without a pipeline: what :func:`enable_speed_preset` does per partition, with the
+    same checks (one clear error before anything changes). The video decode is not touched.
+
+    Args:
+        transformer (`MiniMaxH3Transformer3DModel`): the model, on the device it will run on.
+        preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"``.
+        compile (`bool`, defaults to `True`): regional ``torch.compile`` of the blocks on CUDA.
+        name (`str`, defaults to ``"transformer"``): the key of the record's per-partition entries.
+
+    Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved).
+    """
+    check_speed_preset(preset)
+    weight = next(transformer.parameters(), None)
+    if weight is None:
+        weight = next(transformer.buffers(), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    config, weights = _plan_weights(name, transformer, preset, device)
+    record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset], decode="not applied (transformer only)")
+    _apply_to_transformer(record, name, transformer, device, config, weights, preset, compile)
+    return record
+
+
 def speed_preset_report(pipe) -> Optional[Dict[str, Any]]:
     """The recorded speed preset of ``pipe`` (``None`` when none was applied)."""
     record = getattr(pipe, "_h3_speed_preset", None)
@@ -239,6 +282,7 @@ __all__: List[str] = [
     "SpeedPresetRecord",
     "check_speed_preset",
     "enable_speed_preset",
+    "enable_speed_preset_on_transformer",
     "exact_attention_backend",
     "gemm_format",
     "speed_preset_report",

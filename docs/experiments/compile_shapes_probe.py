@@ -12,13 +12,13 @@ import sys
 import time
 
 import torch
-
 from end_to_end import build_inputs, build_model
-from vae import kernel_profile
 
 from diffusers_h3 import use_packed_layout
 from diffusers_h3.attention_processors import enable_vsa
 from diffusers_h3.quantizers import FP8Config, quantize
+
+from _common import profile_forward
 
 
 def main(out_path, dynamic):
@@ -45,15 +45,21 @@ def main(out_path, dynamic):
         return times
 
     results = {"dynamic": dynamic}
-    for label, inputs in (("two_timesteps_first_graph", kwargs), ("one_timestep_after_recompile", one),
-                          ("two_timesteps_again", kwargs)):
+    for label, inputs in (
+        ("two_timesteps_first_graph", kwargs),
+        ("one_timestep_after_recompile", one),
+        ("two_timesteps_again", kwargs),
+    ):
         torch.cuda.synchronize()
         start = time.perf_counter()
         forward(inputs)
         torch.cuda.synchronize()
         first = round(time.perf_counter() - start, 1)
-        results[label] = {"first_call_s": first, "ms": timed(inputs),
-                          "profile": kernel_profile(lambda: forward(inputs), device, top=8)}
+        results[label] = {
+            "first_call_s": first,
+            "ms": timed(inputs),
+            "profile": profile_forward(lambda: forward(inputs), device, top=8),
+        }
         print(label, results[label]["first_call_s"], results[label]["ms"], flush=True)
         json.dump(results, open(out_path, "w"), indent=1)
 

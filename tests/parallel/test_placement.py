@@ -83,3 +83,57 @@ def test_balanced_pipeline_over_two_gpus(tmp_path):
     out = pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(out.frames).all()
     assert len({str(d) for d in pipe.hf_device_map.values()}) >= 1
+
+
+def _onloaded_during(monkeypatch, fn):
+    """Ids of the tensors whose offload group was onloaded while ``fn()`` ran."""
+    from diffusers.hooks.group_offloading import ModuleGroup
+
+    onloaded, original = set(), ModuleGroup.onload_
+
+    def spy(group):
+        for module in group.modules:
+            onloaded.update(id(t) for t in (*module.parameters(), *module.buffers()))
+        onloaded.update(id(t) for t in (*group.parameters, *group.buffers))
+        return original(group)
+
+    monkeypatch.setattr(ModuleGroup, "onload_", spy)
+    fn()
+    return onloaded
+
+
+def test_low_memory_offload_onloads_every_text_encoder_weight_the_prompt_encode_uses(monkeypatch):
+    # The pipeline runs `text_encoder.model` up to the layer it reads (early exit), never the top-level forward, and
+    # Qwen3-VL has no top-level block list: an offload group hooked only on the top module would never be onloaded
+    # (the weights would stay on the CPU: a device error on a GPU).
+    pipe = tiny_pipeline(seed=2)
+    enable_low_memory_offload(pipe, "cpu", low_cpu_mem_usage=True)
+    # a hook registry on the top module makes `_device_of` answer the execution device (also without streams, when
+    # diffusers hooks only the leaves), not the CPU where the offloaded weights rest
+    assert hasattr(pipe.text_encoder, "_diffusers_hook")
+    onloaded = _onloaded_during(monkeypatch, lambda: pipe.encode_prompt("a drum"))
+    language_model = pipe.text_encoder.model.language_model
+    used = [language_model.embed_tokens, *language_model.layers[: pipe.config.text_encoder_layer]]
+    missing = [name for module in used for name, t in module.named_parameters() if id(t) not in onloaded]
+    assert not missing, missing[:5]
+
+
+def test_low_cpu_mem_usage_reaches_the_offload_groups():
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    def groups(modules):
+        hooks = [m._diffusers_hook.get_hook(_GROUP_OFFLOADING) for m in modules if hasattr(m, "_diffusers_hook")]
+        return [h.group for h in hooks if h is not None and (h.group.modules or h.group.parameters)]
+
+    for flag in (False, True):
+        pipe = tiny_pipeline(seed=2)
+        placements = enable_low_memory_offload(pipe, "cpu", low_cpu_mem_usage=flag)
+        assert placements["transformer"].startswith("group offload (block level")
+        assert placements["text_encoder"].startswith("group offload (leaf level")
+        assert f"low_cpu_mem_usage={flag}" in placements["transformer"]
+        assert f"low_cpu_mem_usage={flag}" in placements["text_encoder"]
+        # diffusers' own group of the DiT's non-block modules never streams and ignores the flag; the blocks take it
+        blocks = groups(pipe.transformer.transformer_blocks)
+        leaves = groups(pipe.text_encoder.modules())
+        assert len(blocks) == len(pipe.transformer.transformer_blocks) and len(leaves) > 10
+        assert {g.low_cpu_mem_usage for g in blocks + leaves} == {flag}

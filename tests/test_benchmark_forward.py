@@ -1,0 +1,189 @@
+"""benchmarks/forward.py runs every case on the CPU with the tiny model (the full-size run is for a GPU), and its
+kernel classification sorts kernel names into the categories the fusion decision reads."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "forward.py"
+CASES = ["native", "exact", "fast", "fastest"]
+
+
+def _forward_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script imports _common from its folder
+    spec = importlib.util.spec_from_file_location("benchmarks_forward", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args, timeout=120):
+    # The torch references of the kernels, as on a CPU-only machine (conftest turns the Triton interpreter on for
+    # in-process kernel tests; through it the tiny run takes a minute).
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cases", "native,turbo"], "unknown case(s) ['turbo']"),
+        (["--cases", "native", "--profile", "fast"], "--profile fast: not in --cases"),
+    ],
+)
+def test_bad_cases_are_refused_before_building(tmp_path, args, message):
+    run = _run("--tiny", *args, "--out", str(tmp_path / "f.json"))
+    assert run.returncode != 0 and message in run.stderr
+    assert "built the model" not in run.stdout
+    assert not (tmp_path / "f.json").exists()
+
+
+def test_tiny_run_records_every_case(tmp_path):
+    out = tmp_path / "forward_h200.json"
+    run = _run("--tiny", "--reps", "2", "--profile", "native,fastest", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["suite"] == "forward" and data["device"] == "cpu (tiny smoke test)"
+    assert data["shape"]["tiny"] is True and data["shape"]["layers"] == 2 and data["shape"]["rows"] > 0
+    assert data["notes"] == {}
+    cases = data["cases"]
+    assert list(cases) == CASES
+    for name, case in cases.items():
+        assert case["ms"] > 0 and len(case["times_ms"]) == 2 and min(case["times_ms"]) <= case["ms"]
+        assert case["baseline"] == "native" and case["ratio"] > 0
+        assert len(case["warmup_s"]) == 2 and case["first_call_s"] == case["warmup_s"][0] >= 0
+        assert case["peak_gib"] is None  # CPU: no CUDA memory statistics
+        assert set(case["dynamo"]) == {"graphs_traced", "graph_breaks", "recompiled_while_timed"}
+        assert case["dynamo"]["recompiled_while_timed"] is False
+        assert case["rel_l2_audio"] is not None and case["paths"]["attention"]
+
+    native = cases["native"]
+    assert native["rel_l2"] == 0.0 and native["rel_l2_audio"] == 0.0 and native["ratio"] == 1.0
+    assert native["preset"]["preset"] is None
+    # exact on a CPU: the same processor and backend, no compile (CUDA only): bitwise the native output.
+    assert cases["exact"]["rel_l2"] == 0.0
+    assert cases["exact"]["preset"]["preset"] == "exact"
+    assert "CUDA only" in cases["exact"]["preset"]["compile"]["transformer"]
+    # fast / fastest quantize the weights (W8A16 on a CPU) and the attention operands: the output changes.
+    for name in ("fast", "fastest"):
+        case = cases[name]
+        assert 0 < case["rel_l2"] < 0.1, (name, case["rel_l2"])
+        assert case["preset"]["preset"] == name and "W8A16Config" in case["preset"]["weights"]["transformer"]
+        assert "INT8" in case["preset"]["attention"]["transformer"]
+        assert any("W8A16Linear" in path for path in case["paths"]["quantized_layers"])
+    assert "already quantized: kept" in cases["fastest"]["preset"]["weights"]["transformer"]
+    assert any("VSA sparsity=0.8" in path for path in cases["fastest"]["paths"]["attention"])
+    assert cases["fastest"]["rel_l2"] > cases["fast"]["rel_l2"]  # dropping 80 % of the video key tiles costs more
+
+    # The profile (CPU operators here) in the schema the GPU run writes.
+    for name in ("native", "fastest"):
+        profile = cases[name]["profile"]
+        categories = profile["categories"]
+        assert list(categories) == ["gemm", "attention", "inductor_fused", "quantization", "other"]
+        assert sum(c["pct"] for c in categories.values()) == pytest.approx(100.0, abs=0.1)
+        assert sum(c["ms"] for c in categories.values()) == pytest.approx(profile["kernel_ms"], abs=0.01)
+        assert categories["gemm"]["count"] > 0 and categories["gemm"]["ms"] > 0  # aten::mm / addmm / bmm
+        top = profile["top_kernels"]
+        assert 0 < len(top) <= 15 and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+        assert profile["kernel_ms_over_ms"] > 0
+    assert "profile" not in cases["exact"] and "profile" not in cases["fast"]
+    assert cases["native"]["profile"]["categories"]["attention"]["ms"] > 0  # aten::_scaled_dot_product_*
+
+
+def test_kernel_category(monkeypatch):
+    forward = _forward_module(monkeypatch)
+    category = forward.kernel_category
+    expected = {
+        # cuBLAS / cuBLASLt / CUTLASS GEMMs and torch._scaled_mm
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas": "gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)": "gemm",
+        "cutlass3x_sm90_gemm_e4m3_e4m3_f32_bf16_bf16_128x128x128_1x2x1_0_tnn_align16_warpspecialized_cooperative": "gemm",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, float, 128, 16, 4, 4, false, false>(...)": "gemm",
+        "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, true, false>(...)": "gemm",
+        "_w8a16_kernel": "gemm",
+        "aten::addmm": "gemm",
+        # attention: ours (Triton / Gluon), cuDNN, FlashAttention, memory-efficient, CPU SDPA
+        "_bsa_fwd_kernel": "attention",
+        "_sparse_fwd_sm90_ws_kernel": "attention",
+        "_dense_fwd_sm90_ws_kernel": "attention",
+        "_select_tiles_kernel": "attention",
+        "void fa_v100_forward_kernel<128, 64>(__half const*, __half const*, __half const*, __half*, int, int, ...)": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>(...)": "attention",
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>(...)": "attention",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        # inductor's generated kernels, whatever ops they fused (a quantizing cast or a matmul template included)
+        "triton_poi_fused__to_copy_add_mul_0": "inductor_fused",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_1": "inductor_fused",
+        "triton_red_fused__to_copy_abs_amax_clamp_div_2": "inductor_fused",
+        "triton_tem_fused_addmm_3": "inductor_fused",
+        # our quantization kernels
+        "_quant_row_kernel": "quantization",
+        "_tile_pool_kernel": "quantization",
+        "_quantize_v_kernel": "quantization",
+        "_w8a16_dequant_kernel": "quantization",
+        "void at::native::quantize_tensor_per_tensor_affine(...)": "quantization",
+        # the rest
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, ...>(...)": "other",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)": "other",
+        "Memcpy DtoD (Device -> Device)": "other",
+        "Memset (Device)": "other",
+        "aten::copy_": "other",
+        "triton_kernel_of_someone_else": "other",
+        "_bsa_fwd_kernel_v2": "other",  # a name that merely starts like one of ours is not ours
+    }
+    got = {name: category(name) for name in expected}
+    assert got == expected
+    assert set(expected.values()) == set(forward.CATEGORIES)
+
+
+def test_kernel_breakdown_sums_and_ranks(monkeypatch):
+    forward = _forward_module(monkeypatch)
+    rows = [
+        ("nvjet_tst_128x256", 6000.0, 100),
+        ("_quant_row_kernel", 1000.0, 100),
+        ("triton_poi_fused_add_0", 1500.0, 50),
+        ("_sparse_fwd_sm90_ws_kernel", 1000.0, 50),
+        ("Memset (Device)", 500.0, 7),
+    ]
+    result = forward.kernel_breakdown(rows, top=3)
+    assert result["kernel_ms"] == 10.0
+    categories = result["categories"]
+    assert categories["gemm"] == {"ms": 6.0, "pct": 60.0, "count": 100, "top": ["nvjet_tst_128x256"]}
+    assert categories["quantization"]["ms"] == 1.0 and categories["quantization"]["pct"] == 10.0
+    assert categories["inductor_fused"]["count"] == 50 and categories["attention"]["pct"] == 10.0
+    assert categories["other"] == {"ms": 0.5, "pct": 5.0, "count": 7, "top": ["Memset (Device)"]}
+    assert [k["name"] for k in result["top_kernels"]] == ["nvjet_tst_128x256", "triton_poi_fused_add_0",
+                                                          "_quant_row_kernel"]  # fmt: skip
+    assert result["top_kernels"][1] == {"name": "triton_poi_fused_add_0", "category": "inductor_fused", "ms": 1.5,
+                                        "pct": 15.0, "count": 50}  # fmt: skip
+    assert forward.kernel_breakdown([])["kernel_ms"] == 0
+
+
+def test_the_per_transformer_preset_checks_before_changing_anything():
+    """The benchmark applies presets to the transformer alone; the pipeline call's checks hold there too."""
+    from diffusers_h3 import QuantizedLinear
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    model = tiny_transformer()
+    with pytest.raises(ValueError, match="unknown speed preset 'turbo'"):
+        enable_speed_preset_on_transformer(model, "turbo")
+    record = enable_speed_preset_on_transformer(model, "fast", compile=False)
+    assert record.describe()["compile"] == {"transformer": "off (compile=False)"}
+    assert record.decode == "not applied (transformer only)"
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers
+    with pytest.raises(ValueError, match=r"'exact' runs bf16 weights.*already quantized \(h3_w8a16\)"):
+        enable_speed_preset_on_transformer(model, "exact")
+    assert [m for m in model.modules() if isinstance(m, QuantizedLinear)] == layers

@@ -350,7 +350,9 @@ def main():
     if args.text_encoder_layers <= TEXT_ENCODER_LAYER:
         raise SystemExit(f"--text-encoder-layers must exceed {TEXT_ENCODER_LAYER} (the pipeline reads "
                          f"hidden_states[{TEXT_ENCODER_LAYER}])")  # fmt: skip
-    device = torch.device("cuda" if torch.cuda.is_available() or not args.tiny else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if not args.tiny and device.type != "cuda":
+        raise SystemExit("benchmarks/placement.py needs a CUDA GPU (or --tiny for the CPU smoke run)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/placement.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
     layers = TEXT_ENCODER_LAYER + 1 if args.tiny else args.text_encoder_layers

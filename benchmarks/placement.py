@@ -81,8 +81,9 @@ CAP_BASIS = (
 )
 RECIPE_LINES = {
     "resident": 'MiniMaxH3Pipeline.from_pretrained(repo, task="t2va", dtype=torch.bfloat16, '
-                '**single_gpu_resident_kwargs()).to("cuda")',
-    "offload": 'enable_low_memory_offload(pipe, "cuda", low_cpu_mem_usage=True)  # pipe on the CPU',
+                '**single_gpu_resident_kwargs()); drop_unused_text_encoder_layers(pipe); pipe.to("cuda")',
+    "offload": 'drop_unused_text_encoder_layers(pipe); enable_low_memory_offload(pipe, "cuda", low_cpu_mem_usage=True)'
+               '  # pipe on the CPU',
 }  # fmt: skip
 REQUEST_CASE = "t2va_native"  # request.py's t2va request: 50 sigma points, 512-token prompt
 SIGMA_POINTS = 50
@@ -195,7 +196,11 @@ def describe_weights(pipe, configs, tiny, layers):
 
 def build_recipe(recipe, device, tiny, layers):
     """The pipeline for ``recipe``: ``(pipe, placements, weights, weights_gib)``."""
-    from diffusers_h3.parallel.placement import enable_low_memory_offload, single_gpu_resident_kwargs
+    from diffusers_h3.parallel.placement import (
+        drop_unused_text_encoder_layers,
+        enable_low_memory_offload,
+        single_gpu_resident_kwargs,
+    )
     from diffusers_h3.quantizers import W8A16Config, quantize
 
     if recipe == "resident":
@@ -221,11 +226,15 @@ def build_recipe(recipe, device, tiny, layers):
 
     pipe = build_pipeline(device, tiny, component_hook=hook, text_encoder_layers=layers)
     pipe.set_progress_bar_config(disable=True)
+    trimmed = drop_unused_text_encoder_layers(pipe)  # part of both recipes: the never-run layers cost memory only
+    clean_device(device)
+    print(f"  dropped never-run text encoder layers: {trimmed}", flush=True)
     if recipe == "offload":
         placements = enable_low_memory_offload(pipe, device, low_cpu_mem_usage=True)
     else:
         placements = f"all on {device.type}"
     weights, sizes = describe_weights(pipe, configs, tiny, layers)
+    weights["text_encoder_layers"] = trimmed
     return pipe, placements, weights, sizes
 
 
@@ -240,11 +249,23 @@ def one_request(pipe, tiny):
     assert out.frames is not None and out.audio is not None
 
 
+def device_bytes_by_component(pipe, device):
+    """GiB of each component's parameters and buffers that sit on ``device`` now (what stays resident)."""
+    sizes = {}
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            tensors = {id(t): t for t in list(component.parameters()) + list(component.buffers())}.values()
+            on_device = sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type)
+            sizes[name] = round(on_device / GiB, 2)
+    return sizes
+
+
 def timed_request(pipe, device, tiny):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
+        resident_by_component = device_bytes_by_component(pipe, device)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = (total - free) - torch.cuda.memory_reserved(device)
     with StageTimer(pipe, device) as timer:
@@ -275,6 +296,8 @@ def timed_request(pipe, device, tiny):
             peak_allocated_gib=_gib(torch.cuda.max_memory_allocated(device)),
             peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(device)),
             non_torch_gib=_gib(non_torch),
+            resident_by_component_gib=resident_by_component,
+            resident_by_component_after_gib=device_bytes_by_component(pipe, device),
         )
     record.update(host_memory())
     return record

@@ -106,6 +106,9 @@ def describe(pipe_or_model: Any = None) -> Dict[str, Any]:
     speed_preset = getattr(pipe_or_model, "_h3_speed_preset", None)  # recorded by enable_speed_preset
     if speed_preset is not None:
         report["speed_preset"] = speed_preset.describe()
+    placement = getattr(pipe_or_model, "_diffusers_h3_placement", None)  # recorded by the placement recipes
+    if placement:
+        report["placement"] = dict(placement)
     extra = getattr(pipe_or_model, "describe_paths", None)
     if callable(extra):
         report["pipeline"] = extra()

@@ -3,6 +3,7 @@
 from .context_parallel import context_parallel_state, enable_context_parallel
 from .placement import (
     balanced_kwargs,
+    drop_unused_text_encoder_layers,
     enable_low_memory_offload,
     single_gpu_resident_kwargs,
     split_transformer_kwargs,
@@ -20,6 +21,7 @@ from .vae import parallel_vae_decode
 __all__ = [
     "balanced_kwargs",
     "context_parallel_state",
+    "drop_unused_text_encoder_layers",
     "enable_context_parallel",
     "enable_low_memory_offload",
     "enable_tensor_parallel",

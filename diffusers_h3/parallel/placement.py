@@ -4,7 +4,7 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 
 | hardware | recipe |
 |---|---|
-| one 80 GB GPU, everything resident | `from_pretrained(..., **single_gpu_resident_kwargs())` then `pipe.to("cuda")` |
+| one 80 GB GPU, everything resident | `from_pretrained(..., **single_gpu_resident_kwargs())`, `drop_unused_text_encoder_layers(pipe)`, `pipe.to("cuda")` |
 | one 40-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (group offload: DiT by blocks, text encoder by leaves) |
 | two or more GPUs, one component per GPU | `from_pretrained(..., **balanced_kwargs({0: "70GiB", 1: "70GiB"}))` |
 | GPUs too small for one DiT replica | `MiniMaxH3Transformer3DModel.from_pretrained(..., **split_transformer_kwargs(...))` |
@@ -31,6 +31,40 @@ def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8
     mapping = {"transformer": configs[transformer](), "text_encoder": configs[text_encoder]()}
     mapping["transformer_ref"] = configs[transformer]()
     return {"quantization_config": PipelineQuantizationConfig(quant_mapping=mapping)}
+
+
+def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
+    """Delete the Qwen3-VL decoder layers that H3 never runs (in place); returns what was kept and freed.
+
+    The pipeline reads `hidden_states[text_encoder_layer]` (50 by default) and stops the text encoder there, so decoder
+    layers `text_encoder_layer + 1 ..` (13 of Qwen3-VL-32B's 64: about 12 GiB in bf16, 6 GiB in 8 bits) are dead
+    weight. Layer `text_encoder_layer` itself is kept so the pipeline's layer check still holds. Outputs are unchanged
+    (the removed layers never run); the text encoder can no longer be used for generation or saved as the full model.
+    Call it before moving the pipeline to the GPU; `describe(pipe)` reports it.
+    """
+    text_encoder = getattr(pipe, "text_encoder", None)
+    if text_encoder is None:
+        raise ValueError("drop_unused_text_encoder_layers needs a pipeline with a text encoder (this one has none).")
+    language_model = getattr(text_encoder.model, "language_model", text_encoder.model)
+    layers = language_model.layers
+    keep = int(pipe.config.text_encoder_layer) + 1
+    removed = list(layers)[keep:]
+    freed = sum(
+        t.numel() * t.element_size() for layer in removed for t in list(layer.parameters()) + list(layer.buffers())
+    )
+    if removed:
+        language_model.layers = torch.nn.ModuleList(list(layers)[:keep])
+        text_config = text_encoder.config.text_config
+        text_config.num_hidden_layers = keep
+        if isinstance(getattr(text_config, "layer_types", None), list):
+            text_config.layer_types = text_config.layer_types[:keep]
+    record = {"kept_layers": keep, "removed_layers": len(removed), "freed_gib": round(freed / 2**30, 2)}
+    placement = dict(getattr(pipe, "_diffusers_h3_placement", {}) or {})
+    placement["text_encoder_layers"] = (
+        f"{keep} decoder layers kept, {len(removed)} never-run layers removed ({record['freed_gib']} GiB freed)"
+    )
+    pipe._diffusers_h3_placement = placement
+    return record
 
 
 def balanced_kwargs(max_memory: Dict[Union[int, str], str]) -> Dict[str, Any]:
@@ -131,5 +165,5 @@ def enable_low_memory_offload(
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""
             placements[name] = f"model offload{reason}"
-    pipe._diffusers_h3_placement = dict(placements)
+    pipe._diffusers_h3_placement = {**(getattr(pipe, "_diffusers_h3_placement", None) or {}), **placements}
     return placements

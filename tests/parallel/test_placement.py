@@ -5,6 +5,7 @@ import torch
 
 from diffusers_h3.parallel.placement import (
     balanced_kwargs,
+    drop_unused_text_encoder_layers,
     enable_low_memory_offload,
     single_gpu_resident_kwargs,
     split_transformer_kwargs,
@@ -35,7 +36,9 @@ def test_split_transformer_over_cpu_and_disk_keeps_blocks_whole(tmp_path):
     device_map = model.hf_device_map
     assert set(device_map.values()) == {"cpu", "disk"}, device_map
     for name in device_map:  # no block is split between devices
-        assert name.count(".") <= 1 or not name.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.")), name
+        assert name.count(".") <= 1 or not name.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.")), (
+            name
+        )
     inputs = tiny_transformer_inputs()
     for got, expected in zip(_forward(model, inputs), _forward(reference, inputs)):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
@@ -137,3 +140,34 @@ def test_low_cpu_mem_usage_reaches_the_offload_groups():
         leaves = groups(pipe.text_encoder.modules())
         assert len(blocks) == len(pipe.transformer.transformer_blocks) and len(leaves) > 10
         assert {g.low_cpu_mem_usage for g in blocks + leaves} == {flag}
+
+
+def test_dropping_never_run_text_encoder_layers_keeps_outputs_and_is_reported():
+    import diffusers_h3
+
+    reference = tiny_pipeline(seed=3, text_encoder_layers=8, text_encoder_layer=5)
+    expected = reference(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+
+    pipe = tiny_pipeline(seed=3, text_encoder_layers=8, text_encoder_layer=5)
+    before = sum(p.numel() for p in pipe.text_encoder.parameters())
+    record = drop_unused_text_encoder_layers(pipe)
+    assert record["kept_layers"] == 6 and record["removed_layers"] == 2 and record["freed_gib"] >= 0
+    layers = pipe.text_encoder.model.language_model.layers
+    assert len(layers) == 6 and pipe.text_encoder.config.text_config.num_hidden_layers == 6
+    assert sum(p.numel() for p in pipe.text_encoder.parameters()) < before
+    got = pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.frames, expected.frames, atol=0, rtol=0)
+    torch.testing.assert_close(got.audio, expected.audio, atol=0, rtol=0)
+    assert (
+        "6 decoder layers kept, 2 never-run layers removed"
+        in diffusers_h3.describe(pipe)["placement"]["text_encoder_layers"]
+    )
+    # a second call removes nothing more
+    assert drop_unused_text_encoder_layers(pipe)["removed_layers"] == 0
+
+
+def test_dropping_layers_needs_a_text_encoder():
+    pipe = tiny_pipeline(seed=3)
+    pipe.register_modules(text_encoder=None)
+    with pytest.raises(ValueError, match="needs a pipeline with a text encoder"):
+        drop_unused_text_encoder_layers(pipe)

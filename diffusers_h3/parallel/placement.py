@@ -98,6 +98,39 @@ def _has_weight_norm(module: torch.nn.Module) -> bool:
     return False
 
 
+def _offload_group_buffers_too(component: torch.nn.Module) -> int:
+    """Make stream-prefetched offload groups send their modules' buffers back to the CPU as well; returns the number
+    of groups changed.
+
+    diffusers 0.42.1's `ModuleGroup._offload_to_memory` (stream path) restores the CPU copies of the group modules'
+    parameters only, while onloading moves their buffers too: buffers onloaded once stay on the GPU for good. The
+    quantized layers keep their packed weights in buffers, so a quantized DiT would end up wholly resident.
+    """
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    changed, seen = 0, set()
+    for module in component.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
+        group = getattr(hook, "group", None)
+        if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
+            continue
+        seen.add(id(group))
+        buffers = [b for m in group.modules for b in m.buffers() if b in group.cpu_param_dict]
+        if not buffers:
+            continue
+        offload_parameters = group._offload_to_memory
+
+        def offload_parameters_and_buffers(offload_parameters=offload_parameters, group=group, buffers=buffers):
+            offload_parameters()  # synchronizes with the compute stream before swapping (without record_stream)
+            for buffer in buffers:
+                buffer.data = group.cpu_param_dict[buffer]
+
+        group._offload_to_memory = offload_parameters_and_buffers
+        changed += 1
+    return changed
+
+
 def enable_low_memory_offload(
     pipe,
     device: Union[str, torch.device] = "cuda",
@@ -161,6 +194,8 @@ def enable_low_memory_offload(
                 # encoder's inputs to the execution device rather than to where the offloaded weights rest.
                 HookRegistry.check_if_exists_or_initialize(component)
                 placements[name] = f"group offload (leaf level, {settings})"
+            if use_stream:
+                _offload_group_buffers_too(component)
         else:
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""

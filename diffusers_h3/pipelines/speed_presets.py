@@ -2,7 +2,8 @@
 """Speed presets: one call that turns on a consistent set of fast paths on the transformer partition(s).
 
 * ``"exact"``: no approximation. bf16 weights, dense bf16 attention through the fastest exact kernel diffusers'
-  dispatcher offers here (cuDNN on CUDA SM80+, PyTorch SDPA otherwise), regional ``torch.compile`` on CUDA.
+  dispatcher offers here (cuDNN on CUDA SM80+, PyTorch SDPA otherwise), regional ``torch.compile`` on CUDA with
+  inductor's ``emulate_precision_casts`` (fused kernels round to bf16 where eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as FP8
   Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA.
@@ -47,6 +48,23 @@ DETERMINISM = {
     "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
                "atomics; ties in top-k resolve the same way on every run",
 }  # fmt: skip
+
+
+# Inductor keeps fused intermediates in fp32 unless asked to round them where eager rounds; "exact" asks, so its compiled
+# blocks keep eager's bf16 numerics (bitwise on the CPU: tests/pipelines/test_speed_presets.py).
+COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {"exact": {"emulate_precision_casts": True}, "fast": {}, "fastest": {}}
+
+
+def compile_blocks(model: torch.nn.Module, preset: str) -> str:
+    """Regional ``torch.compile`` of ``model``'s repeated blocks with ``preset``'s inductor options; returns the line
+    ``describe`` shows."""
+    options = COMPILE_OPTIONS[check_speed_preset(preset)]
+    if options:
+        model.compile_repeated_blocks(fullgraph=False, options=dict(options))
+    else:
+        model.compile_repeated_blocks(fullgraph=False)
+    extra = "".join(f", {key}={value}" for key, value in options.items())
+    return f"regional torch.compile (compile_repeated_blocks, fullgraph=False{extra})"
 
 
 def check_speed_preset(preset: Any) -> str:
@@ -127,9 +145,7 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
         return None, f"{dtype} (not quantized)"
     wanted = gemm_format(device)
     config = FP8Config() if wanted == "fp8" else W8A16Config()
-    why = (
-        "FP8 tensor cores" if wanted == "fp8" else f"no FP8 tensor cores on {device} (SM89+ needed for FP8 GEMMs)"
-    )
+    why = "FP8 tensor cores" if wanted == "fp8" else f"no FP8 tensor cores on {device} (SM89+ needed for FP8 GEMMs)"
     label = ("FP8 E4M3 weights + per-token FP8 activations (FP8Config)" if wanted == "fp8" else
              "weight-only INT8 with 16-bit GEMMs (W8A16Config)") + f": {why}"  # fmt: skip
     if loaded is not None:
@@ -186,8 +202,7 @@ def _apply_to_transformer(
     if _is_compiled(model):
         record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
     elif compile and device.type == "cuda":
-        model.compile_repeated_blocks(fullgraph=False)
-        record.compile[name] = "regional torch.compile (compile_repeated_blocks, fullgraph=False)"
+        record.compile[name] = compile_blocks(model, preset)
     elif compile:
         record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
     else:

@@ -1,5 +1,7 @@
 """Speed presets on the tiny pipeline (CPU: emulated / interpreted paths, compile=False)."""
 
+import shutil
+
 import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
@@ -9,8 +11,14 @@ from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcess
 from diffusers_h3.testing.tiny import tiny_pipeline
 
 
-CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2,
-        "output_type": "latent"}
+CALL = {
+    "prompt": "a cat",
+    "height": 32,
+    "width": 32,
+    "num_frames": 124,
+    "num_inference_steps": 2,
+    "output_type": "latent",
+}
 
 
 def _pipe():
@@ -135,3 +143,31 @@ def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
     exact.enable_speed_preset("exact", compile=False)
     assert "_h3_fast_decode" not in exact.vae.__dict__
     assert diffusers_h3.describe(exact)["speed_preset"]["decode"] == "diffusers' tiled decode"
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor's CPU backend needs a C++ compiler"
+)
+def test_exact_preset_compile_keeps_eager_bf16_numerics():
+    """The "exact" preset's compile options make inductor round fused intermediates to bf16 as eager does: the compiled
+    blocks give bitwise the eager output (CPU inductor; default inductor options differ by ~1e-2 here)."""
+    from diffusers_h3.pipelines.speed_presets import compile_blocks
+    from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
+
+    torch.manual_seed(0)
+    model = tiny_transformer(num_layers=4).to(torch.bfloat16).eval()
+    inputs = {**tiny_transformer_inputs(seed=1, grid=(2, 4, 4)), "return_dict": False}
+    inputs = {
+        k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
+    }
+    with torch.no_grad():
+        eager = model(**inputs)[0]
+        torch._dynamo.reset()
+        line = compile_blocks(model, "exact")
+        try:
+            compiled = model(**inputs)[0]
+        finally:
+            torch._dynamo.reset()
+    assert "emulate_precision_casts=True" in line
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.transformer_blocks)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)

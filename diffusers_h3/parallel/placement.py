@@ -116,6 +116,11 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
         if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
             continue
         seen.add(id(group))
+        if not callable(getattr(group, "_offload_to_memory", None)) or not isinstance(group.cpu_param_dict, dict):
+            raise RuntimeError(
+                "enable_low_memory_offload: this diffusers version's ModuleGroup has no _offload_to_memory / "
+                "cpu_param_dict (written for diffusers 0.42.1); pass use_stream=False to offload without streams"
+            )
         buffers = [b for m in group.modules for b in m.buffers() if b in group.cpu_param_dict]
         if not buffers:
             continue

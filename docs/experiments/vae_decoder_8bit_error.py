@@ -14,8 +14,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-
 from vae import build_vae
 
 from diffusers_h3.kernels.gemm.fp8 import fp8_quantize_per_token_reference, fp8_quantize_weight
@@ -58,14 +56,16 @@ def main(out_path):
     results, reference = {"tile_latent": list(z.shape), "linears": len(linears)}, None
     for mode in ("fp32", "bf16", "fp8", "int8"):
         for m in linears:
-            m.forward = (lambda m: (lambda x: rounded_linear(mode)(x, m.weight, m.bias)))(m)
+            m.forward = (lambda m: lambda x: rounded_linear(mode)(x, m.weight, m.bias))(m)
         start = time.perf_counter()
         with torch.no_grad():
             out = decoder(vae.post_quant_conv(z)).float()
         if reference is None:
             reference = out
-        results[mode] = {"rel_l2_vs_fp32": ((out - reference).norm() / reference.norm()).item(),
-                         "seconds": round(time.perf_counter() - start, 1)}
+        results[mode] = {
+            "rel_l2_vs_fp32": ((out - reference).norm() / reference.norm()).item(),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         print(mode, results[mode], flush=True)
         json.dump(results, open(out_path, "w"), indent=1)
 

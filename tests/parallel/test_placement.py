@@ -171,3 +171,47 @@ def test_dropping_layers_needs_a_text_encoder():
     pipe.register_modules(text_encoder=None)
     with pytest.raises(ValueError, match="needs a pipeline with a text encoder"):
         drop_unused_text_encoder_layers(pipe)
+
+
+def test_stream_offload_groups_send_buffers_back():
+    """diffusers 0.42.1's stream path restores only parameters on offload; ours restores the group modules' buffers
+    too (the packed weights of quantized layers). A stand-in stream object drives the stream path on the CPU."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.group_offloading import (
+        _GROUP_OFFLOADING,
+        GroupOffloadingConfig,
+        GroupOffloadingHook,
+        ModuleGroup,
+    )
+
+    from diffusers_h3.parallel.placement import _offload_group_buffers_too
+
+    block = torch.nn.Linear(4, 4)
+    block.register_buffer("packed", torch.arange(4.0))
+    model = torch.nn.Sequential(block)
+    group = ModuleGroup(modules=[block], offload_device=torch.device("cpu"), onload_device=torch.device("cpu"),
+                        offload_leader=block, onload_leader=block, stream=object(), record_stream=True,
+                        low_cpu_mem_usage=True)  # fmt: skip
+    config = GroupOffloadingConfig(
+        onload_device=torch.device("cpu"), offload_device=torch.device("cpu"), offload_type="block_level",
+        num_blocks_per_group=1, non_blocking=True, record_stream=True, low_cpu_mem_usage=True,
+    )  # fmt: skip
+    HookRegistry.check_if_exists_or_initialize(block).register_hook(GroupOffloadingHook(group, config=config),
+                                                                     _GROUP_OFFLOADING)  # fmt: skip
+    host_weight, host_buffer = group.cpu_param_dict[block.weight], group.cpu_param_dict[block.packed]
+
+    def pretend_onloaded():  # what onloading leaves behind: other storage for every tensor of the group
+        block.weight.data = block.weight.data.clone()
+        block.packed.data = block.packed.data.clone()
+
+    pretend_onloaded()
+    group._offload_to_memory()  # diffusers' own offload: the buffer stays where onloading put it
+    assert block.weight.data.data_ptr() == host_weight.data_ptr()
+    assert block.packed.data.data_ptr() != host_buffer.data_ptr()
+
+    assert _offload_group_buffers_too(model) == 1
+    pretend_onloaded()
+    group._offload_to_memory()
+    assert block.weight.data.data_ptr() == host_weight.data_ptr()
+    assert block.packed.data.data_ptr() == host_buffer.data_ptr()
+    assert _offload_group_buffers_too(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0  # nothing offloaded: no change

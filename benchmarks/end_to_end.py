@@ -30,8 +30,9 @@ from _common import result_header, write_json
 TEXT_ROWS, NUM_FRAMES, HEIGHT, WIDTH = 512, 124, 768, 1344
 
 
-def build_inputs(device, layers):
-    """Transformer kwargs and the PackedLayout of a 768x1344x124 t2va request, via diffusers' layout builder."""
+def build_inputs(device, layers, text_rows=TEXT_ROWS):
+    """Transformer kwargs and the PackedLayout of a 768x1344x124 t2va request, via diffusers' layout builder
+    (``text_rows`` prompt rows: 512 gives 38,222 packed rows)."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
         audio_latent_num_frames,
@@ -43,16 +44,16 @@ def build_inputs(device, layers):
     latent_frames = video_latent_num_frames(NUM_FRAMES, 17, 5)
     latent_h, latent_w = HEIGHT // 16, WIDTH // 16
     audio_latents = audio_latent_num_frames(NUM_FRAMES)
-    tags = torch.ones(TEXT_ROWS, dtype=torch.long)
+    tags = torch.ones(text_rows, dtype=torch.long)
     position_ids, token_tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
         tags, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2, 2, 0, ()
     )
-    layout = t2va_fl2va_layout(TEXT_ROWS, 0, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2)
+    layout = t2va_fl2va_layout(text_rows, 0, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2)
     g = torch.Generator(device=device).manual_seed(0)
     kwargs = {
         "hidden_states": torch.randn(1, video_idx.numel(), 96, device=device, generator=g),
         "audio_hidden_states": torch.randn(1, audio_idx.numel(), 32, device=device, generator=g),
-        "encoder_hidden_states": torch.randn(1, TEXT_ROWS, 5120, device=device, generator=g).to(torch.bfloat16),
+        "encoder_hidden_states": torch.randn(1, text_rows, 5120, device=device, generator=g).to(torch.bfloat16),
         "timestep": torch.tensor([0.3, 0.7], device=device),
         "timestep_indices": (torch.arange(position_ids.shape[0], device=device) % 2),
         "token_tags": token_tags.to(device),
@@ -104,8 +105,11 @@ def main():
     parser.add_argument("--layers", type=int, default=50)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
-    parser.add_argument("--cases", default="native_cudnn,vsa_bf16_sp0.8,vsa_fp8_sp0.8,fp8_gemm,fp8_gemm+vsa_fp8_sp0.8,"
-                                           "fp8_gemm+vsa_fp8_sp0.8+compile")
+    parser.add_argument(
+        "--cases",
+        default="native_cudnn,vsa_bf16_sp0.8,vsa_fp8_sp0.8,fp8_gemm,fp8_gemm+vsa_fp8_sp0.8,"
+        "fp8_gemm+vsa_fp8_sp0.8+compile",
+    )
     args = parser.parse_args()
     wanted = args.cases.split(",")
 
@@ -153,8 +157,16 @@ def write_report(args, results, layout):
 
     report = {
         **result_header("end_to_end", args.commit),
-        "shape": {"layers": args.layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,
-                  "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128},  # fmt: skip
+        "shape": {
+            "layers": args.layers,
+            "rows": int(layout.seq_len),
+            "text": TEXT_ROWS,
+            "frames": NUM_FRAMES,
+            "height": HEIGHT,
+            "width": WIDTH,
+            "heads": 56,
+            "head_dim": 128,
+        },  # fmt: skip
         "reference": "native_cudnn bf16 output (random weights: numerical distance, not quality)",
         "protocol": f"1 warm-up + median of {args.reps} CUDA-event timed full forwards, one process",
         "cases": results,

@@ -8,8 +8,11 @@ One launch measures one context-parallel degree (= the world size). Protocol (do
 with random bf16 weights (fp32 modules kept fp32) and the packed layout of a 768x1344x124 t2va request (38,222 rows);
 first rank 0 alone runs every case without context parallelism (the baseline; the other ranks wait), then all ranks
 run the same cases under Ulysses context parallelism. Cases: diffusers' processor (``_native_cudnn``), VSA bf16 0.8,
-dense FP8 attention; ``tp<N>`` (``--cases ...,tp4`` or ``--tp``; N = the world size) runs diffusers' processor under
-tensor parallelism instead (heads and FFN columns split, rank-order reduction; ``--tp-fp32-reduce`` adds in fp32). ``ms`` = median of ``--reps`` timed forwards after one warm-up, synchronized over ranks;
+VSA FP8 0.8, dense FP8 attention; ``fastest`` (the speed preset on a fresh copy of the weights: FP8 GEMMs, VSA 0.8 INT8,
+regional compile on CUDA; measured after the others because it quantizes in place); ``tp<N>`` (``--cases ...,tp4`` or ``--tp``; N = the world size) runs diffusers' processor under
+tensor parallelism instead (heads and FFN columns split, rank-order reduction; ``--tp-fp32-reduce`` adds in fp32;
+``--tp-quant w8a16|fp8`` quantizes the weights first). ``--text-rows`` sets the prompt rows (513 gives an odd packed
+length, 38,223: uneven shards on every degree). ``ms`` = median of ``--reps`` timed forwards after one warm-up, synchronized over ranks;
 ``speedup`` = baseline ms / CP ms; ``rel_l2`` = CP output vs baseline output; ``peak_gib_per_rank`` = peak allocated
 memory of each rank during the case. The video VAE decode of the same request is timed serially (rank 0) and with its
 tiles split over all ranks.
@@ -27,7 +30,9 @@ import torch.distributed as dist
 from _common import device_name, result_header, write_json
 
 
-CASES = ("native_cudnn", "vsa_bf16_sp0.8", "dense_fp8")
+CASES = ("native_cudnn", "vsa_bf16_sp0.8", "vsa_fp8_sp0.8", "dense_fp8", "fastest")
+# Cases that change the weights in place: run on a fresh copy, after the others.
+FRESH_MODEL_CASES = ("fastest",)
 
 
 def synchronize(device):
@@ -78,7 +83,7 @@ def build_transformer(device, tiny):
     return model.eval().requires_grad_(False)
 
 
-def build_inputs(device, tiny):
+def build_inputs(device, tiny, text_rows=512):
     if tiny:
         from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
         from diffusers_h3.testing.tiny import tiny_transformer_inputs
@@ -97,7 +102,7 @@ def build_inputs(device, tiny):
         return {**kwargs, "return_dict": False}, layout
     from end_to_end import build_inputs as full_inputs
 
-    return full_inputs(device, 50)
+    return full_inputs(device, 50, text_rows=text_rows)
 
 
 def set_case(model, case, tiny):
@@ -111,8 +116,16 @@ def set_case(model, case, tiny):
             model.set_attention_backend("_native_cudnn")
     elif case == "vsa_bf16_sp0.8":
         enable_vsa(model, sparsity=0.8, precision="bf16", **({"tile": (2, 2, 4), "backend": "torch"} if tiny else {}))
+    elif case == "vsa_fp8_sp0.8":
+        enable_vsa(model, sparsity=0.8, precision="fp8", **({"tile": (2, 2, 4), "backend": "torch"} if tiny else {}))
     elif case == "dense_fp8":
         enable_low_precision_attention(model, "fp8")
+    elif case == "fastest":
+        from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+        enable_speed_preset_on_transformer(model, "fastest")  # compiles on CUDA only
+        if tiny:  # the tiny grid needs the small tile (and exact torch kernels on CPU)
+            enable_vsa(model, sparsity=0.8, precision="int8", tile=(2, 2, 4), backend="torch")
     else:
         raise ValueError(f"unknown case {case!r}; cases: {CASES}")
 
@@ -144,11 +157,18 @@ def main():
     parser.add_argument("--skip-vae", action="store_true")
     parser.add_argument("--tp", action="store_true", help="also run the tensor-parallel case tp<world size>")
     parser.add_argument("--tp-fp32-reduce", action="store_true", help="tensor-parallel partial sums added in fp32")
+    parser.add_argument("--tp-quant", default="none", choices=("none", "w8a16", "fp8"), help="weights of the tp case")
+    parser.add_argument("--text-rows", type=int, default=512, help="prompt rows (513: odd packed length)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     args = parser.parse_args()
     cases = args.cases.split(",")
     tp_cases = [c for c in cases if c.startswith("tp")]
     cases = [c for c in cases if not c.startswith("tp")]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}: choose from {', '.join(CASES)} and tp<world size>")
+    fresh_cases = [c for c in cases if c in FRESH_MODEL_CASES]
+    cases = [c for c in cases if c not in FRESH_MODEL_CASES]
 
     from diffusers_h3.attention_processors.layout import use_packed_layout
     from diffusers_h3.parallel import enable_context_parallel
@@ -164,7 +184,7 @@ def main():
         device = torch.device("cpu")
 
     model = build_transformer(device, args.tiny)
-    kwargs, layout = build_inputs(device, args.tiny)
+    kwargs, layout = build_inputs(device, args.tiny, text_rows=args.text_rows)
 
     def forward():
         with torch.inference_mode(), use_packed_layout(layout):
@@ -183,8 +203,8 @@ def main():
     # 2. The same cases under Ulysses context parallelism over all ranks.
     enable_context_parallel(model, ulysses_degree=world_size)
     results = {}
-    for case in cases:
-        set_case(model, case, args.tiny)
+
+    def measure_cp(case):
         reset_peak(device)
         ms, out = timed(forward, device, args.reps, group=dist.group.WORLD)
         peaks = [None] * world_size
@@ -200,6 +220,27 @@ def main():
                 "rel_l2": ((out - reference).norm() / reference.norm()).item(),
                 "peak_gib_per_rank": peaks,
             }
+
+    for case in cases:
+        set_case(model, case, args.tiny)
+        measure_cp(case)
+
+    # 2a. Cases that quantize in place: a fresh copy of the same weights each, baseline on rank 0, then context parallel.
+    for case in fresh_cases:
+        model = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = build_transformer(device, args.tiny)
+        set_case(model, case, args.tiny)
+        if rank == 0:
+            reset_peak(device)
+            ms, out = timed(forward, device, args.reps)
+            baseline[case] = {"ms": ms, "peak_gib": peak_gib(device), "out": out.float().cpu()}
+        dist.barrier()
+        if device.type == "cuda":
+            torch._dynamo.reset()  # the context-parallel hooks change the blocks' inputs: compile them afresh
+        enable_context_parallel(model, ulysses_degree=world_size)
+        measure_cp(case)
     # 2b. Tensor parallelism over all ranks (`tp<N>`): a fresh copy of the same weights (the CP one has its hooks),
     # diffusers' processor, heads and FFN columns split, deterministic rank-order reduction.
     tp_case = f"tp{world_size}"
@@ -213,7 +254,13 @@ def main():
             torch.cuda.empty_cache()
         model = build_transformer(device, args.tiny)
         set_case(model, "native_cudnn", args.tiny)
-        enable_tensor_parallel(model, tp_degree=world_size, reduce_dtype=torch.float32 if args.tp_fp32_reduce else None)
+        if args.tp_quant != "none":
+            from diffusers_h3.quantizers import FP8Config, W8A16Config, quantize
+
+            quantize(model, {"w8a16": W8A16Config, "fp8": FP8Config}[args.tp_quant]())
+        enable_tensor_parallel(
+            model, tp_degree=world_size, reduce_dtype=torch.float32 if args.tp_fp32_reduce else None
+        )
         reset_peak(device)
         ms, out = timed(forward, device, args.reps, group=dist.group.WORLD)
         peaks = [None] * world_size
@@ -229,6 +276,8 @@ def main():
                 "peak_gib_per_rank": peaks,
                 "parameter_gib_per_rank": tensor_parallel_state(model)["parameter_bytes_per_rank"] / 2**30,
                 "reduce_dtype": tensor_parallel_state(model)["reduce_dtype"],
+                "weights": args.tp_quant,
+                "rel_l2_note": "vs the bf16 baseline" if args.tp_quant != "none" else None,
             }
     model = None  # frees the DiT before the VAE case
     if device.type == "cuda":
@@ -267,6 +316,7 @@ def main():
             "world_size": world_size,
             "ulysses_degree": world_size,
             "tiny": args.tiny,
+            "packed_rows": int(layout.seq_len),
             "forward": results,
             "vae_decode": vae_result,
         }

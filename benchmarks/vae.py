@@ -11,8 +11,9 @@ bf16 with the checkpoint's fp32 modules kept fp32, decoding a (1, 24, 37, 48, 84
 * ``batched_tiles``           ``enable_fast_vae_decode(vae, batch_tiles=N)``;
 * ``batched_tiles+compile``   the same with ``compile=True``; the first decode (which compiles) is recorded apart
   as ``compile_s``;
-* ``batched_tiles+compile+fp8``  the same with the decoder's linears quantized to FP8 (``FP8Config``: E4M3 weights,
-  per-token E4M3 activations, ``torch._scaled_mm``; ``proj_in`` (24 inputs) stays bf16). In place, so it runs last.
+* ``batched_tiles+compile+fp8``  the same with ``fp8_linears=True``: the decoder's linears quantized to FP8
+  (``FP8Config``: E4M3 weights, per-token E4M3 activations, ``torch._scaled_mm``; ``proj_in`` (24 inputs) stays as it
+  is). In place, so it runs last.
 
 ``--profile`` adds, for each compiled case, a CUDA kernel-time breakdown of one decode (GEMMs, attention,
 inductor-fused elementwise, FP8 quantization, copies, other) and its top kernels.
@@ -122,12 +123,10 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
                     entry["notes"] = "not run: --tiny runs on the CPU, compile is measured on the GPU only"
                     record(name, entry)
                     continue
-                if name.endswith("+fp8"):
-                    from diffusers_h3.quantizers import FP8Config, quantize
-
-                    quantize(vae.decoder, FP8Config(modules_to_not_convert=["proj_in"]))
+                fp8 = name.endswith("+fp8")
+                if fp8:
                     torch._dynamo.reset()  # the bf16 decoder's graphs must not be reused
-                state = enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True)
+                state = enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
             base = peak_start(device)
             started = time.perf_counter()
             out = decode()  # untimed: compilation on the compiled case, and the output that is compared

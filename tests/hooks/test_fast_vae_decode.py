@@ -161,3 +161,33 @@ def test_compiled_batched_decode_on_gpu_matches_native():
     # Inductor fuses and reorders reductions (and may pick other GEMM algorithms): the bound is the 1e-2.
     assert _rel_l2(fast, native) <= 1e-2 and torch.equal(fast, again)
     assert "torch.compile" in describe_vae_decode(vae) and "first compiled call" in describe_vae_decode(vae)
+
+
+def test_fp8_decoder_linears_are_the_fp8_quantization_of_the_decoder():
+    from diffusers_h3.quantizers import FP8Config, QuantizedLinear, quantize
+
+    z = _latents((1, 4, 9, 6, 9))
+    bf16_like, _ = _decode(_random_vae(), z)
+
+    by_hand = _random_vae()  # the same quantization applied by hand, decoded by the batched path without the option
+    quantize(by_hand.decoder, FP8Config(modules_to_not_convert=["proj_in"]))
+    enable_fast_vae_decode(by_hand, batch_tiles=True, fp8_linears=True)  # already quantized: kept, not re-quantized
+    expected, _ = _decode(by_hand, z)
+
+    vae = _random_vae()
+    state = enable_fast_vae_decode(vae, batch_tiles=True, fp8_linears=True)
+    got, counter = _decode(vae, z)
+    assert counter.calls == 1 and state.fp8_linears
+    kinds = {name: type(m).__name__ for name, m in vae.decoder.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["proj_in"] == "Linear" and all(isinstance(vae.decoder.get_submodule(n), QuantizedLinear)
+                                                for n in kinds if n != "proj_in")  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert 1e-4 < _rel_l2(got, bf16_like) < 0.2  # an approximation, and a small one
+    assert "FP8 decoder linears" in describe_vae_decode(vae)
+
+    disable_fast_vae_decode(vae)  # the tile batching goes; the FP8 linears stay, and the report says so
+    assert "FP8 decoder linears" in describe_vae_decode(vae)
+    with pytest.raises(ValueError, match="already quantized .* cannot be undone"):
+        enable_fast_vae_decode(vae, batch_tiles=True)
+    with pytest.raises(ValueError, match="`fp8_linears` must be True or False"):
+        enable_fast_vae_decode(_random_vae(), fp8_linears="yes")

@@ -86,6 +86,9 @@ BAD_INPUTS = {
     "missing out folder": (["--out", "{tmp}/missing/clip.mp4"], ["missing does not exist"]),
     "out is a folder": (["--out", "{tmp}/folder.mp4"], ["is a folder"]),
     "unknown flag": (["--hieght", "64"], ["unrecognized arguments: --hieght"]),
+    "two placements": (["--low-memory", "--cpu-offload"], ["--low-memory and --cpu-offload"]),
+    "low memory on several gpus": (["--low-memory", "--gpus", "2"], ["--low-memory", "--gpus 2"]),
+    "low memory with compile": (["--low-memory", "--speed", "fast"], ["--low-memory with --speed"]),
 }
 
 

@@ -428,15 +428,18 @@ def _load_pipeline(args):
     except (OSError, ValueError) as error:  # corrupt or missing files the checks could not see (e.g. on the hub)
         raise UsageError(f"--model {args.model or model}: cannot load ({_as_flags(str(error))})",
                          "check the checkpoint's files, or run with --debug for the traceback") from error  # fmt: skip
+    from diffusers_h3.parallel.placement import drop_unused_text_encoder_layers, enable_low_memory_offload
+
+    if pipe.text_encoder is not None:  # generation never runs them: same output, less memory in every placement
+        trimmed = drop_unused_text_encoder_layers(pipe)
+        if trimmed["removed_layers"]:
+            print(f"text encoder: {trimmed['removed_layers']} never-run decoder layers dropped "
+                  f"({trimmed['freed_gib']} GiB)", file=sys.stderr)  # fmt: skip
     if args.cpu_offload:
         pipe.enable_model_cpu_offload(device=_device(args))
     elif getattr(args, "low_memory", False):
-        from diffusers_h3.parallel.placement import drop_unused_text_encoder_layers, enable_low_memory_offload
-
-        trimmed = drop_unused_text_encoder_layers(pipe)
         placements = enable_low_memory_offload(pipe, _device(args), low_cpu_mem_usage=True)
-        print(f"low-memory placement: {placements}; text encoder: {trimmed['kept_layers']} decoder layers kept, "
-              f"{trimmed['removed_layers']} never-run layers removed", file=sys.stderr)  # fmt: skip
+        print(f"low-memory placement: {placements}", file=sys.stderr)
     else:
         pipe.to(_device(args))
     return pipe
@@ -624,9 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
         p.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
         p.add_argument("--low-memory", action="store_true",
-                       help="one 40-48 GB GPU: drop the text encoder's never-run layers, then enable_low_memory_offload "
-                            "(block-level group offload with CUDA streams for the DiT and the text encoder, model "
-                            "offload for the VAEs; docs/multi_gpu.md)")  # fmt: skip
+                       help="one 40-48 GB GPU: enable_low_memory_offload (block-level group offload with CUDA "
+                            "streams for the DiT, leaf-level for the text encoder, model offload for the VAEs; "
+                            "docs/multi_gpu.md)")  # fmt: skip
         p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
 
     gen = sub.add_parser("generate", help="generate a clip and write it as MP4 with stereo audio")

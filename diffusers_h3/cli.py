@@ -430,7 +430,9 @@ def _load_pipeline(args):
                          "check the checkpoint's files, or run with --debug for the traceback") from error  # fmt: skip
     from diffusers_h3.parallel.placement import drop_unused_text_encoder_layers, enable_low_memory_offload
 
-    if pipe.text_encoder is not None:  # generation never runs them: same output, less memory in every placement
+    if (
+        getattr(pipe, "text_encoder", None) is not None
+    ):  # generation never runs them: same output, less memory in every placement
         trimmed = drop_unused_text_encoder_layers(pipe)
         if trimmed["removed_layers"]:
             print(f"text encoder: {trimmed['removed_layers']} never-run decoder layers dropped "

@@ -105,11 +105,8 @@ def main():
     parser.add_argument("--layers", type=int, default=50)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
-    parser.add_argument(
-        "--cases",
-        default="native_cudnn,vsa_bf16_sp0.8,vsa_fp8_sp0.8,fp8_gemm,fp8_gemm+vsa_fp8_sp0.8,"
-        "fp8_gemm+vsa_fp8_sp0.8+compile",
-    )
+    parser.add_argument("--cases", default="native_cudnn,vsa_bf16_sp0.8,vsa_fp8_sp0.8,fp8_gemm,fp8_gemm+vsa_fp8_sp0.8,"
+                                           "fp8_gemm+vsa_fp8_sp0.8+compile")
     args = parser.parse_args()
     wanted = args.cases.split(",")
 
@@ -157,16 +154,8 @@ def write_report(args, results, layout):
 
     report = {
         **result_header("end_to_end", args.commit),
-        "shape": {
-            "layers": args.layers,
-            "rows": int(layout.seq_len),
-            "text": TEXT_ROWS,
-            "frames": NUM_FRAMES,
-            "height": HEIGHT,
-            "width": WIDTH,
-            "heads": 56,
-            "head_dim": 128,
-        },  # fmt: skip
+        "shape": {"layers": args.layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,
+                  "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128},  # fmt: skip
         "reference": "native_cudnn bf16 output (random weights: numerical distance, not quality)",
         "protocol": f"1 warm-up + median of {args.reps} CUDA-event timed full forwards, one process",
         "cases": results,

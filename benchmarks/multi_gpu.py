@@ -258,9 +258,7 @@ def main():
             from diffusers_h3.quantizers import FP8Config, W8A16Config, quantize
 
             quantize(model, {"w8a16": W8A16Config, "fp8": FP8Config}[args.tp_quant]())
-        enable_tensor_parallel(
-            model, tp_degree=world_size, reduce_dtype=torch.float32 if args.tp_fp32_reduce else None
-        )
+        enable_tensor_parallel(model, tp_degree=world_size, reduce_dtype=torch.float32 if args.tp_fp32_reduce else None)
         reset_peak(device)
         ms, out = timed(forward, device, args.reps, group=dist.group.WORLD)
         peaks = [None] * world_size

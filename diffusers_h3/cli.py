@@ -22,14 +22,7 @@ from ._version import __version__
 
 
 PROG = "diffusers-h3"
-DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 REFERENCE_KINDS = ("image", "video", "audio")
 REFERENCE_EXTENSIONS = {
     "png": "image", "jpg": "image", "jpeg": "image", "webp": "image", "mp4": "video", "mov": "video", "mkv": "video",
@@ -121,9 +114,7 @@ def safetensors_problem(path: Path) -> Optional[str]:
 def _check_model_folder(path: Path, flag: str = "--model") -> None:
     """The folder's JSON files parse and its safetensors files are complete (a corrupt file is named, with why)."""
     if not path.is_dir():
-        raise UsageError(
-            f"{flag} {path}: is a file, not a checkpoint folder", "pass the folder that holds model_index.json"
-        )
+        raise UsageError(f"{flag} {path}: is a file, not a checkpoint folder", "pass the folder that holds model_index.json")
     for file in sorted([*path.glob("*.json"), *path.glob("*/*.json")]):
         try:
             json.loads(file.read_text())
@@ -189,17 +180,13 @@ def _load_reference(value: str):
     try:
         return reference_cls.from_file(str(path))
     except (ValueError, OSError, RuntimeError) as error:
-        raise UsageError(
-            f"--reference {value}: cannot decode the {kind} ({_as_flags(str(error))})", f"pass a {kind} file"
-        )
+        raise UsageError(f"--reference {value}: cannot decode the {kind} ({_as_flags(str(error))})", f"pass a {kind} file")
 
 
 def _check_out(value: str) -> None:
     path = Path(value).expanduser()
     if path.suffix.lower() != ".mp4":
-        raise UsageError(
-            f"--out {value}: the clip is written as MP4", f"end the name with .mp4, e.g. {path.with_suffix('.mp4')}"
-        )
+        raise UsageError(f"--out {value}: the clip is written as MP4", f"end the name with .mp4, e.g. {path.with_suffix('.mp4')}")
     if path.is_dir():
         raise UsageError(f"--out {value}: is a folder", f"name a file in it, e.g. {path / 'clip.mp4'}")
     parent = path.absolute().parent
@@ -257,22 +244,16 @@ def _check_choices(args) -> None:
 
         for flag, value in (("--quantize", args.quantize), ("--quantize-text-encoder", args.quantize_text_encoder)):
             if value is not None and value not in format_names():
-                raise UsageError(
-                    f"{flag} {value}: unknown quantization format", f"choose one of {', '.join(format_names())}"
-                )
+                raise UsageError(f"{flag} {value}: unknown quantization format", f"choose one of {', '.join(format_names())}")
     if getattr(args, "cache", None):
         from diffusers_h3.hooks.cache import cache_config
 
         try:
-            args.cache_config = cache_config(
-                args.cache, num_inference_steps=args.steps, threshold=args.cache_threshold
-            )
+            args.cache_config = cache_config(args.cache, num_inference_steps=args.steps, threshold=args.cache_threshold)
         except ValueError as error:
             message = str(error).replace("MagCache needs num_inference_steps", "--cache mag needs --steps")
             what, _, fix = message.partition(": ")
-            raise UsageError(
-                what if what.startswith("--cache") else f"--cache {args.cache}: {what}", fix or "see --help"
-            )
+            raise UsageError(what if what.startswith("--cache") else f"--cache {args.cache}: {what}", fix or "see --help")
 
 
 def _check_model_option(args) -> None:
@@ -319,9 +300,7 @@ def _check_request(args, task: str, conditioning) -> None:
     geometry.vae, geometry.vae_spatial_compression_ratio = vae, vae.spatial_compression_ratio
     setattr(geometry, partition, argparse.Namespace(config=argparse.Namespace(patch_size=list(patch_size))))
     try:
-        geometry.check_inputs(
-            task, args.prompt, args.height, args.width, args.frames, conditioning, "np", None, None, None
-        )
+        geometry.check_inputs(task, args.prompt, args.height, args.width, args.frames, conditioning, "np", None, None, None)
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
 
@@ -401,10 +380,7 @@ def _load_pipeline(args):
     task = getattr(args, "task", None) or "t2va"
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     if args.model is None:
-        print(
-            "No --model given: using the embedded tiny demo checkpoint (random weights: the output is noise).",
-            file=sys.stderr,
-        )
+        print("No --model given: using the embedded tiny demo checkpoint (random weights: the output is noise).", file=sys.stderr)
         model = demo_checkpoint_dir()
     else:
         model = args.model
@@ -430,9 +406,8 @@ def _load_pipeline(args):
                          "check the checkpoint's files, or run with --debug for the traceback") from error  # fmt: skip
     from diffusers_h3.parallel.placement import drop_unused_text_encoder_layers, enable_low_memory_offload
 
-    if (
-        getattr(pipe, "text_encoder", None) is not None
-    ):  # generation never runs them: same output, less memory in every placement
+    # Generation never runs the text encoder's later layers: dropping them keeps the output, saves memory everywhere.
+    if getattr(pipe, "text_encoder", None) is not None:
         trimmed = drop_unused_text_encoder_layers(pipe)
         if trimmed["removed_layers"]:
             print(f"text encoder: {trimmed['removed_layers']} never-run decoder layers dropped "
@@ -571,9 +546,7 @@ def cmd_generate(args) -> int:
 
     if not is_main_rank():  # every rank holds the same output; rank 0 writes it
         return 0
-    path = export_to_video(
-        output.frames[0], args.out, fps=24, audio=output.audio[0], sampling_rate=output.sampling_rate
-    )
+    path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0], sampling_rate=output.sampling_rate)
     frames = output.frames.shape[1]
     print(f"wrote {path}: {frames} frames at 24 fps + stereo audio at {output.sampling_rate} Hz ({seconds:.1f} s)")
     print("paths:")
@@ -607,9 +580,7 @@ def _ranged(kind, minimum=None, below=None, what="value"):
         try:
             number = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
-            )
+            raise argparse.ArgumentTypeError(f"{what} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         if (minimum is not None and number < minimum) or (below is not None and number >= below):
             bounds = f"at least {minimum}" if below is None else f"in [{minimum}, {below})"
             raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {value}")
@@ -667,65 +638,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
                           "(default: %(default)s)")  # fmt: skip
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
-    fast.add_argument(
-        "--vsa",
-        type=_ranged(float, 0.0, 1.0, what="sparsity"),
-        default=None,
-        metavar="SPARSITY",
-        help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)",
-    )
-    fast.add_argument(
-        "--attention-precision",
-        choices=("bf16", "fp8", "int8", "fp4"),
-        default=None,
-        help="VSA precision; without --vsa: dense attention in this precision (MiniMaxH3LowPrecisionAttnProcessor; fp8: Ada/Hopper+, int8: Ampere+)",
-    )
-    fast.add_argument(
-        "--dense-first-steps",
-        type=_ranged(int, 0, what="--dense-first-steps"),
-        default=None,
-        metavar="STEPS",
-        help="with --vsa: dense attention for the first STEPS steps (default: 0)",
-    )
-    fast.add_argument(
-        "--quantize",
-        default=None,
-        metavar="FORMAT",
-        help="quantize the DiT while loading, in a registered format (built in: fp8, w8a16, nvfp4)",
-    )
-    fast.add_argument(
-        "--quantize-text-encoder",
-        default=None,
-        metavar="FORMAT",
-        help="quantize the Qwen3-VL text encoder while loading (formats as --quantize)",
-    )
+    fast.add_argument("--vsa", type=_ranged(float, 0.0, 1.0, what="sparsity"), default=None, metavar="SPARSITY",
+                      help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")
+    fast.add_argument("--attention-precision", choices=("bf16", "fp8", "int8", "fp4"), default=None,
+                      help="VSA precision; without --vsa: dense attention in this precision (MiniMaxH3LowPrecisionAttnProcessor; fp8: Ada/Hopper+, int8: Ampere+)")
+    fast.add_argument("--dense-first-steps", type=_ranged(int, 0, what="--dense-first-steps"), default=None,
+                      metavar="STEPS", help="with --vsa: dense attention for the first STEPS steps (default: 0)")
+    fast.add_argument("--quantize", default=None, metavar="FORMAT",
+                      help="quantize the DiT while loading, in a registered format (built in: fp8, w8a16, nvfp4)")
+    fast.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
+                      help="quantize the Qwen3-VL text encoder while loading (formats as --quantize)")
     fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
     fast.add_argument("--lora-scale", type=float, default=None, help="with --lora: adapter weight (default: 1.0)")
-    fast.add_argument(
-        "--lora-allow-unmatched",
-        action="store_true",
-        help="with --lora: load the matching modules and skip LoRA keys that match none",
-    )
+    fast.add_argument("--lora-allow-unmatched", action="store_true",
+                      help="with --lora: load the matching modules and skip LoRA keys that match none")
     fast.add_argument("--cache", choices=CACHE_METHOD_CHOICES, default=None,
                       help="diffusers' step cache on the DiT: first-block (FirstBlockCache), mag (MagCache; needs "
                            "--steps, calibrates on its first run) or taylorseer (TaylorSeer)")  # fmt: skip
-    fast.add_argument(
-        "--cache-threshold",
-        type=_ranged(float, 0.0, what="--cache-threshold"),
-        default=None,
-        help="with --cache first-block/mag: the skip threshold (default: diffusers' 0.05 / 0.06)",
-    )
+    fast.add_argument("--cache-threshold", type=_ranged(float, 0.0, what="--cache-threshold"), default=None,
+                      help="with --cache first-block/mag: the skip threshold (default: diffusers' 0.05 / 0.06)")
     fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")
-    fast.add_argument(
-        "--speed",
-        choices=("exact", "fast", "fastest"),
-        default=None,
-        help="speed preset (docs/speed.md): exact = bf16, fastest exact attention, regional compile; "
-        "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8",
-    )
-    fast.add_argument(
-        "--compile", action="store_true", help="regional torch.compile of the transformer blocks (first call compiles)"
-    )
+    fast.add_argument("--speed", choices=("exact", "fast", "fastest"), default=None,
+                      help="speed preset (docs/speed.md): exact = bf16, fastest exact attention, regional compile; "
+                           "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8")
+    fast.add_argument("--compile", action="store_true",
+                      help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)
 
     des = sub.add_parser("describe", help="print versions, devices and which attention/quantization paths run")

@@ -18,9 +18,7 @@ def _read_back(path):
         info = {
             "video_codec": video.codec_context.name,
             "audio_codec": audio.codec_context.name,
-            "channels": audio.codec_context.channels
-            if hasattr(audio.codec_context, "channels")
-            else audio.layout.nb_channels,
+            "channels": audio.codec_context.channels if hasattr(audio.codec_context, "channels") else audio.layout.nb_channels,
             "sample_rate": audio.codec_context.sample_rate,
             "size": (video.codec_context.width, video.codec_context.height),
         }
@@ -62,10 +60,7 @@ def test_export_rejects_bad_input(tmp_path):
 def test_cli_generate_demo_writes_clip(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "demo.mp4"
-    assert (
-        main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu"])
-        == 0
-    )
+    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu"]) == 0
     info = _read_back(out)
     assert info["num_frames"] == 124 and info["channels"] == 2 and info["size"] == (96, 64)
     assert "wrote" in capsys.readouterr().out
@@ -89,40 +84,15 @@ def test_cli_generate_with_fast_paths(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     compiled = []
-    monkeypatch.setattr(
-        MiniMaxH3Transformer3DModel, "compile_repeated_blocks", lambda self, **kw: compiled.append(kw), raising=False
-    )
+    monkeypatch.setattr(MiniMaxH3Transformer3DModel, "compile_repeated_blocks",
+                        lambda self, **kw: compiled.append(kw), raising=False)
     lora = tmp_path / "style.safetensors"
-    save_file(
-        {
-            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32),
-            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4),
-        },
-        str(lora),
-    )
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(64, 4)}, str(lora))
     out = tmp_path / "fast.mp4"
-    argv = [
-        "generate",
-        "--prompt",
-        "a cat",
-        "--out",
-        str(out),
-        "--steps",
-        "3",
-        "--device",
-        "cpu",
-        "--vsa",
-        "0.75",
-        "--attention-precision",
-        "fp8",
-        "--quantize",
-        "w8a16",
-        "--quantize-text-encoder",
-        "fp8",
-        "--lora",
-        str(lora),
-        "--compile",
-    ]
+    argv = ["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--device", "cpu", "--vsa", "0.75",
+            "--attention-precision", "fp8", "--quantize", "w8a16", "--quantize-text-encoder", "fp8", "--lora", str(lora),
+            "--compile"]
     assert main(argv) == 0
     assert _read_back(out)["num_frames"] == 124
     printed = capsys.readouterr()

@@ -145,7 +145,9 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
         return None, f"{dtype} (not quantized)"
     wanted = gemm_format(device)
     config = FP8Config() if wanted == "fp8" else W8A16Config()
-    why = "FP8 tensor cores" if wanted == "fp8" else f"no FP8 tensor cores on {device} (SM89+ needed for FP8 GEMMs)"
+    why = (
+        "FP8 tensor cores" if wanted == "fp8" else f"no FP8 tensor cores on {device} (SM89+ needed for FP8 GEMMs)"
+    )
     label = ("FP8 E4M3 weights + per-token FP8 activations (FP8Config)" if wanted == "fp8" else
              "weight-only INT8 with 16-bit GEMMs (W8A16Config)") + f": {why}"  # fmt: skip
     if loaded is not None:

@@ -36,9 +36,7 @@ def test_split_transformer_over_cpu_and_disk_keeps_blocks_whole(tmp_path):
     device_map = model.hf_device_map
     assert set(device_map.values()) == {"cpu", "disk"}, device_map
     for name in device_map:  # no block is split between devices
-        assert name.count(".") <= 1 or not name.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.")), (
-            name
-        )
+        assert name.count(".") <= 1 or not name.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.")), name
     inputs = tiny_transformer_inputs()
     for got, expected in zip(_forward(model, inputs), _forward(reference, inputs)):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)

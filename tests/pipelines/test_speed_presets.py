@@ -11,14 +11,8 @@ from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcess
 from diffusers_h3.testing.tiny import tiny_pipeline
 
 
-CALL = {
-    "prompt": "a cat",
-    "height": 32,
-    "width": 32,
-    "num_frames": 124,
-    "num_inference_steps": 2,
-    "output_type": "latent",
-}
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2,
+        "output_type": "latent"}
 
 
 def _pipe():

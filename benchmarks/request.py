@@ -20,8 +20,8 @@ Cases, in this order (the presets quantize in place, so the bf16 ones come first
 * ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
                             fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
 
-Each case runs one untimed warm-up request of one forward (compilation, autotuning, cuDNN plans; decoding too in the
-first case) and one timed request. With
+Each case runs one untimed warm-up request of two forwards (compilation, autotuning, cuDNN plans; decoding too in the
+first case; two because step 0 and the later steps pack different timestep counts) and one timed request. With
 ``--forwards K`` a case of more than K forwards times only the first K (the rest of the loop is interrupted, decode
 and mux still run) and the whole-request ``ms`` is extrapolated with the median forward: the JSON says so per case
 (``forwards_timed``, ``extrapolated``). Stage times are CUDA-synchronized wall times; the partial JSON is written
@@ -402,11 +402,11 @@ def write_report(args, results, notes, build_s, device):
         **result_header("request", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
         "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": NUM_FRAMES,
                   "prompt_tokens": PROMPT_TOKENS, "tiny": args.tiny,
-                  "text_encoder": "Qwen3-VL-32B config, decoder layers 0-49 built and run (early exit at "
+                  "text_encoder": "Qwen3-VL-32B config, decoder layers 0-50 built, 0-49 run (early exit at "
                                   "hidden_states[50]), vision tower built" if not args.tiny else "tiny",
                   "transformer": "MiniMaxH3Transformer3DModel() defaults: 50 blocks, hidden 5376, 56x128 heads",
                   "vae": "AutoencoderKLMiniMaxH3() / AutoencoderKLMiniMaxH3Audio() defaults (released sizes), tiled"},
-        "protocol": "random weights built on the device; per case 1 warm-up request (1 forward) + 1 timed request "
+        "protocol": "random weights built on the device; per case 1 warm-up request (2 forwards) + 1 timed request "
                     "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
                     "stages.forwards add the missing ones at the median forward ('extrapolated': true)",
         "build_s": round(build_s, 1),

@@ -17,7 +17,7 @@ from end_to_end import build_inputs, build_model
 import diffusers_h3.quantizers.layers as layers
 from diffusers_h3 import use_packed_layout
 from diffusers_h3.attention_processors import enable_vsa
-from diffusers_h3.kernels.gemm.fp8 import SCALED_MM_MIN_ROWS, fp8_quantize_per_token_reference
+from diffusers_h3.kernels.gemm.fp8 import fp8_linear_scaled_mm
 from diffusers_h3.quantizers import FP8Config, quantize
 
 from _common import profile_forward
@@ -27,22 +27,8 @@ shipped_fp8_linear = layers.fp8_linear
 
 
 def traceable_fp8_linear(x, wq, w_scale, bias=None, backend="auto", use_fast_accum=True):
-    n, k = wq.shape
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] < SCALED_MM_MIN_ROWS:
-        return shipped_fp8_linear(x, wq, w_scale, bias, backend=backend, use_fast_accum=use_fast_accum)
-    xq, xs = fp8_quantize_per_token_reference(x2)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    out = torch._scaled_mm(
-        xq,
-        wq.t(),
-        scale_a=xs,
-        scale_b=w_scale.float().reshape(1, n),
-        bias=bias.to(out_dtype) if bias is not None else None,
-        out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
-    )
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    # The shipped path without its compile barrier, with the quantization in torch ops (the reference).
+    return fp8_linear_scaled_mm(x, wq, w_scale, bias, use_fast_accum, quant_backend="torch")
 
 
 def main(out_path):

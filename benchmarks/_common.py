@@ -45,6 +45,18 @@ def cuda_median_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 7) -> 
     return statistics.median(times)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): wall-clock timings end here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def git_commit(given: Optional[str] = None) -> Optional[str]:
     """The commit being measured: ``given`` if set (a copy of the tree without ``.git``), else ``git rev-parse HEAD``
     of this checkout with "+uncommitted" when the tree is dirty, else None."""
@@ -357,12 +369,10 @@ def profile_forward(run, device: torch.device, top: int = 15) -> Dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     with profile(activities=activities) as prof:
         run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
     # Per kernel name: (device time, launches), counted as torch's own profiler table sums device time: device events
     # that are not record_function ranges (user annotations are on the GPU timeline too: they span kernels and would
     # count them twice). On a CPU (--tiny): the operators' self time.

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from _common import CATEGORIES, kernel_breakdown, kernel_category, profile_forward, result_header, write_json  # noqa: F401
+from _common import profile_forward, rel_l2, result_header, synchronize, write_json
 
 
 CASES = ("native", "exact", "fast", "fastest")
@@ -100,11 +100,6 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
     return model, kwargs, layout, shape
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def dynamo_counts() -> Tuple[int, int]:
     """(graphs traced, graph breaks) so far in this process (torch._dynamo.utils.counters; reset() keeps them)."""
     from torch._dynamo.utils import counters
@@ -119,10 +114,10 @@ def measure(run, device: torch.device, warmup: int, reps: int) -> Dict[str, Any]
     warmup_s = []
     out = None
     for _ in range(warmup):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         out = run()
-        sync(device)
+        synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     graphs1, breaks1 = dynamo_counts()
     del out
@@ -157,11 +152,6 @@ def measure(run, device: torch.device, warmup: int, reps: int) -> Dict[str, Any]
         },  # fmt: skip
     }
     return record, out
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def model_paths(model) -> Dict[str, Any]:

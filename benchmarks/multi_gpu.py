@@ -27,17 +27,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import device_name, result_header, write_json
+from _common import device_name, result_header, synchronize, write_json
 
 
 CASES = ("native_cudnn", "vsa_bf16_sp0.8", "vsa_fp8_sp0.8", "dense_fp8", "fastest")
 # Cases that change the weights in place: run on a fresh copy, after the others.
 FRESH_MODEL_CASES = ("fastest",)
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device, reps, group=None):

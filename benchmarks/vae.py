@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from _common import profile_forward, result_header, write_json
+from _common import profile_forward, rel_l2, result_header, synchronize, write_json
 
 
 LATENT_SHAPE = (1, 24, 37, 48, 84)  # 124 frames -> 5 * 7 + 2 latent frames; 768 / 16 x 1344 / 16 latents
@@ -42,18 +42,13 @@ TINY_LATENT_SHAPE = (1, 4, 9, 6, 9)  # 2 temporal chunks x 8 tiles with TINY_TIL
 TINY_TILING = (64, 64, 32, 32)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(fn, reps, device):
     times = []
     for _ in range(reps):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -68,10 +63,6 @@ def peak_start(device):
 
 def peak_gib(device, base):
     return None if device.type != "cuda" else round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 2)
-
-
-def rel_l2(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def build_vae(device, dtype, tiny):
@@ -130,7 +121,7 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
             base = peak_start(device)
             started = time.perf_counter()
             out = decode()  # untimed: compilation on the compiled case, and the output that is compared
-            _sync(device)
+            synchronize(device)
             if name in COMPILED_CASES:
                 compile_s = round(state.compile_seconds if state.compile_seconds is not None else 0.0, 1)
                 entry["compile_s"] = compile_s

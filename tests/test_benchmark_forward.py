@@ -24,6 +24,14 @@ def _forward_module(monkeypatch):
     return module
 
 
+def _common_module(monkeypatch):
+    """benchmarks/_common.py, where the kernel-time breakdown of every profiling suite lives."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import _common
+
+    return _common
+
+
 def _run(*args, timeout=120):
     # The torch references of the kernels, as on a CPU-only machine (conftest turns the Triton interpreter on for
     # in-process kernel tests; through it the tiny run takes a minute).
@@ -99,8 +107,8 @@ def test_tiny_run_records_every_case(tmp_path):
 
 
 def test_kernel_category(monkeypatch):
-    forward = _forward_module(monkeypatch)
-    category = forward.kernel_category
+    common = _common_module(monkeypatch)
+    category = common.kernel_category
     expected = {
         # cuBLAS / cuBLASLt / CUTLASS GEMMs and torch._scaled_mm
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT": "gemm",
@@ -144,11 +152,11 @@ def test_kernel_category(monkeypatch):
     }
     got = {name: category(name) for name in expected}
     assert got == expected
-    assert set(expected.values()) == set(forward.CATEGORIES)
+    assert set(expected.values()) == set(common.CATEGORIES)
 
 
 def test_kernel_breakdown_sums_and_ranks(monkeypatch):
-    forward = _forward_module(monkeypatch)
+    common = _common_module(monkeypatch)
     rows = [
         ("nvjet_tst_128x256", 6000.0, 100),
         ("_quant_row_kernel", 1000.0, 100),
@@ -156,7 +164,7 @@ def test_kernel_breakdown_sums_and_ranks(monkeypatch):
         ("_sparse_fwd_sm90_ws_kernel", 1000.0, 50),
         ("Memset (Device)", 500.0, 7),
     ]
-    result = forward.kernel_breakdown(rows, top=3)
+    result = common.kernel_breakdown(rows, top=3)
     assert result["kernel_ms"] == 10.0
     categories = result["categories"]
     assert categories["gemm"] == {"ms": 6.0, "pct": 60.0, "count": 100, "top": ["nvjet_tst_128x256"]}
@@ -167,7 +175,7 @@ def test_kernel_breakdown_sums_and_ranks(monkeypatch):
                                                           "_quant_row_kernel"]  # fmt: skip
     assert result["top_kernels"][1] == {"name": "triton_poi_fused_add_0", "category": "inductor_fused", "ms": 1.5,
                                         "pct": 15.0, "count": 50}  # fmt: skip
-    assert forward.kernel_breakdown([])["kernel_ms"] == 0
+    assert common.kernel_breakdown([])["kernel_ms"] == 0
 
 
 def test_the_per_transformer_preset_checks_before_changing_anything():

@@ -59,12 +59,15 @@ def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
         if isinstance(getattr(text_config, "layer_types", None), list):
             text_config.layer_types = text_config.layer_types[:keep]
     record = {"kept_layers": keep, "removed_layers": len(removed), "freed_gib": round(freed / 2**30, 2)}
-    placement = dict(getattr(pipe, "_diffusers_h3_placement", {}) or {})
-    placement["text_encoder_layers"] = (
+    _record_placement(pipe, text_encoder_layers=(
         f"{keep} decoder layers kept, {len(removed)} never-run layers removed ({record['freed_gib']} GiB freed)"
-    )
-    pipe._diffusers_h3_placement = placement
+    ))  # fmt: skip
     return record
+
+
+def _record_placement(pipe, **entries: str) -> None:
+    """Add to what the recipes applied to `pipe` (`describe(pipe)["placement"]`)."""
+    pipe._diffusers_h3_placement = {**(getattr(pipe, "_diffusers_h3_placement", None) or {}), **entries}
 
 
 def balanced_kwargs(max_memory: Dict[Union[int, str], str]) -> Dict[str, Any]:
@@ -205,5 +208,5 @@ def enable_low_memory_offload(
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""
             placements[name] = f"model offload{reason}"
-    pipe._diffusers_h3_placement = {**(getattr(pipe, "_diffusers_h3_placement", None) or {}), **placements}
+    _record_placement(pipe, **placements)
     return placements

@@ -99,8 +99,10 @@ def _gib(nbytes):
     return round(nbytes / GiB, 2)
 
 
-def module_bytes(module):
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+def module_bytes(module, device_type=None):
+    """Bytes of ``module``'s parameters and buffers (only those on a ``device_type`` device, when given)."""
+    tensors = (*module.parameters(), *module.buffers())  # both iterators yield each shared tensor once
+    return sum(t.numel() * t.element_size() for t in tensors if device_type is None or t.device.type == device_type)
 
 
 def host_available_bytes():
@@ -251,13 +253,8 @@ def one_request(pipe, tiny):
 
 def device_bytes_by_component(pipe, device):
     """GiB of each component's parameters and buffers that sit on ``device`` now (what stays resident)."""
-    sizes = {}
-    for name, component in pipe.components.items():
-        if isinstance(component, torch.nn.Module):
-            tensors = {id(t): t for t in list(component.parameters()) + list(component.buffers())}.values()
-            on_device = sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type)
-            sizes[name] = round(on_device / GiB, 2)
-    return sizes
+    return {name: _gib(module_bytes(component, device.type)) for name, component in pipe.components.items()
+            if isinstance(component, torch.nn.Module)}  # fmt: skip
 
 
 def timed_request(pipe, device, tiny):

@@ -30,10 +30,7 @@ from .._vae_tiles import decode_from_tiles
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
-FP8_LINEARS_NOTE = (
-    "FP8 decoder linears (FP8Config, approximate: 3.9e-2 relative L2 to the bf16 decode on random weights, "
-    "benchmarks/results/vae_h200.json)"
-)
+FP8_LINEARS_NOTE = "FP8 decoder linears (FP8Config; approximate: measured error and speed in docs/vae.md)"
 # `proj_in` maps the 24 latent channels (not a multiple of 16, and kept fp32 by the checkpoint).
 FP8_KEEP = ("proj_in",)
 
@@ -160,8 +157,8 @@ def enable_fast_vae_decode(
             module is left as it is.
         fp8_linears (`bool`, defaults to `False`): Quantize the decoder's linears to FP8 (`FP8Config`: E4M3 weights,
             per-token activations; FP8 tensor cores on SM89+, elsewhere FP8Config's fallbacks) in place, once — an
-            approximation (measured on one H200 with random weights: decode 3.66 s -> 2.67 s with `compile=True`,
-            3.9e-2 relative L2 to the bf16 decode). It cannot be undone: reload the VAE for bf16 linears.
+            approximation (its measured speed and error: docs/vae.md). It cannot be undone: reload the VAE for bf16
+            linears.
 
     Returns the installed `FastVAEDecodeState` (reported by `diffusers_h3.describe`). The tile geometry and blend are
     the VAE's own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.

@@ -164,9 +164,8 @@ def enable_low_memory_offload(
         low_cpu_mem_usage: with streams, pin each group's weights on the fly at every transfer instead of keeping a
             pinned copy of all of them (diffusers' `low_cpu_mem_usage`). False (diffusers' default) transfers
             faster, but the pinned copies of all the DiT's groups are made before its weights are released, and
-            pinned sizes round up to powers of two: about 2.5x the DiT's weights in host memory during this call
-            (W8A16 DiT: 31 GiB of weights, 45 GiB pinned). True keeps host memory at the weights once, at the cost
-            of a host copy per transfer.
+            pinned sizes round up to powers of two: well over the DiT's weights in host memory during this call.
+            True keeps host memory at the weights once, at the cost of a host copy per transfer.
 
     Returns:
         `{component: placement}`, what each component got.

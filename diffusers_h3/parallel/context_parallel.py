@@ -18,6 +18,7 @@ machinery lacks for H3:
 import copy
 import hashlib
 import json
+import os
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -66,10 +67,17 @@ def _transformers_of(pipe_or_transformer) -> List[torch.nn.Module]:
 def _ensure_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         return
-    # Accelerate reads torchrun / `accelerate launch` environment variables and picks NCCL on GPUs, gloo on CPU.
-    from accelerate import PartialState
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # CPU ranks: Accelerate would create a plain "gloo" group, and diffusers' uneven-shard size exchange picks its
+        # device from the backend name ("cpu" in it, else the build's accelerator), so a CUDA build of torch on a
+        # host without GPUs would send it to CUDA. "cpu:gloo" keeps it on the CPU.
+        dist.init_process_group(backend="cpu:gloo")
+    else:
+        # Accelerate reads torchrun / `accelerate launch` / notebook_launcher environment variables; on GPUs it
+        # creates "cuda:nccl,cpu:gloo" (the size exchange stays on the CPU).
+        from accelerate import PartialState
 
-    PartialState()
+        PartialState()
     if not dist.is_initialized():
         raise RuntimeError(
             "enable_context_parallel needs one process per rank: launch with `torchrun --nproc-per-node N`, "

@@ -325,7 +325,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
     }
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/request_h200.json")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases to run (default: all)")
@@ -337,7 +337,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU smoke test)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny when no GPU)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     wanted = [c for c in args.cases.split(",") if c]
     skip = {c for c in args.skip.split(",") if c}
@@ -368,6 +368,7 @@ def main():
                 torch._dynamo.reset()  # compile the new preset's blocks from scratch (no stale guards or cache limit)
                 diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile)
                 applied = preset
+                decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
             case_start = time.perf_counter()
             if not args.no_warmup:
                 warm_up(pipe, case, args.tiny, decode=not decoders_warm)

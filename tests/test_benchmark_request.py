@@ -52,3 +52,18 @@ def test_tiny_request_records_every_stage(tmp_path):
     assert seconds == {k: pytest.approx(v / 1000) for k, v in case["stages"].items()}
     plot.main(["--results", str(tmp_path), "--out", str(tmp_path / "summary.png")])
     assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_preset_change_warms_the_decode_again(tmp_path, monkeypatch):
+    """A preset picks its own decode path (and the Dynamo reset drops a compiled decoder): the warm-up must decode
+    again after each preset change, or the timed request pays the decoder's compilation."""
+    spec = importlib.util.spec_from_file_location("benchmarks_request", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec.loader.exec_module(module)
+    warmed = []
+    monkeypatch.setattr(module, "warm_up", lambda pipe, case, tiny, decode: warmed.append((case, decode)))
+    record = {"ms": 1.0, "stages": {"forwards": 1.0}, "peak_gib": None, "forwards": 1, "forwards_timed": 1}
+    monkeypatch.setattr(module, "request", lambda *args, **kwargs: dict(record))
+    module.main(["--tiny", "--cases", "t2va_native,t2va_fast,t2va_fastest", "--out", str(tmp_path / "r.json")])
+    assert warmed == [("t2va_native", True), ("t2va_fast", True), ("t2va_fastest", True)]

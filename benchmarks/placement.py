@@ -67,17 +67,19 @@ from request import (
 from _common import result_header, write_json
 
 
-CASES = ("resident_80gb", "offload_48gb", "offload_40gb")
+CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb")
 # case -> (recipe, cap in GiB on a CUDA device)
 CASE_SETUP = {
     "resident_80gb": ("resident", 78.5),
     "offload_48gb": ("offload", 47.0),
     "offload_40gb": ("offload", 39.0),
+    "offload_24gb": ("offload", 22.5),
 }
 CAP_BASIS = (
     "usable memory of the class's card as PyTorch sees it (A100/H100 80 GB ~79.1 GiB, RTX A6000/6000 Ada ~47.5 GiB, "
     "A100 40 GB ~39.6 GiB) less ~0.6 GiB of CUDA context and library handles, which on the H200 lie outside the cap "
-    "(non_torch_gib); L40S/A40 (~44.5 GiB) fall between the two offload caps"
+    "(non_torch_gib); L40S/A40 (~44.5 GiB) fall between the two offload caps; 24 GB cards (RTX 3090/4090, A10, L4: ~23.5 GiB) "
+    "less the context and ~0.4 GiB of margin"
 )
 RECIPE_LINES = {
     "resident": 'MiniMaxH3Pipeline.from_pretrained(repo, task="t2va", dtype=torch.bfloat16, '

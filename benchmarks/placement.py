@@ -14,6 +14,7 @@ Cases, in this order (one pipeline per recipe; the offload cases share theirs, o
                      group offload (DiT by blocks with CUDA-stream prefetch, text encoder by leaves), model offload for
                      the VAEs; cap 47.0 GiB.
 * ``offload_40gb``   the same pipeline and recipe; cap 39.0 GiB.
+* ``offload_24gb``   the same pipeline and recipe; cap 22.5 GiB (24 GB cards).
 
 Caps: what a card of the class gives PyTorch (A100 / H100 80 GB: ~79.1 GiB; RTX A6000 / 6000 Ada: ~47.5 GiB; A100
 40 GB: ~39.6 GiB) less ~0.6 GiB for the CUDA context and library handles, which on the H200 lie outside the cap (the

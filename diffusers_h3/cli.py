@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
         p.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
         p.add_argument("--low-memory", action="store_true",
-                       help="one 40-48 GB GPU: enable_low_memory_offload (block-level group offload with CUDA "
+                       help="one 24-48 GB GPU: enable_low_memory_offload (block-level group offload with CUDA "
                             "streams for the DiT, leaf-level for the text encoder, model offload for the VAEs; "
                             "docs/multi_gpu.md)")  # fmt: skip
         p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")

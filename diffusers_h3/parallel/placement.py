@@ -5,7 +5,7 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 | hardware | recipe |
 |---|---|
 | one 80 GB GPU, everything resident | `from_pretrained(..., **single_gpu_resident_kwargs())`, `drop_unused_text_encoder_layers(pipe)`, `pipe.to("cuda")` |
-| one 40-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (group offload: DiT by blocks, text encoder by leaves) |
+| one 24-48 GB GPU | `enable_low_memory_offload(pipe, "cuda")` (group offload: DiT by blocks, text encoder by leaves) |
 | two or more GPUs, one component per GPU | `from_pretrained(..., **balanced_kwargs({0: "70GiB", 1: "70GiB"}))` |
 | GPUs too small for one DiT replica | `MiniMaxH3Transformer3DModel.from_pretrained(..., **split_transformer_kwargs(...))` |
 
@@ -147,7 +147,7 @@ def enable_low_memory_offload(
     use_stream: Optional[bool] = None,
     low_cpu_mem_usage: bool = False,
 ) -> Dict[str, str]:
-    """One 40-48 GB GPU: diffusers' group offloading for the DiT partitions (block level) and the text encoder (leaf
+    """One 24-48 GB GPU: diffusers' group offloading for the DiT partitions (block level) and the text encoder (leaf
     level), model offload for the rest (the VAEs; the audio VAE's weight norm cannot be group-offloaded, so it always
     moves as a whole).
 

@@ -10,6 +10,8 @@ rows) published as a PackedLayout. Cases, in this order (``fast`` / ``fastest`` 
 * ``native``   diffusers' ``MiniMaxH3AttnProcessor`` with the ``_native_cudnn`` backend, eager: the baseline, and its
                output is the reference of ``rel_l2``;
 * ``exact``    ``enable_speed_preset_on_transformer(model, "exact")``: bf16, cuDNN attention, regional compile;
+* ``exact_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python) ``exact`` with
+               ``enable_flashinfer_attention``: FlashInfer's dense kernel (FA3 on Hopper) in place of cuDNN;
 * ``fast``     the ``"fast"`` preset: FP8 GEMMs, dense INT8 Q/K attention, regional compile;
 * ``fastest``  the ``"fastest"`` preset: ``fast`` + VSA at sparsity 0.8, regional compile.
 
@@ -48,8 +50,9 @@ import torch
 from _common import profile_forward, rel_l2, result_header, synchronize, write_json
 
 
-CASES = ("native", "exact", "fast", "fastest")
-PRESET_OF = {"native": None, "exact": "exact", "fast": "fast", "fastest": "fastest"}
+CASES = ("native", "exact", "exact_flashinfer", "fast", "fastest")
+DEFAULT_CASES = ("native", "exact", "fast", "fastest")  # exact_flashinfer needs flashinfer-python
+PRESET_OF = {"native": None, "exact": "exact", "exact_flashinfer": "exact", "fast": "fast", "fastest": "fastest"}
 TINY_SHAPE = {"height": 64, "width": 96, "frames": 124}
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -183,13 +186,19 @@ def set_up(case: str, model, device: torch.device) -> Dict[str, Any]:
     # which trace again on the next call with this preset's processors and quantized linears (see the docstring).
     torch._dynamo.reset()
     # On CPU (--tiny) the preset records regional compile as off (CUDA only) and quantizes to W8A16.
-    return enable_speed_preset_on_transformer(model, preset, compile=True).describe()
+    turned_on = enable_speed_preset_on_transformer(model, preset, compile=True).describe()
+    if case == "exact_flashinfer":  # the exact preset with FlashInfer's dense kernel in place of cuDNN
+        from diffusers_h3 import enable_flashinfer_attention
+
+        turned_on["attention"] = {"transformer": enable_flashinfer_attention(model)["transformer"]}
+    return turned_on
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/forward_h200.json")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list, run in the order {', '.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma list, run in the order {', '.join(CASES)} (default: {', '.join(DEFAULT_CASES)})")
     parser.add_argument("--reps", type=int, default=3, help="timed forwards per case (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per case (the first compiles)")
     parser.add_argument(

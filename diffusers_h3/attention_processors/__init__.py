@@ -3,6 +3,7 @@ packed-layout side channel they read."""
 
 from .base import MiniMaxH3AttnProcessorBase
 from .fa_v100 import MiniMaxH3FAV100Processor
+from .flashinfer import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
 from .layout import (
     LayoutSegment,
     PackedLayout,
@@ -22,6 +23,7 @@ from .vsa import MiniMaxH3VSAProcessor, VSAConfig, add_gate_compress, disable_vs
 __all__ = [
     "MiniMaxH3AttnProcessorBase",
     "MiniMaxH3FAV100Processor",
+    "MiniMaxH3FlashInferProcessor",
     "MiniMaxH3LowPrecisionAttnProcessor",
     "MiniMaxH3VSAProcessor",
     "VSAConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "add_gate_compress",
     "disable_low_precision_attention",
     "disable_vsa",
+    "enable_flashinfer_attention",
     "enable_low_precision_attention",
     "enable_vsa",
     "vsa_attention",

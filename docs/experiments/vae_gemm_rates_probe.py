@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+
 ROWS = 28 * 1810
 CALLS, LAYERS = 7, 36
 SHAPES = {"qkvo_2048x2048": (2048, 2048, 4), "mlp_in_2048x8192": (2048, 8192, 2), "mlp_out_8192x2048": (8192, 2048, 1)}

@@ -1,0 +1,67 @@
+"""Dense 16-bit attention through FlashInfer's prefill kernels (FlashAttention-3 on Hopper, FlashAttention-2 elsewhere).
+
+FlashInfer is an optional dependency (``pip install flashinfer-python``): it builds its kernels just in time on first
+use (minutes, cached on disk). This module is the only place that calls it; it adds nothing to the math.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .._triton_utils import opaque_to_compile
+from .router import KernelChoice
+
+
+BACKENDS = ("auto", "fa2", "fa3")
+
+
+def import_flashinfer():
+    """The ``flashinfer`` module, or one clear error naming the fix."""
+    try:
+        import flashinfer
+    except ImportError as error:
+        raise ImportError(
+            f"FlashInfer attention needs the flashinfer-python package ({error}); `pip install flashinfer-python`, "
+            "or use diffusers' attention (cuDNN) instead"
+        ) from error
+    return flashinfer
+
+
+def resolve_backend(backend: str, capability: Optional[Tuple[int, int]]) -> str:
+    """``"fa3"`` (Hopper, SM90) or ``"fa2"`` (SM80+) for ``backend="auto"``; an explicit choice is checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"FlashInfer backend must be one of {BACKENDS}, got {backend!r}")
+    if capability is None or capability < (8, 0):
+        where = "this device" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        raise ValueError(f"FlashInfer attention needs a CUDA GPU of SM80 or newer; {where} is not one")
+    if backend == "auto":
+        return "fa3" if capability[0] == 9 else "fa2"
+    if backend == "fa3" and capability[0] != 9:
+        raise ValueError(f"FlashInfer's fa3 backend runs on Hopper (SM90) only, not sm_{capability[0]}{capability[1]}")
+    return backend
+
+
+@opaque_to_compile  # a library call: one eager island under torch.compile
+def flashinfer_dense_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str
+) -> Tuple[torch.Tensor, KernelChoice]:
+    """``softmax(Q K^T / sqrt(d)) V`` on ``(batch, seq, heads, head_dim)`` bf16 / fp16 tensors, no mask, one FlashInfer
+    single-prefill call per batch item (``backend`` already resolved: ``"fa2"`` or ``"fa3"``)."""
+    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"FlashInfer attention takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    flashinfer = import_flashinfer()
+    scale = query.shape[-1] ** -0.5
+    outputs = []
+    for q, k, v in zip(query, key, value):  # (seq, heads, head_dim): FlashInfer's "NHD" layout
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        outputs.append(
+            flashinfer.single_prefill_with_kv_cache(q, k, v, causal=False, kv_layout="NHD", sm_scale=scale, backend=backend)
+        )
+    choice = KernelChoice(
+        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; not yet run on hardware by this package's GPU tests"
+    )
+    return torch.stack(outputs), choice

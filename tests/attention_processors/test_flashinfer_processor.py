@@ -1,0 +1,125 @@
+"""MiniMaxH3FlashInferProcessor: the glue to FlashInfer (layout, scale, batch loop, compile island), its installation
+checks and what describe() reports. FlashInfer's kernels need a GPU; on the CPU a stand-in module answers
+`single_prefill_with_kv_cache` with the same SDPA math diffusers' processor uses, so a wrong layout, scale or batch
+handling changes the output. The kernel itself is compared with cuDNN in tests/gpu/test_flashinfer_gpu.py."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+import diffusers_h3
+from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
+from diffusers_h3.kernels.attention.flashinfer_dense import resolve_backend
+from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
+
+
+class _StandIn(types.ModuleType):
+    """``flashinfer`` with one function: checks the call's contract and computes SDPA on one (seq, heads, dim) item."""
+
+    def __init__(self):
+        super().__init__("flashinfer")
+        self.calls = []
+
+    def single_prefill_with_kv_cache(self, q, k, v, *, causal, kv_layout, sm_scale, backend):
+        assert q.dim() == 3 and q.shape == k.shape == v.shape and q.stride(-1) == 1
+        self.calls.append({"shape": tuple(q.shape), "causal": causal, "layout": kv_layout, "scale": sm_scale,
+                           "backend": backend})  # fmt: skip
+        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # NHD -> (1, heads, seq, dim)
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
+        return out[0].transpose(0, 1).contiguous()
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    module = _StandIn()
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    return module
+
+
+def _model():
+    torch.manual_seed(0)
+    return MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER_CONFIG).to(torch.bfloat16).eval()
+
+
+def _run(model, batch=2):
+    inputs = tiny_transformer_inputs(seed=3)
+    for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        inputs[name] = (inputs[name].repeat(batch, 1, 1) * torch.linspace(1.0, 0.4, batch).view(-1, 1, 1)).bfloat16()
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.sample.float(), out.audio_sample.float()
+
+
+def test_processor_equals_diffusers_attention(stand_in):
+    model = _model()
+    model.set_attn_processor(MiniMaxH3AttnProcessor())
+    expected = _run(model)
+    for block in model.transformer_blocks:
+        block.attn.set_processor(MiniMaxH3FlashInferProcessor("fa3"))
+    got = _run(model)
+    # The stand-in runs the SDPA call diffusers' native backend makes, so the glue must not change a bit.
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # One call per batch item and block, FlashInfer's NHD layout, the 1/sqrt(d) scale, no causal mask.
+    heads, dim = TINY_TRANSFORMER_CONFIG["num_attention_heads"], TINY_TRANSFORMER_CONFIG["attention_head_dim"]
+    assert len(stand_in.calls) == 2 * TINY_TRANSFORMER_CONFIG["num_layers"]
+    assert all(c["shape"][1:] == (heads, dim) for c in stand_in.calls)
+    assert {(c["causal"], c["layout"], c["backend"]) for c in stand_in.calls} == {(False, "NHD", "fa3")}
+    assert all(c["scale"] == pytest.approx(dim**-0.5) for c in stand_in.calls)
+    # The refiner keeps diffusers' processor; describe() reports what ran.
+    assert not isinstance(model.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3FlashInferProcessor)
+    path = model.transformer_blocks[0].attn.processor.describe_path()
+    assert "flashinfer kernel (single_prefill fa3" in path and "not yet run on hardware" in path
+    assert "flashinfer" in str(diffusers_h3.describe(model))
+
+
+def test_processor_is_one_eager_island_under_compile(stand_in):
+    model = _model()
+    model.set_attn_processor(MiniMaxH3AttnProcessor())
+    expected = _run(model, batch=1)
+    for block in model.transformer_blocks:
+        block.attn.set_processor(MiniMaxH3FlashInferProcessor("fa2"))
+        block.compile(backend="eager")
+    got = _run(model, batch=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert {c["backend"] for c in stand_in.calls} == {"fa2"}
+
+
+def test_processor_refuses_32_bit_inputs_and_masks(stand_in):
+    processor = MiniMaxH3FlashInferProcessor("fa3")
+    q = torch.randn(1, 8, 2, 32)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        processor.core(q, q, q)
+    with pytest.raises(ValueError, match="attention_mask"):
+        processor.core(q.bfloat16(), q.bfloat16(), q.bfloat16(), attention_mask=torch.ones(1, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'fa2' or 'fa3'"):
+        MiniMaxH3FlashInferProcessor("auto")
+
+
+def test_enable_checks_package_and_device_before_changing_anything(monkeypatch, stand_in):
+    model = _model()
+    before = [type(b.attn.processor) for b in model.transformer_blocks]
+    with pytest.raises(ValueError, match="needs a CUDA GPU of SM80 or newer"):
+        enable_flashinfer_attention(model)  # the tiny model is on the CPU
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    with pytest.raises(ImportError, match="pip install flashinfer-python"):
+        enable_flashinfer_attention(model)
+    assert [type(b.attn.processor) for b in model.transformer_blocks] == before
+
+
+@pytest.mark.parametrize(
+    "backend, capability, expected",
+    [("auto", (9, 0), "fa3"), ("auto", (8, 0), "fa2"), ("auto", (12, 0), "fa2"), ("fa2", (9, 0), "fa2"),
+     ("fa3", (9, 0), "fa3"), ("fa3", (8, 9), "only"), ("auto", (7, 0), "SM80"), ("auto", None, "SM80"),
+     ("cudnn", (9, 0), "one of")],
+)  # fmt: skip
+def test_backend_resolution(backend, capability, expected):
+    if expected in ("fa2", "fa3"):
+        assert resolve_backend(backend, capability) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            resolve_backend(backend, capability)

@@ -866,6 +866,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
+        if output_type == "np" and not self.video_processor.config.do_normalize:
+            # The values of postprocess_video(video, "np") (no denormalization), with the channels-last copy done on
+            # the decode device: diffusers makes it on the host, a strided copy of the whole float32 clip.
+            return video.permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()
         return self.video_processor.postprocess_video(video, output_type=output_type)
 
     def _decode_audio(self, audio_latents, device):

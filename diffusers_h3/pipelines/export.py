@@ -43,9 +43,13 @@ def _frames_to_uint8(frames) -> np.ndarray:
     if array.ndim != 4 or array.shape[-1] != 3:
         raise ValueError(f"frames must be (F, H, W, 3), got shape {array.shape}.")
     if array.dtype != np.uint8:
-        if array.min() < 0 or array.max() > 1:
+        # torch for the passes over the whole clip: numpy's math in the array's own float dtype, on all cores.
+        values = torch.from_numpy(np.ascontiguousarray(array))
+        values = values if values.is_floating_point() else values.double()
+        low, high = values.aminmax()
+        if low < 0 or high > 1:
             raise ValueError("float frames must lie in [0, 1] (the pipeline's `np`/`pt` output).")
-        array = (array * 255.0).round().astype(np.uint8)
+        array = values.mul(255.0).round_().to(torch.uint8).numpy()
     if array.shape[1] % 2 or array.shape[2] % 2:
         raise ValueError(f"H.264 (yuv420p) needs even height and width, got {array.shape[2]}x{array.shape[1]}.")
     return array

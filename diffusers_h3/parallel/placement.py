@@ -119,6 +119,8 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
         if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
             continue
         seen.add(id(group))
+        if getattr(group, "_h3_returns_buffers", False):  # already changed (a refresh after diffusers rebuilt others)
+            continue
         if not callable(getattr(group, "_offload_to_memory", None)) or not isinstance(group.cpu_param_dict, dict):
             raise RuntimeError(
                 "enable_low_memory_offload: this diffusers version's ModuleGroup has no _offload_to_memory / "
@@ -135,7 +137,22 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
                 buffer.data = group.cpu_param_dict[buffer]
 
         group._offload_to_memory = offload_parameters_and_buffers
+        group._h3_returns_buffers = True
         changed += 1
+    return changed
+
+
+def refresh_low_memory_offload(pipe) -> int:
+    """Re-apply the buffer fix of :func:`enable_low_memory_offload` to offload groups that diffusers rebuilt since.
+
+    diffusers re-applies group offloading from its config, with new groups, whenever a LoRA is loaded, unloaded or
+    deleted (`_maybe_remove_and_reapply_group_offloading`); the new groups would again keep quantized weights on the
+    GPU. The pipeline calls this before every request; returns the number of groups changed (0 when none were new).
+    """
+    changed = 0
+    for component in getattr(pipe, "components", {}).values():
+        if isinstance(component, torch.nn.Module) and getattr(component, "_h3_stream_offload", False):
+            changed += _offload_group_buffers_too(component)
     return changed
 
 
@@ -203,6 +220,7 @@ def enable_low_memory_offload(
                 placements[name] = f"group offload (leaf level, {settings})"
             if use_stream:
                 _offload_group_buffers_too(component)
+                component._h3_stream_offload = True  # refresh_low_memory_offload re-checks it before each request
         else:
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""

@@ -61,6 +61,7 @@ from ..attention_processors.layout import use_packed_layout
 from ..hooks.cache import start_cache_request
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
+from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
@@ -679,6 +680,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             raise ValueError(f"`num_videos_per_prompt` must be a positive int, got {num_videos_per_prompt!r}.")
         prompts = [text for text in ([prompt] if isinstance(prompt, str) else prompt) for _ in range(num_videos_per_prompt)]
         requests = self._split_batch(len(prompts), generator, latents, audio_latents)
+        # A LoRA loaded or unloaded since enable_low_memory_offload made diffusers rebuild the offload groups.
+        refresh_low_memory_offload(self)
 
         # H3 packs one request into one sequence: a batch runs one request after another, stacked like diffusers.
         outputs = [

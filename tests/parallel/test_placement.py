@@ -171,9 +171,9 @@ def test_dropping_layers_needs_a_text_encoder():
         drop_unused_text_encoder_layers(pipe)
 
 
-def test_stream_offload_groups_send_buffers_back():
-    """diffusers 0.42.1's stream path restores only parameters on offload; ours restores the group modules' buffers
-    too (the packed weights of quantized layers). A stand-in stream object drives the stream path on the CPU."""
+def _stream_group(block, config=None):
+    """A diffusers ModuleGroup on the stream path for `block` (a stand-in stream object drives that path on the
+    CPU), hooked on `block` as group offloading hooks it; returns (group, config)."""
     from diffusers.hooks import HookRegistry
     from diffusers.hooks.group_offloading import (
         _GROUP_OFFLOADING,
@@ -182,34 +182,82 @@ def test_stream_offload_groups_send_buffers_back():
         ModuleGroup,
     )
 
+    group = ModuleGroup(modules=[block], offload_device=torch.device("cpu"), onload_device=torch.device("cpu"),
+                        offload_leader=block, onload_leader=block, stream=object(), record_stream=True,
+                        low_cpu_mem_usage=True)  # fmt: skip
+    config = config or GroupOffloadingConfig(
+        onload_device=torch.device("cpu"), offload_device=torch.device("cpu"), offload_type="block_level",
+        num_blocks_per_group=1, non_blocking=True, record_stream=True, low_cpu_mem_usage=True,
+    )  # fmt: skip
+    registry = HookRegistry.check_if_exists_or_initialize(block)
+    if registry.get_hook(_GROUP_OFFLOADING) is not None:
+        registry.remove_hook(_GROUP_OFFLOADING)
+    registry.register_hook(GroupOffloadingHook(group, config=config), _GROUP_OFFLOADING)
+    return group, config
+
+
+def _pretend_onloaded(block):  # what onloading leaves behind: other storage for every tensor of the group
+    block.weight.data = block.weight.data.clone()
+    block.packed.data = block.packed.data.clone()
+
+
+def test_stream_offload_groups_send_buffers_back():
+    """diffusers 0.42.1's stream path restores only parameters on offload; ours restores the group modules' buffers
+    too (the packed weights of quantized layers)."""
     from diffusers_h3.parallel.placement import _offload_group_buffers_too
 
     block = torch.nn.Linear(4, 4)
     block.register_buffer("packed", torch.arange(4.0))
     model = torch.nn.Sequential(block)
-    group = ModuleGroup(modules=[block], offload_device=torch.device("cpu"), onload_device=torch.device("cpu"),
-                        offload_leader=block, onload_leader=block, stream=object(), record_stream=True,
-                        low_cpu_mem_usage=True)  # fmt: skip
-    config = GroupOffloadingConfig(
-        onload_device=torch.device("cpu"), offload_device=torch.device("cpu"), offload_type="block_level",
-        num_blocks_per_group=1, non_blocking=True, record_stream=True, low_cpu_mem_usage=True,
-    )  # fmt: skip
-    HookRegistry.check_if_exists_or_initialize(block).register_hook(GroupOffloadingHook(group, config=config),
-                                                                     _GROUP_OFFLOADING)  # fmt: skip
+    group, _ = _stream_group(block)
     host_weight, host_buffer = group.cpu_param_dict[block.weight], group.cpu_param_dict[block.packed]
 
-    def pretend_onloaded():  # what onloading leaves behind: other storage for every tensor of the group
-        block.weight.data = block.weight.data.clone()
-        block.packed.data = block.packed.data.clone()
-
-    pretend_onloaded()
+    _pretend_onloaded(block)
     group._offload_to_memory()  # diffusers' own offload: the buffer stays where onloading put it
     assert block.weight.data.data_ptr() == host_weight.data_ptr()
     assert block.packed.data.data_ptr() != host_buffer.data_ptr()
 
     assert _offload_group_buffers_too(model) == 1
-    pretend_onloaded()
+    _pretend_onloaded(block)
     group._offload_to_memory()
     assert block.weight.data.data_ptr() == host_weight.data_ptr()
     assert block.packed.data.data_ptr() == host_buffer.data_ptr()
+    assert _offload_group_buffers_too(model) == 0  # already changed: not wrapped twice
     assert _offload_group_buffers_too(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0  # nothing offloaded: no change
+
+
+def test_groups_diffusers_rebuilds_get_the_buffer_fix_again():
+    """Loading or unloading a LoRA makes diffusers re-apply group offloading with new groups; the pipeline's
+    refresh before each request gives those the fix too, and only components the recipe set up are touched."""
+    from types import SimpleNamespace
+
+    from diffusers_h3.parallel.placement import refresh_low_memory_offload
+
+    block = torch.nn.Linear(4, 4)
+    block.register_buffer("packed", torch.arange(4.0))
+    model = torch.nn.Sequential(block)
+    _, config = _stream_group(block)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    other[0].register_buffer("packed", torch.arange(4.0))
+    _stream_group(other[0])  # group-offloaded by the user, not by enable_low_memory_offload
+    model._h3_stream_offload = True
+    pipe = SimpleNamespace(components={"transformer": model, "other": other, "scheduler": object()})
+    assert refresh_low_memory_offload(pipe) == 1
+    assert refresh_low_memory_offload(pipe) == 0
+
+    rebuilt, _ = _stream_group(block, config)  # what _maybe_remove_and_reapply_group_offloading leaves
+    host_buffer = rebuilt.cpu_param_dict[block.packed]
+    assert refresh_low_memory_offload(pipe) == 1
+    _pretend_onloaded(block)
+    rebuilt._offload_to_memory()
+    assert block.packed.data.data_ptr() == host_buffer.data_ptr()
+
+
+def test_every_request_refreshes_the_offload_fix(monkeypatch):
+    import diffusers_h3.pipelines.pipeline_minimax_h3 as module
+
+    calls = []
+    monkeypatch.setattr(module, "refresh_low_memory_offload", lambda pipe: calls.append(pipe) or 0)
+    pipe = tiny_pipeline(seed=2)
+    pipe(**{**RUN, "num_inference_steps": 2}, output_type="latent", generator=torch.Generator().manual_seed(0))
+    assert calls == [pipe]

@@ -281,6 +281,46 @@ def _select_preset(choice, file_name, file_metadata) -> Optional[LoraDistillatio
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixin
 # ---------------------------------------------------------------------------------------------------------------------
+def _offload_toggle(model, pipeline):
+    """``(pipeline, regroup)``: the pipeline diffusers may take offload hooks off and put back around a LoRA load
+    (None: leave every hook alone), and whether to rebuild the model's offload groups after the load.
+
+    diffusers 0.42.1 reads any Accelerate hook on a component as model or sequential CPU offload, takes them all off
+    and puts back its own idea of them after loading:
+
+    * a transformer split over devices by a device map would become sequential CPU offload (the map silently gone).
+      Blocks kept on GPUs take PEFT's layers where they are; blocks Accelerate offloads to the CPU or disk hold no
+      weights between calls, so an adapter cannot be added to them: one clear error, before anything is loaded;
+    * a group-offloaded transformer beside model-offloaded components (``enable_low_memory_offload``) makes it call
+      ``enable_model_cpu_offload``, which refuses group offload, after having removed the other components' hooks.
+      Here the hooks stay, and the model's offload groups are rebuilt so that they hold the new LoRA weights (what
+      diffusers does for group offload alone).
+    """
+    from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        offloaded = sorted(name for name, where in device_map.items() if str(where) in ("cpu", "disk"))
+        if offloaded:
+            raise ValueError(
+                f"A LoRA cannot be loaded into a {type(model).__name__} whose modules Accelerate offloads to the CPU "
+                f"or disk through its device map ({len(offloaded)} of them, e.g. {offloaded[0]!r}): their weights are "
+                "not in place between calls. Give the GPUs enough max_memory for every block, or fuse the LoRA first: "
+                "load the transformer whole, load_lora_weights, fuse_lora, unload_lora_weights, save_pretrained, then "
+                "split."
+            )
+        return None, False
+    if _get_top_level_group_offload_hook(model) is not None:
+        return None, True
+    return pipeline, False
+
+
+def _rebuild_offload_groups(model) -> None:
+    from diffusers.hooks.group_offloading import _maybe_remove_and_reapply_group_offloading
+
+    _maybe_remove_and_reapply_group_offloading(model)
+
+
 class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     """LoRA loading for ``MiniMaxH3Pipeline``; see the module docstring."""
 
@@ -470,11 +510,14 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
         if metadata is None:
             metadata = _PENDING_METADATA.get()
+        _pipeline, regroup = _offload_toggle(transformer, _pipeline)
         with quantized_lora_dispatch(transformer):
             super().load_lora_into_transformer(
                 state_dict, transformer, adapter_name=adapter_name, _pipeline=_pipeline,
                 low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
             )
+        if regroup:
+            _rebuild_offload_groups(transformer)
 
     @classmethod
     def load_lora_into_transformer_ref(cls, state_dict, transformer_ref, prefix, adapter_name=None, _pipeline=None,
@@ -482,11 +525,14 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
         if metadata is None:
             metadata = _PENDING_METADATA.get()
+        _pipeline, regroup = _offload_toggle(transformer_ref, _pipeline)
         with quantized_lora_dispatch(transformer_ref):
             super().load_lora_into_transformer_ref(
                 state_dict, transformer_ref, prefix, adapter_name=adapter_name, _pipeline=_pipeline,
                 low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
             )
+        if regroup:
+            _rebuild_offload_groups(transformer_ref)
 
     # ---- adapter bookkeeping ----------------------------------------------------------------------------------------
     def unload_lora_weights(self, *args, **kwargs):

@@ -47,3 +47,26 @@ def test_stream_offload_returns_quantized_buffers_to_the_cpu():
         assert _on_cuda(pipe.text_encoder) == [], "text encoder tensors left on the GPU after the request"
     torch.testing.assert_close(got.frames, expected.frames, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got.audio, expected.audio, atol=1e-5, rtol=1e-4)
+
+
+def test_lora_loaded_after_stream_offload_keeps_the_recipe(tmp_path):
+    """diffusers rebuilds the offload groups around a LoRA load: the new groups must send the quantized buffers back
+    too, and the LoRA weights must travel with their groups."""
+    from ..loaders._lora_helpers import canonical_lora, save_lora, write_layout
+    from ..loaders._lora_helpers import tiny_transformer as lora_transformer
+
+    config = {k: _quantized_pipeline().transformer.config[k] for k in ("attention_head_dim", "num_attention_heads")}
+    path = save_lora(tmp_path / "l.safetensors", write_layout(canonical_lora(lora_transformer(**config), seed=7), "native"))
+    reference = _quantized_pipeline()
+    reference.load_lora_weights(path, "style")
+    expected = reference.to("cuda")(**RUN, generator=torch.Generator().manual_seed(0))
+
+    pipe = _quantized_pipeline()
+    enable_low_memory_offload(pipe, "cuda")
+    pipe.load_lora_weights(path, "style")
+    for _ in range(2):
+        got = pipe(**RUN, generator=torch.Generator().manual_seed(0))
+        torch.cuda.synchronize()
+        assert _on_cuda(pipe.transformer) == [], "transformer tensors left on the GPU after the request"
+    torch.testing.assert_close(got.frames, expected.frames, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.audio, expected.audio, atol=1e-5, rtol=1e-4)

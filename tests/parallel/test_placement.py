@@ -261,3 +261,57 @@ def test_every_request_refreshes_the_offload_fix(monkeypatch):
     pipe = tiny_pipeline(seed=2)
     pipe(**{**RUN, "num_inference_steps": 2}, output_type="latent", generator=torch.Generator().manual_seed(0))
     assert calls == [pipe]
+
+
+def test_lora_into_a_transformer_split_onto_cpu_and_disk_is_refused_before_loading(tmp_path):
+    """diffusers would turn the split into sequential CPU offload (and offloaded blocks hold no weights to adapt):
+    one clear error, nothing loaded, the device map kept."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from ..loaders._lora_helpers import canonical_lora, save_lora, write_layout
+    from ..loaders._lora_helpers import tiny_transformer as lora_transformer
+
+    pipe = tiny_pipeline(seed=2, with_transformer_ref=False)
+    pipe.transformer.save_pretrained(tmp_path / "transformer")
+    size = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    kwargs = split_transformer_kwargs({"cpu": int(size * 0.5)}, offload_folder=str(tmp_path / "offload"))
+    split = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer", **kwargs).eval()
+    pipe.register_modules(transformer=split)
+    device_map = dict(split.hf_device_map)
+    config = {k: pipe.transformer.config[k] for k in ("attention_head_dim", "num_attention_heads")}
+    lora = write_layout(canonical_lora(lora_transformer(**config), seed=7), "native")
+    with pytest.raises(ValueError, match="offloads to the CPU or disk through its device map"):
+        pipe.load_lora_weights(save_lora(tmp_path / "l.safetensors", lora), "style")
+    assert split.hf_device_map == device_map and not getattr(split, "peft_config", None)
+
+
+def test_lora_and_a_quantizer_in_the_low_memory_recipe_equal_the_plain_pipeline(tmp_path):
+    """W8A16 + a LoRA under enable_low_memory_offload, the LoRA loaded before and after the offload is set up."""
+    from diffusers_h3.quantizers import W8A16Config, quantize
+
+    from ..loaders._lora_helpers import canonical_lora, save_lora, write_layout
+    from ..loaders._lora_helpers import tiny_transformer as lora_transformer
+
+    def build(lora_path=None):
+        pipe = tiny_pipeline(seed=2, with_transformer_ref=False)
+        quantize(pipe.transformer, W8A16Config())
+        if lora_path:
+            pipe.load_lora_weights(lora_path, "style")
+        return pipe
+
+    def run(pipe):
+        return pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+
+    config = {k: build().transformer.config[k] for k in ("attention_head_dim", "num_attention_heads")}
+    path = save_lora(tmp_path / "l.safetensors", write_layout(canonical_lora(lora_transformer(**config), seed=7), "native"))
+    expected, without = run(build(path)), run(build())
+    assert (expected.frames - without.frames).abs().max() > 1e-3  # the LoRA matters
+    before = build(path)
+    enable_low_memory_offload(before, "cpu")
+    after = build()
+    enable_low_memory_offload(after, "cpu")
+    after.load_lora_weights(path, "style")  # diffusers rebuilds the offload groups around the load
+    for pipe in (before, after):
+        got = run(pipe)
+        torch.testing.assert_close(got.frames, expected.frames, atol=0, rtol=0)
+        torch.testing.assert_close(got.audio, expected.audio, atol=0, rtol=0)

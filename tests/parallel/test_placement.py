@@ -315,3 +315,32 @@ def test_lora_and_a_quantizer_in_the_low_memory_recipe_equal_the_plain_pipeline(
         got = run(pipe)
         torch.testing.assert_close(got.frames, expected.frames, atol=0, rtol=0)
         torch.testing.assert_close(got.audio, expected.audio, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_lora_into_a_transformer_split_over_two_gpus_keeps_the_map(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from ..loaders._lora_helpers import canonical_lora, save_lora, write_layout
+    from ..loaders._lora_helpers import tiny_transformer as lora_transformer
+
+    pipe = tiny_pipeline(seed=2, with_transformer_ref=False)
+    pipe.transformer.save_pretrained(tmp_path / "transformer")
+    config = {k: pipe.transformer.config[k] for k in ("attention_head_dim", "num_attention_heads")}
+    path = save_lora(tmp_path / "l.safetensors", write_layout(canonical_lora(lora_transformer(**config), seed=7), "native"))
+    pipe.load_lora_weights(path, "style")
+    expected = pipe.to("cuda:0")(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+
+    size = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    kwargs = split_transformer_kwargs({0: int(size * 0.6), 1: int(size * 0.6)})
+    split = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer", **kwargs).eval()
+    pipe = tiny_pipeline(seed=2, with_transformer_ref=False).to("cuda:0")
+    pipe.register_modules(transformer=split)
+    device_map = dict(split.hf_device_map)
+    assert len(set(device_map.values())) == 2, device_map
+    pipe.load_lora_weights(path, "style")
+    assert split.hf_device_map == device_map
+    got = pipe(**RUN, output_type="latent", generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.frames.cpu(), expected.frames.cpu(), atol=1e-5, rtol=1e-4)

@@ -224,6 +224,10 @@ def _check_flag_combinations(args) -> None:
 
 def _check_placement(args) -> None:
     """`--low-memory` against the other placement and speed flags (generate and describe)."""
+    if getattr(args, "text_encoder_offload", False) and getattr(args, "gpus", 1) <= 1 \
+            and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise UsageError("--text-encoder-offload places rank 0's text encoder under context parallelism, but this "
+                         "is one process", "add --gpus N, or use --low-memory on one GPU")  # fmt: skip
     if not args.low_memory:
         return
     if args.cpu_offload:
@@ -404,7 +408,11 @@ def _load_pipeline(args):
     except (OSError, ValueError) as error:  # corrupt or missing files the checks could not see (e.g. on the hub)
         raise UsageError(f"--model {args.model or model}: cannot load ({_as_flags(str(error))})",
                          "check the checkpoint's files, or run with --debug for the traceback") from error  # fmt: skip
-    from diffusers_h3.parallel.placement import drop_unused_text_encoder_layers, enable_low_memory_offload
+    from diffusers_h3.parallel.placement import (
+        drop_unused_text_encoder_layers,
+        enable_low_memory_offload,
+        place_for_context_parallel,
+    )
 
     # Generation never runs the text encoder's later layers: dropping them keeps the output, saves memory everywhere.
     if getattr(pipe, "text_encoder", None) is not None:
@@ -417,6 +425,9 @@ def _load_pipeline(args):
     elif getattr(args, "low_memory", False):
         placements = enable_low_memory_offload(pipe, _device(args), low_cpu_mem_usage=True)
         print(f"low-memory placement: {placements}", file=sys.stderr)
+    elif _world_size() > 1:  # context parallel: only rank 0 needs the text encoder
+        text_encoder = "offload" if getattr(args, "text_encoder_offload", False) else "resident"
+        place_for_context_parallel(pipe, _device(args), text_encoder=text_encoder)
     else:
         pipe.to(_device(args))
     return pipe
@@ -637,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gpus", type=int, default=1,
                      help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
                           "(default: %(default)s)")  # fmt: skip
+    gen.add_argument("--text-encoder-offload", action="store_true",
+                     help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
+                          "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
     fast.add_argument("--vsa", type=_ranged(float, 0.0, 1.0, what="sparsity"), default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")

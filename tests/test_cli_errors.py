@@ -88,6 +88,7 @@ BAD_INPUTS = {
     "unknown flag": (["--hieght", "64"], ["unrecognized arguments: --hieght"]),
     "two placements": (["--low-memory", "--cpu-offload"], ["--low-memory and --cpu-offload"]),
     "low memory on several gpus": (["--low-memory", "--gpus", "2"], ["--low-memory", "--gpus 2"]),
+    "text encoder offload on one process": (["--text-encoder-offload"], ["--text-encoder-offload", "add --gpus N"]),
     "low memory with compile": (["--low-memory", "--speed", "fast"], ["--low-memory with --speed"]),
 }
 

@@ -5,6 +5,7 @@ from .placement import (
     balanced_kwargs,
     drop_unused_text_encoder_layers,
     enable_low_memory_offload,
+    place_for_context_parallel,
     single_gpu_resident_kwargs,
     split_transformer_kwargs,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "load_transformer_tensor_parallel",
     "ordered_sum_reduce",
     "parallel_vae_decode",
+    "place_for_context_parallel",
     "single_gpu_resident_kwargs",
     "split_transformer_kwargs",
     "tensor_parallel_state",

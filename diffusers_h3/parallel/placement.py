@@ -156,6 +156,15 @@ def refresh_low_memory_offload(pipe) -> int:
     return changed
 
 
+def _offload_leaf_level(component: torch.nn.Module, options: Dict[str, Any]) -> None:
+    from diffusers.hooks import HookRegistry, apply_group_offloading
+
+    apply_group_offloading(component, offload_type="leaf_level", **options)
+    # Without streams no hook sits on the top module; the pipeline looks for one there to send the encoder's inputs
+    # to the execution device rather than to where the offloaded weights rest.
+    HookRegistry.check_if_exists_or_initialize(component)
+
+
 def enable_low_memory_offload(
     pipe,
     device: Union[str, torch.device] = "cuda",
@@ -188,7 +197,7 @@ def enable_low_memory_offload(
         `{component: placement}`, what each component got.
     """
     from accelerate import cpu_offload_with_hook
-    from diffusers.hooks import HookRegistry, apply_group_offloading
+    from diffusers.hooks import apply_group_offloading
 
     device = torch.device(device)
     if use_stream is None:
@@ -213,10 +222,7 @@ def enable_low_memory_offload(
                 )
                 placements[name] = f"group offload (block level, {num_blocks_per_group} block(s), {settings})"
             else:
-                apply_group_offloading(component, offload_type="leaf_level", **common)
-                # Without streams no hook sits on the top module; the pipeline looks for one there to send the
-                # encoder's inputs to the execution device rather than to where the offloaded weights rest.
-                HookRegistry.check_if_exists_or_initialize(component)
+                _offload_leaf_level(component, common)
                 placements[name] = f"group offload (leaf level, {settings})"
             if use_stream:
                 _offload_group_buffers_too(component)
@@ -225,5 +231,68 @@ def enable_low_memory_offload(
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""
             placements[name] = f"model offload{reason}"
+    _record_placement(pipe, **placements)
+    return placements
+
+
+TEXT_ENCODER_PLACEMENTS = ("resident", "offload")
+
+
+def place_for_context_parallel(
+    pipe, device: Union[str, torch.device, None] = None, *, text_encoder: str = "resident"
+) -> Dict[str, str]:
+    """Context-parallel placement, called in every rank instead of `pipe.to(device)`.
+
+    Under context parallelism only rank 0 runs the text encoder (its output is broadcast), so the other ranks need
+    it nowhere near their GPU: every rank puts the DiT partitions and the VAEs on its device; rank 0 also the text
+    encoder, `"resident"` (whole, on the GPU) or `"offload"` (leaf-level group offload with CUDA-stream prefetch:
+    a few layers on the GPU at a time, for a GPU that cannot hold a DiT replica and the encoder together, e.g. a bf16
+    DiT on 80 GB); the other ranks leave it on the CPU, never run. Creates the process group through Accelerate if
+    none exists (as `enable_context_parallel` does).
+
+    Args:
+        pipe: a `MiniMaxH3Pipeline`, on the CPU.
+        device: this rank's device (default: `cuda:<LOCAL_RANK>` when CUDA is available, else `cpu`).
+        text_encoder: `"resident"` or `"offload"`, rank 0's text encoder.
+
+    Returns:
+        `{component: placement}` for this rank (also in `describe(pipe)["placement"]`).
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from .context_parallel import _ensure_process_group
+
+    if text_encoder not in TEXT_ENCODER_PLACEMENTS:
+        raise ValueError(f"text_encoder must be one of {TEXT_ENCODER_PLACEMENTS}, got {text_encoder!r}.")
+    _ensure_process_group()
+    rank = dist.get_rank()
+    if device is None:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    placements: Dict[str, str] = {}
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        if name != "text_encoder":
+            component.to(device)
+            placements[name] = str(device)
+        elif rank != 0:
+            component.to("cpu")
+            placements[name] = "cpu (rank 0 encodes the prompt; never run here)"
+        elif text_encoder == "resident":
+            component.to(device)
+            placements[name] = str(device)
+        else:
+            use_stream = device.type == "cuda"
+            options = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": use_stream,
+                       "low_cpu_mem_usage": True}  # fmt: skip
+            component.to("cpu")
+            _offload_leaf_level(component, options)
+            if use_stream:
+                _offload_group_buffers_too(component)
+                component._h3_stream_offload = True
+            placements[name] = f"group offload (leaf level, stream={use_stream}, low_cpu_mem_usage=True), rank 0"
     _record_placement(pipe, **placements)
     return placements

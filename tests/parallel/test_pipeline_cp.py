@@ -62,3 +62,36 @@ def test_pipeline_under_context_parallel_matches_one_process():
     # The VAE tile decodes are split over the ranks.
     assert sum(r["calls"]["vae_decoder"] for r in rank_results) == calls["vae_decoder"]
     assert all(r["calls"]["vae_decoder"] < calls["vae_decoder"] for r in rank_results)
+
+
+def _rank_placed_pipeline(text_encoder):
+    import torch.distributed as dist
+
+    from diffusers_h3.parallel import enable_context_parallel, place_for_context_parallel
+
+    pipe = tiny_pipeline(seed=2)
+    placements = place_for_context_parallel(pipe, "cpu", text_encoder=text_encoder)
+    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    out = pipe(**RUN, generator=torch.Generator().manual_seed(0))
+    hooked = getattr(pipe.text_encoder, "_diffusers_hook", None) is not None
+    return {"frames": out.frames, "audio": out.audio, "placements": placements, "text_encoder_hooked": hooked}
+
+
+def test_context_parallel_placement_keeps_the_text_encoder_on_rank_0_only():
+    import pytest
+
+    from diffusers_h3.parallel import place_for_context_parallel
+
+    with pytest.raises(ValueError, match="text_encoder must be one of"):
+        place_for_context_parallel(tiny_pipeline(seed=2), "cpu", text_encoder="sharded")
+    expected = tiny_pipeline(seed=2)(**RUN, generator=torch.Generator().manual_seed(0))
+    for results in (launch(_rank_placed_pipeline, 2, args=("offload",), timeout_s=400),
+                    launch(_rank_placed_pipeline, 2, args=("resident",), timeout_s=400)):  # fmt: skip
+        for rank, result in enumerate(results):
+            torch.testing.assert_close(result["frames"], expected.frames, atol=1e-5, rtol=0)
+            torch.testing.assert_close(result["audio"], expected.audio, atol=1e-5, rtol=0)
+            assert result["placements"]["transformer"] == "cpu"
+        rank0, rank1 = results[0]["placements"]["text_encoder"], results[1]["placements"]["text_encoder"]
+        assert rank1.startswith("cpu (rank 0 encodes") and not results[1]["text_encoder_hooked"]
+        assert rank0.startswith("group offload (leaf level") == results[0]["text_encoder_hooked"]
+    assert results[0]["placements"]["text_encoder"] == "cpu"  # the last launch: "resident" on rank 0's device

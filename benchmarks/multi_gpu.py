@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 benchmarks/multi_gpu.py            # -> benchmarks/results/multi_gpu_h200x4.json
     accelerate launch --num-processes 4 benchmarks/multi_gpu.py
     torchrun --nproc-per-node 2 benchmarks/multi_gpu.py --tiny --device cpu   # smoke test of the script (gloo)
+    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py            # degree 1: the one-GPU baselines alone (x1.json)
 
 One launch measures one context-parallel degree (= the world size). Protocol (docs/benchmarking.md): full-width H3 DiT
 with random bf16 weights (fp32 modules kept fp32) and the packed layout of a 768x1344x124 t2va request (38,222 rows);
@@ -172,6 +173,9 @@ def main():
     backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "cpu:gloo"
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    single = world_size == 1  # degree 1 on one GPU: the baselines (and the decode) alone, for later launches
+    if single and (tp_cases or args.tp):
+        raise SystemExit("tensor parallelism needs two or more ranks; drop --tp / tp<N> for the degree-1 run")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -196,10 +200,14 @@ def main():
     dist.barrier()
 
     # 2. The same cases under Ulysses context parallelism over all ranks.
-    enable_context_parallel(model, ulysses_degree=world_size)
+    if not single:
+        enable_context_parallel(model, ulysses_degree=world_size)
     results = {}
 
     def measure_cp(case):
+        if single:
+            results[case] = {"baseline_1gpu_ms": baseline[case]["ms"], "baseline_1gpu_peak_gib": baseline[case]["peak_gib"]}
+            return
         reset_peak(device)
         ms, out = timed(forward, device, args.reps, group=dist.group.WORLD)
         peaks = [None] * world_size
@@ -234,7 +242,8 @@ def main():
         dist.barrier()
         if device.type == "cuda":
             torch._dynamo.reset()  # the context-parallel hooks change the blocks' inputs: compile them afresh
-        enable_context_parallel(model, ulysses_degree=world_size)
+        if not single:
+            enable_context_parallel(model, ulysses_degree=world_size)
         measure_cp(case)
     # 2b. Tensor parallelism over all ranks (`tp<N>`): a fresh copy of the same weights (the CP one has its hooks),
     # diffusers' processor, heads and FFN columns split, deterministic rank-order reduction.

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
 
 
-def _torchrun(*args, timeout=300):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), "--tiny",
+def _torchrun(*args, timeout=300, ranks=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(SCRIPT), "--tiny",
                "--device", "cpu", "--reps", "1", *args]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"})  # fmt: skip
@@ -38,3 +38,17 @@ def test_unknown_case_is_refused(tmp_path):
     run = _torchrun("--cases", "native_cudnn,turbo", "--out", str(tmp_path / "x.json"), timeout=120)
     assert run.returncode != 0 and "unknown case(s) ['turbo']" in run.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_degree_one_records_the_baselines_alone(tmp_path):
+    """One GPU: the same cases without context parallelism (the numbers later launches are compared with)."""
+    out = tmp_path / "multi_gpu_cpux1.json"
+    run = _torchrun("--cases", "native_cudnn,fastest", "--out", str(out), ranks=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 1 and list(data["forward"]) == ["native_cudnn", "fastest"]
+    for case in data["forward"].values():
+        assert set(case) == {"baseline_1gpu_ms", "baseline_1gpu_peak_gib"} and case["baseline_1gpu_ms"] > 0
+    assert data["vae_decode"]["rel_l2"] <= 1e-6
+    refused = _torchrun("--tp", "--out", str(tmp_path / "x.json"), ranks=1, timeout=120)
+    assert refused.returncode != 0 and "tensor parallelism needs two or more ranks" in refused.stderr

@@ -146,3 +146,32 @@ def test_tensor_parallel_on_nccl_matches_one_gpu():
     for case in TP_CASES:
         # bf16 partial sums added in another order than the unsplit GEMM's accumulation (docs/multi_gpu.md)
         assert results[0][case] <= 6e-2, (case, results[0][case])
+
+
+def _rank_pipeline_placed():
+    import torch.distributed as dist
+
+    from diffusers_h3.parallel import enable_context_parallel, place_for_context_parallel
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(seed=2)
+    placements = place_for_context_parallel(pipe, text_encoder="offload")  # cuda:<rank>; rank 0 streams the encoder
+    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    run = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3,
+           "output_type": "latent"}  # fmt: skip
+    out = pipe(**run, generator=torch.Generator().manual_seed(0))
+    on_gpu = [n for n, t in (*pipe.text_encoder.named_parameters(), *pipe.text_encoder.named_buffers()) if t.is_cuda]
+    return {"frames": out.frames.cpu(), "placements": placements, "text_encoder_on_gpu": on_gpu}
+
+
+def test_context_parallel_placement_on_nccl_matches_one_gpu():
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    run = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3,
+           "output_type": "latent"}  # fmt: skip
+    expected = tiny_pipeline(seed=2).to("cuda:0")(**run, generator=torch.Generator().manual_seed(0)).frames.cpu()
+    results = launch(_rank_pipeline_placed, 2, backend="cpu:gloo,cuda:nccl", timeout_s=600)
+    for rank, result in enumerate(results):
+        assert _rel_l2(result["frames"].float(), expected.float()) <= 1e-2, rank
+        assert result["text_encoder_on_gpu"] == [], (rank, result["text_encoder_on_gpu"][:3])  # streamed or never placed
+    assert results[1]["placements"]["text_encoder"].startswith("cpu (rank 0 encodes")

@@ -14,6 +14,9 @@ two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / `
   unmatched keys, the distillation preset. Zero matched modules is an error; unmatched keys are an error unless
   ``allow_unmatched_keys=True``; a file without any alpha loads with ``alpha == rank`` (scale 1.0, diffusers'
   documented default) and a warning says so (pass ``network_alpha=`` to use the alpha it was trained with).
+- **Offloaded and split models.** Loading keeps ``enable_low_memory_offload``'s hooks (rebuilding the target's
+  offload groups) and a GPU device map; modules a device map offloads to the CPU or disk are refused (see
+  ``_offload_toggle``).
 - **Distillation presets.** A LoRA that is a known step-distillation adapter (LightX2V Turbo) or whose
   ``__metadata__`` records its schedule carries a :class:`~diffusers_h3.loaders.lora_presets.LoraDistillationPreset`;
   the pipeline calls :meth:`MiniMaxH3LoraMixin._resolve_lora_schedule` (which finds the active preset and applies the pure
@@ -279,7 +282,7 @@ def _select_preset(choice, file_name, file_metadata) -> Optional[LoraDistillatio
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Mixin
+# Offload hooks around a LoRA load
 # ---------------------------------------------------------------------------------------------------------------------
 def _offload_toggle(model, pipeline):
     """``(pipeline, regroup)``: the pipeline diffusers may take offload hooks off and put back around a LoRA load
@@ -321,6 +324,9 @@ def _rebuild_offload_groups(model) -> None:
     _maybe_remove_and_reapply_group_offloading(model)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixin
+# ---------------------------------------------------------------------------------------------------------------------
 class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     """LoRA loading for ``MiniMaxH3Pipeline``; see the module docstring."""
 

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import device_name, result_header, synchronize, write_json
+from _common import device_name, rel_l2, result_header, synchronize, write_json
 
 
 CASES = ("native_cudnn", "vsa_bf16_sp0.8", "vsa_fp8_sp0.8", "dense_fp8", "fastest")
@@ -191,12 +191,23 @@ def main():
 
     # 1. One-GPU baseline: rank 0 alone, same weights, same inputs.
     baseline = {}
+
+    def measure_baseline(case):
+        reset_peak(device)
+        ms, out = timed(forward, device, args.reps)
+        baseline[case] = {"ms": ms, "peak_gib": peak_gib(device), "out": out.float().cpu()}
+
+    def fresh_model():
+        nonlocal model
+        model = None  # frees the previous copy first
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = build_transformer(device, args.tiny)
+
     if rank == 0:
         for case in cases:
             set_case(model, case, args.tiny)
-            reset_peak(device)
-            ms, out = timed(forward, device, args.reps)
-            baseline[case] = {"ms": ms, "peak_gib": peak_gib(device), "out": out.float().cpu()}
+            measure_baseline(case)
     dist.barrier()
 
     # 2. The same cases under Ulysses context parallelism over all ranks.
@@ -220,7 +231,7 @@ def main():
                 "baseline_1gpu_peak_gib": baseline[case]["peak_gib"],
                 "cp_ms": ms,
                 "speedup": baseline[case]["ms"] / ms,
-                "rel_l2": ((out - reference).norm() / reference.norm()).item(),
+                "rel_l2": rel_l2(out, reference),
                 "peak_gib_per_rank": peaks,
             }
 
@@ -230,15 +241,10 @@ def main():
 
     # 2a. Cases that quantize in place: a fresh copy of the same weights each, baseline on rank 0, then context parallel.
     for case in fresh_cases:
-        model = None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        model = build_transformer(device, args.tiny)
+        fresh_model()
         set_case(model, case, args.tiny)
         if rank == 0:
-            reset_peak(device)
-            ms, out = timed(forward, device, args.reps)
-            baseline[case] = {"ms": ms, "peak_gib": peak_gib(device), "out": out.float().cpu()}
+            measure_baseline(case)
         dist.barrier()
         if device.type == "cuda":
             torch._dynamo.reset()  # the context-parallel hooks change the blocks' inputs: compile them afresh
@@ -253,10 +259,7 @@ def main():
     if tp_cases or args.tp:
         from diffusers_h3.parallel import enable_tensor_parallel, tensor_parallel_state
 
-        model = None
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        model = build_transformer(device, args.tiny)
+        fresh_model()
         set_case(model, "native_cudnn", args.tiny)
         if args.tp_quant != "none":
             from diffusers_h3.quantizers import FP8Config, W8A16Config, quantize
@@ -274,7 +277,7 @@ def main():
                 "baseline_1gpu_ms": baseline.get("native_cudnn", {}).get("ms"),
                 "tp_ms": ms,
                 "speedup": baseline["native_cudnn"]["ms"] / ms if reference is not None else None,
-                "rel_l2": ((out - reference).norm() / reference.norm()).item() if reference is not None else None,
+                "rel_l2": rel_l2(out, reference) if reference is not None else None,
                 "peak_gib_per_rank": peaks,
                 "parameter_gib_per_rank": tensor_parallel_state(model)["parameter_bytes_per_rank"] / 2**30,
                 "reduce_dtype": tensor_parallel_state(model)["reduce_dtype"],
@@ -305,7 +308,7 @@ def main():
                 "serial_peak_gib": serial_peak,
                 "parallel_ms": parallel_ms,
                 "speedup": serial_ms / parallel_ms,
-                "rel_l2": ((decoded.float() - serial.float()).norm() / serial.float().norm()).item(),
+                "rel_l2": rel_l2(decoded, serial),
                 "peak_gib_per_rank": peaks,
             }
 

@@ -103,7 +103,7 @@ def _has_weight_norm(module: torch.nn.Module) -> bool:
 
 def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """Make stream-prefetched offload groups send their modules' buffers back to the CPU as well; returns the number
-    of groups changed.
+    of groups changed. Marks `component`, so that :func:`refresh_low_memory_offload` re-checks it before each request.
 
     diffusers 0.42.1's `ModuleGroup._offload_to_memory` (stream path) restores the CPU copies of the group modules'
     parameters only, while onloading moves their buffers too: buffers onloaded once stay on the GPU for good. The
@@ -111,6 +111,7 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
+    component._h3_stream_offload = True
     changed, seen = 0, set()
     for module in component.modules():
         registry = getattr(module, "_diffusers_hook", None)
@@ -226,7 +227,6 @@ def enable_low_memory_offload(
                 placements[name] = f"group offload (leaf level, {settings})"
             if use_stream:
                 _offload_group_buffers_too(component)
-                component._h3_stream_offload = True  # refresh_low_memory_offload re-checks it before each request
         else:
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""
@@ -275,15 +275,12 @@ def place_for_context_parallel(
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if name != "text_encoder":
+        if name != "text_encoder" or (rank == 0 and text_encoder == "resident"):
             component.to(device)
             placements[name] = str(device)
         elif rank != 0:
             component.to("cpu")
             placements[name] = "cpu (rank 0 encodes the prompt; never run here)"
-        elif text_encoder == "resident":
-            component.to(device)
-            placements[name] = str(device)
         else:
             use_stream = device.type == "cuda"
             options = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": use_stream,
@@ -292,7 +289,6 @@ def place_for_context_parallel(
             _offload_leaf_level(component, options)
             if use_stream:
                 _offload_group_buffers_too(component)
-                component._h3_stream_offload = True
             placements[name] = f"group offload (leaf level, stream={use_stream}, low_cpu_mem_usage=True), rank 0"
     _record_placement(pipe, **placements)
     return placements

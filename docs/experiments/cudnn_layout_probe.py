@@ -6,33 +6,20 @@ passes ``(B, S, H, D)`` projections permuted to ``(B, H, S, D)`` views. This tim
 56 heads x 128, bf16), the cuDNN SDPA call on (a) those views, (b) contiguous copies (the copies not timed), (c) the
 copies plus the call: if (c) beats (a), an exact processor that lays Q/K/V out first would speed up `exact`.
 
-    python docs/experiments/cudnn_layout_probe.py OUT.json
+    PYTHONPATH=.:benchmarks python docs/experiments/cudnn_layout_probe.py OUT.json
 """
 
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from _common import cuda_median_ms
+
 
 ROWS, HEADS, DIM = 38222, 56, 128
-
-
-def time_ms(fn, reps=7):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(out):
@@ -49,9 +36,9 @@ def main(out):
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "shape": {"rows": ROWS, "heads": HEADS, "head_dim": DIM},
-        "strided_views_ms": round(time_ms(lambda: attend(views)), 3),
-        "contiguous_ms": round(time_ms(lambda: attend(copies)), 3),
-        "copy_then_contiguous_ms": round(time_ms(lambda: attend([t.contiguous() for t in views])), 3),
+        "strided_views_ms": round(cuda_median_ms(lambda: attend(views)), 3),
+        "contiguous_ms": round(cuda_median_ms(lambda: attend(copies)), 3),
+        "copy_then_contiguous_ms": round(cuda_median_ms(lambda: attend([t.contiguous() for t in views])), 3),
         "same_output": bool(torch.equal(attend(views), attend(copies))),
     }
     print(json.dumps(result, indent=1))

@@ -7,33 +7,21 @@ E4M3 ``torch._scaled_mm`` with per-row / per-column scales, INT8 ``torch._int_mm
 counted), and sums them to the decode's GEMM time: a lower bound for that format's decode, before attention,
 norms, activation quantization and the rescale.
 
-    python docs/experiments/vae_gemm_rates_probe.py OUT.json
+    PYTHONPATH=.:benchmarks python docs/experiments/vae_gemm_rates_probe.py OUT.json
 """
 
 import json
-import statistics
 import sys
 
 import torch
 
+from _common import cuda_median_ms
+
 
 ROWS = 28 * 1810
 CALLS, LAYERS = 7, 36
+REPS = 10
 SHAPES = {"qkvo_2048x2048": (2048, 2048, 4), "mlp_in_2048x8192": (2048, 8192, 2), "mlp_out_8192x2048": (8192, 2048, 1)}
-
-
-def time_ms(fn, reps=10):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(out):
@@ -49,9 +37,9 @@ def main(out):
         sw = torch.ones(1, n, device=dev)
         ai, wi = a.clamp(-127, 127).to(torch.int8), (w * 100).clamp(-127, 127).to(torch.int8)
         times = {
-            "bf16": time_ms(lambda: torch.mm(a, w.t())),
-            "fp8": time_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)),
-            "int8": time_ms(lambda: torch._int_mm(ai, wi.t())),
+            "bf16": cuda_median_ms(lambda: torch.mm(a, w.t()), reps=REPS),
+            "fp8": cuda_median_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16), reps=REPS),
+            "int8": cuda_median_ms(lambda: torch._int_mm(ai, wi.t()), reps=REPS),
         }
         flop = 2 * ROWS * k * n
         result["shapes"][name] = {

@@ -127,8 +127,6 @@ def set_case(model, case, tiny):
 
 
 def build_vae(device, tiny):
-    from diffusers import AutoencoderKLMiniMaxH3
-
     from diffusers_h3.testing.tiny import tiny_vae
 
     torch.manual_seed(0)
@@ -137,10 +135,11 @@ def build_vae(device, tiny):
         vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_min_overlap_height=16,
                           tile_sample_min_overlap_width=16)  # fmt: skip
         return vae, torch.randn(1, vae.config.latent_channels, 9, 3, 4, device=device)
-    with torch.device(device):
-        vae = AutoencoderKLMiniMaxH3()
+    from vae import build_vae as full_width_vae  # vae.py's bf16 decoder with randomized residual scales
+
+    vae = full_width_vae(device, torch.bfloat16, tiny=False)
     latents = torch.randn(1, vae.config.latent_channels, 37, 48, 84, device=device)  # 768x1344x124
-    return vae.eval().requires_grad_(False), latents
+    return vae, latents.to(torch.bfloat16)
 
 
 def main():

@@ -9,9 +9,11 @@ rows) published as a PackedLayout. Cases, in this order (``fast`` / ``fastest`` 
 
 * ``native``   diffusers' ``MiniMaxH3AttnProcessor`` with the ``_native_cudnn`` backend, eager: the baseline, and its
                output is the reference of ``rel_l2``;
-* ``exact``    ``enable_speed_preset_on_transformer(model, "exact")``: bf16, cuDNN attention, regional compile;
-* ``exact_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python) ``exact`` with
-               ``enable_flashinfer_attention``: FlashInfer's dense kernel (FA3 on Hopper) in place of cuDNN;
+* ``exact``    ``enable_speed_preset_on_transformer(model, "exact", flashinfer=False)``: bf16, cuDNN attention,
+               regional compile (the preset without flashinfer-python);
+* ``exact_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python) the preset with
+               ``flashinfer=True``: FlashInfer's dense kernel (FA3 on Hopper) in place of cuDNN (the preset's
+               default on Hopper when flashinfer-python is installed);
 * ``fast``     the ``"fast"`` preset: FP8 GEMMs, dense INT8 Q/K attention, regional compile;
 * ``fastest``  the ``"fastest"`` preset: ``fast`` + VSA at sparsity 0.8, regional compile.
 
@@ -186,12 +188,9 @@ def set_up(case: str, model, device: torch.device) -> Dict[str, Any]:
     # which trace again on the next call with this preset's processors and quantized linears (see the docstring).
     torch._dynamo.reset()
     # On CPU (--tiny) the preset records regional compile as off (CUDA only) and quantizes to W8A16.
-    turned_on = enable_speed_preset_on_transformer(model, preset, compile=True).describe()
-    if case == "exact_flashinfer":  # the exact preset with FlashInfer's dense kernel in place of cuDNN
-        from diffusers_h3 import enable_flashinfer_attention
-
-        turned_on["attention"] = {"transformer": enable_flashinfer_attention(model)["transformer"]}
-    return turned_on
+    # "exact" is measured with cuDNN (what it runs without flashinfer-python), "exact_flashinfer" with FlashInfer's FA3.
+    flashinfer = {"exact": False, "exact_flashinfer": True}.get(case)
+    return enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer).describe()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

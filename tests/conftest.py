@@ -1,7 +1,10 @@
 import os
+import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 
 # Run Triton kernels through the interpreter on machines without a GPU (CI). Must be set before triton is imported.
@@ -21,3 +24,27 @@ def tiny_components_factory():
 
 # Small canvas rule shared by both pipelines in parity tests so that video references stay tiny.
 SMALL_CANVAS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 64, "reference_image_short_edge": 64}
+
+
+class _StandIn(types.ModuleType):
+    """``flashinfer`` with one function: checks the call's contract and computes SDPA on one (seq, heads, dim) item."""
+
+    def __init__(self):
+        super().__init__("flashinfer")
+        self.calls = []
+
+    def single_prefill_with_kv_cache(self, q, k, v, *, causal, kv_layout, sm_scale, backend):
+        assert q.dim() == 3 and q.shape == k.shape == v.shape and q.stride(-1) == 1
+        self.calls.append({"shape": tuple(q.shape), "causal": causal, "layout": kv_layout, "scale": sm_scale,
+                           "backend": backend})  # fmt: skip
+        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # NHD -> (1, heads, seq, dim)
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
+        return out[0].transpose(0, 1).contiguous()
+
+
+@pytest.fixture
+def flashinfer_stand_in(monkeypatch):
+    """A stand-in ``flashinfer`` module (CPU tests of the FlashInfer glue); ``.calls`` records its calls."""
+    module = _StandIn()
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    return module

@@ -56,7 +56,7 @@ def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto") -> D
         blocks = transformer_blocks(model, "enable_flashinfer_attention")
         tensors = itertools.chain(blocks[0].parameters(), blocks[0].buffers()) if len(blocks) else iter(())
         device = next(tensors, torch.empty(0)).device  # quantized layers keep their weights in buffers
-        resolved = resolve_backend(backend, cuda_capability(device) if device.type == "cuda" else None)
+        resolved = resolve_backend(backend, cuda_capability(device))
         plans.append((name, blocks, resolved))
     summary = {}
     for name, blocks, resolved in plans:

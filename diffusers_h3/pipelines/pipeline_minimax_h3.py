@@ -271,12 +271,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
 
-    def enable_speed_preset(self, preset: str, compile: bool = True):
+    def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
         partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md."""
         from .speed_presets import enable_speed_preset
 
-        return enable_speed_preset(self, preset, compile=compile)
+        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer)
 
     def _device_of(self, module: torch.nn.Module) -> torch.device:
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may

@@ -1,9 +1,11 @@
 # Copyright 2026 The diffusers-h3 authors. Licensed under the Apache License, Version 2.0.
 """Speed presets: one call that turns on a consistent set of fast paths on the transformer partition(s).
 
-* ``"exact"``: no approximation. bf16 weights, dense bf16 attention through the fastest exact kernel diffusers'
-  dispatcher offers here (cuDNN on CUDA SM80+, PyTorch SDPA otherwise), regional ``torch.compile`` on CUDA with
-  inductor's ``emulate_precision_casts`` (fused kernels round to bf16 where eager does).
+* ``"exact"``: no approximation. bf16 weights, dense bf16 attention through the fastest exact kernel available: on
+  Hopper FlashInfer's FlashAttention-3 kernel when flashinfer-python is installed (faster than cuDNN at H3's shape,
+  docs/speed.md), else the fastest one diffusers' dispatcher offers (cuDNN on CUDA SM80+, PyTorch SDPA otherwise);
+  regional ``torch.compile`` on CUDA with inductor's ``emulate_precision_casts`` (fused kernels round to bf16 where
+  eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as FP8
   Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA.
@@ -26,8 +28,14 @@ import torch
 from diffusers.utils import logging
 
 from .._utils import cuda_capability, has_fp8_tensor_cores
-from ..attention_processors import disable_low_precision_attention, enable_low_precision_attention, enable_vsa
+from ..attention_processors import (
+    disable_low_precision_attention,
+    enable_flashinfer_attention,
+    enable_low_precision_attention,
+    enable_vsa,
+)
 from ..hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
+from ..kernels.attention.flashinfer_dense import import_flashinfer, resolve_backend
 from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, quantize
 
 
@@ -41,8 +49,8 @@ ATTENTION_PRECISION = "int8"
 
 # Whether two identical requests give bitwise identical outputs on one GPU, and why (docs/speed.md).
 DETERMINISM = {
-    "exact": "bitwise reproducible on one GPU: cuDNN/SDPA forward attention and cuBLAS GEMMs use no atomics for "
-             "fixed shapes; inductor's generated kernels are fixed per shape",
+    "exact": "bitwise reproducible on one GPU: cuDNN/SDPA and FlashInfer's single-prefill forward attention and "
+             "cuBLAS GEMMs use no atomics for fixed shapes; inductor's generated kernels are fixed per shape",
     "fast": "bitwise reproducible on one GPU: the INT8 attention kernels and the FP8 GEMM path (Triton activation "
             "quantization + torch._scaled_mm) use no atomics or split reductions across launches",
     "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
@@ -89,6 +97,39 @@ def exact_attention_backend(device: torch.device) -> Optional[str]:
     if cap is not None and tuple(cap) >= (8, 0) and torch.backends.cudnn.is_available():
         return "_native_cudnn"
     return None
+
+
+def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
+    """Whether ``preset`` runs FlashInfer's dense kernel on ``device`` (``"on"``, ``"off"``, or ``"not installed"``
+    when the automatic choice would have taken it); checked before anything changes.
+
+    ``flashinfer=None`` (the default): the ``"exact"`` preset on a Hopper GPU (SM90, where FA3 was measured faster than
+    cuDNN) when flashinfer-python is importable. ``True``: required (one clear error when the package or the GPU
+    cannot run it). ``False``: never. The other presets run 8-bit attention and refuse ``flashinfer=True``."""
+    if flashinfer is not None and not isinstance(flashinfer, bool):
+        raise TypeError(f"flashinfer must be None (automatic), True or False, got {flashinfer!r}")
+    if preset != "exact":
+        if flashinfer:
+            raise ValueError(
+                f"flashinfer=True applies to the 'exact' preset (dense bf16 attention); {preset!r} runs 8-bit "
+                "attention: drop flashinfer=True or use preset='exact'"
+            )
+        return "off"
+    if flashinfer is False:
+        return "off"
+    device = torch.device(device)
+    capability = cuda_capability(device)
+    if flashinfer is None:
+        if capability is None or capability[0] != 9:
+            return "off"
+        try:
+            import_flashinfer()
+        except ImportError:
+            return "not installed"
+        return "on"
+    import_flashinfer()  # flashinfer=True: one clear error when it is missing or the GPU cannot run it
+    resolve_backend("auto", capability)
+    return "on"
 
 
 @dataclass
@@ -172,6 +213,7 @@ def _apply_to_transformer(
     device: torch.device,
     config: Optional[Any],
     weights: str,
+    flashinfer: str,
     preset: str,
     compile: bool,
 ) -> None:
@@ -184,11 +226,16 @@ def _apply_to_transformer(
     if preset == "exact":
         disable_low_precision_attention(model)  # diffusers' default processor on every block
         backend = exact_attention_backend(device)
-        if backend is not None:
+        if backend is not None:  # the token refiner keeps diffusers' processor, on this backend
             model.set_attention_backend(backend)
             record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
         else:
             record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
+        if flashinfer == "on":
+            resolved = enable_flashinfer_attention(model)["transformer"]["backend"]
+            record.attention[name] = f"dense bf16, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
+        elif flashinfer == "not installed":
+            record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"
     elif preset == "fast":
         enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
         record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
@@ -215,7 +262,9 @@ def _apply_to_transformer(
     )
 
 
-def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetRecord:
+def enable_speed_preset(
+    pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None
+) -> SpeedPresetRecord:
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
 
@@ -225,6 +274,9 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
         preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"`` (see the module docstring and docs/speed.md).
         compile (`bool`, defaults to `True`): regional ``torch.compile`` of the transformer blocks on CUDA (diffusers'
             ``compile_repeated_blocks``; the first call compiles). Ignored with a log line on CPU.
+        flashinfer (`bool`, *optional*): FlashInfer's FlashAttention-3 kernel for the ``"exact"`` preset's dense
+            attention. `None` (default): used on Hopper when flashinfer-python is installed (it builds its kernels on
+            first use); `True`: required (an error if it cannot run); `False`: diffusers' backend (cuDNN).
 
     Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
     """
@@ -239,7 +291,7 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
     plans = {}
     for name, model in models:
         device = pipe._device_of(model)
-        plans[name] = (device, *_plan_weights(name, model, preset, device))
+        plans[name] = (device, *_plan_weights(name, model, preset, device), plan_flashinfer(flashinfer, device, preset))
 
     record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset])
     for name, model in models:
@@ -262,7 +314,11 @@ def enable_speed_preset(pipe, preset: str, compile: bool = True) -> SpeedPresetR
 
 
 def enable_speed_preset_on_transformer(
-    transformer: torch.nn.Module, preset: str, compile: bool = True, name: str = "transformer"
+    transformer: torch.nn.Module,
+    preset: str,
+    compile: bool = True,
+    name: str = "transformer",
+    flashinfer: Optional[bool] = None,
 ) -> SpeedPresetRecord:
     r"""
     Turn on a speed preset's transformer part (weights, attention, regional compile) on one
@@ -274,6 +330,7 @@ def enable_speed_preset_on_transformer(
         preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"``.
         compile (`bool`, defaults to `True`): regional ``torch.compile`` of the blocks on CUDA.
         name (`str`, defaults to ``"transformer"``): the key of the record's per-partition entries.
+        flashinfer (`bool`, *optional*): as for :func:`enable_speed_preset`.
 
     Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved).
     """
@@ -283,8 +340,9 @@ def enable_speed_preset_on_transformer(
         weight = next(transformer.buffers(), None)
     device = weight.device if weight is not None else torch.device("cpu")
     config, weights = _plan_weights(name, transformer, preset, device)
+    uses_flashinfer = plan_flashinfer(flashinfer, device, preset)
     record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset], decode="not applied (transformer only)")
-    _apply_to_transformer(record, name, transformer, device, config, weights, preset, compile)
+    _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile)
     return record
 
 
@@ -302,5 +360,6 @@ __all__: List[str] = [
     "enable_speed_preset_on_transformer",
     "exact_attention_backend",
     "gemm_format",
+    "plan_flashinfer",
     "speed_preset_report",
 ]

@@ -4,11 +4,9 @@ checks and what describe() reports. FlashInfer's kernels need a GPU; on the CPU 
 handling changes the output. The kernel itself is compared with cuDNN in tests/gpu/test_flashinfer_gpu.py."""
 
 import sys
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
@@ -16,29 +14,6 @@ import diffusers_h3
 from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
 from diffusers_h3.kernels.attention.flashinfer_dense import resolve_backend
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
-
-
-class _StandIn(types.ModuleType):
-    """``flashinfer`` with one function: checks the call's contract and computes SDPA on one (seq, heads, dim) item."""
-
-    def __init__(self):
-        super().__init__("flashinfer")
-        self.calls = []
-
-    def single_prefill_with_kv_cache(self, q, k, v, *, causal, kv_layout, sm_scale, backend):
-        assert q.dim() == 3 and q.shape == k.shape == v.shape and q.stride(-1) == 1
-        self.calls.append({"shape": tuple(q.shape), "causal": causal, "layout": kv_layout, "scale": sm_scale,
-                           "backend": backend})  # fmt: skip
-        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # NHD -> (1, heads, seq, dim)
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
-        return out[0].transpose(0, 1).contiguous()
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    module = _StandIn()
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    return module
 
 
 def _model():
@@ -55,7 +30,7 @@ def _run(model, batch=2):
     return out.sample.float(), out.audio_sample.float()
 
 
-def test_processor_equals_diffusers_attention(stand_in):
+def test_processor_equals_diffusers_attention(flashinfer_stand_in):
     model = _model()
     model.set_attn_processor(MiniMaxH3AttnProcessor())
     expected = _run(model)
@@ -66,10 +41,10 @@ def test_processor_equals_diffusers_attention(stand_in):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     # One call per batch item and block, FlashInfer's NHD layout, the 1/sqrt(d) scale, no causal mask.
     heads, dim = TINY_TRANSFORMER_CONFIG["num_attention_heads"], TINY_TRANSFORMER_CONFIG["attention_head_dim"]
-    assert len(stand_in.calls) == 2 * TINY_TRANSFORMER_CONFIG["num_layers"]
-    assert all(c["shape"][1:] == (heads, dim) for c in stand_in.calls)
-    assert {(c["causal"], c["layout"], c["backend"]) for c in stand_in.calls} == {(False, "NHD", "fa3")}
-    assert all(c["scale"] == pytest.approx(dim**-0.5) for c in stand_in.calls)
+    assert len(flashinfer_stand_in.calls) == 2 * TINY_TRANSFORMER_CONFIG["num_layers"]
+    assert all(c["shape"][1:] == (heads, dim) for c in flashinfer_stand_in.calls)
+    assert {(c["causal"], c["layout"], c["backend"]) for c in flashinfer_stand_in.calls} == {(False, "NHD", "fa3")}
+    assert all(c["scale"] == pytest.approx(dim**-0.5) for c in flashinfer_stand_in.calls)
     # The refiner keeps diffusers' processor; describe() reports what ran.
     assert not isinstance(model.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3FlashInferProcessor)
     path = model.transformer_blocks[0].attn.processor.describe_path()
@@ -77,7 +52,7 @@ def test_processor_equals_diffusers_attention(stand_in):
     assert "flashinfer" in str(diffusers_h3.describe(model))
 
 
-def test_processor_is_one_eager_island_under_compile(stand_in):
+def test_processor_is_one_eager_island_under_compile(flashinfer_stand_in):
     model = _model()
     model.set_attn_processor(MiniMaxH3AttnProcessor())
     expected = _run(model, batch=1)
@@ -86,10 +61,10 @@ def test_processor_is_one_eager_island_under_compile(stand_in):
         block.compile(backend="eager")
     got = _run(model, batch=1)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert {c["backend"] for c in stand_in.calls} == {"fa2"}
+    assert {c["backend"] for c in flashinfer_stand_in.calls} == {"fa2"}
 
 
-def test_processor_refuses_32_bit_inputs_and_masks(stand_in):
+def test_processor_refuses_32_bit_inputs_and_masks(flashinfer_stand_in):
     processor = MiniMaxH3FlashInferProcessor("fa3")
     q = torch.randn(1, 8, 2, 32)
     with pytest.raises(TypeError, match="bf16 or fp16"):
@@ -100,7 +75,7 @@ def test_processor_refuses_32_bit_inputs_and_masks(stand_in):
         MiniMaxH3FlashInferProcessor("auto")
 
 
-def test_enable_checks_package_and_device_before_changing_anything(monkeypatch, stand_in):
+def test_enable_checks_package_and_device_before_changing_anything(monkeypatch, flashinfer_stand_in):
     model = _model()
     before = [type(b.attn.processor) for b in model.transformer_blocks]
     with pytest.raises(ValueError, match="needs a CUDA GPU of SM80 or newer"):

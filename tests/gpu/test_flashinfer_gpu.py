@@ -16,12 +16,13 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("seq", [1000, 4133])  # partial tiles at both lengths
-def test_flashinfer_core_matches_cudnn(seq):
+@pytest.mark.parametrize("asked", ["auto", "fa2"])  # auto: FA3 on Hopper
+def test_flashinfer_core_matches_cudnn(seq, asked):
     pytest.importorskip("flashinfer")
     from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
     from diffusers_h3.kernels.attention.flashinfer_dense import resolve_backend
 
-    backend = resolve_backend("auto", torch.cuda.get_device_capability())
+    backend = resolve_backend(asked, torch.cuda.get_device_capability())
     gen = torch.Generator("cuda").manual_seed(seq)
     q, k, v = (torch.randn(2, seq, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     processor = MiniMaxH3FlashInferProcessor(backend)
@@ -33,3 +34,41 @@ def test_flashinfer_core_matches_cudnn(seq):
     ref_err = ((ref.double() - exact).norm() / exact.norm()).item()
     assert err < 2 * ref_err + 1e-4, (err, ref_err)  # bf16 attention: the same rounding level as cuDNN
     assert f"single_prefill {backend}" in processor.describe_path()
+
+
+def test_exact_preset_takes_flashinfer_and_is_deterministic():
+    pytest.importorskip("flashinfer")
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+    from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
+
+    def model():
+        torch.manual_seed(0)
+        config = {**TINY_TRANSFORMER_CONFIG, "attention_head_dim": 128}  # FlashInfer's FA3 head sizes: 64/128/256
+        return MiniMaxH3Transformer3DModel(**config).to("cuda", torch.bfloat16).eval()
+
+    inputs = tiny_transformer_inputs(seed=5, grid=(5, 12, 16))
+    inputs = {k: v.cuda() for k, v in inputs.items()}
+    for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        inputs[name] = inputs[name].bfloat16()
+
+    def forward(m):
+        with torch.no_grad():
+            return m(**inputs).sample.double()
+
+    native = model()
+    native.set_attn_processor(MiniMaxH3AttnProcessor())
+    native.set_attention_backend("_native_cudnn")
+    fast = model()
+    expected = "fa3" if torch.cuda.get_device_capability()[0] == 9 else None
+    record = enable_speed_preset_on_transformer(fast, "exact", compile=False)
+    if expected is None:
+        pytest.skip("the exact preset takes FlashInfer on Hopper only")
+    assert "FlashInfer FA3" in record.attention["transformer"]
+    assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in fast.transformer_blocks)
+    first, second, ref = forward(fast), forward(fast), forward(native)
+    assert torch.equal(first, second)  # the preset's determinism claim
+    assert ((first - ref).norm() / ref.norm()).item() < 2e-2  # bf16 attention on either kernel

@@ -165,3 +165,97 @@ def test_exact_preset_compile_keeps_eager_bf16_numerics():
     assert "emulate_precision_casts=True" in line
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.transformer_blocks)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+
+
+def _hopper(monkeypatch):
+    """Make the CPU look like an SM90 GPU to the preset's and the FlashInfer installer's capability checks."""
+    from diffusers_h3.attention_processors import flashinfer as flashinfer_processors
+    from diffusers_h3.pipelines import speed_presets
+
+    monkeypatch.setattr(speed_presets, "cuda_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
+
+
+def _tiny_bf16_transformer():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
+    torch.manual_seed(0)
+    return MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER_CONFIG).to(torch.bfloat16).eval()
+
+
+def _forward(model):
+    from diffusers_h3.testing.tiny import tiny_transformer_inputs
+
+    inputs = tiny_transformer_inputs(seed=5)
+    for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        inputs[name] = inputs[name].bfloat16()
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_exact_runs_flashinfer_on_hopper_when_installed(monkeypatch, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    _hopper(monkeypatch)
+    native = _tiny_bf16_transformer()
+    native.set_attn_processor(MiniMaxH3AttnProcessor())
+    model = _tiny_bf16_transformer()
+    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    assert "FlashInfer FA3" in record.attention["transformer"]
+    assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in model.transformer_blocks)
+    # The stand-in computes diffusers' SDPA call: the preset's glue must not change a bit.
+    assert torch.equal(_forward(model), _forward(native))
+    assert {c["backend"] for c in flashinfer_stand_in.calls} == {"fa3"}
+
+
+def test_exact_without_flashinfer_says_what_it_would_gain(monkeypatch):
+    import sys
+
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    _hopper(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    model = _tiny_bf16_transformer()
+    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    assert "flashinfer-python not installed" in record.attention["transformer"]
+    assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
+    # Asked for explicitly, a missing package is one clear error, and nothing changes.
+    model = _tiny_bf16_transformer()
+    before = [type(b.attn.processor) for b in model.transformer_blocks]
+    with pytest.raises(ImportError, match="pip install flashinfer-python"):
+        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=True)
+    assert [type(b.attn.processor) for b in model.transformer_blocks] == before
+
+
+def test_flashinfer_choice_is_checked_before_anything_changes(flashinfer_stand_in):
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    model = _tiny_bf16_transformer()
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="needs a CUDA GPU of SM80"):  # the CPU cannot run FlashInfer
+        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=True)
+    with pytest.raises(ValueError, match="applies to the 'exact' preset"):
+        enable_speed_preset_on_transformer(model, "fast", compile=False, flashinfer=True)
+    with pytest.raises(TypeError, match="None .automatic., True or False"):
+        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer="yes")
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    assert all(type(b.attn.processor) is not MiniMaxH3LowPrecisionAttnProcessor for b in model.transformer_blocks)
+    # Automatic off the Hopper GPU: diffusers' attention, no note.
+    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    assert "FlashInfer" not in record.attention["transformer"] and not flashinfer_stand_in.calls
+
+
+def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+
+    _hopper(monkeypatch)
+    pipe = _pipe()
+    pipe.enable_speed_preset("exact", compile=False, flashinfer=False)
+    assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
+    pipe.enable_speed_preset("exact", compile=False)
+    assert all(isinstance(p, MiniMaxH3FlashInferProcessor) for p in _block_processors(pipe))
+    assert "FlashInfer FA3" in str(diffusers_h3.describe(pipe)["speed_preset"]["attention"])

@@ -297,19 +297,22 @@ def main():
             serial_ms, serial = timed(lambda: vae.decode(latents).sample, device, 1)
             serial_peak = peak_gib(device)
         dist.barrier()
-        reset_peak(device)
-        parallel_ms, decoded = timed(lambda: parallel_vae_decode(vae, latents), device, 1, group=dist.group.WORLD)
-        peaks = [None] * world_size
-        dist.all_gather_object(peaks, peak_gib(device))
-        if rank == 0:
-            vae_result = {
-                "serial_ms": serial_ms,
-                "serial_peak_gib": serial_peak,
-                "parallel_ms": parallel_ms,
-                "speedup": serial_ms / parallel_ms,
-                "rel_l2": rel_l2(decoded, serial),
-                "peak_gib_per_rank": peaks,
-            }
+        if single:  # at one rank parallel_vae_decode is vae.decode: nothing more to time
+            vae_result = {"serial_ms": serial_ms, "serial_peak_gib": serial_peak, "parallel_ms": None}
+        else:
+            reset_peak(device)
+            parallel_ms, decoded = timed(lambda: parallel_vae_decode(vae, latents), device, 1, group=dist.group.WORLD)
+            peaks = [None] * world_size
+            dist.all_gather_object(peaks, peak_gib(device))
+            if rank == 0:
+                vae_result = {
+                    "serial_ms": serial_ms,
+                    "serial_peak_gib": serial_peak,
+                    "parallel_ms": parallel_ms,
+                    "speedup": serial_ms / parallel_ms,
+                    "rel_l2": rel_l2(decoded, serial),
+                    "peak_gib_per_rank": peaks,
+                }
 
     if rank == 0:
         gpu = device_name() if device.type == "cuda" else "cpu"

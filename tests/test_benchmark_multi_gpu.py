@@ -49,6 +49,7 @@ def test_degree_one_records_the_baselines_alone(tmp_path):
     assert data["world_size"] == 1 and list(data["forward"]) == ["native_cudnn", "fastest"]
     for case in data["forward"].values():
         assert set(case) == {"baseline_1gpu_ms", "baseline_1gpu_peak_gib"} and case["baseline_1gpu_ms"] > 0
-    assert data["vae_decode"]["rel_l2"] <= 1e-6
+    # At one rank the parallel decode is vae.decode itself: only the serial decode is timed.
+    assert data["vae_decode"]["serial_ms"] > 0 and data["vae_decode"]["parallel_ms"] is None
     refused = _torchrun("--tp", "--out", str(tmp_path / "x.json"), ranks=1, timeout=120)
     assert refused.returncode != 0 and "tensor parallelism needs two or more ranks" in refused.stderr

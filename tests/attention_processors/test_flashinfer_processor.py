@@ -48,7 +48,7 @@ def test_processor_equals_diffusers_attention(flashinfer_stand_in):
     # The refiner keeps diffusers' processor; describe() reports what ran.
     assert not isinstance(model.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3FlashInferProcessor)
     path = model.transformer_blocks[0].attn.processor.describe_path()
-    assert "flashinfer kernel (single_prefill fa3" in path and "not yet run on hardware" in path
+    assert "flashinfer kernel (single_prefill fa3" in path and "tested on an H200" in path
     assert "flashinfer" in str(diffusers_h3.describe(model))
 
 

@@ -71,7 +71,7 @@ def environment() -> Dict[str, Any]:
     import diffusers
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     env = {
         "diffusers_h3": __version__,

@@ -7,6 +7,7 @@ and why; "not run on hardware" where that applies). Anything else is reported by
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import platform
 from typing import Any, Dict, List
 
@@ -67,6 +68,18 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     return info
 
 
+# Optional packages that change which paths can run: FlashInfer (the exact preset's FA3 attention on Hopper, NVFP4 W4A4
+# on Blackwell), PEFT (LoRA), PyAV (MP4 export).
+OPTIONAL_PACKAGES = ("flashinfer-python", "peft", "accelerate", "av")
+
+
+def _installed_version(distribution: str):
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment() -> Dict[str, Any]:
     import diffusers
     import transformers
@@ -79,6 +92,7 @@ def environment() -> Dict[str, Any]:
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "optional_packages": {name: _installed_version(name) for name in OPTIONAL_PACKAGES},  # None: not installed
         "cuda_devices": [],
     }
     if torch.cuda.is_available():

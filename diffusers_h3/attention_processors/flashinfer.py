@@ -17,7 +17,12 @@ from typing import Any, Dict
 import torch
 
 from .._utils import cuda_capability
-from ..kernels.attention.flashinfer_dense import flashinfer_dense_attention, import_flashinfer, resolve_backend
+from ..kernels.attention.flashinfer_dense import (
+    check_flashinfer_kernels,
+    flashinfer_dense_attention,
+    import_flashinfer,
+    resolve_backend,
+)
 from .base import MiniMaxH3AttnProcessorBase
 from .low_precision import _models, transformer_blocks
 
@@ -46,11 +51,13 @@ def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto") -> D
     """Install one :class:`MiniMaxH3FlashInferProcessor` per transformer block of a pipeline's transformer
     partition(s) or of one transformer (the token refiner keeps its processor).
 
-    Checks first, with one clear error and nothing changed: flashinfer-python is importable and every model is on a
-    CUDA GPU of SM80+ (``"fa3"`` needs SM90). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns per
+    Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be built
+    (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and every model is on a CUDA GPU of SM80+ (``"fa3"`` needs
+    SM90). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns per
     partition the block count, the resolved backend and the processor's ``describe_path`` line.
     """
     import_flashinfer()
+    kernels = check_flashinfer_kernels()
     plans = []
     for name, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):
         blocks = transformer_blocks(model, "enable_flashinfer_attention")
@@ -63,6 +70,6 @@ def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto") -> D
         processors = [MiniMaxH3FlashInferProcessor(resolved) for _ in blocks]
         for block, processor in zip(blocks, processors):
             block.attn.set_processor(processor)
-        summary[name] = {"blocks": len(blocks), "backend": resolved,
+        summary[name] = {"blocks": len(blocks), "backend": resolved, "kernels": kernels,
                          "path": processors[0].describe_path() if processors else "no blocks"}  # fmt: skip
     return summary

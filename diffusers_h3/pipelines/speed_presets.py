@@ -35,7 +35,12 @@ from ..attention_processors import (
     enable_vsa,
 )
 from ..hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
-from ..kernels.attention.flashinfer_dense import import_flashinfer, resolve_backend
+from ..kernels.attention.flashinfer_dense import (
+    check_flashinfer_kernels,
+    flashinfer_kernel_source,
+    import_flashinfer,
+    resolve_backend,
+)
 from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, quantize
 
 
@@ -100,8 +105,8 @@ def exact_attention_backend(device: torch.device) -> Optional[str]:
 
 
 def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
-    """Whether ``preset`` runs FlashInfer's dense kernel on ``device`` (``"on"``, ``"off"``, or ``"not installed"``
-    when the automatic choice would have taken it); checked before anything changes.
+    """Whether ``preset`` runs FlashInfer's dense kernel on ``device``: ``"on"``, ``"off"``, or why the automatic
+    choice could not take it (``"not installed"``, ``"no compiler"``); checked before anything changes.
 
     ``flashinfer=None`` (the default): the ``"exact"`` preset on a Hopper GPU (SM90, where FA3 was measured faster than
     cuDNN) when flashinfer-python is importable. ``True``: required (one clear error when the package or the GPU
@@ -126,8 +131,9 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
             import_flashinfer()
         except ImportError:
             return "not installed"
-        return "on"
-    import_flashinfer()  # flashinfer=True: one clear error when it is missing or the GPU cannot run it
+        return "on" if flashinfer_kernel_source() is not None else "no compiler"
+    import_flashinfer()  # flashinfer=True: one clear error when it is missing, cannot build or the GPU cannot run it
+    check_flashinfer_kernels()
     resolve_backend("auto", capability)
     return "on"
 
@@ -236,6 +242,9 @@ def _apply_to_transformer(
             record.attention[name] = f"dense bf16, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
         elif flashinfer == "not installed":
             record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"
+        elif flashinfer == "no compiler":
+            record.attention[name] += (" (flashinfer-python is installed but cannot build its kernels: no nvcc found; "
+                                       "set CUDA_HOME or install flashinfer-jit-cache for its faster FA3 kernel)")
     elif preset == "fast":
         enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
         record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"

@@ -98,3 +98,45 @@ def test_backend_resolution(backend, capability, expected):
     else:
         with pytest.raises(ValueError, match=expected):
             resolve_backend(backend, capability)
+
+
+def _no_compiler(monkeypatch, tmp_path):
+    """Nothing FlashInfer could build its kernels with, and no prebuilt kernels."""
+    from diffusers_h3.kernels.attention import flashinfer_dense
+
+    for name in ("FLASHINFER_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(flashinfer_dense, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
+    real_find_spec = flashinfer_dense.importlib.util.find_spec
+    monkeypatch.setattr(flashinfer_dense.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer_jit_cache" else real_find_spec(name, *a))  # fmt: skip
+
+
+def test_kernel_source_follows_flashinfer_lookup(monkeypatch, tmp_path):
+    from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, flashinfer_kernel_source
+
+    _no_compiler(monkeypatch, tmp_path)
+    assert flashinfer_kernel_source() is None
+    with pytest.raises(RuntimeError, match="no nvcc was found .*pip install flashinfer-jit-cache"):
+        check_flashinfer_kernels()
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert flashinfer_kernel_source() is None  # not executable: FlashInfer could not run it either
+    nvcc.chmod(0o755)
+    assert flashinfer_kernel_source() == f"built on first use with {nvcc}"
+
+
+def test_enable_refuses_when_kernels_cannot_be_built(monkeypatch, tmp_path, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import flashinfer as flashinfer_processors
+
+    monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
+    _no_compiler(monkeypatch, tmp_path)
+    model = _model()
+    before = [type(b.attn.processor) for b in model.transformer_blocks]
+    with pytest.raises(RuntimeError, match="no nvcc was found"):
+        enable_flashinfer_attention(model)
+    assert [type(b.attn.processor) for b in model.transformer_blocks] == before

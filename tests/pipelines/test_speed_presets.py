@@ -259,3 +259,20 @@ def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_st
     pipe.enable_speed_preset("exact", compile=False)
     assert all(isinstance(p, MiniMaxH3FlashInferProcessor) for p in _block_processors(pipe))
     assert "FlashInfer FA3" in str(diffusers_h3.describe(pipe)["speed_preset"]["attention"])
+
+
+def test_exact_keeps_cudnn_when_flashinfer_cannot_build(monkeypatch, tmp_path, flashinfer_stand_in):
+    from diffusers_h3.kernels.attention import flashinfer_dense
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    _hopper(monkeypatch)
+    for name in ("FLASHINFER_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(flashinfer_dense, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
+    model = _tiny_bf16_transformer()
+    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    assert "cannot build its kernels: no nvcc found" in record.attention["transformer"]
+    assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
+    with pytest.raises(RuntimeError, match="no nvcc was found"):  # asked for explicitly: one clear error
+        enable_speed_preset_on_transformer(_tiny_bf16_transformer(), "exact", compile=False, flashinfer=True)

@@ -6,6 +6,9 @@ use (minutes, cached on disk). This module is the only place that calls it; it a
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 from typing import Optional, Tuple
 
 import torch
@@ -15,6 +18,8 @@ from .router import KernelChoice
 
 
 BACKENDS = ("auto", "fa2", "fa3")
+# Where FlashInfer looks for CUDA when neither CUDA_HOME / CUDA_PATH nor an nvcc on PATH says.
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 
 def import_flashinfer():
@@ -27,6 +32,34 @@ def import_flashinfer():
             "or use diffusers' attention (cuDNN) instead"
         ) from error
     return flashinfer
+
+
+def flashinfer_kernel_source() -> Optional[str]:
+    """Where FlashInfer's kernels would come from here: its prebuilt package (``flashinfer-jit-cache``) or a CUDA
+    compiler for its just-in-time build, found the way FlashInfer looks for one (``FLASHINFER_NVCC``, ``CUDA_HOME`` /
+    ``CUDA_PATH``, ``nvcc`` on ``PATH``, ``/usr/local/cuda``). ``None``: the first call would fail to build."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return "prebuilt kernels (flashinfer-jit-cache)"
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    on_path = shutil.which("nvcc")
+    candidates = [os.environ.get("FLASHINFER_NVCC")] + [os.path.join(h, "bin", "nvcc") for h in homes if h]
+    candidates += [on_path, os.path.join(DEFAULT_CUDA_HOME, "bin", "nvcc")]
+    for nvcc in candidates:
+        if nvcc and os.path.isfile(nvcc) and os.access(nvcc, os.X_OK):
+            return f"built on first use with {nvcc}"
+    return None
+
+
+def check_flashinfer_kernels() -> str:
+    """:func:`flashinfer_kernel_source`, or one clear error naming the fix (before anything is changed)."""
+    source = flashinfer_kernel_source()
+    if source is None:
+        raise RuntimeError(
+            "FlashInfer attention: flashinfer-python builds its kernels on first use with CUDA's compiler, and no nvcc "
+            "was found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda) nor its prebuilt kernels; install the CUDA "
+            "toolkit and set CUDA_HOME, or `pip install flashinfer-jit-cache`"
+        )
+    return source
 
 
 def resolve_backend(backend: str, capability: Optional[Tuple[int, int]]) -> str:

@@ -33,6 +33,7 @@ import torch
 from diffusers_h3.attention_processors.tiling import TilePlan
 from diffusers_h3.attention_processors.vsa import vsa_attention
 from diffusers_h3.kernels.attention import block_sparse_attention, fp8_attention
+from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_attention
 from diffusers_h3.kernels.attention.vsa_pool import tile_pool
 from diffusers_h3.kernels.attention.vsa_select import mask_to_index, select_tiles
 
@@ -172,6 +173,9 @@ def main(argv=None):
            note="FlashInfer FA3 template in FP8: E4M3 Q/K/V, one scale per head, K mean-centred, FP8 P.V; kernel "
                 "alone (the torch quantization is not timed)")
     del q8, k8, v8
+    record("flashinfer_fp8_dense_incl_quant", lambda: flashinfer_fp8_attention(q, k, v)[0], ref_dense,
+           note="this package's FlashInfer FP8 path (MiniMaxH3FlashInferProcessor precision='fp8'): the same kernel "
+                "with the per-head quantization and K mean-centring included")
 
     sparse_peers(suite, q, k, v, plan, err_heads)
     torch.cuda.empty_cache()

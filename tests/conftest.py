@@ -33,13 +33,19 @@ class _StandIn(types.ModuleType):
         super().__init__("flashinfer")
         self.calls = []
 
-    def single_prefill_with_kv_cache(self, q, k, v, *, causal, kv_layout, sm_scale, backend):
+    def single_prefill_with_kv_cache(self, q, k, v, *, causal, kv_layout, sm_scale, backend, scale_q=None,
+                                     scale_k=None, scale_v=None, o_dtype=None):  # fmt: skip
         assert q.dim() == 3 and q.shape == k.shape == v.shape and q.stride(-1) == 1
+        fp8 = q.dtype == torch.float8_e4m3fn
         self.calls.append({"shape": tuple(q.shape), "causal": causal, "layout": kv_layout, "scale": sm_scale,
-                           "backend": backend})  # fmt: skip
+                           "backend": backend, "fp8": fp8})  # fmt: skip
+        if fp8:  # FA3's FP8 contract: E4M3 Q/K/V, one fp32 scale per head, output in o_dtype
+            assert k.dtype == v.dtype == q.dtype and all(s.shape == (q.shape[1],) for s in (scale_q, scale_k, scale_v))
+            q, k, v = (t.float() * s[None, :, None] for t, s in ((q, scale_q), (k, scale_k), (v, scale_v)))
         qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # NHD -> (1, heads, seq, dim)
         out = F.scaled_dot_product_attention(qh, kh, vh, scale=sm_scale)
-        return out[0].transpose(0, 1).contiguous()
+        out = out[0].transpose(0, 1).contiguous()
+        return out.to(o_dtype) if fp8 else out
 
 
 @pytest.fixture

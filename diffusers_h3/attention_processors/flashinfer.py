@@ -3,7 +3,9 @@
 The same math as diffusers' ``MiniMaxH3AttnProcessor`` (projections, QK RMSNorm, rotary and output are the base's);
 only ``softmax(Q K^T / sqrt(d)) V`` runs in FlashInfer: FlashAttention-3 on Hopper, FlashAttention-2 on SM80+
 (``backend="auto"``); at the H3 shape FlashInfer's FA3 bf16 kernel is faster than cuDNN (measured in
-``docs/attention.md``). FlashInfer is optional (``pip install flashinfer-python``) and builds its kernels on first use.
+``docs/attention.md``). ``precision="fp8"`` runs FA3's FP8 kernel instead (Hopper only; E4M3 Q/K/V with one scale per
+head, FP8 P·V): an approximation, like this package's dense FP8 attention, with coarser scales. FlashInfer is optional
+(``pip install flashinfer-python``) and builds its kernels on first use.
 
 Install it with :func:`enable_flashinfer_attention`, which checks the package and the GPU once, before anything
 changes. Refiner calls and context parallelism (Ulysses) follow :class:`~.base.MiniMaxH3AttnProcessorBase`.
@@ -12,7 +14,7 @@ changes. Refiner calls and context parallelism (Ulysses) follow :class:`~.base.M
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -20,6 +22,7 @@ from .._utils import cuda_capability
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_dense_attention,
+    flashinfer_fp8_attention,
     import_flashinfer,
     resolve_backend,
 )
@@ -27,35 +30,57 @@ from .base import MiniMaxH3AttnProcessorBase
 from .low_precision import _models, transformer_blocks
 
 
-class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
-    """Dense bf16 / fp16 attention through FlashInfer. ``backend``: ``"fa3"`` or ``"fa2"`` (resolved from the GPU by
-    :func:`enable_flashinfer_attention` when asked for ``"auto"``)."""
+PRECISIONS = ("bf16", "fp8")
 
-    def __init__(self, backend: str = "fa3"):
+
+def _check_precision(precision: str, backend: Optional[str] = None) -> None:
+    """A known precision, and (given a resolved backend) one that backend runs."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"FlashInfer attention precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and backend is not None and backend != "fa3":
+        raise ValueError(f"FlashInfer FP8 attention runs on FA3 (Hopper) only, not {backend!r}: use precision='bf16' "
+                         "or enable_low_precision_attention(pipe, 'fp8')")  # fmt: skip
+
+
+class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
+    """Dense attention through FlashInfer. ``backend``: ``"fa3"`` or ``"fa2"`` (resolved from the GPU by
+    :func:`enable_flashinfer_attention` when asked for ``"auto"``); ``precision``: ``"bf16"`` (16-bit Q/K/V as they
+    come, exact) or ``"fp8"`` (FA3's FP8 kernel; ``smooth_k`` subtracts the per-head key mean first)."""
+
+    def __init__(self, backend: str = "fa3", precision: str = "bf16", smooth_k: bool = True):
         super().__init__()
         if backend not in ("fa2", "fa3"):
             raise ValueError(f"MiniMaxH3FlashInferProcessor backend must be 'fa2' or 'fa3', got {backend!r}")
+        _check_precision(precision, backend)
         self.backend = backend
+        self.precision = precision
+        self.smooth_k = bool(smooth_k)
 
     def core(self, query, key, value, attention_mask=None, **extras):
         if extras:
             raise TypeError(f"{type(self).__name__} takes no extras, got {sorted(extras)}")
         if attention_mask is not None:
             raise ValueError(f"{type(self).__name__}: FlashInfer dense attention takes no attention_mask (H3 passes none)")
-        out, choice = flashinfer_dense_attention(query, key, value, self.backend)
+        if self.precision == "fp8":
+            out, choice = flashinfer_fp8_attention(query, key, value, self.smooth_k)
+        else:
+            out, choice = flashinfer_dense_attention(query, key, value, self.backend)
         self.record_choice(choice)
         return out
 
 
-def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto") -> Dict[str, Dict[str, Any]]:
+def enable_flashinfer_attention(
+    pipe_or_transformer, backend: str = "auto", precision: str = "bf16"
+) -> Dict[str, Dict[str, Any]]:
     """Install one :class:`MiniMaxH3FlashInferProcessor` per transformer block of a pipeline's transformer
     partition(s) or of one transformer (the token refiner keeps its processor).
 
     Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be built
     (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and every model is on a CUDA GPU of SM80+ (``"fa3"`` needs
-    SM90). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns per
+    SM90, as does ``precision="fp8"``). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns per
     partition the block count, the resolved backend and the processor's ``describe_path`` line.
     """
+    _check_precision(precision)
     import_flashinfer()
     kernels = check_flashinfer_kernels()
     plans = []
@@ -64,12 +89,13 @@ def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto") -> D
         tensors = itertools.chain(blocks[0].parameters(), blocks[0].buffers()) if len(blocks) else iter(())
         device = next(tensors, torch.empty(0)).device  # quantized layers keep their weights in buffers
         resolved = resolve_backend(backend, cuda_capability(device))
+        _check_precision(precision, resolved)
         plans.append((name, blocks, resolved))
     summary = {}
     for name, blocks, resolved in plans:
-        processors = [MiniMaxH3FlashInferProcessor(resolved) for _ in blocks]
+        processors = [MiniMaxH3FlashInferProcessor(resolved, precision) for _ in blocks]
         for block, processor in zip(blocks, processors):
             block.attn.set_processor(processor)
-        summary[name] = {"blocks": len(blocks), "backend": resolved, "kernels": kernels,
+        summary[name] = {"blocks": len(blocks), "backend": resolved, "precision": precision, "kernels": kernels,
                          "path": processors[0].describe_path() if processors else "no blocks"}  # fmt: skip
     return summary

@@ -153,6 +153,15 @@ def quantize_fp8_per_channel(x: torch.Tensor, seq_dim: int = 1, eps: float = 1e-
     return quantize_fp8_per_token(x, dim=seq_dim, eps=eps)
 
 
+def quantize_fp8_per_head(x: torch.Tensor, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, N, H, D]`` -> ``(E4M3 x8, scale [B, H])``: one ``amax / 448`` per batch item and head over all rows and
+    channels (FlashInfer FA3's FP8 operand format); same rounding convention as :func:`quantize_fp8_per_token`."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=(1, 3), keepdim=True).clamp_min(eps) * (1.0 / E4M3_MAX)
+    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, scale[:, 0, :, 0]
+
+
 def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12,
                            dtype: torch.dtype = torch.float8_e4m3fn) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [B, N, H, D]`` -> ``(x8, scale [B, ceil(N / block), H])``: one ``amax / 448`` (``/ 127`` for int8) per

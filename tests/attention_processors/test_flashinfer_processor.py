@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
@@ -140,3 +141,56 @@ def test_enable_refuses_when_kernels_cannot_be_built(monkeypatch, tmp_path, flas
     with pytest.raises(RuntimeError, match="no nvcc was found"):
         enable_flashinfer_attention(model)
     assert [type(b.attn.processor) for b in model.transformer_blocks] == before
+
+
+def _qkv(batch=2, seq=37, heads=4, dim=64, key_offset=0.0):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(3))
+    return q.bfloat16(), (k + key_offset).bfloat16(), v.bfloat16()
+
+
+def test_fp8_core_follows_the_per_head_contract(flashinfer_stand_in):
+    from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_reference
+
+    q, k, v = _qkv()
+    processor = MiniMaxH3FlashInferProcessor("fa3", precision="fp8")
+    out = processor.core(q, k, v)
+    # The stand-in dequantizes FlashInfer's FP8 operands and attends in fp32, as the torch reference does.
+    assert out.dtype == torch.bfloat16 and torch.equal(out, flashinfer_fp8_reference(q, k, v))
+    assert len(flashinfer_stand_in.calls) == 2 and all(c["fp8"] and c["backend"] == "fa3" for c in flashinfer_stand_in.calls)
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v))).transpose(1, 2)
+    err = ((out.double() - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 6e-2  # E4M3 operand rounding: present, and at its usual level
+    assert "single_prefill fa3 fp8" in processor.describe_path() and "per head" in processor.describe_path()
+
+
+def test_fp8_smooth_k_removes_a_key_offset(flashinfer_stand_in):
+    q, k, v = _qkv(key_offset=8.0)  # a shared key offset: exact under softmax, costly for a per-head E4M3 scale
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v))).transpose(1, 2)
+
+    def error(smooth_k):
+        out = MiniMaxH3FlashInferProcessor("fa3", precision="fp8", smooth_k=smooth_k).core(q, k, v)
+        return ((out.double() - exact).norm() / exact.norm()).item()
+
+    assert error(True) < 0.5 * error(False)
+
+
+def test_fp8_needs_fa3_and_known_precisions(monkeypatch, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import flashinfer as flashinfer_processors
+
+    with pytest.raises(ValueError, match="FA3 .Hopper. only"):
+        MiniMaxH3FlashInferProcessor("fa2", precision="fp8")
+    model = _model()
+    before = [type(b.attn.processor) for b in model.transformer_blocks]
+    monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="FA3 .Hopper. only"):  # an A100 resolves to FA2
+        enable_flashinfer_attention(model, precision="fp8")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # the precision is checked before the package
+    with pytest.raises(ValueError, match="precision must be one of"):
+        enable_flashinfer_attention(model, precision="int4")
+    assert [type(b.attn.processor) for b in model.transformer_blocks] == before
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_stand_in)
+    monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
+    summary = enable_flashinfer_attention(model, precision="fp8")["transformer"]
+    assert summary["backend"] == "fa3" and summary["precision"] == "fp8"
+    assert all(b.attn.processor.precision == "fp8" for b in model.transformer_blocks)

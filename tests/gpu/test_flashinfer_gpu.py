@@ -72,3 +72,22 @@ def test_exact_preset_takes_flashinfer_and_is_deterministic():
     first, second, ref = forward(fast), forward(fast), forward(native)
     assert torch.equal(first, second)  # the preset's determinism claim
     assert ((first - ref).norm() / ref.norm()).item() < 2e-2  # bf16 attention on either kernel
+
+
+@pytest.mark.parametrize("seq", [1000, 4133])
+def test_flashinfer_fp8_core_matches_its_reference(seq):
+    pytest.importorskip("flashinfer")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's FP8 attention is FA3: Hopper only")
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_reference
+
+    gen = torch.Generator("cuda").manual_seed(seq)
+    q, k, v = (torch.randn(2, seq, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    processor = MiniMaxH3FlashInferProcessor("fa3", precision="fp8")
+    out = processor.core(q, k, v).double()
+    reference = flashinfer_fp8_reference(q, k, v).double()  # same operands, P kept in fp32
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v))).transpose(1, 2)
+    assert ((out - reference).norm() / reference.norm()).item() < 3e-2  # the kernel's FP8 P on top of the operands
+    assert ((out - exact).norm() / exact.norm()).item() < 8e-2
+    assert "single_prefill fa3 fp8" in processor.describe_path()

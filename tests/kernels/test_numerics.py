@@ -12,6 +12,7 @@ from diffusers_h3.kernels.numerics import (
     e2m1_encode,
     e4m3_decode_bits,
     pack_nibbles,
+    quantize_fp8_per_head,
     round_to_e2m1,
     to_e4m3,
     unpack_nibbles,
@@ -155,3 +156,17 @@ def test_fp8_gemm_error_on_gaussian_data_is_the_e4m3_mantissa_limit():
     gemm_err = ((out - ref).norm() / ref.norm()).item()
     assert abs(gemm_err - (x_err**2 + w_err**2) ** 0.5) < 0.002  # independent errors add in quadrature
     assert gemm_err > 0.03
+
+
+def test_fp8_per_head_quant_definition():
+    x = torch.randn(2, 37, 3, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
+    x[1, :, 2] *= 50  # one head of one batch item much larger: its own scale
+    x8, scale = quantize_fp8_per_head(x)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == x.shape and scale.shape == (2, 3)
+    amax = x.float().abs().amax(dim=(1, 3))
+    assert torch.equal(scale, amax * (1.0 / 448.0))
+    # The largest element of every (item, head) maps to +-448 exactly; the rest is x / scale rounded to E4M3.
+    assert torch.equal(x8.float().abs().amax(dim=(1, 3)), torch.full((2, 3), 448.0))
+    assert torch.equal(x8, (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn))
+    err = (x8.float() * scale[:, None, :, None] - x.float()).norm() / x.float().norm()
+    assert 0 < err < 0.04

@@ -1,4 +1,5 @@
-"""Dense 16-bit attention through FlashInfer's prefill kernels (FlashAttention-3 on Hopper, FlashAttention-2 elsewhere).
+"""Dense attention through FlashInfer's prefill kernels: 16-bit (FlashAttention-3 on Hopper, FlashAttention-2
+elsewhere) and FP8 (FlashAttention-3's FP8 kernel, Hopper only).
 
 FlashInfer is an optional dependency (``pip install flashinfer-python``): it builds its kernels just in time on first
 use (minutes, cached on disk). This module is the only place that calls it; it adds nothing to the math.
@@ -14,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._triton_utils import opaque_to_compile
+from ..numerics import quantize_fp8_per_head
 from .router import KernelChoice
 
 
@@ -97,4 +99,55 @@ def flashinfer_dense_attention(
     choice = KernelChoice(
         "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 tested on an H200 (tests/gpu/test_flashinfer_gpu.py)"
     )
+    return torch.stack(outputs), choice
+
+
+def fp8_per_head_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, smooth_k: bool):
+    """FA3 FP8's operands: E4M3 Q, K, V ``(batch, seq, heads, head_dim)`` with one fp32 scale per batch item and head;
+    with ``smooth_k`` the per-head key mean is subtracted first, in fp32 (exact under softmax: it shifts every score of
+    a query row by the same amount). Returns ``[(x8, scale [batch, heads]) for Q, K, V]``."""
+    key = key.float()
+    if smooth_k:
+        key = key - key.mean(1, keepdim=True)
+    return [quantize_fp8_per_head(t) for t in (query, key, value)]
+
+
+def flashinfer_fp8_reference(query, key, value, smooth_k: bool = True) -> torch.Tensor:
+    """What :func:`flashinfer_fp8_attention` computes, in torch: the dequantized FP8 operands through fp32 softmax
+    attention (FlashInfer also rounds P to E4M3 inside the kernel; this reference keeps P in fp32)."""
+    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k)
+    q, k, v = (x8.float() * s[:, None, :, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv)))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=query.shape[-1] ** -0.5
+    )
+    return out.transpose(1, 2).to(query.dtype)
+
+
+@opaque_to_compile  # a library call: one eager island under torch.compile
+def flashinfer_fp8_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, smooth_k: bool = True
+) -> Tuple[torch.Tensor, KernelChoice]:
+    """``softmax(Q K^T / sqrt(d)) V`` through FlashInfer's FlashAttention-3 FP8 kernel (Hopper): E4M3 Q/K/V with one
+    scale per head (:func:`fp8_per_head_operands`), FP8 P·V inside the kernel, output in the inputs' 16-bit dtype; one
+    single-prefill call per batch item."""
+    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"FlashInfer FP8 attention takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
+    flashinfer = import_flashinfer()
+    scale = query.shape[-1] ** -0.5
+    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k)
+    outputs = [
+        flashinfer.single_prefill_with_kv_cache(
+            q8[b], k8[b], v8[b], scale_q=sq[b], scale_k=sk[b], scale_v=sv[b], o_dtype=query.dtype, causal=False,
+            kv_layout="NHD", sm_scale=scale, backend="fa3",
+        )
+        for b in range(query.shape[0])
+    ]  # fmt: skip
+    choice = KernelChoice(
+        "flashinfer", "single_prefill fa3 fp8",
+        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''}, FP8 P·V; not yet run on hardware "
+        "by this package's GPU tests",
+    )  # fmt: skip
     return torch.stack(outputs), choice

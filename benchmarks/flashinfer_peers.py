@@ -33,7 +33,7 @@ import torch
 from diffusers_h3.attention_processors.tiling import TilePlan
 from diffusers_h3.attention_processors.vsa import vsa_attention
 from diffusers_h3.kernels.attention import block_sparse_attention, fp8_attention
-from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_attention
+from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_attention, fp8_per_head_operands
 from diffusers_h3.kernels.attention.vsa_pool import tile_pool
 from diffusers_h3.kernels.attention.vsa_select import mask_to_index, select_tiles
 
@@ -53,12 +53,6 @@ from _common import (
 
 
 FP8 = torch.float8_e4m3fn
-
-
-def per_head_fp8(x: torch.Tensor):
-    """E4M3 ``[S, H, D]`` with one float32 scale per head (``amax / 448``), as FlashInfer's FA3 FP8 path takes."""
-    scale = x.abs().amax(dim=(0, 2)).float().clamp_min(1e-12) / 448.0
-    return (x.float() / scale[None, :, None]).to(FP8), scale
 
 
 def full_tile_plan(num_tiles: int, device) -> TilePlan:
@@ -163,9 +157,8 @@ def main(argv=None):
     record("peer_flashinfer_fa3_bf16_dense",
            lambda: flashinfer.single_prefill_with_kv_cache(qn, kn, vn, causal=False, backend="fa3")[None],
            ref_dense, note="FlashInfer FA3 template, bf16")
-    q8, sq = per_head_fp8(qn)
-    k8, sk = per_head_fp8(kn - kn.float().mean(0, keepdim=True))
-    v8, sv = per_head_fp8(vn)
+    # E4M3 Q/K/V with one scale per head, K mean-centred: this package's FlashInfer FP8 operands (batch item 0).
+    (q8, sq), (k8, sk), (v8, sv) = ((x8[0], scale[0]) for x8, scale in fp8_per_head_operands(q, k, v, smooth_k=True))
     record("peer_flashinfer_fa3_fp8_dense",
            lambda: flashinfer.single_prefill_with_kv_cache(q8, k8, v8, scale_q=sq, scale_k=sk, scale_v=sv,
                                                            o_dtype=torch.bfloat16, causal=False, backend="fa3")[None],

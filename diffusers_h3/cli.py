@@ -210,6 +210,21 @@ def _check_flag_combinations(args) -> None:
     if speed == "exact" and args.quantize is not None:
         raise UsageError(f"--speed exact runs bf16 weights and cannot be combined with --quantize {args.quantize}",
                          "drop --quantize, or use --speed fast")  # fmt: skip
+    flashinfer = getattr(args, "flashinfer", None)
+    if flashinfer is not None and speed != "exact":
+        raise UsageError(f"--flashinfer {flashinfer} chooses the attention of --speed exact",
+                         "add --speed exact or drop --flashinfer")  # fmt: skip
+    if flashinfer == "on":
+        if args.device is not None and not args.device.startswith("cuda"):
+            raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
+                             "run on a CUDA GPU (SM80+) or use --flashinfer off")  # fmt: skip
+        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, import_flashinfer
+
+        try:
+            import_flashinfer()
+            check_flashinfer_kernels()
+        except (ImportError, RuntimeError) as error:
+            raise UsageError(f"--flashinfer on: {error}", "or use --flashinfer auto / off") from None
     if args.v100 and (args.vsa is not None or args.attention_precision is not None):
         raise UsageError(
             "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",
@@ -465,7 +480,8 @@ def _apply_fast_paths(pipe, args) -> None:
         for _, model in pipe._partitions():
             model.enable_cache(args.cache_config)
     if getattr(args, "speed", None):  # after the cache hooks: the preset compiles the blocks last
-        pipe.enable_speed_preset(args.speed, compile=True)
+        flashinfer = {"on": True, "off": False}.get(getattr(args, "flashinfer", None))  # None: automatic
+        pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer)
         print(f"speed preset {args.speed}: {pipe._h3_speed_preset.describe()}", file=sys.stderr)
     elif args.compile:
         for _, model in pipe._partitions():
@@ -675,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--speed", choices=("exact", "fast", "fastest"), default=None,
                       help="speed preset (docs/speed.md): exact = bf16, fastest exact attention, regional compile; "
                            "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8")
+    fast.add_argument("--flashinfer", choices=("auto", "on", "off"), default=None,
+                      help="with --speed exact: FlashInfer's FA3 attention (auto, the default: when flashinfer-python "
+                           "is installed and the GPU is Hopper; on: required; off: cuDNN)")  # fmt: skip
     fast.add_argument("--compile", action="store_true",
                       help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)

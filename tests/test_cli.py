@@ -124,3 +124,22 @@ def test_cli_low_memory_placement_runs_and_is_reported(tmp_path, monkeypatch, ca
     report = json.loads(capsys.readouterr().out)
     assert report["placement"]["transformer"].startswith("group offload (block level")
     assert "decoder layers kept" in report["placement"]["text_encoder_layers"]
+
+
+@pytest.mark.parametrize("choice, expected", [(None, "FlashInfer FA3"), ("on", "FlashInfer FA3"), ("off", "diffusers")])
+def test_cli_flashinfer_choice_reaches_the_exact_preset(choice, expected, monkeypatch, flashinfer_stand_in):
+    import argparse
+
+    from diffusers_h3 import cli
+    from diffusers_h3.attention_processors import flashinfer as flashinfer_processors
+    from diffusers_h3.pipelines import speed_presets
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    for module in (speed_presets, flashinfer_processors):  # the CPU poses as a Hopper GPU
+        monkeypatch.setattr(module, "cuda_capability", lambda device=None: (9, 0))
+    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    args = argparse.Namespace(lora=None, v100=False, vsa=None, attention_precision=None, cache=None, speed="exact",
+                              flashinfer=choice, compile=False)  # fmt: skip
+    cli._apply_fast_paths(pipe, args)
+    attention = pipe._h3_speed_preset.describe()["attention"]["transformer"]
+    assert expected in attention and ("FlashInfer" in attention) == (choice != "off")

@@ -90,6 +90,8 @@ BAD_INPUTS = {
     "low memory on several gpus": (["--low-memory", "--gpus", "2"], ["--low-memory", "--gpus 2"]),
     "text encoder offload on one process": (["--text-encoder-offload"], ["--text-encoder-offload", "add --gpus N"]),
     "low memory with compile": (["--low-memory", "--speed", "fast"], ["--low-memory with --speed"]),
+    "flashinfer without exact": (["--speed", "fast", "--flashinfer", "on"], ["--flashinfer on", "add --speed exact"]),
+    "flashinfer on the cpu": (["--speed", "exact", "--flashinfer", "on"], ["not on --device cpu", "--flashinfer off"]),
 }
 
 
@@ -259,3 +261,12 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
     assert "HEAVY []" in out, out
     assert "EXIT empty-prompt 2" in out and "LOADED True" in out, out
     assert "--prompt is empty" in result.stderr
+
+
+def test_flashinfer_on_without_the_package_is_one_line(no_loading, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    out = no_loading / "out.mp4"
+    argv = ["generate", "--prompt", "a cat", "--out", str(out), "--device", "cuda", "--speed", "exact",
+            "--flashinfer", "on"]  # fmt: skip
+    _fails(argv, capsys, "--flashinfer on", "pip install flashinfer-python", "--flashinfer auto / off")
+    assert not out.exists()

@@ -5,7 +5,8 @@
 #   bash benchmarks/run_gpu_suite.sh [--out DIR] [--parts tests,gemm,attention,e2e] [--commit SHA] [--peer-dir DIR]
 #
 #   --out       where the JSON and logs go (default: benchmarks/results)
-#   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer (default: tests,gemm,attention,e2e)
+#   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer, and on a host with N >= 2 GPUs
+#               multi_gpu_tests, cp, uneven, tp_w8a16 (docs/multi_gpu.md) (default: tests,gemm,attention,e2e)
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
 set -uo pipefail
@@ -21,7 +22,7 @@ while [[ $# -gt 0 ]]; do
     --parts) PARTS=$2; shift 2 ;;
     --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
     --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,4 +52,18 @@ has e2e && run end_to_end python benchmarks/end_to_end.py --reps 5 "${COMMIT_ARG
 has v100 && run fa_v100 python benchmarks/attention_v100.py "${COMMIT_ARGS[@]}" --out "$OUT/fa_v100_$DEVICE.json"
 has flashinfer && run flashinfer python benchmarks/flashinfer_peers.py "${COMMIT_ARGS[@]}" \
   --out "$OUT/attention_flashinfer_$DEVICE.json"
+
+# Multi-GPU parts: one launch per part over every visible GPU (each fits a 10-minute slot on H200s).
+N=$(python -c "import torch; print(torch.cuda.device_count())")
+if has multi_gpu_tests || has cp || has uneven || has tp_w8a16; then
+  [[ $N -ge 2 ]] || { echo "run_gpu_suite.sh: error: the multi-GPU parts need 2 or more GPUs, $N visible" >&2; exit 2; }
+fi
+BENCH=(torchrun --nproc-per-node "$N" benchmarks/multi_gpu.py "${COMMIT_ARGS[@]}")
+has multi_gpu_tests && run multi_gpu_tests python -m pytest -o addopts="" -m gpu tests/gpu/test_multi_gpu.py \
+  tests/parallel/test_placement.py -q -p no:cacheprovider
+has cp && run "multi_gpu_x$N" "${BENCH[@]}" --tp --out "$OUT/multi_gpu_${DEVICE}x$N.json"
+has uneven && run "multi_gpu_x${N}_uneven" "${BENCH[@]}" --cases native_cudnn --text-rows 513 --skip-vae \
+  --out "$OUT/multi_gpu_${DEVICE}x${N}_uneven.json"
+has tp_w8a16 && run "multi_gpu_x${N}_tp_w8a16" "${BENCH[@]}" --cases "native_cudnn,tp$N" --tp-quant w8a16 --skip-vae \
+  --out "$OUT/multi_gpu_${DEVICE}x${N}_tp_w8a16.json"
 exit $status

@@ -218,10 +218,9 @@ def _check_flag_combinations(args) -> None:
         if args.device is not None and not args.device.startswith("cuda"):
             raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
                              "run on a CUDA GPU (SM80+) or use --flashinfer off")  # fmt: skip
-        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, import_flashinfer
+        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels
 
         try:
-            import_flashinfer()
             check_flashinfer_kernels()
         except (ImportError, RuntimeError) as error:
             raise UsageError(f"--flashinfer on: {error}", "or use --flashinfer auto / off") from None

@@ -23,7 +23,6 @@ from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_dense_attention,
     flashinfer_fp8_attention,
-    import_flashinfer,
     resolve_backend,
 )
 from .base import MiniMaxH3AttnProcessorBase
@@ -81,7 +80,6 @@ def enable_flashinfer_attention(
     partition the block count, the resolved backend and the processor's ``describe_path`` line.
     """
     _check_precision(precision)
-    import_flashinfer()
     kernels = check_flashinfer_kernels()
     plans = []
     for name, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):

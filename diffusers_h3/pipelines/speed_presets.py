@@ -132,8 +132,7 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
         except ImportError:
             return "not installed"
         return "on" if flashinfer_kernel_source() is not None else "no compiler"
-    import_flashinfer()  # flashinfer=True: one clear error when it is missing, cannot build or the GPU cannot run it
-    check_flashinfer_kernels()
+    check_flashinfer_kernels()  # flashinfer=True: one clear error when it is missing, cannot build or the GPU cannot run it
     resolve_backend("auto", capability)
     return "on"
 

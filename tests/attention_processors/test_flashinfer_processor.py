@@ -114,7 +114,7 @@ def _no_compiler(monkeypatch, tmp_path):
                         lambda name, *a: None if name == "flashinfer_jit_cache" else real_find_spec(name, *a))  # fmt: skip
 
 
-def test_kernel_source_follows_flashinfer_lookup(monkeypatch, tmp_path):
+def test_kernel_source_follows_flashinfer_lookup(monkeypatch, tmp_path, flashinfer_stand_in):
     from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, flashinfer_kernel_source
 
     _no_compiler(monkeypatch, tmp_path)

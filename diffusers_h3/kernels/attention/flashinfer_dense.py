@@ -53,7 +53,9 @@ def flashinfer_kernel_source() -> Optional[str]:
 
 
 def check_flashinfer_kernels() -> str:
-    """:func:`flashinfer_kernel_source`, or one clear error naming the fix (before anything is changed)."""
+    """The package importable (:func:`import_flashinfer`) and :func:`flashinfer_kernel_source`, or one clear error
+    naming the fix (before anything is changed)."""
+    import_flashinfer()
     source = flashinfer_kernel_source()
     if source is None:
         raise RuntimeError(
@@ -78,16 +80,18 @@ def resolve_backend(backend: str, capability: Optional[Tuple[int, int]]) -> str:
     return backend
 
 
+def _check_16bit_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"{what} takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+
+
 @opaque_to_compile  # a library call: one eager island under torch.compile
 def flashinfer_dense_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str
 ) -> Tuple[torch.Tensor, KernelChoice]:
     """``softmax(Q K^T / sqrt(d)) V`` on ``(batch, seq, heads, head_dim)`` bf16 / fp16 tensors, no mask, one FlashInfer
     single-prefill call per batch item (``backend`` already resolved: ``"fa2"`` or ``"fa3"``)."""
-    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
-            f"FlashInfer attention takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
+    _check_16bit_operands(query, key, value, "FlashInfer attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
     outputs = []
@@ -130,11 +134,7 @@ def flashinfer_fp8_attention(
     """``softmax(Q K^T / sqrt(d)) V`` through FlashInfer's FlashAttention-3 FP8 kernel (Hopper): E4M3 Q/K/V with one
     scale per head (:func:`fp8_per_head_operands`), FP8 P·V inside the kernel, output in the inputs' 16-bit dtype; one
     single-prefill call per batch item."""
-    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
-            f"FlashInfer FP8 attention takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, "
-            f"{value.dtype}"
-        )
+    _check_16bit_operands(query, key, value, "FlashInfer FP8 attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
     (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k)

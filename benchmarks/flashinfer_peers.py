@@ -164,7 +164,7 @@ def main(argv=None):
                                                            o_dtype=torch.bfloat16, causal=False, backend="fa3")[None],
            ref_dense,
            note="FlashInfer FA3 template in FP8: E4M3 Q/K/V, one scale per head, K mean-centred, FP8 P.V; kernel "
-                "alone (the torch quantization is not timed)")
+                "alone (the quantization is not timed)")
     del q8, k8, v8
     record("flashinfer_fp8_dense_incl_quant", lambda: flashinfer_fp8_attention(q, k, v)[0], ref_dense,
            note="this package's FlashInfer FP8 path (MiniMaxH3FlashInferProcessor precision='fp8'): the same kernel "
@@ -204,6 +204,8 @@ def main(argv=None):
     def hnd_to_rows(out_hnd):
         return out_hnd.transpose(0, 1)[None]
 
+    if any(x in "peer_flashinfer_cake" for x in suite.skip):
+        return  # planning builds the cake kernels (minutes): only when its cases run
     try:
         from flashinfer.cake_vsa_sm90 import sage_fp8_quantize_sm90
 

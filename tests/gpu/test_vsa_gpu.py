@@ -163,3 +163,15 @@ def test_select_tiles_and_fp8_v_at_h3_shape(setup):
     r8, rscale = quantize_v_fp8_channel_major_reference(v)
     assert torch.equal(scale, rscale)
     assert torch.equal(v8.view(torch.uint8), r8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("center", [True, False])
+def test_per_head_fp8_operands_at_h3_shape(setup, center):
+    from diffusers_h3.kernels.attention.fp8_per_head import quantize_fp8_per_head, quantize_fp8_per_head_reference
+
+    _, q, k, v = setup
+    for x in (q, k.bfloat16() + 2.0, v):
+        x8, scale = quantize_fp8_per_head(x, center=center)
+        r8, rscale = quantize_fp8_per_head_reference(x, center=center)
+        assert torch.equal(scale, rscale)
+        assert torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._triton_utils import opaque_to_compile
-from ..numerics import quantize_fp8_per_head
+from .fp8_per_head import quantize_fp8_per_head
 from .router import KernelChoice
 
 
@@ -106,20 +106,21 @@ def flashinfer_dense_attention(
     return torch.stack(outputs), choice
 
 
-def fp8_per_head_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, smooth_k: bool):
+def fp8_per_head_operands(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, smooth_k: bool, backend: str = "auto"
+):
     """FA3 FP8's operands: E4M3 Q, K, V ``(batch, seq, heads, head_dim)`` with one fp32 scale per batch item and head;
     with ``smooth_k`` the per-head key mean is subtracted first, in fp32 (exact under softmax: it shifts every score of
-    a query row by the same amount). Returns ``[(x8, scale [batch, heads]) for Q, K, V]``."""
-    key = key.float()
-    if smooth_k:
-        key = key - key.mean(1, keepdim=True)
-    return [quantize_fp8_per_head(t) for t in (query, key, value)]
+    a query row by the same amount). ``backend``: as :func:`~.fp8_per_head.quantize_fp8_per_head` (``"torch"``: the
+    reference). Returns ``[(x8, scale [batch, heads]) for Q, K, V]``."""
+    return [quantize_fp8_per_head(query, backend=backend), quantize_fp8_per_head(key, center=smooth_k, backend=backend),
+            quantize_fp8_per_head(value, backend=backend)]  # fmt: skip
 
 
 def flashinfer_fp8_reference(query, key, value, smooth_k: bool = True) -> torch.Tensor:
     """What :func:`flashinfer_fp8_attention` computes, in torch: the dequantized FP8 operands through fp32 softmax
     attention (FlashInfer also rounds P to E4M3 inside the kernel; this reference keeps P in fp32)."""
-    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k)
+    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k, backend="torch")
     q, k, v = (x8.float() * s[:, None, :, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv)))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=query.shape[-1] ** -0.5
@@ -137,7 +138,9 @@ def flashinfer_fp8_attention(
     _check_16bit_operands(query, key, value, "FlashInfer FP8 attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
-    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k)
+    # FlashInfer runs on CUDA tensors; a CPU call (a stand-in of the library in tests) takes the torch reference.
+    quantizer = "triton" if query.is_cuda else "torch"
+    (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k, backend=quantizer)
     outputs = [
         flashinfer.single_prefill_with_kv_cache(
             q8[b], k8[b], v8[b], scale_q=sq[b], scale_k=sk[b], scale_v=sv[b], o_dtype=query.dtype, causal=False,
@@ -147,7 +150,7 @@ def flashinfer_fp8_attention(
     ]  # fmt: skip
     choice = KernelChoice(
         "flashinfer", "single_prefill fa3 fp8",
-        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''}, FP8 P·V; not yet run on hardware "
-        "by this package's GPU tests",
+        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''} (quantized by "
+        f"{'one Triton pass each' if quantizer == 'triton' else 'the torch reference'}), FP8 P·V",
     )  # fmt: skip
     return torch.stack(outputs), choice

@@ -1,0 +1,96 @@
+"""Q, K or V as E4M3 with one scale per (batch, head): the operand format of FlashAttention-3's FP8 kernel.
+
+:func:`quantize_fp8_per_head_reference` is the torch definition: optionally subtract the per-(batch, head, channel)
+mean over the sequence in fp32 (``center``: K smoothing, exact under softmax), then
+:func:`~diffusers_h3.kernels.numerics.quantize_fp8_per_head` (``scale = amax / 448`` over all rows and channels of a
+head). :func:`quantize_fp8_per_head` gives the same codes and scales bit for bit with one Triton pass over the tensor:
+the amax comes from the per-channel maximum and minimum (two reductions in the input dtype, exact in any order) instead
+of an fp32 copy of the whole tensor. Centring is monotone, so the largest centred magnitude of a channel is
+``max(hi - mean, mean - lo)`` rounded as the reference rounds each element.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .._triton_utils import HAS_TRITON, check_interpreter_dtype, triton_interpreter_active, use_triton
+from ..numerics import E4M3_MAX
+from ..numerics import quantize_fp8_per_head as _quantize_fp8_per_head_definition
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .._numerics_triton import E4M3_MAX as E4M3_MAX_TL
+    from .._numerics_triton import round_to_e4m3
+
+    @triton.jit
+    def _quantize_per_head_kernel(X, MEAN, SCALE, OUT, N, H, stride_xb, stride_xn, stride_xh, stride_ob, stride_on,
+                                  stride_oh, D: tl.constexpr, BLOCK_N: tl.constexpr, CENTER: tl.constexpr,
+                                  SOFT_ROUND: tl.constexpr):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        valid = (offs_n < N)[:, None]
+        rows = offs_n[:, None].to(tl.int64)
+        x = tl.load(X + b * stride_xb + rows * stride_xn + h * stride_xh + offs_d[None, :], mask=valid,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if CENTER:
+            x = x - tl.load(MEAN + (b * H + h) * D + offs_d)[None, :]
+        y = tl.math.div_rn(x, tl.load(SCALE + b * H + h))  # a true division, as torch's x / scale
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX_TL), E4M3_MAX_TL)
+        if SOFT_ROUND:  # the interpreter's float8 cast truncates
+            y = round_to_e4m3(y)
+        dst = OUT + b * stride_ob + rows * stride_on + h * stride_oh + offs_d[None, :]
+        tl.store(dst, y.to(OUT.dtype.element_ty), mask=valid)
+
+
+def _check_shape(x: torch.Tensor) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"expected [batch, seq, heads, head_dim], got {tuple(x.shape)}")
+
+
+def quantize_fp8_per_head_reference(
+    x: torch.Tensor, *, center: bool = False, eps: float = 1e-12
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Torch definition: ``x [B, N, H, D]`` -> ``(E4M3 x8 [B, N, H, D], scale [B, H])``; with ``center`` the fp32 mean
+    over the sequence of every (batch, head, channel) is subtracted first."""
+    _check_shape(x)
+    xf = x.float()
+    if center:
+        xf = xf - x.mean(1, keepdim=True, dtype=torch.float32)
+    return _quantize_fp8_per_head_definition(xf, eps)
+
+
+def quantize_fp8_per_head(
+    x: torch.Tensor, *, center: bool = False, eps: float = 1e-12, backend: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8_per_head_reference` bit for bit, with one Triton quantization pass (``x8`` contiguous)."""
+    _check_shape(x)
+    if not use_triton("quantize_fp8_per_head", x, backend=backend):
+        return quantize_fp8_per_head_reference(x, center=center, eps=eps)
+    check_interpreter_dtype("quantize_fp8_per_head", x)
+    b, n, h, d = x.shape
+    if d & (d - 1) or x.stride(-1) != 1:
+        raise ValueError(f"x needs a power-of-two head_dim and a contiguous last dimension, got {tuple(x.shape)}")
+    hi, lo = x.amax(dim=1).float(), x.amin(dim=1).float()  # [B, H, D], exact in the input dtype
+    if center:
+        mean = x.mean(1, dtype=torch.float32)
+        amax = torch.maximum(hi - mean, mean - lo).amax(dim=-1)
+    else:
+        mean = hi  # not read by the kernel
+        amax = torch.maximum(hi, lo.neg()).amax(dim=-1)
+    scale = amax.clamp_min(eps) * (1.0 / E4M3_MAX)
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    block_n = 64
+    _quantize_per_head_kernel[(triton.cdiv(n, block_n), b * h)](
+        x, mean, scale, out, n, h, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        D=d, BLOCK_N=block_n, CENTER=center, SOFT_ROUND=triton_interpreter_active(),
+    )  # fmt: skip
+    return out, scale

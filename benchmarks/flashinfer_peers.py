@@ -204,34 +204,34 @@ def main(argv=None):
     def hnd_to_rows(out_hnd):
         return out_hnd.transpose(0, 1)[None]
 
-    if any(x in "peer_flashinfer_cake" for x in suite.skip):
-        return  # planning builds the cake kernels (minutes): only when its cases run
-    try:
-        from flashinfer.cake_vsa_sm90 import sage_fp8_quantize_sm90
+    # Planning builds the cake kernels (minutes): only when its cases run.
+    if not any(x in "peer_flashinfer_cake" for x in suite.skip):
+        try:
+            from flashinfer.cake_vsa_sm90 import sage_fp8_quantize_sm90
 
-        cake = VariableBlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=q.device), backend="cake")
-        cake.plan(mask64[0].contiguous(), sizes64, sizes64, h, h, d, q_data_type=torch.bfloat16)
-        record("peer_flashinfer_cake_bf16_k64", lambda: cake.run(qh, kh, vh), ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
-               note="FlashInfer VariableBlockSparseAttentionWrapper(backend='cake'), SM90 generated kernel, bf16; "
-                    + note64)
-        q8, k8, v8, sq, sk, sv = sage_fp8_quantize_sm90(qh, kh, vh)
-        cake8 = VariableBlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=q.device), backend="cake")
-        cake8.plan(mask64[0].contiguous(), sizes64, sizes64, h, h, d, q_data_type=FP8, kv_data_type=FP8,
-                   q_scale=sq, k_scale=sk, v_scale=sv)
+            cake = VariableBlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=q.device), backend="cake")
+            cake.plan(mask64[0].contiguous(), sizes64, sizes64, h, h, d, q_data_type=torch.bfloat16)
+            record("peer_flashinfer_cake_bf16_k64", lambda: cake.run(qh, kh, vh), ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
+                   note="FlashInfer VariableBlockSparseAttentionWrapper(backend='cake'), SM90 generated kernel, bf16; "
+                        + note64)
+            q8, k8, v8, sq, sk, sv = sage_fp8_quantize_sm90(qh, kh, vh)
+            cake8 = VariableBlockSparseAttentionWrapper(torch.empty(1, dtype=torch.uint8, device=q.device), backend="cake")
+            cake8.plan(mask64[0].contiguous(), sizes64, sizes64, h, h, d, q_data_type=FP8, kv_data_type=FP8,
+                       q_scale=sq, k_scale=sk, v_scale=sv)
 
-        def cake_fp8():
-            q8_, k8_, v8_, sq_, sk_, sv_ = sage_fp8_quantize_sm90(qh, kh, vh)
-            sq.copy_(sq_), sk.copy_(sk_), sv.copy_(sv_)  # the plan binds its scale tensors
-            return cake8.run(q8_, k8_, v8_)
+            def cake_fp8():
+                q8_, k8_, v8_, sq_, sk_, sv_ = sage_fp8_quantize_sm90(qh, kh, vh)
+                sq.copy_(sq_), sk.copy_(sk_), sv.copy_(sv_)  # the plan binds its scale tensors
+                return cake8.run(q8_, k8_, v8_)
 
-        record("peer_flashinfer_cake_fp8_k64", cake_fp8, ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
-               note="FlashInfer cake, Sage FP8 (E4M3 Q per token, K per 16 tokens, V per channel; FP8 P.V), incl. its "
-                    "fused quantizer; " + note64)
-        record("peer_flashinfer_cake_fp8_k64_kernel_only", lambda: cake8.run(q8, k8, v8), ref64, pairs=pairs64, vs_baseline=False,
-               to_rows=hnd_to_rows, note="as peer_flashinfer_cake_fp8_k64, kernel alone")
-    except Exception as error:  # noqa: BLE001
-        notes["peer_flashinfer_cake"] = f"failed: {type(error).__name__}: {str(error)[:400]}"
-        print("peer_flashinfer_cake FAILED", notes["peer_flashinfer_cake"], flush=True)
+            record("peer_flashinfer_cake_fp8_k64", cake_fp8, ref64, pairs=pairs64, vs_baseline=False, to_rows=hnd_to_rows,
+                   note="FlashInfer cake, Sage FP8 (E4M3 Q per token, K per 16 tokens, V per channel; FP8 P.V), incl. its "
+                        "fused quantizer; " + note64)
+            record("peer_flashinfer_cake_fp8_k64_kernel_only", lambda: cake8.run(q8, k8, v8), ref64, pairs=pairs64, vs_baseline=False,
+                   to_rows=hnd_to_rows, note="as peer_flashinfer_cake_fp8_k64, kernel alone")
+        except Exception as error:  # noqa: BLE001
+            notes["peer_flashinfer_cake"] = f"failed: {type(error).__name__}: {str(error)[:400]}"
+            print("peer_flashinfer_cake FAILED", notes["peer_flashinfer_cake"], flush=True)
 
     result = {
         **result_header("attention_flashinfer", args.commit),

@@ -15,9 +15,9 @@ rows) published as a PackedLayout. Cases, in this order (``fast`` / ``fastest`` 
                ``flashinfer=True``: FlashInfer's dense kernel (FA3 on Hopper) in place of cuDNN (the preset's
                default on Hopper when flashinfer-python is installed);
 * ``fast``     the ``"fast"`` preset: FP8 GEMMs, dense INT8 Q/K attention, regional compile;
-* ``fast_flashinfer_fp8``  (only when asked for; needs flashinfer-python on Hopper) the ``"fast"`` preset with its
-               attention replaced by ``enable_flashinfer_attention(model, precision="fp8")``: FA3's FP8 kernel
-               (E4M3 Q/K/V, one scale per head, K mean-centred; FP8 P.V);
+* ``fast_flashinfer_fp8``  (only when asked for; needs flashinfer-python on Hopper) the ``"fast"`` preset with
+               ``flashinfer=True``: FA3's FP8 attention kernel (E4M3 Q/K/V, one scale per head, K mean-centred; FP8
+               P.V) in place of the INT8 attention;
 * ``fastest``  the ``"fastest"`` preset: ``fast`` + VSA at sparsity 0.8, regional compile.
 
 The presets are applied to the transformer alone (``diffusers_h3.pipelines.speed_presets``'s per-transformer part of
@@ -193,14 +193,9 @@ def set_up(case: str, model, device: torch.device) -> Dict[str, Any]:
     torch._dynamo.reset()
     # On CPU (--tiny) the preset records regional compile as off (CUDA only) and quantizes to W8A16.
     # "exact" is measured with cuDNN (what it runs without flashinfer-python), "exact_flashinfer" with FlashInfer's FA3.
-    flashinfer = {"exact": False, "exact_flashinfer": True}.get(case)
-    turned_on = enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer).describe()
-    if case == "fast_flashinfer_fp8":
-        from diffusers_h3 import enable_flashinfer_attention
-
-        kernels = enable_flashinfer_attention(model, precision="fp8")["transformer"]
-        turned_on["attention"] = {"transformer": f"FlashInfer {kernels['backend']} FP8 (enable_flashinfer_attention)"}
-    return turned_on
+    # "fast_flashinfer_fp8" is the "fast" preset with flashinfer=True (FA3's FP8 attention in place of INT8).
+    flashinfer = {"exact": False, "exact_flashinfer": True, "fast_flashinfer_fp8": True}.get(case)
+    return enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer).describe()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

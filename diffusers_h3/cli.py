@@ -211,9 +211,9 @@ def _check_flag_combinations(args) -> None:
         raise UsageError(f"--speed exact runs bf16 weights and cannot be combined with --quantize {args.quantize}",
                          "drop --quantize, or use --speed fast")  # fmt: skip
     flashinfer = getattr(args, "flashinfer", None)
-    if flashinfer is not None and speed != "exact":
-        raise UsageError(f"--flashinfer {flashinfer} chooses the attention of --speed exact",
-                         "add --speed exact or drop --flashinfer")  # fmt: skip
+    if flashinfer is not None and speed not in ("exact", "fast"):
+        raise UsageError(f"--flashinfer {flashinfer} chooses the attention of --speed exact or --speed fast",
+                         "add --speed exact / fast or drop --flashinfer")  # fmt: skip
     if flashinfer == "on":
         if args.device is not None and not args.device.startswith("cuda"):
             raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
@@ -224,6 +224,13 @@ def _check_flag_combinations(args) -> None:
             check_flashinfer_kernels()
         except (ImportError, RuntimeError) as error:
             raise UsageError(f"--flashinfer on: {error}", "or use --flashinfer auto / off") from None
+        if speed == "fast":
+            import torch
+
+            capability = torch.cuda.get_device_capability(args.device or "cuda") if torch.cuda.is_available() else None
+            if capability is not None and capability[0] != 9:
+                raise UsageError(f"--speed fast --flashinfer on runs FA3's FP8 kernel, Hopper (SM90) only, not "
+                                 f"sm_{capability[0]}{capability[1]}", "use --flashinfer off (INT8 attention)")  # fmt: skip
     if args.v100 and (args.vsa is not None or args.attention_precision is not None):
         raise UsageError(
             "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",
@@ -692,7 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8")
     fast.add_argument("--flashinfer", choices=("auto", "on", "off"), default=None,
                       help="with --speed exact: FlashInfer's FA3 attention (auto, the default: when flashinfer-python "
-                           "is installed and the GPU is Hopper; on: required; off: cuDNN)")  # fmt: skip
+                           "is installed and the GPU is Hopper; on: required; off: cuDNN); with --speed fast: on runs "
+                           "FA3's FP8 attention (Hopper; faster, less exact than the default INT8)")  # fmt: skip
     fast.add_argument("--compile", action="store_true",
                       help="regional torch.compile of the transformer blocks (first call compiles)")
     gen.set_defaults(func=cmd_generate)

@@ -126,8 +126,11 @@ def test_cli_low_memory_placement_runs_and_is_reported(tmp_path, monkeypatch, ca
     assert "decoder layers kept" in report["placement"]["text_encoder_layers"]
 
 
-@pytest.mark.parametrize("choice, expected", [(None, "FlashInfer FA3"), ("on", "FlashInfer FA3"), ("off", "diffusers")])
-def test_cli_flashinfer_choice_reaches_the_exact_preset(choice, expected, monkeypatch, flashinfer_stand_in):
+@pytest.mark.parametrize("speed, choice, expected", [
+    ("exact", None, "FlashInfer FA3"), ("exact", "on", "FlashInfer FA3"), ("exact", "off", "diffusers"),
+    ("fast", None, "dense INT8"), ("fast", "on", "FlashInfer FA3 FP8"), ("fast", "off", "dense INT8"),
+])  # fmt: skip
+def test_cli_flashinfer_choice_reaches_the_preset(speed, choice, expected, monkeypatch, flashinfer_stand_in):
     import argparse
 
     from diffusers_h3 import cli
@@ -138,8 +141,11 @@ def test_cli_flashinfer_choice_reaches_the_exact_preset(choice, expected, monkey
     for module in (speed_presets, flashinfer_processors):  # the CPU poses as a Hopper GPU
         monkeypatch.setattr(module, "cuda_capability", lambda device=None: (9, 0))
     pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
-    args = argparse.Namespace(lora=None, v100=False, vsa=None, attention_precision=None, cache=None, speed="exact",
+    args = argparse.Namespace(lora=None, v100=False, vsa=None, attention_precision=None, cache=None, speed=speed,
                               flashinfer=choice, compile=False)  # fmt: skip
     cli._apply_fast_paths(pipe, args)
     attention = pipe._h3_speed_preset.describe()["attention"]["transformer"]
-    assert expected in attention and ("FlashInfer" in attention) == (choice != "off")
+    assert expected in attention
+    # exact: FlashInfer unless off; fast: FA3 FP8 only when on (automatic names it as the faster, less exact option).
+    assert attention.startswith("dense bf16, FlashInfer") == (speed == "exact" and choice != "off")
+    assert ("FP8 (single_prefill)" in attention) == (speed == "fast" and choice == "on")

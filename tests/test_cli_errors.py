@@ -90,7 +90,8 @@ BAD_INPUTS = {
     "low memory on several gpus": (["--low-memory", "--gpus", "2"], ["--low-memory", "--gpus 2"]),
     "text encoder offload on one process": (["--text-encoder-offload"], ["--text-encoder-offload", "add --gpus N"]),
     "low memory with compile": (["--low-memory", "--speed", "fast"], ["--low-memory with --speed"]),
-    "flashinfer without exact": (["--speed", "fast", "--flashinfer", "on"], ["--flashinfer on", "add --speed exact"]),
+    "flashinfer with fastest": (["--speed", "fastest", "--flashinfer", "on"], ["--flashinfer on",
+                                                                                "add --speed exact / fast"]),
     "flashinfer on the cpu": (["--speed", "exact", "--flashinfer", "on"], ["not on --device cpu", "--flashinfer off"]),
 }
 

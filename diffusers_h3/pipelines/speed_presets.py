@@ -7,8 +7,9 @@
   regional ``torch.compile`` on CUDA with inductor's ``emulate_precision_casts`` (fused kernels round to bf16 where
   eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
-  dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as FP8
-  Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA.
+  dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
+  Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA. With ``flashinfer=True``
+  (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, at about 4.6x the attention's rounding error (docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
   on CUDA.
 
@@ -52,12 +53,16 @@ FASTEST_SPARSITY = 0.8
 # INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, ~4x less rounding error (docs/attention.md).
 ATTENTION_PRECISION = "int8"
 
+# The precision of the FlashInfer kernel each preset can run (docs/speed.md).
+FLASHINFER_PRECISION = {"exact": "bf16", "fast": "fp8"}
+
 # Whether two identical requests give bitwise identical outputs on one GPU, and why (docs/speed.md).
 DETERMINISM = {
     "exact": "bitwise reproducible on one GPU: cuDNN/SDPA and FlashInfer's single-prefill forward attention and "
              "cuBLAS GEMMs use no atomics for fixed shapes; inductor's generated kernels are fixed per shape",
-    "fast": "bitwise reproducible on one GPU: the INT8 attention kernels and the FP8 GEMM path (Triton activation "
-            "quantization + torch._scaled_mm) use no atomics or split reductions across launches",
+    "fast": "bitwise reproducible on one GPU: the INT8 attention kernels (or FlashInfer's FA3 FP8 single-prefill, no "
+            "split-KV reduction) and the FP8 GEMM path (Triton activation quantization + torch._scaled_mm) use no "
+            "atomics or split reductions across launches",
     "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
                "atomics; ties in top-k resolve the same way on every run",
 }  # fmt: skip
@@ -105,19 +110,23 @@ def exact_attention_backend(device: torch.device) -> Optional[str]:
 
 
 def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
-    """Whether ``preset`` runs FlashInfer's dense kernel on ``device``: ``"on"``, ``"off"``, or why the automatic
-    choice could not take it (``"not installed"``, ``"no compiler"``); checked before anything changes.
+    """Whether ``preset`` runs a FlashInfer kernel on ``device``: ``"on"``, ``"off"``, ``"available"`` (``"fast"``:
+    it could, when asked), or why the automatic choice could not take it (``"not installed"``, ``"no compiler"``);
+    checked before anything changes.
 
-    ``flashinfer=None`` (the default): the ``"exact"`` preset on a Hopper GPU (SM90, where FA3 was measured faster than
-    cuDNN) when flashinfer-python is importable. ``True``: required (one clear error when the package or the GPU
-    cannot run it). ``False``: never. The other presets run 8-bit attention and refuse ``flashinfer=True``."""
+    ``"exact"``: ``flashinfer=None`` (the default) takes FA3 bf16 on a Hopper GPU (SM90, where it was measured faster
+    than cuDNN at no cost in exactness) when flashinfer-python is importable. ``"fast"``: FA3's FP8 kernel only when
+    asked (``flashinfer=True``, Hopper): it is faster than the INT8 attention but about 4.6x less exact, so automatic
+    keeps INT8. ``True``: required (one clear error when the package or the GPU cannot run it). ``False``: never.
+    ``"fastest"`` runs video sparse attention, which no FlashInfer kernel runs, and refuses ``flashinfer=True``."""
     if flashinfer is not None and not isinstance(flashinfer, bool):
         raise TypeError(f"flashinfer must be None (automatic), True or False, got {flashinfer!r}")
-    if preset != "exact":
+    if preset not in FLASHINFER_PRECISION:
         if flashinfer:
             raise ValueError(
-                f"flashinfer=True applies to the 'exact' preset (dense bf16 attention); {preset!r} runs 8-bit "
-                "attention: drop flashinfer=True or use preset='exact'"
+                f"flashinfer=True: no FlashInfer kernel runs the {preset!r} preset's video sparse attention (partial "
+                "tiles, more than 64 selected key tiles): drop flashinfer=True, or use preset='fast' (FA3 FP8) or "
+                "'exact' (FA3 bf16)"
             )
         return "off"
     if flashinfer is False:
@@ -131,9 +140,11 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
             import_flashinfer()
         except ImportError:
             return "not installed"
-        return "on" if flashinfer_kernel_source() is not None else "no compiler"
+        if flashinfer_kernel_source() is None:
+            return "no compiler"
+        return "on" if preset == "exact" else "available"
     check_flashinfer_kernels()  # flashinfer=True: one clear error when it is missing, cannot build or the GPU cannot run it
-    resolve_backend("auto", capability)
+    resolve_backend("auto" if FLASHINFER_PRECISION[preset] == "bf16" else "fa3", capability)  # FP8 is FA3's
     return "on"
 
 
@@ -244,9 +255,16 @@ def _apply_to_transformer(
         elif flashinfer == "no compiler":
             record.attention[name] += (" (flashinfer-python is installed but cannot build its kernels: no nvcc found; "
                                        "set CUDA_HOME or install flashinfer-jit-cache for its faster FA3 kernel)")
+    elif preset == "fast" and flashinfer == "on":
+        enable_flashinfer_attention(model, backend="fa3", precision="fp8")
+        record.attention[name] = ("dense FP8, FlashInfer FA3 FP8 (single_prefill) in the blocks: E4M3 Q/K/V with one "
+                                  "scale per head, K mean-centred, FP8 P·V")  # fmt: skip
     elif preset == "fast":
         enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
         record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
+        if flashinfer == "available":
+            record.attention[name] += (" (flashinfer=True: FlashInfer's FA3 FP8 kernel, faster on this GPU, at about "
+                                       "4.6x the attention's rounding error)")
     else:
         enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
         record.attention[name] = (
@@ -282,9 +300,11 @@ def enable_speed_preset(
         preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"`` (see the module docstring and docs/speed.md).
         compile (`bool`, defaults to `True`): regional ``torch.compile`` of the transformer blocks on CUDA (diffusers'
             ``compile_repeated_blocks``; the first call compiles). Ignored with a log line on CPU.
-        flashinfer (`bool`, *optional*): FlashInfer's FlashAttention-3 kernel for the ``"exact"`` preset's dense
-            attention. `None` (default): used on Hopper when flashinfer-python is installed (it builds its kernels on
-            first use); `True`: required (an error if it cannot run); `False`: diffusers' backend (cuDNN).
+        flashinfer (`bool`, *optional*): FlashInfer's FlashAttention-3 kernels for the dense attention. ``"exact"``:
+            `None` (default) uses FA3 bf16 on Hopper when flashinfer-python is installed (it builds its kernels on
+            first use), `False` diffusers' backend (cuDNN). ``"fast"``: `True` runs FA3's FP8 kernel (Hopper) instead
+            of the INT8 attention (faster, less exact); `None` / `False` keep INT8. `True` requires it (an error if it
+            cannot run). ``"fastest"`` refuses `True`.
 
     Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
     """

@@ -36,42 +36,67 @@ def test_flashinfer_core_matches_cudnn(seq, asked):
     assert f"single_prefill {backend}" in processor.describe_path()
 
 
-def test_exact_preset_takes_flashinfer_and_is_deterministic():
-    pytest.importorskip("flashinfer")
+def _tiny_model():
     from diffusers import MiniMaxH3Transformer3DModel
-    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
-    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
-    from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
+    from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
 
-    def model():
-        torch.manual_seed(0)
-        config = {**TINY_TRANSFORMER_CONFIG, "attention_head_dim": 128}  # FlashInfer's FA3 head sizes: 64/128/256
-        return MiniMaxH3Transformer3DModel(**config).to("cuda", torch.bfloat16).eval()
+    torch.manual_seed(0)
+    config = {**TINY_TRANSFORMER_CONFIG, "attention_head_dim": 128}  # FlashInfer's FA3 head sizes: 64/128/256
+    return MiniMaxH3Transformer3DModel(**config).to("cuda", torch.bfloat16).eval()
+
+
+def _forward(model):
+    from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
     inputs = tiny_transformer_inputs(seed=5, grid=(5, 12, 16))
     inputs = {k: v.cuda() for k, v in inputs.items()}
     for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
         inputs[name] = inputs[name].bfloat16()
+    with torch.no_grad():
+        return model(**inputs).sample.double()
 
-    def forward(m):
-        with torch.no_grad():
-            return m(**inputs).sample.double()
 
-    native = model()
+def _native_forward():
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+    native = _tiny_model()
     native.set_attn_processor(MiniMaxH3AttnProcessor())
     native.set_attention_backend("_native_cudnn")
-    fast = model()
+    return _forward(native)
+
+
+def test_exact_preset_takes_flashinfer_and_is_deterministic():
+    pytest.importorskip("flashinfer")
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    fast = _tiny_model()
     expected = "fa3" if torch.cuda.get_device_capability()[0] == 9 else None
     record = enable_speed_preset_on_transformer(fast, "exact", compile=False)
     if expected is None:
         pytest.skip("the exact preset takes FlashInfer on Hopper only")
     assert "FlashInfer FA3" in record.attention["transformer"]
     assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in fast.transformer_blocks)
-    first, second, ref = forward(fast), forward(fast), forward(native)
+    first, second, ref = _forward(fast), _forward(fast), _native_forward()
     assert torch.equal(first, second)  # the preset's determinism claim
     assert ((first - ref).norm() / ref.norm()).item() < 2e-2  # bf16 attention on either kernel
+
+
+def test_fast_preset_with_flashinfer_fp8_is_deterministic():
+    pytest.importorskip("flashinfer")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's FP8 attention is FA3: Hopper only")
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    fast = _tiny_model()
+    record = enable_speed_preset_on_transformer(fast, "fast", compile=False, flashinfer=True)
+    assert "FlashInfer FA3 FP8" in record.attention["transformer"]
+    assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in fast.transformer_blocks)
+    first, second, ref = _forward(fast), _forward(fast), _native_forward()
+    assert torch.equal(first, second)  # the preset's determinism claim, with FA3 FP8 attention
+    assert ((first - ref).norm() / ref.norm()).item() < 8e-2  # FP8 GEMMs and FP8 attention
 
 
 @pytest.mark.parametrize("seq", [1000, 4133])

@@ -237,7 +237,9 @@ def test_flashinfer_choice_is_checked_before_anything_changes(flashinfer_stand_i
     weights = {name: p.clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match="needs a CUDA GPU of SM80"):  # the CPU cannot run FlashInfer
         enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=True)
-    with pytest.raises(ValueError, match="applies to the 'exact' preset"):
+    with pytest.raises(ValueError, match="no FlashInfer kernel runs the 'fastest' preset's video sparse attention"):
+        enable_speed_preset_on_transformer(model, "fastest", compile=False, flashinfer=True)
+    with pytest.raises(ValueError, match="needs a CUDA GPU of SM80"):
         enable_speed_preset_on_transformer(model, "fast", compile=False, flashinfer=True)
     with pytest.raises(TypeError, match="None .automatic., True or False"):
         enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer="yes")
@@ -247,6 +249,28 @@ def test_flashinfer_choice_is_checked_before_anything_changes(flashinfer_stand_i
     # Automatic off the Hopper GPU: diffusers' attention, no note.
     record = enable_speed_preset_on_transformer(model, "exact", compile=False)
     assert "FlashInfer" not in record.attention["transformer"] and not flashinfer_stand_in.calls
+
+
+def test_fast_runs_flashinfer_fp8_only_when_asked(monkeypatch, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+
+    _hopper(monkeypatch)
+    # Automatic: INT8 attention (more exact), and the record says what flashinfer=True would run.
+    model = _tiny_bf16_transformer()
+    record = enable_speed_preset_on_transformer(model, "fast", compile=False)
+    assert all(type(b.attn.processor) is MiniMaxH3LowPrecisionAttnProcessor for b in model.transformer_blocks)
+    assert "dense INT8" in record.attention["transformer"] and "flashinfer=True: FlashInfer's FA3 FP8" in (
+        record.attention["transformer"])
+    # Asked for: FA3's FP8 kernel in every block, and the forward runs through it.
+    model = _tiny_bf16_transformer()
+    record = enable_speed_preset_on_transformer(model, "fast", compile=False, flashinfer=True)
+    assert "FlashInfer FA3 FP8" in record.attention["transformer"] and "INT8" not in record.attention["transformer"]
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    assert all(isinstance(p, MiniMaxH3FlashInferProcessor) and p.precision == "fp8" for p in processors)
+    out = _forward(model)
+    assert torch.isfinite(out).all()
+    assert flashinfer_stand_in.calls and all(c["fp8"] and c["backend"] == "fa3" for c in flashinfer_stand_in.calls)
 
 
 def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_stand_in):

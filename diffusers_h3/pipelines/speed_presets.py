@@ -60,9 +60,11 @@ FLASHINFER_PRECISION = {"exact": "bf16", "fast": "fp8"}
 DETERMINISM = {
     "exact": "bitwise reproducible on one GPU: cuDNN/SDPA and FlashInfer's single-prefill forward attention and "
              "cuBLAS GEMMs use no atomics for fixed shapes; inductor's generated kernels are fixed per shape",
-    "fast": "bitwise reproducible on one GPU: the INT8 attention kernels (or FlashInfer's FA3 FP8 single-prefill, no "
-            "split-KV reduction) and the FP8 GEMM path (Triton activation quantization + torch._scaled_mm) use no "
-            "atomics or split reductions across launches",
+    "fast": "bitwise reproducible on one GPU: the INT8 attention kernels and the FP8 GEMM path (Triton activation "
+            "quantization + torch._scaled_mm) use no atomics or split reductions across launches",
+    "fast+flashinfer": "expected bitwise reproducible on one GPU: FlashInfer's FA3 FP8 single-prefill has no split-KV "
+                       "reduction, the operand quantization and the FP8 GEMM path use no atomics; not yet checked on "
+                       "hardware (tests/gpu/test_flashinfer_gpu.py)",
     "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
                "atomics; ties in top-k resolve the same way on every run",
 }  # fmt: skip
@@ -186,6 +188,11 @@ def _is_compiled(model: torch.nn.Module) -> bool:
         for module in model.modules()
         if type(module).__name__ in repeated
     )
+
+
+def _determinism(preset: str, flashinfer_plans) -> str:
+    """The determinism line of ``preset`` as planned (the FA3 FP8 ``"fast"`` variant has its own)."""
+    return DETERMINISM["fast+flashinfer" if preset == "fast" and "on" in flashinfer_plans else preset]
 
 
 def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.device) -> Tuple[Optional[Any], str]:
@@ -321,7 +328,7 @@ def enable_speed_preset(
         device = pipe._device_of(model)
         plans[name] = (device, *_plan_weights(name, model, preset, device), plan_flashinfer(flashinfer, device, preset))
 
-    record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset])
+    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]))
     for name, model in models:
         _apply_to_transformer(record, name, model, *plans[name], preset, compile)
     # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
@@ -369,7 +376,8 @@ def enable_speed_preset_on_transformer(
     device = weight.device if weight is not None else torch.device("cpu")
     config, weights = _plan_weights(name, transformer, preset, device)
     uses_flashinfer = plan_flashinfer(flashinfer, device, preset)
-    record = SpeedPresetRecord(preset=preset, determinism=DETERMINISM[preset], decode="not applied (transformer only)")
+    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [uses_flashinfer]),
+                               decode="not applied (transformer only)")
     _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile)
     return record
 

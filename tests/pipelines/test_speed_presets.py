@@ -271,6 +271,7 @@ def test_fast_runs_flashinfer_fp8_only_when_asked(monkeypatch, flashinfer_stand_
     out = _forward(model)
     assert torch.isfinite(out).all()
     assert flashinfer_stand_in.calls and all(c["fp8"] and c["backend"] == "fa3" for c in flashinfer_stand_in.calls)
+    assert "not yet checked on hardware" in record.determinism  # until the GPU test has run
 
 
 def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_stand_in):

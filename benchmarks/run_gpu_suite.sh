@@ -5,8 +5,10 @@
 #   bash benchmarks/run_gpu_suite.sh [--out DIR] [--parts tests,gemm,attention,e2e] [--commit SHA] [--peer-dir DIR]
 #
 #   --out       where the JSON and logs go (default: benchmarks/results)
-#   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer, and on a host with N >= 2 GPUs
-#               multi_gpu_tests, cp, uneven, tp_w8a16 (docs/multi_gpu.md) (default: tests,gemm,attention,e2e)
+#   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer, flashinfer_forward, and on a host with
+#               N >= 2 GPUs multi_gpu_tests, cp, uneven, tp_w8a16 (docs/multi_gpu.md) (default: tests,gemm,attention,e2e)
+#               flashinfer: FlashInfer's GPU tests and its peers (needs flashinfer-python; docs/benchmarking.md);
+#               flashinfer_forward: the full forward with and without FlashInfer's kernels under the presets
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
 set -uo pipefail
@@ -22,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     --parts) PARTS=$2; shift 2 ;;
     --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
     --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -50,8 +52,12 @@ has attention && run attention python benchmarks/attention.py "${PEER_ARGS[@]}" 
   --out "$OUT/attention_$DEVICE.json"
 has e2e && run end_to_end python benchmarks/end_to_end.py --reps 5 "${COMMIT_ARGS[@]}" --out "$OUT/end_to_end_$DEVICE.json"
 has v100 && run fa_v100 python benchmarks/attention_v100.py "${COMMIT_ARGS[@]}" --out "$OUT/fa_v100_$DEVICE.json"
+has flashinfer && run flashinfer_tests python -m pytest -o addopts="" -m gpu tests/gpu/test_flashinfer_gpu.py -q \
+  -p no:cacheprovider
 has flashinfer && run flashinfer python benchmarks/flashinfer_peers.py "${COMMIT_ARGS[@]}" \
   --out "$OUT/attention_flashinfer_$DEVICE.json"
+has flashinfer_forward && run forward_flashinfer python benchmarks/forward.py "${COMMIT_ARGS[@]}" \
+  --cases native,exact,exact_flashinfer,fast,fast_flashinfer_fp8 --out "$OUT/forward_flashinfer_$DEVICE.json"
 
 # Multi-GPU parts: one launch per part over every visible GPU (each fits a 10-minute slot on H200s).
 N=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -271,3 +271,15 @@ def test_flashinfer_on_without_the_package_is_one_line(no_loading, capsys, monke
             "--flashinfer", "on"]  # fmt: skip
     _fails(argv, capsys, "--flashinfer on", "pip install flashinfer-python", "--flashinfer auto / off")
     assert not out.exists()
+
+
+def test_fast_flashinfer_on_a_non_hopper_gpu_is_one_line(no_loading, capsys, monkeypatch, flashinfer_stand_in):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an A100, as far as the check can tell
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    out = no_loading / "out.mp4"
+    argv = ["generate", "--prompt", "a cat", "--out", str(out), "--device", "cuda", "--speed", "fast",
+            "--flashinfer", "on"]  # fmt: skip
+    _fails(argv, capsys, "FA3's FP8 kernel, Hopper (SM90) only, not sm_80", "--flashinfer off")
+    assert not out.exists()

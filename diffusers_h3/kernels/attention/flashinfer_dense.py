@@ -80,6 +80,11 @@ def resolve_backend(backend: str, capability: Optional[Tuple[int, int]]) -> str:
     return backend
 
 
+def _batched(outputs):
+    """One ``[batch, seq, heads, dim]`` tensor from the per-item outputs (one item: a view, no copy)."""
+    return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)
+
+
 def _check_16bit_operands(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"{what} takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
@@ -103,7 +108,7 @@ def flashinfer_dense_attention(
     choice = KernelChoice(
         "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 tested on an H200 (tests/gpu/test_flashinfer_gpu.py)"
     )
-    return torch.stack(outputs), choice
+    return _batched(outputs), choice
 
 
 def fp8_per_head_operands(
@@ -153,4 +158,4 @@ def flashinfer_fp8_attention(
         f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''} (quantized by "
         f"{'one Triton pass each' if quantizer == 'triton' else 'the torch reference'}), FP8 P·V",
     )  # fmt: skip
-    return torch.stack(outputs), choice
+    return _batched(outputs), choice

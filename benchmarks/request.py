@@ -16,6 +16,8 @@ Cases, in this order (the presets quantize in place, so the bf16 ones come first
                             points (49 forwards);
 * ``t2va_exact``            ``pipe.enable_speed_preset("exact")``;
 * ``t2va_fast``             ``pipe.enable_speed_preset("fast")``;
+* ``t2va_fast_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python on Hopper)
+                            ``pipe.enable_speed_preset("fast", flashinfer=True)``: FA3's FP8 attention;
 * ``t2va_fastest``          ``pipe.enable_speed_preset("fastest")``;
 * ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
                             fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
@@ -46,15 +48,20 @@ from _common import result_header, write_json
 
 HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
 PROMPT_TOKENS = 512  # the byte-level tokenizer makes one token per byte
-CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fastest", "fl2va_light4_fastest")
+CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest")
+DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer")  # that one needs flashinfer-python
 # case -> (task, speed preset or None, sigma points, flow_shift, audio_flow_shift)
 CASE_SETUP = {
     "t2va_native": ("t2va", None, 50, None, None),
     "t2va_exact": ("t2va", "exact", 50, None, None),
     "t2va_fast": ("t2va", "fast", 50, None, None),
+    "t2va_fast_flashinfer": ("t2va", "fast", 50, None, None),
     "t2va_fastest": ("t2va", "fastest", 50, None, None),
     "fl2va_light4_fastest": ("fl2va", "fastest", 5, 6.0, 3.0),  # lightx2v-fl2v-turbo-4step-768p
 }
+
+# The preset's flashinfer argument per case (None: automatic).
+CASE_FLASHINFER = {"t2va_fast_flashinfer": True}
 
 # Qwen3-VL-32B (public config.json of Qwen/Qwen3-VL-32B-Instruct).
 QWEN3_VL_32B_TEXT = {
@@ -328,7 +335,8 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/request_h200.json")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma list of cases to run (default: all)")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma list of cases to run (default: {','.join(DEFAULT_CASES)})")
     parser.add_argument("--skip", default="", help="comma list of cases to skip")
     parser.add_argument("--forwards", type=int, default=None, metavar="K",
                         help="time at most K forwards per request and extrapolate the rest (default: all)")
@@ -362,12 +370,12 @@ def main(argv=None):
     results, notes, applied, decoders_warm = {}, {}, None, False
     out_dir = tempfile.mkdtemp(prefix="h3_request_")
     for case in run:
-        preset = CASE_SETUP[case][1]
+        preset, flashinfer = CASE_SETUP[case][1], CASE_FLASHINFER.get(case)
         try:
-            if preset is not None and preset != applied:
+            if preset is not None and (preset, flashinfer) != applied:
                 torch._dynamo.reset()  # compile the new preset's blocks from scratch (no stale guards or cache limit)
-                diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile)
-                applied = preset
+                diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile, flashinfer=flashinfer)
+                applied = (preset, flashinfer)
                 decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
             case_start = time.perf_counter()
             if not args.no_warmup:

@@ -67,3 +67,22 @@ def test_every_preset_change_warms_the_decode_again(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "request", lambda *args, **kwargs: dict(record))
     module.main(["--tiny", "--cases", "t2va_native,t2va_fast,t2va_fastest", "--out", str(tmp_path / "r.json")])
     assert warmed == [("t2va_native", True), ("t2va_fast", True), ("t2va_fastest", True)]
+
+
+def test_flashinfer_case_applies_the_fast_preset_with_flashinfer(tmp_path, monkeypatch):
+    """t2va_fast_flashinfer is the fast preset with flashinfer=True (a preset change: applied again after t2va_fast)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_request", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec.loader.exec_module(module)
+    assert "t2va_fast_flashinfer" not in module.DEFAULT_CASES  # needs flashinfer-python: only when asked for
+    import diffusers_h3
+
+    applied = []
+    monkeypatch.setattr(diffusers_h3, "enable_speed_preset",
+                        lambda pipe, preset, compile, flashinfer: applied.append((preset, flashinfer)))  # fmt: skip
+    monkeypatch.setattr(module, "warm_up", lambda *args, **kwargs: None)
+    record = {"ms": 1.0, "stages": {"forwards": 1.0}, "peak_gib": None, "forwards": 1, "forwards_timed": 1}
+    monkeypatch.setattr(module, "request", lambda *args, **kwargs: dict(record))
+    module.main(["--tiny", "--cases", "t2va_fast,t2va_fast_flashinfer", "--out", str(tmp_path / "r.json")])
+    assert applied == [("fast", None), ("fast", True)]

@@ -18,7 +18,7 @@ Conventions (the NVIDIA / OCP ones, so ModelOpt-style NVFP4 exports read back un
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
 
@@ -133,7 +133,7 @@ def _cast_8bit(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.to(dtype)
 
 
-def quantize_fp8_per_token(x: torch.Tensor, dim: int = -1, eps: float = 1e-12,
+def quantize_fp8_per_token(x: torch.Tensor, dim: Union[int, Tuple[int, ...]] = -1, eps: float = 1e-12,
                            dtype: torch.dtype = torch.float8_e4m3fn) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(x8, scale)`` with ``x ≈ x8.float() * scale.unsqueeze(dim)``; ``scale = amax(|x|, dim) * (1 / 448)``
     (``1 / 127`` for ``dtype=torch.int8``).
@@ -155,11 +155,8 @@ def quantize_fp8_per_channel(x: torch.Tensor, seq_dim: int = 1, eps: float = 1e-
 
 def quantize_fp8_per_head(x: torch.Tensor, eps: float = 1e-12) -> Tuple[torch.Tensor, torch.Tensor]:
     """``x [B, N, H, D]`` -> ``(E4M3 x8, scale [B, H])``: one ``amax / 448`` per batch item and head over all rows and
-    channels (FlashInfer FA3's FP8 operand format); same rounding convention as :func:`quantize_fp8_per_token`."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=(1, 3), keepdim=True).clamp_min(eps) * (1.0 / E4M3_MAX)
-    x8 = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, scale[:, 0, :, 0]
+    channels (FlashInfer FA3's FP8 operand format): :func:`quantize_fp8_per_token` over the sequence and channel dims."""
+    return quantize_fp8_per_token(x, dim=(1, 3), eps=eps)
 
 
 def quantize_fp8_per_block(x: torch.Tensor, block: int, eps: float = 1e-12,

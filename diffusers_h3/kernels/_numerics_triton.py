@@ -43,3 +43,13 @@ if HAS_TRITON:
         """Nearest E2M1 magnitude of ``0 <= a`` (ties to even, saturating at 6), as float32."""
         r = tl.where(a <= 0.25, 0.0, tl.where(a < 0.75, 0.5, tl.where(a <= 1.25, 1.0, tl.where(a < 1.75, 1.5, 2.0))))
         return tl.where(a <= 2.5, r, tl.where(a < 3.5, 3.0, tl.where(a <= 5.0, 4.0, E2M1_MAX)))
+
+    @triton.jit
+    def scale_to_e4m3(x, scale, SOFT_ROUND: tl.constexpr):
+        """``x / scale`` (a true division, as torch's), saturated to ``±448``: float32 values that cast exactly to
+        E4M3. ``SOFT_ROUND`` rounds on the E4M3 grid first (the interpreter's float8 cast truncates; GPUs round)."""
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        if SOFT_ROUND:
+            y = round_to_e4m3(y)
+        return y

@@ -24,8 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .._numerics_triton import E4M3_MAX as E4M3_MAX_TL
-    from .._numerics_triton import round_to_e4m3
+    from .._numerics_triton import scale_to_e4m3
 
     @triton.jit
     def _channel_range_kernel(X, HI, LO, N, H, ROWS_PER_CHUNK, stride_xb, stride_xn, stride_xh,
@@ -68,10 +67,7 @@ if HAS_TRITON:
                     other=0.0).to(tl.float32)  # fmt: skip
         if CENTER:
             x = x - tl.load(MEAN + (b * H + h) * D + offs_d)[None, :]
-        y = tl.math.div_rn(x, tl.load(SCALE + b * H + h))  # a true division, as torch's x / scale
-        y = tl.minimum(tl.maximum(y, -E4M3_MAX_TL), E4M3_MAX_TL)
-        if SOFT_ROUND:  # the interpreter's float8 cast truncates
-            y = round_to_e4m3(y)
+        y = scale_to_e4m3(x, tl.load(SCALE + b * H + h), SOFT_ROUND)
         dst = OUT + b * stride_ob + rows * stride_on + h * stride_oh + offs_d[None, :]
         tl.store(dst, y.to(OUT.dtype.element_ty), mask=valid)
 

@@ -21,8 +21,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .._numerics_triton import E4M3_MAX as E4M3_MAX_TL
-    from .._numerics_triton import round_to_e4m3
+    from .._numerics_triton import scale_to_e4m3
 
     @triton.jit
     def _quantize_v_kernel(V, SCALE, OUT, N, H, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh, stride_od,
@@ -37,10 +36,7 @@ if HAS_TRITON:
         x = tl.load(V + b * stride_vb + offs_n[:, None].to(tl.int64) * stride_vn + h * stride_vh + offs_d[None, :],
                     mask=valid, other=0.0).to(tl.float32)
         scale = tl.load(SCALE + (b * H + h) * D + offs_d)
-        y = tl.math.div_rn(x, scale[None, :])  # a true division, as torch's x / scale
-        y = tl.minimum(tl.maximum(y, -E4M3_MAX_TL), E4M3_MAX_TL)
-        if SOFT_ROUND:  # the interpreter's float8 cast truncates
-            y = round_to_e4m3(y)
+        y = scale_to_e4m3(x, scale[None, :], SOFT_ROUND)
         dst = OUT + b * stride_ob + h * stride_oh + offs_d[:, None] * stride_od + offs_n[None, :]
         tl.store(dst, tl.trans(y.to(OUT.dtype.element_ty)), mask=tl.trans(valid))
 

@@ -1,32 +1,23 @@
 """Probe (GPU): what FA3 FP8's per-head operand quantization costs at the H3 shape, and where the time goes.
 
 FlashInfer's FA3 FP8 kernel takes 49.0 ms at 38,222 rows x 56 heads x 128 on an H200; this package's FP8 path adds the
-quantization of Q, V (per-head amax) and K (mean-centred, then per-head amax). Times (CUDA events, median of 20) the
-torch reference and the Triton path (``kernels/attention/fp8_per_head.py``) for each operand, and the Triton path's
-parts: the channel max/min pass, torch's fp32 mean (K only) and the quantization pass.
+quantization of Q, V (per-head amax) and K (mean-centred, then per-head amax). Times (``cuda_median_ms``: CUDA events,
+median of 20) the torch reference and the Triton path (``kernels/attention/fp8_per_head.py``) for each operand, and
+the Triton path's parts: the channel max/min pass, torch's fp32 mean (K only) and the quantization pass.
 
-    PYTHONPATH=. python docs/experiments/fp8_per_head_quant_probe.py OUT.json
+    PYTHONPATH=.:benchmarks python docs/experiments/fp8_per_head_quant_probe.py OUT.json
 """
 
 import json
-import statistics
 import sys
 
 import torch
 
+from _common import cuda_median_ms
 
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
+
+def timed(fn):
+    return round(cuda_median_ms(fn, reps=20), 3)
 
 
 def main(out):

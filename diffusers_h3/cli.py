@@ -218,7 +218,7 @@ def _check_flag_combinations(args) -> None:
         if args.device is not None and not args.device.startswith("cuda"):
             raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
                              "run on a CUDA GPU (SM80+) or use --flashinfer off")  # fmt: skip
-        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels
+        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, resolve_backend
 
         try:
             check_flashinfer_kernels()
@@ -227,10 +227,12 @@ def _check_flag_combinations(args) -> None:
         if speed == "fast":
             import torch
 
-            capability = torch.cuda.get_device_capability(args.device or "cuda") if torch.cuda.is_available() else None
-            if capability is not None and capability[0] != 9:
-                raise UsageError(f"--speed fast --flashinfer on runs FA3's FP8 kernel, Hopper (SM90) only, not "
-                                 f"sm_{capability[0]}{capability[1]}", "use --flashinfer off (INT8 attention)")  # fmt: skip
+            if torch.cuda.is_available():
+                try:
+                    resolve_backend("fa3", torch.cuda.get_device_capability(args.device or "cuda"))
+                except ValueError as error:
+                    raise UsageError(f"--speed fast --flashinfer on runs FA3's FP8 kernel: {error}",
+                                     "use --flashinfer off (INT8 attention)") from None  # fmt: skip
     if args.v100 and (args.vsa is not None or args.attention_precision is not None):
         raise UsageError(
             "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",

@@ -73,3 +73,21 @@ def test_per_head_fp8_reads_strided_views():
     x8, scale = quantize_fp8_per_head(key, center=True, backend="triton")
     r8, rscale = quantize_fp8_per_head_reference(key, center=True)
     assert torch.equal(scale, rscale) and torch.equal(x8.view(torch.uint8), r8.view(torch.uint8))
+
+
+def test_per_head_fp8_writes_every_output(monkeypatch):
+    """Outputs and partial reductions allocated poisoned (NaN): every element must be written by the kernels."""
+    from diffusers_h3.kernels.attention import fp8_per_head
+
+    x = _operand(600, DTYPE, offset=2.0, seed=11)  # three chunks of rows, the last one partial
+    expected = fp8_per_head.quantize_fp8_per_head_reference(x, center=True)
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor):
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(fp8_per_head.torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(fp8_per_head.torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    x8, scale = fp8_per_head.quantize_fp8_per_head(x, center=True, backend="triton")
+    monkeypatch.undo()
+    assert torch.equal(scale, expected[1]) and torch.equal(x8.view(torch.uint8), expected[0].view(torch.uint8))

@@ -9,7 +9,7 @@
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
   Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA. With ``flashinfer=True``
-  (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, at about 4.6x the attention's rounding error (docs/speed.md).
+  (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
   on CUDA.
 
@@ -118,7 +118,7 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
 
     ``"exact"``: ``flashinfer=None`` (the default) takes FA3 bf16 on a Hopper GPU (SM90, where it was measured faster
     than cuDNN at no cost in exactness) when flashinfer-python is importable. ``"fast"``: FA3's FP8 kernel only when
-    asked (``flashinfer=True``, Hopper): it is faster than the INT8 attention but about 4.6x less exact, so automatic
+    asked (``flashinfer=True``, Hopper): it is faster than the INT8 attention but less exact (docs/speed.md), so automatic
     keeps INT8. ``True``: required (one clear error when the package or the GPU cannot run it). ``False``: never.
     ``"fastest"`` runs video sparse attention, which no FlashInfer kernel runs, and refuses ``flashinfer=True``."""
     if flashinfer is not None and not isinstance(flashinfer, bool):
@@ -270,8 +270,8 @@ def _apply_to_transformer(
         enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
         record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
         if flashinfer == "available":
-            record.attention[name] += (" (flashinfer=True: FlashInfer's FA3 FP8 kernel, faster on this GPU, at about "
-                                       "4.6x the attention's rounding error)")
+            record.attention[name] += (" (flashinfer=True: FlashInfer's FA3 FP8 kernel, faster on this GPU, less "
+                                       "exact: E4M3 Q/K/V and P; docs/speed.md)")
     else:
         enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
         record.attention[name] = (

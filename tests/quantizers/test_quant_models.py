@@ -83,6 +83,15 @@ def test_save_load_round_trip_is_bit_exact_without_requantizing(dense_dir, tmp_p
     assert torch.equal(layer.weight_scale.float(), model.transformer_blocks[0].attn.to_q.weight_scale.float())
 
 
+def test_device_map_auto_without_dtype_loads_in_the_dense_default(dense_dir):
+    # diffusers sizes the model for device_map="auto" with the quantizer's dtype: it must not be None
+    model = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=W8A16Config(), device_map="auto")
+    dense = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir)
+    layer = model.transformer_blocks[0].attn.to_q
+    assert isinstance(layer, W8A16Linear) and layer.compute_dtype == dense.dtype
+    assert rel(run_transformer(model), run_transformer(dense)) < MODEL_TOL["w8a16"]
+
+
 def test_loading_another_method_or_shape_fails_clearly(dense_dir, tmp_path):
     model = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=W8A16Config())
     model.save_pretrained(tmp_path / "w8")

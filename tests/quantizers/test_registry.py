@@ -61,9 +61,12 @@ def test_registered_with_diffusers_and_no_name_clash():
     for fmt in formats():
         assert diffusers_auto.AUTO_QUANTIZER_MAPPING[fmt.method] is fmt.quantizer_cls
         assert diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method] is fmt.config_cls
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as tf_map
+    from transformers.quantizers import auto as transformers_auto
 
-    assert not {m for m, _, _ in BUILTIN.values()} & set(tf_map)
+    for fmt in formats():  # transformers knows them too (the text encoder), under the same prefixed methods
+        assert transformers_auto.AUTO_QUANTIZER_MAPPING[fmt.method] is fmt.transformers_quantizer_cls
+        assert transformers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method] is fmt.config_cls
+    assert {"fp8", "nvfp4"} <= set(transformers_auto.AUTO_QUANTIZER_MAPPING)  # why the methods carry a prefix
     # diffusers reads `quant_method.value` (an enum member for its own methods)
     assert W8A16Config().quant_method.value == "h3_w8a16"
 
@@ -168,6 +171,11 @@ def test_a_registered_format_reaches_every_entry_point(toy_format, dense_dir, tm
     assert type(reloaded.config.quantization_config) is ToyInt8Config
     assert torch.equal(run_transformer(reloaded), run_transformer(model))
 
+    # the transformers quantizer: the same format for a transformers model
+    from transformers.quantizers import auto as transformers_auto
+
+    assert transformers_auto.AUTO_QUANTIZER_MAPPING["h3test_toy_int8"] is toy_format.transformers_quantizer_cls
+
     # the CLI: a choice of --quantize, mapped to the format's config
     args = _generate_parser().parse_args(["--prompt", "a cat", "--quantize", "toyint8"])
     assert args.quantize == "toyint8" and type(cli._quant_config(args.quantize)) is ToyInt8Config
@@ -179,6 +187,10 @@ def test_unregistered_format_leaves_no_trace():
     assert "toyint8" not in format_names()
     assert "h3test_toy_int8" not in diffusers_auto.AUTO_QUANTIZER_MAPPING
     assert "h3test_toy_int8" not in diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING
+    from transformers.quantizers import auto as transformers_auto
+
+    assert "h3test_toy_int8" not in transformers_auto.AUTO_QUANTIZER_MAPPING
+    assert "h3test_toy_int8" not in transformers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING
     with pytest.raises(TypeError, match="register its format"):
         ToyInt8Config()
     with pytest.raises(cli.UsageError, match="toyint8: unknown quantization format"):

@@ -3,6 +3,7 @@
 does not explain is refused in one line, before anything loads."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -25,45 +26,45 @@ def _bits(t):
 
 
 @pytest.fixture(scope="module")
-def quantized_components():
+def saved(tmp_path_factory):
+    """The dense hub layout, then the W8A16 components (quantized with `quantize()`) in both layouts."""
+    root = tmp_path_factory.mktemp("quantized")
     components = tiny_components(seed=5, text_encoder_layers=2, with_transformer_ref=False)
+    save_hub_layout(components, root / "dense")
     for name in QUANTIZED:
         quantize(components[name], W8A16Config())
-    return components
+    MiniMaxH3Pipeline(**components, text_encoder_layer=1).save_pretrained(root / "own")
+    save_hub_layout(components, root / "hub")
+    reference = _latents(MiniMaxH3Pipeline(**components, text_encoder_layer=1))
+    return {"own": root / "own", "hub": root / "hub", "dense": root / "dense"}, components, reference
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, quantized_components):
-    root = tmp_path_factory.mktemp("quantized")
-    MiniMaxH3Pipeline(**quantized_components, text_encoder_layer=1).save_pretrained(root / "own")
-    save_hub_layout(quantized_components, root / "hub")
-    return {"own": root / "own", "hub": root / "hub"}
+def _load(directory, **kwargs):
+    # the hub layout's index does not carry the pipeline's own options
+    hub = (directory / "modular_model_index.json").is_file()
+    return MiniMaxH3Pipeline.from_pretrained(directory, **kwargs, **({"text_encoder_layer": 1} if hub else {}))
 
 
 @pytest.mark.parametrize("layout", ["own", "hub"])
-def test_quantized_pipeline_round_trip_is_bit_exact(layout, saved, quantized_components):
-    config = json.loads((saved[layout] / "text_encoder" / "config.json").read_text())
+def test_quantized_pipeline_round_trip_is_bit_exact(layout, saved):
+    folders, quantized_components, reference = saved
+    config = json.loads((folders[layout] / "text_encoder" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "h3_w8a16"
-    pipe = MiniMaxH3Pipeline.from_pretrained(saved[layout], text_encoder_layer=1) if layout == "hub" else (
-        MiniMaxH3Pipeline.from_pretrained(saved[layout]))  # fmt: skip
+    pipe = _load(folders[layout])
     for name in QUANTIZED:
         original, reloaded = quantized_components[name].state_dict(), getattr(pipe, name).state_dict()
         assert original.keys() == reloaded.keys(), name
         for key, value in original.items():
             assert value.dtype == reloaded[key].dtype and torch.equal(_bits(value), _bits(reloaded[key])), key
         assert any(isinstance(m, W8A16Linear) for m in getattr(pipe, name).modules()), name
-    reference = MiniMaxH3Pipeline(**quantized_components, text_encoder_layer=1)
-    assert torch.equal(_latents(pipe), _latents(reference))
+    assert torch.equal(_latents(pipe), reference)
 
 
 def test_global_pipeline_quantization_config_covers_the_text_encoder(saved):
-    # a dense pipeline folder: the hub layout of fresh components (quantized on load below)
-    dense = saved["own"].parent / "dense"
-    save_hub_layout(tiny_components(seed=5, text_encoder_layers=2, with_transformer_ref=False), dense)
     config = PipelineQuantizationConfig(
         quant_backend="h3_w8a16", quant_kwargs={"large_m_rows": 512}, components_to_quantize=list(QUANTIZED)
     )
-    pipe = MiniMaxH3Pipeline.from_pretrained(dense, quantization_config=config, text_encoder_layer=1)
+    pipe = _load(saved[0]["dense"], quantization_config=config)
     for name in QUANTIZED:
         layers = [m for m in getattr(pipe, name).modules() if isinstance(m, QuantizedLinear)]
         assert layers and all(type(m) is W8A16Linear and m.large_m_rows == 512 for m in layers), name
@@ -72,14 +73,11 @@ def test_global_pipeline_quantization_config_covers_the_text_encoder(saved):
 
 @pytest.mark.parametrize("layout", ["own", "hub"])
 def test_stripped_quantization_config_is_refused_in_one_line(layout, saved, tmp_path):
-    import shutil
-
-    directory = shutil.copytree(saved[layout], tmp_path / layout)
+    directory = shutil.copytree(saved[0][layout], tmp_path / layout)
     config_path = directory / "text_encoder" / "config.json"
     config = json.loads(config_path.read_text())
     del config["quantization_config"]
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="holds quantized tensors .* no quantization_config") as error:
-        MiniMaxH3Pipeline.from_pretrained(directory, text_encoder_layer=1) if layout == "hub" else (
-            MiniMaxH3Pipeline.from_pretrained(directory))  # fmt: skip
+        _load(directory)
     assert "\n" not in str(error.value)

@@ -62,6 +62,7 @@ def test_quantizes_each_linear_as_its_weight_arrives(te_dense, method, monkeypat
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(type(m) is LAYERS[method] for m in layers)
     assert len(materialized) == len(layers)
+    monkeypatch.undo()
     # the same layers and bits as quantize() on the dense model
     reference = tiny_text_encoder(num_hidden_layers=2, hidden_size=32)
     reference.load_state_dict(dense.state_dict())

@@ -71,10 +71,11 @@ def test_global_pipeline_quantization_config_covers_the_text_encoder(saved):
     assert not any(isinstance(m, QuantizedLinear) for m in pipe.vae.modules())
 
 
+@pytest.mark.parametrize("component", QUANTIZED)
 @pytest.mark.parametrize("layout", ["own", "hub"])
-def test_stripped_quantization_config_is_refused_in_one_line(layout, saved, tmp_path):
+def test_stripped_quantization_config_is_refused_in_one_line(layout, component, saved, tmp_path):
     directory = shutil.copytree(saved[0][layout], tmp_path / layout)
-    config_path = directory / "text_encoder" / "config.json"
+    config_path = directory / component / "config.json"
     config = json.loads(config_path.read_text())
     del config["quantization_config"]
     config_path.write_text(json.dumps(config))

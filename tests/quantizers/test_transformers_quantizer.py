@@ -120,3 +120,21 @@ def test_stripped_quantization_config_is_refused(te_dense, tmp_path):
         with pytest.raises(ValueError, match=match) as error:
             check_checkpoint_quantization(tmp_path)
         assert "\n" not in str(error.value) and "model.safetensors" in str(error.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(CONFIGS))
+def test_quantize_on_load_and_round_trip_on_cuda(te_dense, tmp_path, method):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kwargs = {"dtype": torch.bfloat16, "device_map": "cuda"}
+    model = Qwen3VLForConditionalGeneration.from_pretrained(te_dense[1], quantization_config=CONFIGS[method](), **kwargs)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.weight.is_cuda and m.compute_dtype == torch.bfloat16 for m in layers)
+    model.save_pretrained(tmp_path)
+    reloaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path, **kwargs)
+    assert_state_dicts_identical(model, reloaded)
+    with torch.no_grad():
+        ids = IDS.cuda()
+        out = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        assert torch.equal(out, reloaded(input_ids=ids, output_hidden_states=True).hidden_states[-1])

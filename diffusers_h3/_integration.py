@@ -14,6 +14,7 @@ there); a repo whose index cannot be fetched goes to diffusers unchanged, which 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -71,10 +72,12 @@ def install_transformer_model_card() -> None:
     if getattr(save, "_diffusers_h3_card", False):
         return
 
+    # `functools.wraps` keeps diffusers' signature visible: `DiffusionPipeline.save_pretrained` inspects it to decide
+    # whether to pass `variant`, `safe_serialization` and `max_shard_size` on.
+    @functools.wraps(save)
     def save_pretrained(self, save_directory, **kwargs):
         return save_with_card(save, self, save_directory, transformer_model_card, **kwargs)
 
-    save_pretrained.__doc__ = save.__doc__
     save_pretrained._diffusers_h3_card = True
     MiniMaxH3Transformer3DModel.save_pretrained = save_pretrained
 

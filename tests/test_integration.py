@@ -1,9 +1,12 @@
 """Import-time integration: folder classification by files, and `DiffusionPipeline.from_pretrained` dispatch."""
 
+import inspect
 import json
+import os
 
 import pytest
-from diffusers import DiffusionPipeline
+import torch
+from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
 
 import diffusers_h3
 from diffusers_h3._integration import _is_h3_folder, install_diffusion_pipeline_dispatch
@@ -93,3 +96,46 @@ def test_dispatch_is_installed_once():
     assert installed._diffusers_h3_dispatch
     install_diffusion_pipeline_dispatch()
     assert DiffusionPipeline.from_pretrained.__func__ is installed
+
+
+RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+
+
+def _latents(pipe):
+    return pipe(**RUN, generator=torch.Generator().manual_seed(0))
+
+
+def test_transformer_save_pretrained_keeps_diffusers_signature(components):
+    # `DiffusionPipeline.save_pretrained` passes these on only when the component's signature names them.
+    parameters = inspect.signature(components["transformer"].save_pretrained).parameters
+    assert {"variant", "safe_serialization", "max_shard_size", "is_main_process"} <= set(parameters)
+
+
+def test_serialization_with_variants_reaches_the_transformer(components, tmp_path):
+    """On the model of diffusers' `test_serialization_with_variants` / `test_loading_with_variants`."""
+    pipe = diffusers_h3.MiniMaxH3Pipeline(**components)
+    pipe.save_pretrained(tmp_path, variant="fp16", safe_serialization=False)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            assert name in index and any(f.split(".")[1].startswith("fp16") for f in os.listdir(tmp_path / name)), name
+    weights = sorted(f for f in os.listdir(tmp_path / "transformer") if f.startswith("diffusion_pytorch_model"))
+    assert weights == ["diffusion_pytorch_model.fp16.bin"]  # the variant and the pickle format both reached the DiT
+    assert (tmp_path / "transformer" / "README.md").is_file()  # and the card is still written
+
+    reloaded = diffusers_h3.MiniMaxH3Pipeline.from_pretrained(tmp_path, variant="fp16")
+    out, expected = _latents(reloaded), _latents(pipe)
+    # Identical weights; CPU GEMMs may round differently for differently aligned buffers.
+    assert torch.allclose(out.frames, expected.frames, atol=1e-5, rtol=0)
+    assert torch.allclose(out.audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_max_shard_size_reaches_the_transformer(components, tmp_path):
+    transformer = components["transformer"]
+    pipe = diffusers_h3.MiniMaxH3Pipeline(**dict(components, text_encoder=None, vae=None, audio_vae=None))
+    pipe.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = [f for f in os.listdir(tmp_path / "transformer") if f.endswith(".safetensors")]
+    assert len(shards) > 1 and (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer")
+    expected = transformer.state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in reloaded.state_dict().items())

@@ -245,10 +245,46 @@ def _check_device_map(device_map) -> None:
         )
 
 
+# `from_pretrained` options that diffusers' `load_sub_model` forwards to every diffusers and transformers model, and
+# those it forwards to diffusers models only; the hub layout forwards them by the same rule.
+MODEL_LOADING_KWARGS = ("low_cpu_mem_usage", "max_memory", "offload_folder", "offload_state_dict", "use_safetensors")
+DIFFUSERS_MODEL_LOADING_KWARGS = ("disable_mmap", "use_flashpack")
+
+
+def _model_loading_kwargs(component_class, model_kwargs: Dict[str, Any], variant: Optional[str]) -> Dict[str, Any]:
+    """The loading options one model component receives, as diffusers' `load_sub_model` chooses them."""
+    from diffusers import ModelMixin
+
+    if issubclass(component_class, ModelMixin):
+        kwargs = dict(model_kwargs)
+    else:  # transformers >= 4.57 (we require 5.x) no longer takes `offload_state_dict`; diffusers drops it too
+        skip = DIFFUSERS_MODEL_LOADING_KWARGS + ("offload_state_dict",)
+        kwargs = {k: v for k, v in model_kwargs.items() if k not in skip}
+    if variant is not None:
+        kwargs["variant"] = variant
+    return kwargs
+
+
+def _component_variants(directory: Path, index: Dict[str, Any], variant: Optional[str]) -> Dict[str, str]:
+    """Components holding files of `variant` (the others load their default files); diffusers' rule and error when
+    no component has them."""
+    from diffusers.pipelines.pipeline_loading_utils import _identify_model_variants
+
+    model_variants = _identify_model_variants(folder=str(directory), variant=variant, config=index)
+    if variant is not None and not model_variants:
+        raise ValueError(
+            f"You are trying to load the model files of the `variant={variant}`, but no such modeling files are "
+            "available."
+        )
+    return model_variants
+
+
 def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional[str], kwargs: Dict[str, Any]):
     dtype = pop_dtype(kwargs)
     quantization_config = kwargs.pop("quantization_config", None)
-    model_kwargs = {k: kwargs.pop(k) for k in ("low_cpu_mem_usage", "variant", "max_memory") if k in kwargs}
+    model_loading_names = MODEL_LOADING_KWARGS + DIFFUSERS_MODEL_LOADING_KWARGS
+    model_kwargs = {k: kwargs.pop(k) for k in model_loading_names if k in kwargs}
+    model_variants = _component_variants(directory, index, kwargs.pop("variant", None))
     device_map = kwargs.pop("device_map", None)
     _check_device_map(device_map)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index or k in PARTITIONS}
@@ -285,9 +321,8 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
         if not hasattr(component_class, "dtype") and not issubclass(component_class, _torch_module()):
             load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization / placement
         else:
-            load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
-            if load_kwargs.get("variant") and not _has_variant(folder, load_kwargs["variant"]):
-                load_kwargs.pop("variant")  # as diffusers: a component without files of that variant loads its default
+            component_kwargs = _model_loading_kwargs(component_class, model_kwargs, model_variants.get(name))
+            load_kwargs = _component_kwargs(library, name, dtype, quantization_config, component_kwargs)
             if isinstance(final_device_map, dict):
                 load_kwargs["device_map"] = {"": final_device_map[name]} if name in final_device_map else None
             elif final_device_map is not None:
@@ -297,10 +332,6 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     if device_map is not None:
         pipe.hf_device_map = final_device_map
     return pipe
-
-
-def _has_variant(folder: Path, variant: str) -> bool:
-    return any(f".{variant}." in path.name for path in folder.iterdir())
 
 
 def _final_device_map(cls, device_map, to_load, passed, dtype, directory: Path, model_kwargs):

@@ -139,3 +139,105 @@ def test_max_shard_size_reaches_the_transformer(components, tmp_path):
     reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer")
     expected = transformer.state_dict()
     assert all(torch.equal(value, expected[name]) for name, value in reloaded.state_dict().items())
+
+
+class _WeightDownload(Exception):
+    """The stand-in hub stops where the weights would be downloaded."""
+
+
+FOREIGN_INDEX = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}
+H3_HUB_INDEX = {"_class_name": "MiniMaxH3ModularPipeline", "transformer": ["diffusers", "MiniMaxH3Transformer3DModel"]}
+H3_OWN_INDEX = {"_class_name": "MiniMaxH3Pipeline", "transformer": ["diffusers", "MiniMaxH3Transformer3DModel"]}
+
+
+@pytest.fixture
+def stand_in_hub(monkeypatch, tmp_path):
+    """An online hub without network: `repos[repo_id]` is its `model_index.json`; every call that would reach the hub
+    is recorded in `calls` as `(function, repo_id, detail)`, and `snapshot_download` stops the load."""
+    import huggingface_hub
+    from diffusers.pipelines import pipeline_utils
+    from huggingface_hub.errors import EntryNotFoundError
+
+    repos, calls = {}, []
+    files = {"unet": ["unet/config.json", "unet/diffusion_pytorch_model.safetensors"]}
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        calls.append(("hf_hub_download", repo_id, filename))
+        if filename != "model_index.json":
+            raise EntryNotFoundError(f"{repo_id} has no {filename}")
+        path = tmp_path / "downloads" / repo_id / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(repos[repo_id]))
+        return str(path)
+
+    def model_info(repo_id, **kwargs):
+        calls.append(("model_info", repo_id, None))
+        names = ["model_index.json"] + [f for name in repos[repo_id] for f in files.get(name, [])]
+        return type("Info", (), {"siblings": [type("Sibling", (), {"rfilename": n}) for n in names]})
+
+    def resolve_revision(repo_id, revision=None, **kwargs):
+        calls.append(("resolve_revision", repo_id, None))
+        return revision
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        calls.append(("snapshot_download", repo_id, tuple(sorted(allow_patterns or ()))))
+        raise _WeightDownload
+
+    for module in (pipeline_utils, huggingface_hub):
+        monkeypatch.setattr(module, "hf_hub_download", hf_hub_download)
+        monkeypatch.setattr(module, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(pipeline_utils, "model_info", model_info)
+    monkeypatch.setattr(pipeline_utils, "_resolve_revision", resolve_revision)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    return repos, calls
+
+
+def test_foreign_repo_id_costs_no_hub_call_beyond_diffusers(stand_in_hub):
+    from diffusers_h3.pipelines.loading import _DIFFUSERS_FROM_PRETRAINED
+
+    repos, calls = stand_in_hub
+    repos["someone/sd"] = FOREIGN_INDEX
+    with pytest.raises(_WeightDownload):
+        _DIFFUSERS_FROM_PRETRAINED(DiffusionPipeline, "someone/sd")  # diffusers alone
+    diffusers_calls = list(calls)
+    calls.clear()
+    with pytest.raises(_WeightDownload):
+        DiffusionPipeline.from_pretrained("someone/sd")  # through the dispatch
+    assert calls == diffusers_calls
+    assert [c[0] for c in calls].count("hf_hub_download") == 1
+
+
+@pytest.mark.parametrize("index", [H3_HUB_INDEX, H3_OWN_INDEX], ids=["hub", "ours"])
+def test_h3_repo_id_is_recognised_from_the_index_diffusers_fetches(stand_in_hub, index):
+    repos, calls = stand_in_hub
+    repos["someone/h3"] = index
+    with pytest.raises(_WeightDownload):
+        DiffusionPipeline.from_pretrained("someone/h3")
+    downloads = [c for c in calls if c[0] == "snapshot_download"]
+    assert len(downloads) == 1  # diffusers stopped after reading the index; our loader picks the partitions
+    assert "transformer/*" in downloads[0][2]
+
+
+def test_h3_repo_id_from_the_cache_or_with_task_skips_diffusers(stand_in_hub, tmp_path):
+    import huggingface_hub
+
+    repos, calls = stand_in_hub
+    repos["someone/h3"] = H3_HUB_INDEX
+    with pytest.raises(_WeightDownload):
+        DiffusionPipeline.from_pretrained("someone/h3", task="t2va")  # the caller asks for MiniMax-H3
+    assert not [c for c in calls if c[0] in ("model_info", "resolve_revision")]  # diffusers' loader never ran
+
+    calls.clear()
+    cache = tmp_path / "cache"
+    snapshot = cache / "models--someone--h3" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model_index.json").write_text(json.dumps(H3_HUB_INDEX))
+    (cache / "models--someone--h3" / "refs").mkdir()
+    (cache / "models--someone--h3" / "refs" / "main").write_text("0" * 40)
+    huggingface_hub.constants.HF_HUB_CACHE = str(cache)  # restored by the fixture's monkeypatch
+    with pytest.raises(_WeightDownload):
+        DiffusionPipeline.from_pretrained("someone/h3")
+    assert not [c for c in calls if c[0] in ("model_info", "resolve_revision")]
+    assert ("hf_hub_download", "someone/h3", "model_index.json") not in calls  # read from the cache

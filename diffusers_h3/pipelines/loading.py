@@ -166,6 +166,21 @@ def classify_repo(repo_id: str, hub_kwargs: Dict[str, Any]) -> str:
     return classify_index(*fetch_repo_indexes(repo_id, hub_kwargs))
 
 
+def classify_cached_repo(repo_id: str, hub_kwargs: Dict[str, Any]) -> Optional[str]:
+    """:func:`classify_repo` from the local hub cache only (no network call); `None` when no index file is cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if hub_kwargs.get("force_download"):
+        return None
+    indexes = []
+    for filename in INDEX_FILES:
+        cached = try_to_load_from_cache(
+            repo_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=hub_kwargs.get("revision")
+        )
+        indexes.append(_read_json(Path(cached)) if isinstance(cached, str) else None)
+    return classify_index(*indexes) if any(index is not None for index in indexes) else None
+
+
 def _needed_subfolders(index: Dict[str, Any], task: Optional[str]) -> list:
     wanted = partitions_for_task(task)
     folders = []

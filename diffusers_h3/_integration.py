@@ -1,4 +1,4 @@
-"""Import-time integration with diffusers: `import diffusers_h3` runs :func:`integrate_with_diffusers` once.
+"""Import-time integration with diffusers: `import diffusers_h3` runs :func:`_register_with_diffusers` once.
 
 It makes `diffusers.MiniMaxH3Pipeline` resolve to ours, routes `DiffusionPipeline.from_pretrained(<H3 folder or hub
 repo id>)` to `MiniMaxH3Pipeline.from_pretrained`, registers the diffusers-h3 quantizers with diffusers' quantizer registry and
@@ -19,10 +19,10 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
-import warnings
 
 import diffusers
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from diffusers.utils import logging
 
 from ._model_card import save_with_card, transformer_model_card
 from .hooks.cache import register_cache_blocks
@@ -36,6 +36,8 @@ from .pipelines.loading import (
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
 
+
+logger = logging.get_logger(__name__)
 
 # Folder kinds `DiffusionPipeline.from_pretrained` hands to `MiniMaxH3Pipeline.from_pretrained`.
 H3_KINDS = ("ours", "hub", "native")
@@ -145,17 +147,20 @@ def install_transformer_model_card() -> None:
 
 
 def _register_with_diffusers() -> None:
-    """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline`, install the dispatch, register the quantizers."""
+    """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline` and install the dispatch, unless diffusers ships a
+    class of that name (then diffusers' class keeps the name and `DiffusionPipeline.from_pretrained`, and one warning
+    says so); register the quantizers, cache hooks and model cards in every case, so saved checkpoints still load."""
     existing = getattr(diffusers, "MiniMaxH3Pipeline", None)
-    if existing is not None and existing is not MiniMaxH3Pipeline:
-        warnings.warn(
-            "diffusers already defines MiniMaxH3Pipeline; diffusers_h3 leaves it in place. Use "
-            "diffusers_h3.MiniMaxH3Pipeline explicitly.",
-            RuntimeWarning,
+    if existing is None or existing is MiniMaxH3Pipeline:
+        diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
+        install_diffusion_pipeline_dispatch()
+    else:
+        logger.warning(
+            f"diffusers {diffusers.__version__} ships its own MiniMaxH3Pipeline ({existing.__module__}); it keeps "
+            "`diffusers.MiniMaxH3Pipeline` and `DiffusionPipeline.from_pretrained`. Use "
+            "`diffusers_h3.MiniMaxH3Pipeline.from_pretrained` for this plugin's pipeline; its quantizers, cache hooks "
+            "and model cards are registered either way."
         )
-        return
-    diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
-    install_diffusion_pipeline_dispatch()
     register_quantizers()
     register_cache_blocks()
     install_transformer_model_card()

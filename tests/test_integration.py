@@ -241,3 +241,43 @@ def test_h3_repo_id_from_the_cache_or_with_task_skips_diffusers(stand_in_hub, tm
         DiffusionPipeline.from_pretrained("someone/h3")
     assert not [c for c in calls if c[0] in ("model_info", "resolve_revision")]
     assert ("hf_hub_download", "someone/h3", "model_index.json") not in calls  # read from the cache
+
+
+_UPSTREAM_PIPELINE_SCRIPT = """
+import diffusers
+from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+from diffusers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+
+class UpstreamMiniMaxH3Pipeline(DiffusionPipeline):
+    pass
+
+
+UpstreamMiniMaxH3Pipeline.__name__ = "MiniMaxH3Pipeline"
+diffusers.MiniMaxH3Pipeline = UpstreamMiniMaxH3Pipeline
+dispatch = DiffusionPipeline.from_pretrained.__func__
+
+import diffusers_h3
+
+assert diffusers.MiniMaxH3Pipeline is UpstreamMiniMaxH3Pipeline, "diffusers' own class keeps its name"
+assert DiffusionPipeline.from_pretrained.__func__ is dispatch, "diffusers' own loader stays in place"
+assert "h3_w8a16" in AUTO_QUANTIZER_MAPPING, "quantizers registered"
+TransformerBlockRegistry.get(MiniMaxH3TransformerBlock)  # cache hooks registered (raises if not)
+assert MiniMaxH3Transformer3DModel.save_pretrained._diffusers_h3_card, "model cards installed"
+print("OK")
+"""
+
+
+def test_upstream_pipeline_class_keeps_its_name_and_the_plugin_still_registers(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-c", _UPSTREAM_PIPELINE_SCRIPT], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if "ships its own MiniMaxH3Pipeline" in line]
+    assert len(warnings) == 1 and "diffusers_h3.MiniMaxH3Pipeline" in warnings[0], result.stderr[-2000:]

@@ -10,8 +10,9 @@ It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that
 
 A hub repo id resolves through `huggingface_hub` to a local snapshot first (`resolve_repo`): its index file is read
 from the cache when it is there (downloaded otherwise), and `snapshot_download` fetches only the index files, the
-shared components and the DiT partition the task needs; `cache_dir`, `revision`, `token`, `local_files_only` and
-`HF_HUB_OFFLINE` are honoured. The snapshot then loads exactly as a local folder does.
+repo's card (`README.md`), the shared components and the DiT partition the task needs; `cache_dir`, `revision`,
+`token`, `local_files_only` and `HF_HUB_OFFLINE` are honoured. The snapshot then loads exactly as a local folder does,
+and the pipeline remembers the repo id as its `_name_or_path` (for the model cards of what is saved from it).
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def resolve_repo(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) 
             "diffusers' own pipeline class."
         )
     index = modular if modular is not None else root
-    allow = list(INDEX_FILES) + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
+    # The repo's card comes along: the model cards of what is saved from it take its license.
+    allow = list(INDEX_FILES) + ["README.md"] + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
     kwargs = {k: v for k, v in hub_kwargs.items() if k != "local_files_only"}
     return snapshot_download(repo_id, allow_patterns=allow, local_files_only=_offline(hub_kwargs), **kwargs)
 
@@ -439,7 +441,26 @@ def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None
     return pipe
 
 
+def _remember_source(pipe, source: str, passed) -> Any:
+    """Record where the pipeline came from as diffusers records it for a model loaded by name (`_name_or_path`): the
+    repo id when loaded by repo id, not the cache folder it resolved to (also on the models it loaded, not on those
+    passed in). The model cards read it (`base_model`, and the source card's license)."""
+    pipe.register_to_config(_name_or_path=source)
+    if not os.path.isdir(source):
+        from diffusers import ModelMixin
+
+        for name, component in pipe.components.items():
+            if isinstance(component, ModelMixin) and name not in passed:
+                component.register_to_config(_name_or_path=source)
+    return pipe
+
+
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
+    source, passed = str(pretrained_model_name_or_path), set(kwargs)
+    return _remember_source(_load_from_source(cls, source, task, kwargs), source, passed)
+
+
+def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):

@@ -101,6 +101,7 @@ def test_only_the_needed_partition_is_requested(offline, monkeypatch):
     t2va, ref2va = (set(patterns) for patterns in requested)
     shared = {"text_encoder/*", "tokenizer/*", "processor/*", "vae/*", "audio_vae/*", "scheduler/*"}
     assert shared <= t2va and shared <= ref2va
+    assert "README.md" in t2va  # the repo's card: the cards of what is saved from it take its license
     assert "transformer/*" in t2va and "transformer_ref/*" not in t2va
     assert "transformer_ref/*" in ref2va and "transformer/*" not in ref2va
 

@@ -133,8 +133,9 @@ def test_model_loading_options_reach_components_as_diffusers_forwards_them(offli
     for name in calls:
         _record_from_pretrained(monkeypatch, type(components[name]), calls[name])
     options = {"use_safetensors": True, "offload_state_dict": False, "disable_mmap": True, "low_cpu_mem_usage": True}
+    passed = {k: components[k] for k in ("vae", "audio_vae", "tokenizer", "processor")}  # only the two models load
     for layout in ("ours", "hub"):  # "ours" loads through diffusers' own DiffusionPipeline.from_pretrained
-        MiniMaxH3Pipeline.from_pretrained(offline[layout], task="t2va", **options)
+        MiniMaxH3Pipeline.from_pretrained(offline[layout], task="t2va", **options, **passed)
     for name, (diffusers_kwargs, hub_kwargs) in calls.items():
         assert hub_kwargs == diffusers_kwargs, name
     assert calls["transformer"][0] == options

@@ -1,4 +1,4 @@
-"""Import-time integration with diffusers: `import diffusers_h3` runs :func:`integrate_with_diffusers` once.
+"""Import-time integration with diffusers: `import diffusers_h3` runs :func:`_register_with_diffusers` once.
 
 It makes `diffusers.MiniMaxH3Pipeline` resolve to ours, routes `DiffusionPipeline.from_pretrained(<H3 folder or hub
 repo id>)` to `MiniMaxH3Pipeline.from_pretrained`, registers the diffusers-h3 quantizers with diffusers' quantizer registry and
@@ -7,25 +7,37 @@ H3's transformer block with diffusers' cache hooks, and makes a saved H3 transfo
 diffusers resolves a folder's `_class_name` with `getattr(diffusers, name)`, which names the *modular* class for the
 official hub layout and has no plugin discovery; so the dispatch classifies the folder by its files
 (`classify_checkpoint`) and sends every MiniMax-H3 folder ("ours", "hub", and "native", which gets our explanation
-of why it cannot load) to our loader, and every other folder to diffusers unchanged. A hub repo id is classified the
-same way by its index file (`modular_model_index.json` / `model_index.json`, read from the hub cache when it is
-there); a repo whose index cannot be fetched goes to diffusers unchanged, which reports its own error.
+of why it cannot load) to our loader, and every other folder to diffusers unchanged. A hub repo id goes to our loader
+when the caller passes `task=`, or when its index describes MiniMax-H3: the index in the hub cache when there is one,
+else the `model_index.json` diffusers' own loader fetches (read through a hook, before diffusers downloads any
+weights). So loading any other model by repo id makes no hub call beyond diffusers' own; a repo whose index cannot be
+fetched gets diffusers' own error.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
-import warnings
 
 import diffusers
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from diffusers.utils import logging
 
 from ._model_card import save_with_card, transformer_model_card
 from .hooks.cache import register_cache_blocks
-from .pipelines.loading import _DIFFUSERS_FROM_PRETRAINED, HUB_KWARGS, classify_checkpoint, classify_repo
+from .pipelines.loading import (
+    _DIFFUSERS_FROM_PRETRAINED,
+    HUB_KWARGS,
+    classify_cached_repo,
+    classify_checkpoint,
+    classify_index,
+)
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
 
+
+logger = logging.get_logger(__name__)
 
 # Folder kinds `DiffusionPipeline.from_pretrained` hands to `MiniMaxH3Pipeline.from_pretrained`.
 H3_KINDS = ("ours", "hub", "native")
@@ -36,29 +48,82 @@ def _is_h3_folder(path) -> bool:
     return os.path.isdir(str(path)) and classify_checkpoint(path) in H3_KINDS
 
 
-def _is_h3_repo(repo_id, kwargs) -> bool:
-    """Whether `repo_id` (not a local folder) names a hub repo whose index file describes MiniMax-H3."""
-    if not isinstance(repo_id, str) or os.path.exists(repo_id) or repo_id.count("/") > 1:
-        return False
+# Folder kinds a hub repo id is routed to our loader for ("native" repo ids keep diffusers' own error).
+H3_REPO_KINDS = ("ours", "hub")
+# Set while `DiffusionPipeline.from_pretrained(<repo id>)` runs diffusers' loader for a repo we could not classify.
+_WATCHING_REPO_INDEX = contextvars.ContextVar("diffusers_h3_watching_repo_index", default=False)
+
+
+class _H3RepoIndex(Exception):
+    """Raised from inside diffusers' download, right after it fetched a `model_index.json` describing MiniMax-H3 and
+    before it downloads any weights, to hand the repo to our loader."""
+
+
+def _could_be_repo_id(path) -> bool:
+    return isinstance(path, str) and not os.path.exists(path) and path.count("/") <= 1
+
+
+def _cached_repo_is_h3(repo_id: str, kwargs) -> bool:
+    """Whether the hub cache already holds an index of `repo_id` describing MiniMax-H3 (no network call)."""
     hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     try:
-        return classify_repo(repo_id, hub_kwargs) in ("ours", "hub")
-    except Exception:  # noqa: BLE001 - unreachable hub, bad id, gated repo: diffusers' loader reports it
+        return classify_cached_repo(repo_id, hub_kwargs) in H3_REPO_KINDS
+    except Exception:  # noqa: BLE001 - a bad id or an unreadable cache entry: diffusers' loader reports it
         return False
+
+
+def install_repo_index_hook() -> None:
+    """Make diffusers' own reading of a repo's `model_index.json` route MiniMax-H3 repos to us (idempotent).
+
+    `DiffusionPipeline.download` reads the index it fetched with `_dict_from_json_file` before it chooses and downloads
+    any weights; a repo not classified from the cache is therefore classified by the very index diffusers fetches,
+    so a repo of any other model costs no hub call beyond diffusers' own.
+    """
+    read = DiffusionPipeline._dict_from_json_file.__func__
+    if getattr(read, "_diffusers_h3_index_hook", False):
+        return
+
+    @functools.wraps(read)
+    def _dict_from_json_file(cls, json_file):
+        config = read(cls, json_file)
+        watching = _WATCHING_REPO_INDEX.get() and os.path.basename(str(json_file)) == DiffusionPipeline.config_name
+        if watching and classify_index(None, config) in H3_REPO_KINDS:
+            raise _H3RepoIndex(json_file)
+        return config
+
+    _dict_from_json_file._diffusers_h3_index_hook = True
+    DiffusionPipeline._dict_from_json_file = classmethod(_dict_from_json_file)
 
 
 def install_diffusion_pipeline_dispatch() -> None:
     """Route `DiffusionPipeline.from_pretrained(<H3 folder or repo id>)` to `MiniMaxH3Pipeline.from_pretrained`
-    (idempotent)."""
+    (idempotent).
+
+    A repo id goes to our loader when the caller asks for it (`task=`), or when its index, read from the hub cache or
+    as diffusers fetches it, describes MiniMax-H3; any other repo id loads through diffusers with no extra hub call.
+    """
+    install_repo_index_hook()
     if getattr(DiffusionPipeline.from_pretrained, "_diffusers_h3_dispatch", False):
         return
 
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        if cls is DiffusionPipeline and (
-            _is_h3_folder(pretrained_model_name_or_path) or _is_h3_repo(pretrained_model_name_or_path, kwargs)
-        ):
-            return MiniMaxH3Pipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
-        return _DIFFUSERS_FROM_PRETRAINED(cls, pretrained_model_name_or_path, **kwargs)
+        path = pretrained_model_name_or_path
+        if cls is not DiffusionPipeline:
+            return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+        if _is_h3_folder(path):
+            return MiniMaxH3Pipeline.from_pretrained(path, **kwargs)
+        if not _could_be_repo_id(path):
+            return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+        if "task" in kwargs or _cached_repo_is_h3(path, kwargs):
+            return MiniMaxH3Pipeline.from_pretrained(path, **kwargs)
+        token = _WATCHING_REPO_INDEX.set(True)
+        try:
+            return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+        except _H3RepoIndex:
+            pass
+        finally:
+            _WATCHING_REPO_INDEX.reset(token)
+        return MiniMaxH3Pipeline.from_pretrained(path, **kwargs)
 
     from_pretrained.__doc__ = _DIFFUSERS_FROM_PRETRAINED.__doc__
     from_pretrained._diffusers_h3_dispatch = True
@@ -71,26 +136,31 @@ def install_transformer_model_card() -> None:
     if getattr(save, "_diffusers_h3_card", False):
         return
 
+    # `functools.wraps` keeps diffusers' signature visible: `DiffusionPipeline.save_pretrained` inspects it to decide
+    # whether to pass `variant`, `safe_serialization` and `max_shard_size` on.
+    @functools.wraps(save)
     def save_pretrained(self, save_directory, **kwargs):
         return save_with_card(save, self, save_directory, transformer_model_card, **kwargs)
 
-    save_pretrained.__doc__ = save.__doc__
     save_pretrained._diffusers_h3_card = True
     MiniMaxH3Transformer3DModel.save_pretrained = save_pretrained
 
 
 def _register_with_diffusers() -> None:
-    """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline`, install the dispatch, register the quantizers."""
+    """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline` and install the dispatch, unless diffusers ships a
+    class of that name (then diffusers' class keeps the name and `DiffusionPipeline.from_pretrained`, and one warning
+    says so); register the quantizers, cache hooks and model cards in every case, so saved checkpoints still load."""
     existing = getattr(diffusers, "MiniMaxH3Pipeline", None)
-    if existing is not None and existing is not MiniMaxH3Pipeline:
-        warnings.warn(
-            "diffusers already defines MiniMaxH3Pipeline; diffusers_h3 leaves it in place. Use "
-            "diffusers_h3.MiniMaxH3Pipeline explicitly.",
-            RuntimeWarning,
+    if existing is None or existing is MiniMaxH3Pipeline:
+        diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
+        install_diffusion_pipeline_dispatch()
+    else:
+        logger.warning(
+            f"diffusers {diffusers.__version__} ships its own MiniMaxH3Pipeline ({existing.__module__}); it keeps "
+            "`diffusers.MiniMaxH3Pipeline` and `DiffusionPipeline.from_pretrained`. Use "
+            "`diffusers_h3.MiniMaxH3Pipeline.from_pretrained` for this plugin's pipeline; its quantizers, cache hooks "
+            "and model cards are registered either way."
         )
-        return
-    diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline
-    install_diffusion_pipeline_dispatch()
     register_quantizers()
     register_cache_blocks()
     install_transformer_model_card()

@@ -1,15 +1,15 @@
 """Hub model cards for what diffusers-h3 saves: a whole pipeline, or a (quantized) transformer on its own.
 
 The card is a ``README.md`` with Hub metadata (``library_name: diffusers``, ``pipeline_tag``, ``base_model`` when the
-checkpoint came from a hub repo, ``tags``) and a usage snippet that loads exactly the saved checkpoint, so a folder
-written by ``save_pretrained`` can be pushed as is.
+checkpoint came from a hub repo, the source card's ``license`` when it has one, ``tags``) and a usage snippet that
+loads exactly the saved checkpoint, so a folder written by ``save_pretrained`` can be pushed as is.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData
@@ -18,6 +18,7 @@ from huggingface_hub import ModelCard, ModelCardData
 PIPELINE_TAG = "text-to-video"
 BASE_TAGS = ("diffusers", "diffusers-h3", "minimax-h3", "text-to-video", "text-to-audio")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LICENSE_FIELDS = ("license", "license_name", "license_link")
 
 
 def quantization_method(model: torch.nn.Module) -> Optional[str]:
@@ -43,6 +44,43 @@ def _base_model(name_or_path: Optional[str]) -> Optional[str]:
     return name_or_path
 
 
+def _source_card_path(name_or_path: Optional[str]) -> Optional[str]:
+    """The card of the checkpoint a model was loaded from: a folder's ``README.md`` (or its parent's, for a component
+    subfolder), or a hub repo's ``README.md`` in the local hub cache (the loader downloads it; no network call here)."""
+    if not name_or_path:
+        return None
+    if os.path.isdir(name_or_path):
+        for folder in (name_or_path, os.path.dirname(os.path.normpath(name_or_path))):
+            if os.path.isfile(os.path.join(folder, "README.md")):
+                return os.path.join(folder, "README.md")
+        return None
+    if _base_model(name_or_path) is None:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name_or_path, "README.md")
+    return cached if isinstance(cached, str) else None
+
+
+def source_license(name_or_path: Optional[str]) -> Dict[str, str]:
+    """``license`` (with ``license_name`` / ``license_link`` for a custom license) from the card of the checkpoint a
+    model was loaded from; empty when that card is missing or names no license."""
+    data = _source_card_data(name_or_path)
+    return {key: data[key] for key in LICENSE_FIELDS if data.get(key)} if data.get("license") else {}
+
+
+def source_base_model(name_or_path: Optional[str]) -> Optional[str]:
+    """The hub repo a checkpoint derives from: the repo id it was loaded by, else the ``base_model`` its source card
+    names (a folder saved from a pipeline loaded by repo id keeps it)."""
+    base = _base_model(name_or_path) or _source_card_data(name_or_path).get("base_model")
+    return base if isinstance(base, str) else None
+
+
+def _source_card_data(name_or_path: Optional[str]) -> Dict:
+    path = _source_card_path(name_or_path)
+    return ModelCard.load(path).data.to_dict() if path is not None else {}
+
+
 def _card(data: ModelCardData, title: str, body: str) -> ModelCard:
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n# {title}\n\n{body}\n")
 
@@ -52,9 +90,12 @@ def pipeline_model_card(pipe, repo_id: Optional[str] = None) -> ModelCard:
     transformers = [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_ref", None)) if m]
     methods = sorted({m for m in map(quantization_method, transformers) if m})
     loras = sorted({name for m in transformers for name in fused_lora_names(m)})
-    base = _base_model(getattr(pipe.config, "_name_or_path", None))
+    source = getattr(pipe.config, "_name_or_path", None)
+    base = source_base_model(source)
     tags = list(BASE_TAGS) + [f"quantized-{m}" for m in methods] + [f"lora-{n}" for n in loras]
-    data = ModelCardData(library_name="diffusers", pipeline_tag=PIPELINE_TAG, base_model=base, tags=tags)
+    data = ModelCardData(
+        library_name="diffusers", pipeline_tag=PIPELINE_TAG, base_model=base, tags=tags, **source_license(source)
+    )
     target = repo_id or "path/to/this/folder"
     notes = []
     if methods:
@@ -82,9 +123,12 @@ def transformer_model_card(model, repo_id: Optional[str] = None) -> ModelCard:
     """The card for a transformer saved on its own (typically a quantized DiT)."""
     method = quantization_method(model)
     loras = fused_lora_names(model)
-    base = _base_model(getattr(model.config, "_name_or_path", None))
+    source = getattr(model.config, "_name_or_path", None)
+    base = source_base_model(source)
     tags = list(BASE_TAGS) + ([f"quantized-{method}"] if method else []) + [f"lora-{n}" for n in loras]
-    data = ModelCardData(library_name="diffusers", pipeline_tag=PIPELINE_TAG, base_model=base, tags=tags)
+    data = ModelCardData(
+        library_name="diffusers", pipeline_tag=PIPELINE_TAG, base_model=base, tags=tags, **source_license(source)
+    )
     target = repo_id or "path/to/this/folder"
     cls = type(model).__name__
     body = (

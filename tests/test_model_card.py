@@ -114,3 +114,55 @@ def test_push_to_hub_uploads_once_with_our_card(tmp_path, monkeypatch):
     repo_id, text = uploads[0]
     assert repo_id == "me/h3-push"
     assert 'from_pretrained("me/h3-push"' in text
+
+
+SOURCE_CARD = (
+    "---\nlicense: other\nlicense_name: minimax-h3-community-license\nlicense_link: LICENSE\n---\n\n# MiniMax-H3\n"
+)
+LICENSE = {"license": "other", "license_name": "minimax-h3-community-license", "license_link": "LICENSE"}
+
+
+def test_cards_of_a_pipeline_loaded_by_repo_id_name_it_and_keep_its_license(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from diffusers_h3 import MiniMaxH3Pipeline
+    from diffusers_h3.testing.tiny import HUB_REPO_ID, save_to_hub_cache, tiny_components
+
+    snapshot = save_to_hub_cache(tiny_components(with_transformer_ref=False), tmp_path / "cache", HUB_REPO_ID)
+    (snapshot / "README.md").write_text(SOURCE_CARD)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+
+    pipe = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va")
+    for card in (pipeline_model_card(pipe), transformer_model_card(pipe.transformer)):
+        data = _reparse(card, tmp_path).data.to_dict()
+        assert data["base_model"] == HUB_REPO_ID
+        assert {key: data.get(key) for key in LICENSE} == LICENSE
+    # Saved, the cards carry both; a model later loaded from that folder (diffusers records the subfolder as its
+    # `_name_or_path`) takes them from our card.
+    saved = tmp_path / "saved"
+    pipe.save_pretrained(saved)
+    for card_path in (saved / "README.md", saved / "transformer" / "README.md"):
+        data = ModelCard.load(card_path).data.to_dict()
+        assert data["base_model"] == HUB_REPO_ID and {key: data.get(key) for key in LICENSE} == LICENSE
+    pipe.transformer.register_to_config(_name_or_path=str(saved / "transformer"))
+    data = _reparse(transformer_model_card(pipe.transformer), tmp_path).data.to_dict()
+    assert data["base_model"] == HUB_REPO_ID and {key: data.get(key) for key in LICENSE} == LICENSE
+
+
+def test_source_without_a_license_gives_a_card_without_one(tmp_path):
+    (tmp_path / "README.md").write_text("# no metadata\n")
+    pipe = tiny_pipeline()
+    pipe.register_to_config(_name_or_path=str(tmp_path))
+    assert _reparse(pipeline_model_card(pipe), tmp_path, "card.md").data.to_dict().get("license") is None
+
+
+def test_model_card_doc_installs_as_the_readme_does():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc, readme = (root / "docs" / "model_card.md").read_text(), (root / "README.md").read_text()
+    assert "not published on PyPI" in readme  # while the README says so, the doc must not `pip install` the name
+    assert "pip install diffusers-h3" not in doc
+    assert 'pip install -e "' in doc or "pip install -e ." in doc

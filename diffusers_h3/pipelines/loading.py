@@ -10,8 +10,9 @@ It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that
 
 A hub repo id resolves through `huggingface_hub` to a local snapshot first (`resolve_repo`): its index file is read
 from the cache when it is there (downloaded otherwise), and `snapshot_download` fetches only the index files, the
-shared components and the DiT partition the task needs; `cache_dir`, `revision`, `token`, `local_files_only` and
-`HF_HUB_OFFLINE` are honoured. The snapshot then loads exactly as a local folder does.
+repo's card (`README.md`), the shared components and the DiT partition the task needs; `cache_dir`, `revision`,
+`token`, `local_files_only` and `HF_HUB_OFFLINE` are honoured. The snapshot then loads exactly as a local folder does,
+and the pipeline remembers the repo id as its `_name_or_path` (for the model cards of what is saved from it).
 """
 
 from __future__ import annotations
@@ -166,6 +167,21 @@ def classify_repo(repo_id: str, hub_kwargs: Dict[str, Any]) -> str:
     return classify_index(*fetch_repo_indexes(repo_id, hub_kwargs))
 
 
+def classify_cached_repo(repo_id: str, hub_kwargs: Dict[str, Any]) -> Optional[str]:
+    """:func:`classify_repo` from the local hub cache only (no network call); `None` when no index file is cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if hub_kwargs.get("force_download"):
+        return None
+    indexes = []
+    for filename in INDEX_FILES:
+        cached = try_to_load_from_cache(
+            repo_id, filename, cache_dir=hub_kwargs.get("cache_dir"), revision=hub_kwargs.get("revision")
+        )
+        indexes.append(_read_json(Path(cached)) if isinstance(cached, str) else None)
+    return classify_index(*indexes) if any(index is not None for index in indexes) else None
+
+
 def _needed_subfolders(index: Dict[str, Any], task: Optional[str]) -> list:
     wanted = partitions_for_task(task)
     folders = []
@@ -199,7 +215,8 @@ def resolve_repo(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) 
             "diffusers' own pipeline class."
         )
     index = modular if modular is not None else root
-    allow = list(INDEX_FILES) + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
+    # The repo's card comes along: the model cards of what is saved from it take its license.
+    allow = list(INDEX_FILES) + ["README.md"] + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
     kwargs = {k: v for k, v in hub_kwargs.items() if k != "local_files_only"}
     return snapshot_download(repo_id, allow_patterns=allow, local_files_only=_offline(hub_kwargs), **kwargs)
 
@@ -245,10 +262,46 @@ def _check_device_map(device_map) -> None:
         )
 
 
+# `from_pretrained` options that diffusers' `load_sub_model` forwards to every diffusers and transformers model, and
+# those it forwards to diffusers models only; the hub layout forwards them by the same rule.
+MODEL_LOADING_KWARGS = ("low_cpu_mem_usage", "max_memory", "offload_folder", "offload_state_dict", "use_safetensors")
+DIFFUSERS_MODEL_LOADING_KWARGS = ("disable_mmap", "use_flashpack")
+
+
+def _model_loading_kwargs(component_class, model_kwargs: Dict[str, Any], variant: Optional[str]) -> Dict[str, Any]:
+    """The loading options one model component receives, as diffusers' `load_sub_model` chooses them."""
+    from diffusers import ModelMixin
+
+    if issubclass(component_class, ModelMixin):
+        kwargs = dict(model_kwargs)
+    else:  # transformers >= 4.57 (we require 5.x) no longer takes `offload_state_dict`; diffusers drops it too
+        skip = DIFFUSERS_MODEL_LOADING_KWARGS + ("offload_state_dict",)
+        kwargs = {k: v for k, v in model_kwargs.items() if k not in skip}
+    if variant is not None:
+        kwargs["variant"] = variant
+    return kwargs
+
+
+def _component_variants(directory: Path, index: Dict[str, Any], variant: Optional[str]) -> Dict[str, str]:
+    """Components holding files of `variant` (the others load their default files); diffusers' rule and error when
+    no component has them."""
+    from diffusers.pipelines.pipeline_loading_utils import _identify_model_variants
+
+    model_variants = _identify_model_variants(folder=str(directory), variant=variant, config=index)
+    if variant is not None and not model_variants:
+        raise ValueError(
+            f"You are trying to load the model files of the `variant={variant}`, but no such modeling files are "
+            "available."
+        )
+    return model_variants
+
+
 def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional[str], kwargs: Dict[str, Any]):
     dtype = pop_dtype(kwargs)
     quantization_config = kwargs.pop("quantization_config", None)
-    model_kwargs = {k: kwargs.pop(k) for k in ("low_cpu_mem_usage", "variant", "max_memory") if k in kwargs}
+    model_loading_names = MODEL_LOADING_KWARGS + DIFFUSERS_MODEL_LOADING_KWARGS
+    model_kwargs = {k: kwargs.pop(k) for k in model_loading_names if k in kwargs}
+    model_variants = _component_variants(directory, index, kwargs.pop("variant", None))
     device_map = kwargs.pop("device_map", None)
     _check_device_map(device_map)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index or k in PARTITIONS}
@@ -285,9 +338,8 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
         if not hasattr(component_class, "dtype") and not issubclass(component_class, _torch_module()):
             load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization / placement
         else:
-            load_kwargs = _component_kwargs(library, name, dtype, quantization_config, model_kwargs)
-            if load_kwargs.get("variant") and not _has_variant(folder, load_kwargs["variant"]):
-                load_kwargs.pop("variant")  # as diffusers: a component without files of that variant loads its default
+            component_kwargs = _model_loading_kwargs(component_class, model_kwargs, model_variants.get(name))
+            load_kwargs = _component_kwargs(library, name, dtype, quantization_config, component_kwargs)
             if isinstance(final_device_map, dict):
                 load_kwargs["device_map"] = {"": final_device_map[name]} if name in final_device_map else None
             elif final_device_map is not None:
@@ -297,10 +349,6 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     if device_map is not None:
         pipe.hf_device_map = final_device_map
     return pipe
-
-
-def _has_variant(folder: Path, variant: str) -> bool:
-    return any(f".{variant}." in path.name for path in folder.iterdir())
 
 
 def _final_device_map(cls, device_map, to_load, passed, dtype, directory: Path, model_kwargs):
@@ -384,7 +432,26 @@ def _check_quantized_components(directory: Path, index: Dict[str, Any], task: Op
             check_checkpoint_quantization(folder)
 
 
+def _remember_source(pipe, source: str, passed) -> Any:
+    """Record where the pipeline came from as diffusers records it for a model loaded by name (`_name_or_path`): the
+    repo id when loaded by repo id, not the cache folder it resolved to (also on the models it loaded, not on those
+    passed in). The model cards read it (`base_model`, and the source card's license)."""
+    pipe.register_to_config(_name_or_path=source)
+    if not os.path.isdir(source):
+        from diffusers import ModelMixin
+
+        for name, component in pipe.components.items():
+            if isinstance(component, ModelMixin) and name not in passed:
+                component.register_to_config(_name_or_path=source)
+    return pipe
+
+
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
+    source, passed = str(pretrained_model_name_or_path), set(kwargs)
+    return _remember_source(_load_from_source(cls, source, task, kwargs), source, passed)
+
+
+def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):

@@ -101,6 +101,7 @@ def test_only_the_needed_partition_is_requested(offline, monkeypatch):
     t2va, ref2va = (set(patterns) for patterns in requested)
     shared = {"text_encoder/*", "tokenizer/*", "processor/*", "vae/*", "audio_vae/*", "scheduler/*"}
     assert shared <= t2va and shared <= ref2va
+    assert "README.md" in t2va  # the repo's card: the cards of what is saved from it take its license
     assert "transformer/*" in t2va and "transformer_ref/*" not in t2va
     assert "transformer_ref/*" in ref2va and "transformer/*" not in ref2va
 
@@ -111,3 +112,40 @@ def test_unknown_repo_id_goes_to_diffusers_and_gets_our_error_directly(offline):
     assert not isinstance(error.value, NotAnH3CheckpointError)  # diffusers' own error
     with pytest.raises(NotAnH3CheckpointError, match="offline mode"):
         MiniMaxH3Pipeline.from_pretrained("nobody/not-cached")
+
+
+# Options diffusers' `load_sub_model` forwards to the model components; the hub layout must forward the same.
+FORWARDED = ("use_safetensors", "offload_state_dict", "offload_folder", "disable_mmap", "low_cpu_mem_usage", "variant")
+
+
+def _record_from_pretrained(monkeypatch, model_class, calls):
+    original = model_class.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k in FORWARDED and v is not None})
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "from_pretrained", classmethod(recording))
+
+
+def test_model_loading_options_reach_components_as_diffusers_forwards_them(offline, components, monkeypatch):
+    calls = {"transformer": [], "text_encoder": []}
+    for name in calls:
+        _record_from_pretrained(monkeypatch, type(components[name]), calls[name])
+    options = {"use_safetensors": True, "offload_state_dict": False, "disable_mmap": True, "low_cpu_mem_usage": True}
+    passed = {k: components[k] for k in ("vae", "audio_vae", "tokenizer", "processor")}  # only the two models load
+    for layout in ("ours", "hub"):  # "ours" loads through diffusers' own DiffusionPipeline.from_pretrained
+        MiniMaxH3Pipeline.from_pretrained(offline[layout], task="t2va", **options, **passed)
+    for name, (diffusers_kwargs, hub_kwargs) in calls.items():
+        assert hub_kwargs == diffusers_kwargs, name
+    assert calls["transformer"][0] == options
+
+
+def test_missing_variant_is_refused_on_both_layouts_as_diffusers_does(offline):
+    with pytest.raises(ValueError) as diffusers_error:
+        MiniMaxH3Pipeline.from_pretrained(offline["ours"], task="t2va", variant="fp16")
+    for source in (offline["hub"], HUB_REPO_ID):
+        with pytest.raises(ValueError) as error:
+            MiniMaxH3Pipeline.from_pretrained(source, task="t2va", variant="fp16")
+        assert str(error.value) == str(diffusers_error.value)
+    assert "variant=fp16" in str(diffusers_error.value)

@@ -122,8 +122,8 @@ def test_device_map_cpu_and_unsupported_device_map(layout, own_dir, hub_dir):
 
 def test_hub_layout_variant_files(tmp_path, components):
     directory = save_hub_layout(components, tmp_path / "variant")
-    variant = tiny_components(seed=12)["transformer"]  # other weights, saved as the "v2" variant
-    variant.save_pretrained(directory / "transformer", variant="v2")
+    variant = tiny_components(seed=12)["transformer"]  # other weights, saved as the "v2" variant (in shards)
+    variant.save_pretrained(directory / "transformer", variant="v2", max_shard_size="100KB")
     default = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va")
     chosen = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", variant="v2")
     name, param = next(iter(variant.state_dict().items()))

@@ -1,0 +1,146 @@
+"""Every private diffusers name the package uses is listed in docs/diffusers_compat.md, and the list holds no stale
+entry: the list is what to check first when a new diffusers release breaks the plugin.
+
+The scan (ast) finds: imports of private names or from private modules of diffusers (`from diffusers.x import _y`,
+`from diffusers.x._y import z`), attribute chains through a diffusers import (`diffusers.x._y`,
+`DiffusionPipeline._z`), and, in classes derived from a diffusers class, private members they define or read through
+`self` / `cls` that the diffusers base already has (overridden hooks such as `_process_model_before_weight_loading`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "diffusers_compat.md"
+SECTION = "## Private diffusers names the package uses"
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _attribute_chain(node: ast.AST) -> Tuple[Optional[str], List[str]]:
+    """`a.b.c` -> (`"a"`, `["b", "c"]`); `(None, [])` when the chain does not start at a plain name."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else (None, [])
+
+
+def _import_object(dotted: str):
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def _diffusers_aliases(tree: ast.AST) -> Tuple[Dict[str, str], Set[str]]:
+    """Local names bound to diffusers modules or objects (name -> dotted path), and the private names imported."""
+    aliases, found = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "diffusers":
+                    aliases[alias.asname or "diffusers"] = alias.name if alias.asname else "diffusers"
+                    if any(map(_is_private, alias.name.split("."))):
+                        found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "diffusers":
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                aliases[alias.asname or alias.name] = dotted
+                if any(map(_is_private, dotted.split("."))):
+                    found.add(dotted)
+    return aliases, found
+
+
+def _private_names_in(tree: ast.AST) -> Set[str]:
+    aliases, found = _diffusers_aliases(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            root, attrs = _attribute_chain(node)
+            private = [i for i, attr in enumerate(attrs) if _is_private(attr)]
+            if root in aliases and private:
+                found.add(".".join([aliases[root]] + attrs[: private[0] + 1]))
+        elif isinstance(node, ast.ClassDef):
+            bases = []
+            for base in node.bases:
+                root, attrs = _attribute_chain(base)
+                if root in aliases:
+                    dotted = ".".join([aliases[root]] + attrs)
+                    bases.append((dotted, _import_object(dotted)))
+            members = set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    members.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+                    members.add(sub.attr)
+            for member in filter(_is_private, members):
+                owner = next((dotted for dotted, obj in bases if hasattr(obj, member)), None)
+                if owner is not None:
+                    found.add(f"{owner}.{member}")
+    return found
+
+
+def private_diffusers_names(package: Path = ROOT / "diffusers_h3") -> Dict[str, Set[str]]:
+    """Private diffusers name -> the package files that use it."""
+    uses: Dict[str, Set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for name in _private_names_in(ast.parse(path.read_text(), filename=str(path))):
+            uses.setdefault(name, set()).add(str(path.relative_to(package)))
+    return uses
+
+
+def documented_names() -> Set[str]:
+    text = DOC.read_text()
+    assert SECTION in text, f"{DOC} lost its section {SECTION!r}"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE))
+
+
+def test_every_private_diffusers_name_in_use_is_documented():
+    used, documented = private_diffusers_names(), documented_names()
+    undocumented = {name: sorted(files) for name, files in used.items() if name not in documented}
+    assert not undocumented, f"add these private diffusers names (and why) to {DOC.name}: {undocumented}"
+    stale = sorted(documented - set(used))
+    assert not stale, f"{DOC.name} lists private diffusers names the package no longer uses: {stale}"
+
+
+def test_scan_finds_each_kind_of_use():
+    source = """
+import diffusers
+import diffusers.hooks.first_block_cache as fbc
+from diffusers import DiffusionPipeline, ModelMixin
+from diffusers.utils import _get_model_file
+from diffusers.hooks._helpers import TransformerBlockRegistry
+
+hook = fbc._FBC_BLOCK_HOOK
+read = DiffusionPipeline._dict_from_json_file.__func__
+public = diffusers.utils.logging.get_logger
+
+
+class Model(ModelMixin):
+    _keep_in_fp32_modules = ["norm"]
+    _our_own_name = 1
+
+    def forward(self):
+        return self._supports_gradient_checkpointing, self._our_state
+"""
+    assert _private_names_in(ast.parse(source)) == {
+        "diffusers.utils._get_model_file",
+        "diffusers.hooks._helpers.TransformerBlockRegistry",
+        "diffusers.hooks.first_block_cache._FBC_BLOCK_HOOK",
+        "diffusers.DiffusionPipeline._dict_from_json_file",
+        "diffusers.ModelMixin._keep_in_fp32_modules",
+        "diffusers.ModelMixin._supports_gradient_checkpointing",
+    }

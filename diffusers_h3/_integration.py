@@ -25,6 +25,8 @@ from .hooks.cache import register_cache_blocks
 from .pipelines.loading import _DIFFUSERS_FROM_PRETRAINED, HUB_KWARGS, classify_checkpoint, classify_repo
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
+from .quantizers.fused_projections import install_quantized_projection_fusion
+from .quantizers.peft_dispatch import install_add_adapter_dispatch
 
 
 # Folder kinds `DiffusionPipeline.from_pretrained` hands to `MiniMaxH3Pipeline.from_pretrained`.
@@ -81,6 +83,9 @@ def install_transformer_model_card() -> None:
 
 def _register_with_diffusers() -> None:
     """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline`, install the dispatch, register the quantizers."""
+    # Quantized layers under diffusers' own `add_adapter` / `fuse_qkv_projections`, whichever pipeline class wins.
+    install_add_adapter_dispatch()
+    install_quantized_projection_fusion()
     existing = getattr(diffusers, "MiniMaxH3Pipeline", None)
     if existing is not None and existing is not MiniMaxH3Pipeline:
         warnings.warn(

@@ -12,6 +12,10 @@ the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH
   ``ulysses_degree > 1`` the core runs on the full sequence with ``heads / degree`` heads through
   ``_ulysses.ulysses_attention`` (all-to-all before and after); ring attention is refused (it needs a core that returns
   the log-sum-exp);
+* **the packed layout under gradient checkpointing**: a checkpointed block recomputes its attention during
+  backward, after the caller's ``use_packed_layout`` context has exited; every call re-enters the layout its forward
+  saw (:func:`~.layout.layout_to_reenter`), so processors that read the layout work with checkpointing however they
+  were installed;
 * **describe_path()** from the :class:`~diffusers_h3.kernels.attention.KernelChoice` that the last call recorded.
 
 Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads) and may add
@@ -27,6 +31,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 
 from ..kernels.attention.router import KernelChoice
 from ._projections import project_output, project_qkv
+from .layout import layout_to_reenter, use_packed_layout
 
 
 class MiniMaxH3AttnProcessorBase:
@@ -88,6 +93,16 @@ class MiniMaxH3AttnProcessorBase:
     ) -> torch.Tensor:
         if rotary_emb is None:
             return self.refiner_call(attn, hidden_states, attention_mask)
+        if torch.is_grad_enabled():
+            # A gradient-checkpointed block runs this again during backward, outside the forward's layout context.
+            layout = layout_to_reenter(rotary_emb[0])
+            if layout is not None:
+                with use_packed_layout(layout):
+                    return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
+        return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
+
+    def project_and_attend(self, attn, hidden_states, rotary_emb, attention_mask=None) -> torch.Tensor:
+        """Projections → :meth:`attend` → output projection (a block call with rotary embeddings)."""
         query, key, value = project_qkv(attn, hidden_states, rotary_emb)
         out = self.attend(query, key, value, attention_mask, self.extras(attn, hidden_states))
         return project_output(attn, out, query.dtype)

@@ -133,38 +133,24 @@ def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayo
     return layout
 
 
-def keep_layout_in_checkpoints(model: torch.nn.Module) -> None:
-    """Make gradient-checkpointed blocks of ``model`` see their forward's layout again when backward recomputes them.
+# Set on the rotary-embedding tensor of a transformer call: every block of the call receives that same tensor object,
+# also when gradient checkpointing recomputes the block during backward (the checkpoint keeps its arguments).
+_LAYOUT_ATTRIBUTE = "_diffusers_h3_packed_layout"
 
-    Checkpointed blocks run a second time during backward, after the ``use_packed_layout`` context of the forward has
-    exited. A forward pre-hook wraps each ``_gradient_checkpointing_func`` that diffusers' ``enable_gradient_checkpointing``
-    installs (before or after this call) so the recomputation re-enters the layout captured at forward time.
+
+@torch.compiler.disable  # attribute and context-variable bookkeeping: one eager island under torch.compile
+def layout_to_reenter(anchor: torch.Tensor) -> Optional[PackedLayout]:
+    """For an attention call under autograd: the layout to re-enter, or ``None`` when none needs re-entering.
+
+    With a layout published (the forward), it is pinned to ``anchor`` (the call's rotary-embedding tensor) and
+    ``None`` is returned. With none published, the call is a gradient-checkpointed block recomputing during backward,
+    after the forward's :func:`use_packed_layout` has exited (or on the autograd engine's device thread, which does
+    not see it): the layout pinned by the forward is returned. Processors call this themselves, so checkpointing
+    works however they were installed (``enable_vsa`` or ``set_attn_processor``) and whatever checkpoint function
+    the model uses.
     """
-    if getattr(model, "_diffusers_h3_layout_checkpoints", None) is None:
-        model._diffusers_h3_layout_checkpoints = model.register_forward_pre_hook(_wrap_checkpoint_functions)
-
-
-def _wrap_checkpoint_functions(model: torch.nn.Module, args) -> None:
-    if not (torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False)):
-        return  # inference, or no checkpointing: nothing to wrap (keeps the per-forward cost at one check)
-    for module in model.modules():
-        checkpoint = getattr(module, "_gradient_checkpointing_func", None)
-        if checkpoint is not None and not getattr(checkpoint, "_keeps_packed_layout", False):
-            module._gradient_checkpointing_func = _layout_preserving(checkpoint)
-
-
-def _layout_preserving(checkpoint):
-    def checkpoint_with_layout(function, *args, **kwargs):
-        layout = _CURRENT_LAYOUT.get()
-        if layout is None:
-            return checkpoint(function, *args, **kwargs)
-
-        def run(*inner_args, **inner_kwargs):
-            with use_packed_layout(layout):
-                return function(*inner_args, **inner_kwargs)
-
-        return checkpoint(run, *args, **kwargs)
-
-    checkpoint_with_layout._keeps_packed_layout = True
-    return checkpoint_with_layout
-
+    layout = _CURRENT_LAYOUT.get()
+    if layout is not None:
+        setattr(anchor, _LAYOUT_ATTRIBUTE, layout)
+        return None
+    return getattr(anchor, _LAYOUT_ATTRIBUTE, None)

@@ -49,7 +49,7 @@ from ..kernels.numerics import (
     quantize_fp8_per_channel,
 )
 from .base import MiniMaxH3AttnProcessorBase
-from .layout import current_packed_layout, keep_layout_in_checkpoints, require_packed_layout
+from .layout import current_packed_layout, require_packed_layout
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
@@ -403,7 +403,6 @@ def enable_vsa(transformer, config: Optional[VSAConfig] = None, **options) -> Di
             processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
         block.attn.set_processor(processor)
         processors.append(processor)
-    keep_layout_in_checkpoints(transformer)
     gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in blocks)
     return {
         "blocks": len(blocks),

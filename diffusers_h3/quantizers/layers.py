@@ -22,7 +22,7 @@ cast changes ``compute_dtype`` and the bias instead. State-dict names follow the
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -145,6 +145,53 @@ class QuantizedLinear(nn.Module):
     def normalize_loaded(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """Hook for accepting equivalent layouts of other exporters (e.g. ``[N, 1]`` scales)."""
         return value
+
+    # -- fusing projections (``fuse_qkv_projections``) -------------------------------------------------------------
+    def layer_options(self) -> Dict[str, object]:
+        """The constructor options besides the shape (what :meth:`concatenate_outputs` copies and compares)."""
+        return {"backend": self.backend}
+
+    def concatenation_blocker(self) -> Optional[str]:
+        """Why the stored weight cannot be stacked with other layers' along the output rows, or ``None`` (it can)."""
+        return None
+
+    @classmethod
+    def concatenation_problem(cls, layers: Sequence[nn.Module]) -> Optional[str]:
+        """One line saying why :meth:`concatenate_outputs` would refuse ``layers``, or ``None``."""
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        if len(kinds) > 1 or not isinstance(layers[0], QuantizedLinear):
+            return f"the projections are {' / '.join(kinds)}; only projections quantized alike can be fused"
+        first = layers[0]
+        blocker = first.concatenation_blocker()
+        if blocker is not None:
+            return blocker
+        for layer in layers[1:]:
+            if layer.in_features != first.in_features:
+                return f"the projections take {first.in_features} and {layer.in_features} input features"
+            if layer.layer_options() != first.layer_options() or layer.compute_dtype != first.compute_dtype:
+                return "the projections were quantized with different options"
+            if (layer.bias is None) != (first.bias is None):
+                return "some projections have a bias and others do not"
+        return None
+
+    @classmethod
+    @torch.no_grad()
+    def concatenate_outputs(cls, layers: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
+        """One layer of the same format computing ``torch.cat([layer(x) for layer in layers], -1)``: the packed
+        weights and their per-output-row scales stacked along the output rows, without re-quantizing (the outputs
+        equal the separate layers'). Raises :class:`ValueError` with :meth:`concatenation_problem`'s line."""
+        problem = cls.concatenation_problem(layers)
+        if problem is not None:
+            raise ValueError(f"Cannot fuse {type(layers[0]).__name__} projections into one layer: {problem}.")
+        first = layers[0]
+        out_features = sum(layer.out_features for layer in layers)
+        fused = type(first)(first.in_features, out_features, bias=first.bias is not None,
+                            compute_dtype=first.compute_dtype, device="meta", **first.layer_options())  # fmt: skip
+        for name in first._storage_spec():
+            fused._buffers[name] = torch.cat([layer._buffers[name] for layer in layers], 0)
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]), requires_grad=False)
+        return fused
 
     # -- tensor-parallel sharding --------------------------------------------------------------------------------------
     def shard_ranges(self, dim: int, rank: int, world: int, chunks: int = 1):
@@ -279,6 +326,9 @@ class W8A16Linear(QuantizedLinear):
             "weight_scale": (scale_shape, torch.float32),
         }
 
+    def layer_options(self):
+        return {"backend": self.backend, "group_size": self.group_size, "large_m_rows": self.large_m_rows}
+
     def _quantize(self, dense):
         q, s = w8a16_quantize(dense, self.group_size)
         return {"weight": q, "weight_scale": s}
@@ -327,6 +377,15 @@ class NVFP4Linear(QuantizedLinear):
             "weight_scale": ((self.out_features, self.in_features // 16), torch.float8_e4m3fn),
             "weight_scale_2": ((), torch.float32),
         }
+
+    def layer_options(self):
+        return {"backend": self.backend, "activation": self.activation, "large_m_rows": self.large_m_rows}
+
+    def concatenation_blocker(self):
+        return (
+            "each NVFP4 projection has its own per-tensor scale (weight_scale_2), which one fused layer cannot hold "
+            "without re-quantizing the weights; keep the projections separate (skip fuse_qkv_projections)"
+        )
 
     def _quantize(self, dense):
         p, s, g = nvfp4_quantize(dense)
@@ -391,6 +450,14 @@ class FP8Linear(QuantizedLinear):
             "weight": ((self.out_features, self.in_features), torch.float8_e4m3fn),
             "weight_scale": ((self.out_features,), torch.float32),
         }
+
+    def layer_options(self):
+        return {"backend": self.backend, "use_fast_accum": self.use_fast_accum}
+
+    def concatenation_blocker(self):
+        if self.input_shard_group is not None:
+            return "a row-parallel tensor-parallel shard cannot be fused"
+        return None
 
     def _quantize(self, dense):
         q, s = fp8_quantize_weight(dense)

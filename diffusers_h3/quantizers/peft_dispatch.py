@@ -8,8 +8,12 @@ custom mapping (``LoraConfig._register_custom_module``). This module provides
   quantized and runs its own GEMM; the LoRA factors run on the *unquantized* input ``x`` in their own dtype and each
   delta is added to the base output inside one fp32-accumulating ``addmm``, before anything reduces the output
   (a tensor-parallel all-reduce included, since the sum happens inside the layer);
-- :func:`register_quantized_lora_modules`, which adds that mapping to a ``LoraConfig`` you build yourself
-  (``model.add_adapter(config)``);
+- :func:`register_quantized_lora_modules`, which adds that mapping to a ``LoraConfig`` (for PEFT's own
+  ``get_peft_model`` / ``inject_adapter_in_model`` on a model with quantized layers);
+- :func:`install_add_adapter_dispatch` (``import diffusers_h3`` calls it): diffusers' ``model.add_adapter(config)``
+  registers that mapping on ``config`` itself when the model holds quantized layers, so PEFT's own injection path
+  works on them (``set_adapters``, ``disable_adapters`` / ``enable_adapters``, ``delete_adapters``, ``fuse_lora`` /
+  ``unfuse_lora`` and training then go through PEFT's usual layer API);
 - :func:`quantized_lora_dispatch`, a context manager under which every ``LoraConfig`` diffusers builds while loading
   a LoRA (``load_lora_adapter`` / ``load_lora_weights``) carries the mapping. ``MiniMaxH3LoraMixin`` uses it.
 
@@ -29,6 +33,7 @@ The quantized layer interface (``diffusers_h3.quantizers.layers.QuantizedLinear`
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -250,3 +255,28 @@ def quantized_lora_dispatch(model: Optional[nn.Module] = None) -> Iterator[None]
             yield
         finally:
             diffusers_peft._create_lora_config = original
+
+
+def install_add_adapter_dispatch() -> None:
+    """Make diffusers' ``PeftAdapterMixin.add_adapter`` dispatch diffusers-h3 quantized linears to
+    :class:`QuantizedLoraLinear` (idempotent).
+
+    PEFT's documented extension point for layer types it does not know is the config's custom-module mapping
+    (``LoraConfig._register_custom_module``); diffusers passes the user's ``LoraConfig`` straight to PEFT, so the
+    mapping is added to that config here, and only when the model holds quantized layers (configs for other models
+    are passed on unchanged).
+    """
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    add_adapter = PeftAdapterMixin.add_adapter
+    if getattr(add_adapter, "_diffusers_h3_quantized", False):
+        return
+
+    @functools.wraps(add_adapter)
+    def add_adapter_with_quantized_layers(self, adapter_config, *args, **kwargs):
+        if isinstance(adapter_config, LoraConfig) and any(is_quantized_linear(m) for m in self.modules()):
+            register_quantized_lora_modules(adapter_config, self)
+        return add_adapter(self, adapter_config, *args, **kwargs)
+
+    add_adapter_with_quantized_layers._diffusers_h3_quantized = True
+    PeftAdapterMixin.add_adapter = add_adapter_with_quantized_layers

@@ -370,24 +370,42 @@ def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
     _reset(model)
 
 
+def _vsa_grads(install, checkpointing, checkpointing_first=True, **options):
+    """Gradients of a small loss of the tiny transformer with sparse VSA installed by ``install``; backward runs after
+    the layout context has exited, as in a training loop."""
+    torch.manual_seed(0)
+    m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
+    if checkpointing and checkpointing_first:
+        m.enable_gradient_checkpointing()
+    if install == "enable_vsa":
+        enable_vsa(m, sparsity=0.5, **options)
+    else:  # the processor on its own, one instance for every attention module (refiner included)
+        m.set_attn_processor(MiniMaxH3VSAProcessor(sparsity=0.5, **options))
+    if checkpointing and not checkpointing_first:
+        m.enable_gradient_checkpointing()
+    with use_packed_layout(_layout()):
+        video, audio = m(**_inputs(seed=3))
+    (video.square().mean() + audio.square().mean()).backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("checkpointing_first", [False, True])
 def test_sparse_vsa_under_gradient_checkpointing_gives_the_same_gradients(checkpointing_first):
-    def grads(checkpointing):
-        torch.manual_seed(0)
-        m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
-        if checkpointing and checkpointing_first:
-            m.enable_gradient_checkpointing()
-        enable_vsa(m, sparsity=0.5)
-        if checkpointing and not checkpointing_first:
-            m.enable_gradient_checkpointing()
-        inputs = _inputs(seed=3)
-        with use_packed_layout(_layout()):
-            video, audio = m(**inputs)
-        # backward runs after the layout context has exited, as in a training loop
-        (video.square().mean() + audio.square().mean()).backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-    plain, checkpointed = grads(False), grads(True)
+    plain = _vsa_grads("enable_vsa", checkpointing=False)
+    checkpointed = _vsa_grads("enable_vsa", checkpointing=True, checkpointing_first=checkpointing_first)
     assert plain.keys() == checkpointed.keys() and plain
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_vsa_installed_with_set_attn_processor_keeps_its_layout_under_gradient_checkpointing():
+    """The layout re-entry is the processor's own: set_attn_processor (no enable_vsa) trains with checkpointing, and
+    its gradients equal the non-checkpointed run and the checkpointed enable_vsa run."""
+    torch_kernels = {"backend": "torch"}  # the reference kernels: the point here is the layout, not the kernels
+    checkpointed = _vsa_grads("set_attn_processor", checkpointing=True, **torch_kernels)
+    plain = _vsa_grads("set_attn_processor", checkpointing=False, **torch_kernels)
+    via_enable_vsa = _vsa_grads("enable_vsa", checkpointing=True, **torch_kernels)
+    assert plain.keys() == checkpointed.keys() == via_enable_vsa.keys() and plain
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(checkpointed[name], via_enable_vsa[name], rtol=1e-5, atol=1e-6, msg=name)

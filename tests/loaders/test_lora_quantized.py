@@ -184,15 +184,16 @@ def test_low_cpu_mem_usage_false_and_manual_add_adapter():
     pipe.load_lora_weights(write_layout(lora, "diffusers"), "slow", low_cpu_mem_usage=False)
     assert_deltas(qmodel, lora, "slow")
 
-    # Building the LoraConfig yourself: register_quantized_lora_modules makes PEFT accept the quantized layers.
-    from peft import LoraConfig
+    # Building the LoraConfig yourself: diffusers' add_adapter takes it as is (the mapping is added on the way);
+    # PEFT's own inject_adapter_in_model takes it through register_quantized_lora_modules.
+    from peft import LoraConfig, inject_adapter_in_model
 
     model = quantize_linears(tiny_transformer(6))
-    config = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])
-    with pytest.raises(ValueError, match="not supported"):
-        model.add_adapter(config, adapter_name="plain")
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]), adapter_name="plain")
+    assert isinstance(model.transformer_blocks[0].attn.to_q, QuantizedLoraLinear)
     model = quantize_linears(tiny_transformer(6))
-    model.add_adapter(register_quantized_lora_modules(config, model), adapter_name="custom")
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])
+    inject_adapter_in_model(register_quantized_lora_modules(config, model), model, adapter_name="custom")
     assert isinstance(model.transformer_blocks[0].attn.to_q, QuantizedLoraLinear)
 
 
@@ -318,3 +319,138 @@ def test_gradients_reach_the_lora_factors_only():
     out.square().sum().backward()
     assert layer.lora_A["tuned"].weight.grad is not None and layer.lora_B["tuned"].weight.grad.abs().sum() > 0
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# diffusers' own add_adapter (PEFT's injection path) on the real quantized layers
+# ----------------------------------------------------------------------------------------------------------------------
+_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"]
+
+
+def _add_random_adapter(model, name, seed, rank=4):
+    """``model.add_adapter`` with a plain LoraConfig, then a random (non-zero) lora_B."""
+    from peft import LoraConfig
+
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=_TARGETS), adapter_name=name)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if f"lora_B.{name}." in key:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+
+
+def _dequantized_twin(model):
+    """A copy of ``model`` whose quantized linears are plain nn.Linear holding ``dequantize()`` (and the bias)."""
+    import copy
+
+    from diffusers_h3.quantizers import QuantizedLinear
+
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantize(torch.float32))
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent), child, linear)
+    return twin
+
+
+def _copy_lora(source, target):
+    lora = {k: v for k, v in source.state_dict().items() if ".lora_" in k}
+    missing = set(lora) - set(target.state_dict())
+    assert not missing, sorted(missing)[:4]
+    target.load_state_dict(lora, strict=False)
+
+
+def _dit_loss(model, inputs):
+    video, audio = model(**inputs, return_dict=False)
+    return video, audio, video.square().mean() + audio.square().mean()
+
+
+@pytest.mark.parametrize("method", ["w8a16", "fp8", "nvfp4"])
+def test_add_adapter_on_quantized_dit_forward_and_gradients(method):
+    """diffusers' add_adapter with a plain LoraConfig on a W8A16 / FP8 / NVFP4 DiT: forward equals LoRA on the
+    dequantized dense layers (diffusers + PEFT's own nn.Linear LoRA), and backward reaches the LoRA factors only."""
+    from diffusers_h3.quantizers import FP8Config, QuantizedLinear, quantize
+    from diffusers_h3.testing.tiny import tiny_transformer_inputs
+
+    # FP8 with the dequantize backend: weight-only numerics, so that the plain-Linear reference is exact (the LoRA
+    # layer does not depend on the base layer's path; the default W8A8 path is covered by test_real_quantized_layers).
+    config = FP8Config(backend="dequant") if method == "fp8" else _real_config(method)
+    qmodel = quantize(tiny_transformer(11), config)
+    reference = _dequantized_twin(qmodel)
+    _add_random_adapter(qmodel, "tuned", seed=12)
+    reference.add_adapter(qmodel.peft_config["tuned"].__class__(r=4, lora_alpha=4, target_modules=_TARGETS),
+                          adapter_name="tuned")
+    _copy_lora(qmodel, reference)
+    wrapped = [m for m in qmodel.modules() if isinstance(m, QuantizedLoraLinear)]
+    assert wrapped and all(isinstance(m.get_base_layer(), QuantizedLinear) for m in wrapped)
+
+    inputs = tiny_transformer_inputs(seed=13)
+    q_video, q_audio, q_loss = _dit_loss(qmodel, inputs)
+    r_video, r_audio, r_loss = _dit_loss(reference, inputs)
+    torch.testing.assert_close(q_video, r_video, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q_audio, r_audio, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        qmodel.disable_adapters()
+        assert not torch.allclose(qmodel(**inputs, return_dict=False)[0], q_video, atol=1e-4)  # the LoRA contributes
+        qmodel.enable_adapters()
+
+    q_loss.backward()
+    r_loss.backward()
+    grads = {n: p.grad for n, p in qmodel.named_parameters() if p.grad is not None}
+    assert grads and all(".lora_A." in n or ".lora_B." in n for n in grads), sorted(grads)[:4]
+    assert all(p.grad is not None for n, p in qmodel.named_parameters() if ".lora_" in n)
+    assert all(not b.requires_grad for m in qmodel.modules() if isinstance(m, QuantizedLinear) for b in m.buffers())
+    ref_grads = dict(reference.named_parameters())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_add_adapter_set_disable_delete_fuse_on_quantized_dit():
+    """The rest of diffusers' adapter API on adapters added with add_adapter to a W8A16 DiT."""
+    from diffusers_h3.quantizers import QuantizedLinear, W8A16Config, quantize
+    from diffusers_h3.testing.tiny import tiny_transformer_inputs
+
+    qmodel = quantize(tiny_transformer(14), W8A16Config())
+    packed = {k: v.clone() for k, v in qmodel.state_dict().items()}
+    inputs = tiny_transformer_inputs(seed=15)
+
+    def run():
+        with torch.no_grad():
+            return qmodel(**inputs, return_dict=False)[0]
+
+    plain = run()
+    _add_random_adapter(qmodel, "one", seed=16)
+    one = run()
+    _add_random_adapter(qmodel, "two", seed=17)
+    qmodel.set_adapters(["one", "two"], [1.0, 0.0])
+    torch.testing.assert_close(run(), one, atol=1e-6, rtol=0)
+    qmodel.set_adapters(["one", "two"], [1.0, 0.5])
+    both = run()
+    assert not torch.allclose(both, one, atol=1e-4)
+
+    qmodel.disable_adapters()
+    torch.testing.assert_close(run(), plain, atol=0, rtol=0)
+    qmodel.enable_adapters()
+    torch.testing.assert_close(run(), both, atol=0, rtol=0)
+
+    qmodel.fuse_lora()  # re-quantizes W + BA (docs/lora.md): equal up to int8 rounding of the new weight
+    layer = qmodel.transformer_blocks[0].attn.to_q
+    assert layer.merged and isinstance(layer.get_base_layer(), QuantizedLinear)
+    assert ((run() - both).abs().max() / both.abs().max()) < 5e-2
+    qmodel.unfuse_lora()
+    torch.testing.assert_close(run(), both, atol=1e-6, rtol=0)
+
+    qmodel.delete_adapters("two")
+    qmodel.set_adapters("one")
+    torch.testing.assert_close(run(), one, atol=1e-6, rtol=0)
+    qmodel.delete_adapters("one")
+    torch.testing.assert_close(run(), plain, atol=0, rtol=0)
+    for key, value in packed.items():  # the packed weights went through fuse / unfuse bit-exactly
+        base_key = key.replace(key.rpartition(".")[0], key.rpartition(".")[0] + ".base_layer", 1)
+        current = qmodel.state_dict().get(key, qmodel.state_dict().get(base_key))
+        assert current is not None and torch.equal(current, value), key

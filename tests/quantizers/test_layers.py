@@ -1,5 +1,6 @@
 """Quantized layers: dtype / device moves keep the packed storage; the path each GPU generation gets is described."""
 
+import pytest
 import torch
 
 from diffusers_h3.quantizers import FP8Config, NVFP4Config, W8A16Config, quantize
@@ -52,3 +53,50 @@ def test_paths_per_hardware_are_described(monkeypatch):
     forced = quantize(torch.nn.Sequential(torch.nn.Linear(32, 32)), W8A16Config(backend="dequant"))[0]
     assert "forced" in forced.describe_path()
 
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w8a16_grouped", "fp8", "nvfp4"])
+def test_fuse_qkv_projections_on_a_quantized_dit(method):
+    """diffusers' fuse_qkv_projections(): W8A16 / FP8 stack their packed codes and per-row scales (outputs unchanged,
+    the fused layer really runs); NVFP4 (per-tensor scale per projection) is refused before any module changes."""
+    from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
+
+    config = {"w8a16": W8A16Config(), "w8a16_grouped": W8A16Config(group_size=16), "fp8": FP8Config(),
+              "nvfp4": NVFP4Config()}[method]  # fmt: skip
+    torch.manual_seed(0)
+    model = quantize(tiny_transformer(), config)
+    inputs = tiny_transformer_inputs(seed=1)
+    with torch.no_grad():
+        unfused = model(**inputs, return_dict=False)
+    attentions = [m for m in model.modules() if hasattr(m, "fused_projections")]
+    assert attentions
+    if method == "nvfp4":
+        with pytest.raises(ValueError, match="weight_scale_2"):
+            model.fuse_qkv_projections()
+        assert not any(a.fused_projections or hasattr(a, "to_qkv") for a in attentions)
+        return
+
+    model.fuse_qkv_projections()
+    layer_type = type(attentions[0].to_q)
+    for attn in attentions:
+        assert attn.fused_projections and type(attn.to_qkv) is layer_type
+        assert attn.to_qkv.weight.dtype == attn.to_q.weight.dtype  # still packed, not a float copy
+        attn.to_q.weight.zero_()  # the fused layer is what runs now
+    with torch.no_grad():
+        fused = model(**inputs, return_dict=False)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    model.unfuse_qkv_projections()
+    assert not any(a.fused_projections or hasattr(a, "to_qkv") for a in attentions)
+
+
+def test_fuse_qkv_projections_refuses_lora_wrapped_quantized_projections():
+    from peft import LoraConfig
+
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    model = quantize(tiny_transformer(), W8A16Config())
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_k"]))
+    with pytest.raises(ValueError, match="fuse_lora"):
+        model.fuse_qkv_projections()
+    assert not any(getattr(m, "fused_projections", False) for m in model.modules())

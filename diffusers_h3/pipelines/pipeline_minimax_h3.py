@@ -38,6 +38,7 @@ from diffusers import (
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep, patchify_video_latents
 from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
@@ -653,16 +654,20 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             output_type (`str`, defaults to `"np"`): `"np"`, `"pil"`, `"pt"` or `"latent"`.
             return_dict (`bool`, defaults to `True`): Return a [`MiniMaxH3PipelineOutput`] instead of a tuple.
             attention_kwargs (`dict`, *optional*): Passed to the transformer (e.g. `{"scale": s}` for LoRA).
-            callback_on_step_end (`Callable`, *optional*): Called as `callback(pipe, step, timestep, tensors)`
-                after every step; may return a dict replacing any of `callback_on_step_end_tensor_inputs`.
+            callback_on_step_end (`Callable`, `PipelineCallback` or `MultiPipelineCallbacks`, *optional*): Called
+                as `callback(pipe, step, timestep, tensors)` after every step; may return a dict replacing any of
+                `callback_on_step_end_tensor_inputs`.
             callback_on_step_end_tensor_inputs (`list[str]`): Among `"latents"`, `"audio_latents"` (packed rows,
-                conditioning rows first) and `"prompt_embeds"`.
+                conditioning rows first) and `"prompt_embeds"`. A `PipelineCallback` / `MultiPipelineCallbacks`
+                brings its own `tensor_inputs`, which replace this argument (as in diffusers' pipelines).
 
         Returns:
             [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`; a batch is stacked along the first axis
             (frames `(batch, ...)`, audio `(batch, 2, samples)`; for `"latent"`, audio `(2 * batch, C, n)`).
         """
         # 1. Route the task and check the request before any model runs.
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.

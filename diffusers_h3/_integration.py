@@ -15,10 +15,10 @@ there); a repo whose index cannot be fetched goes to diffusers unchanged, which 
 from __future__ import annotations
 
 import os
-import warnings
 
 import diffusers
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from diffusers.utils import logging
 
 from ._model_card import save_with_card, transformer_model_card
 from .hooks.cache import register_cache_blocks
@@ -26,6 +26,8 @@ from .pipelines.loading import _DIFFUSERS_FROM_PRETRAINED, HUB_KWARGS, classify_
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
 
+
+logger = logging.get_logger(__name__)
 
 # Folder kinds `DiffusionPipeline.from_pretrained` hands to `MiniMaxH3Pipeline.from_pretrained`.
 H3_KINDS = ("ours", "hub", "native")
@@ -83,10 +85,9 @@ def _register_with_diffusers() -> None:
     """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline`, install the dispatch, register the quantizers."""
     existing = getattr(diffusers, "MiniMaxH3Pipeline", None)
     if existing is not None and existing is not MiniMaxH3Pipeline:
-        warnings.warn(
+        logger.warning(
             "diffusers already defines MiniMaxH3Pipeline; diffusers_h3 leaves it in place. Use "
-            "diffusers_h3.MiniMaxH3Pipeline explicitly.",
-            RuntimeWarning,
+            "diffusers_h3.MiniMaxH3Pipeline explicitly."
         )
         return
     diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline

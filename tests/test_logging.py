@@ -86,7 +86,8 @@ def test_every_package_logger_follows_diffusers_verbosity(verbosity):
 
 @pytest.fixture(scope="module")
 def hub_folder(tmp_path_factory):
-    return save_hub_layout(tiny_components(seed=0, with_transformer_ref=False), tmp_path_factory.mktemp("hub"))
+    components = tiny_components(seed=0, text_encoder_layers=2, with_transformer_ref=False)
+    return save_hub_layout(components, tmp_path_factory.mktemp("hub"))
 
 
 def test_loading_bar_follows_diffusers_switch(hub_folder, progress_bars, capsys):
@@ -101,7 +102,7 @@ def test_loading_bar_follows_diffusers_switch(hub_folder, progress_bars, capsys)
 
 
 def test_denoising_bar_follows_set_progress_bar_config(capsys):
-    components = tiny_components(seed=0, with_transformer_ref=False)
+    components = tiny_components(seed=0, text_encoder_layers=2, with_transformer_ref=False)
     pipe = MiniMaxH3Pipeline(**{**components, "text_encoder": None, "tokenizer": None, "processor": None})
     call = {
         "prompt_embeds": torch.zeros(1, 3, pipe.transformer.config.text_dim),

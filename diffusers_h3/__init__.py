@@ -13,6 +13,7 @@ from diffusers.modular_pipelines.minimax_h3.references import (
 
 from ._integration import _register_with_diffusers
 from ._report import describe
+from ._utils import attach_to_diffusers_logging
 from ._version import __version__
 from .attention_processors import (
     MiniMaxH3AttnProcessorBase,
@@ -116,4 +117,5 @@ __all__ = [
     "__version__",
 ]
 
+attach_to_diffusers_logging()
 _register_with_diffusers()

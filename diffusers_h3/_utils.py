@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import warnings
+import logging as std_logging
 from typing import Optional, Tuple
 
 import torch
+from diffusers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+
+def attach_to_diffusers_logging() -> None:
+    """Hang the package logger under diffusers' library root logger.
+
+    Our loggers (`diffusers.utils.logging.get_logger(__name__)`) are named `diffusers_h3.*`, outside the `diffusers`
+    hierarchy; as children of its root they follow `diffusers.utils.logging.set_verbosity_*` and use its handler,
+    as diffusers' own modules do, while `logging.getLogger("diffusers_h3")` still addresses them alone.
+    """
+    std_logging.getLogger(__name__.partition(".")[0]).parent = logging.get_logger()
 
 
 _WARNED: set = set()
@@ -18,7 +32,7 @@ def warn_once(key: str, message: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    logger.warning(message)
 
 
 def cuda_capability(device: Optional[torch.device] = None) -> Optional[Tuple[int, int]]:

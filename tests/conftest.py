@@ -1,4 +1,7 @@
+import contextlib
+import logging
 import os
+import re
 import sys
 import types
 
@@ -20,6 +23,44 @@ def tiny_components_factory():
     from diffusers_h3.testing.tiny import tiny_components
 
     return tiny_components
+
+
+class _H3Logs:
+    """Records of the plugin's loggers. They live under diffusers' library root logger, which does not propagate to
+    the root logger where pytest's `caplog` listens, so the handler is attached to the package logger itself."""
+
+    def __init__(self, caplog):
+        self.caplog = caplog
+
+    @property
+    def text(self) -> str:
+        return self.caplog.text
+
+    @contextlib.contextmanager
+    def expect(self, match: str):
+        """Like `pytest.warns(match=...)`, for a warning logged within the block."""
+        self.caplog.clear()
+        yield
+        warnings = [r.getMessage() for r in self.caplog.records if r.levelno >= logging.WARNING]
+        assert any(re.search(match, m) for m in warnings), f"no warning logged matching {match!r}: {warnings}"
+
+    @contextlib.contextmanager
+    def expect_none(self):
+        """Nothing at WARNING or above is logged within the block."""
+        self.caplog.clear()
+        yield
+        warnings = [r.getMessage() for r in self.caplog.records if r.levelno >= logging.WARNING]
+        assert not warnings, warnings
+
+
+@pytest.fixture
+def h3_logs(caplog):
+    logger = logging.getLogger("diffusers_h3")
+    logger.addHandler(caplog.handler)
+    try:
+        yield _H3Logs(caplog)
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 # Small canvas rule shared by both pipelines in parity tests so that video references stay tiny.

@@ -19,14 +19,16 @@ from __future__ import annotations
 import math
 import time
 import types
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from diffusers.utils import logging
 
 from .._vae_tiles import decode_from_tiles
 
+
+logger = logging.get_logger(__name__)
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
@@ -116,10 +118,9 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
     if "_decode_clip" in vae.__dict__:
         # Another path (the context-parallel decode) already answers the chunks: it decodes the tiles itself.
         if not state._warned_deferred:
-            warnings.warn(
+            logger.warning(
                 "fast VAE decode: the context-parallel VAE decode splits the tiles over the ranks itself; tiles are not "
-                "batched on this path.",
-                RuntimeWarning,
+                "batched on this path."
             )
             state._warned_deferred = True
         state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"

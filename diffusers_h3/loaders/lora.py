@@ -40,14 +40,13 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
-import logging
 import os
 import re
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+from diffusers.utils import logging
 from torch import nn
 
 from ..quantizers.peft_dispatch import is_quantized_linear, quantized_lora_dispatch
@@ -61,7 +60,7 @@ from .lora_presets import (
 )
 
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _HUB_KWARGS = (
     "cache_dir",
@@ -606,30 +605,22 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         adapter, weight, preset = distill[0]
         distinct = {(p.num_inference_steps, p.flow_shift, p.audio_flow_shift) for _, _, p in distill}
         if len(distinct) > 1:
-            warnings.warn(
+            logger.warning(
                 f"Several distillation LoRAs with different schedules are active ({[a for a, _, _ in distill]}); "
-                f"using the schedule of {adapter!r}. Activate one with `set_adapters`.",
-                UserWarning,
-                stacklevel=3,
+                f"using the schedule of {adapter!r}. Activate one with `set_adapters`."
             )
         if others:
-            warnings.warn(
+            logger.warning(
                 f"Distillation LoRA {adapter!r} is active together with {sorted(set(others))}; stacking LoRAs on a "
-                "step-distillation adapter usually breaks the distillation.",
-                UserWarning,
-                stacklevel=3,
+                "step-distillation adapter usually breaks the distillation."
             )
         if abs(weight - 1.0) > 1e-6:
-            warnings.warn(
-                f"Distillation LoRA {adapter!r} is active at weight {weight:g}; it was trained at weight 1.0.",
-                UserWarning,
-                stacklevel=3,
+            logger.warning(
+                f"Distillation LoRA {adapter!r} is active at weight {weight:g}; it was trained at weight 1.0."
             )
         if task is not None and preset.tasks and task not in preset.tasks:
-            warnings.warn(
-                f"Distillation LoRA {adapter!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, not {task}.",
-                UserWarning,
-                stacklevel=3,
+            logger.warning(
+                f"Distillation LoRA {adapter!r} ({preset.name}) was trained for {'/'.join(preset.tasks)}, not {task}."
             )
         return adapter, preset
 

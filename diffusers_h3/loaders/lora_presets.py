@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from diffusers.utils import logging
+
 from ..tasks import tasks_of_family
+
+
+logger = logging.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +224,8 @@ def resolve_schedule(
 def warn_schedule_differences(adapter: str, preset: LoraDistillationPreset, differences: Sequence[str]) -> None:
     """One warning naming every setting of a call the active distillation LoRA was not trained for."""
     if differences:
-        warnings.warn(
+        logger.warning(
             f"The active distillation LoRA {adapter!r} was trained for {preset.describe()}, but this call uses "
             f"{'; '.join(differences)}. Expect degraded output; leave these arguments unset to use the adapter's "
-            "schedule.",
-            UserWarning,
-            stacklevel=3,
+            "schedule."
         )

@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging
-from tqdm.auto import tqdm
+from diffusers.utils.distributed_utils import is_torch_dist_rank_zero
 
 from ..tasks import PARTITIONS, partitions_for_task
 
@@ -333,7 +333,9 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
         to_load[name] = (library, class_name, folder)
 
     final_device_map = _final_device_map(cls, device_map, to_load, components, dtype, directory, model_kwargs)
-    for name, (library, class_name, folder) in tqdm(to_load.items(), desc="Loading MiniMax-H3 components"):
+    # diffusers' loading bar: off under `diffusers.utils.logging.disable_progress_bar()` and on ranks other than 0
+    bar = logging.tqdm(to_load.items(), desc="Loading MiniMax-H3 components", disable=not is_torch_dist_rank_zero())
+    for name, (library, class_name, folder) in bar:
         component_class = getattr(importlib.import_module(library), class_name)
         if not hasattr(component_class, "dtype") and not issubclass(component_class, _torch_module()):
             load_kwargs = {}  # tokenizers, processors and schedulers take no dtype / quantization / placement

@@ -10,7 +10,8 @@ Differences from the modular pipeline, none of which change the numbers:
 - the text encoder stops after the decoder layer whose output H3 reads (layer 50 of 64 in the released model): no
   later decoder layers and no LM head run;
 - the packed layout is published to attention processors for every transformer call (`PackedLayout`);
-- `callback_on_step_end`, `interrupt`, `sigmas` / `audio_sigmas`, `flow_shift` / `audio_flow_shift` and
+- `prompt_embeds` from `encode_prompt` (encode once, generate many times; a pipeline without text encoder),
+  `callback_on_step_end`, `interrupt`, `sigmas` / `audio_sigmas`, `flow_shift` / `audio_flow_shift` and
   `output_type="latent"` are supported; a scheduler shift set for one call does not leak into the next;
 - a list of prompts and `num_videos_per_prompt` run as one request after another (H3 packs one request into one
   sequence), stacked like diffusers' video pipelines stack a batch.
@@ -38,6 +39,7 @@ from diffusers import (
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep, patchify_video_latents
 from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
@@ -46,6 +48,8 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_FPS,
     MINIMAX_H3_MAX_ASPECT_RATIO,
     MINIMAX_H3_MIN_ASPECT_RATIO,
+    MINIMAX_H3_TEXT_TAG,
+    MINIMAX_H3_VIDEO_TAG,
     align_num_frames,
     audio_latent_num_frames,
     video_latent_num_frames,
@@ -130,9 +134,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     `num_inference_steps` counts sigma grid points (terminal 0 included), so 50 runs 49 forwards.
 
     Args:
-        text_encoder ([`~transformers.Qwen3VLForConditionalGeneration`]): Qwen3-VL conditioner.
-        tokenizer ([`~transformers.Qwen2TokenizerFast`]): Its tokenizer.
-        processor ([`~transformers.Qwen3VLProcessor`]): Its processor (vision features of keyframes/references).
+        text_encoder ([`~transformers.Qwen3VLForConditionalGeneration`], *optional*): Qwen3-VL conditioner. Without
+            it (and its tokenizer and processor) the pipeline generates from `prompt_embeds` (see `encode_prompt`).
+        tokenizer ([`~transformers.Qwen2TokenizerFast`], *optional*): Its tokenizer.
+        processor ([`~transformers.Qwen3VLProcessor`], *optional*): Its processor (vision features of
+            keyframes/references).
         vae ([`AutoencoderKLMiniMaxH3`]): Video VAE (16× spatial, 4× temporal).
         audio_vae ([`AutoencoderKLMiniMaxH3Audio`]): Mono audio VAE, 32 kHz, 40 latents/s (stereo = 2 items).
         scheduler ([`MiniMaxH3Scheduler`]): Video schedule (shift 12).
@@ -146,14 +152,15 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
-    _optional_components = ["transformer", "transformer_ref"]
+    # Without the text encoder (and its tokenizer / processor) the pipeline generates from `prompt_embeds`.
+    _optional_components = ["transformer", "transformer_ref", "text_encoder", "tokenizer", "processor"]
     _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds"]
 
     def __init__(
         self,
-        text_encoder: Qwen3VLForConditionalGeneration,
-        tokenizer: Qwen2TokenizerFast,
-        processor: Qwen3VLProcessor,
+        text_encoder: Optional[Qwen3VLForConditionalGeneration],
+        tokenizer: Optional[Qwen2TokenizerFast],
+        processor: Optional[Qwen3VLProcessor],
         vae: AutoencoderKLMiniMaxH3,
         audio_vae: AutoencoderKLMiniMaxH3Audio,
         scheduler: MiniMaxH3Scheduler,
@@ -306,6 +313,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         callback_on_step_end_tensor_inputs,
         sigmas,
         audio_sigmas,
+        prompt_embeds=None,
+        text_token_tags=None,
     ) -> int:
         """Validate a request before any model runs; returns the aligned frame count.
 
@@ -313,6 +322,50 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         `references`) to their values, which the task's spec checks.
         """
         spec = get_task(task) if isinstance(task, str) else task
+        if prompt is not None and prompt_embeds is not None:
+            raise ValueError(
+                "Pass either `prompt` or `prompt_embeds` (with `text_token_tags`), not both: the embeddings already "
+                "hold the encoded prompt."
+            )
+        if prompt_embeds is None and text_token_tags is not None:
+            raise ValueError("`text_token_tags` belongs to `prompt_embeds`: pass both, as `encode_prompt` returns.")
+        if prompt_embeds is not None:
+            self._check_prompt_embeds(spec, prompt_embeds, text_token_tags)
+        else:
+            self._check_prompt(prompt)
+            self._check_text_encoder_loaded("pass `prompt_embeds` and `text_token_tags` from `encode_prompt` instead")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        partition = spec.partition
+        if getattr(self, partition, None) is None:
+            loaded = [name for name, _ in self._partitions()] or ["none"]
+            raise ValueError(
+                f"Task {spec.name!r} runs on the `{partition}` partition, but this pipeline holds {', '.join(loaded)}. "
+                f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={spec.name!r})` or pass `{partition}=...`."
+            )
+        self._check_canvas(height, width)
+        aligned = self._align_num_frames(num_frames)
+        spec.check_conditions(conditioning)
+        if callback_on_step_end_tensor_inputs is not None:
+            unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+            if unknown:
+                raise ValueError(
+                    f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
+                )
+        if audio_sigmas is not None and sigmas is None:
+            raise ValueError("`audio_sigmas` needs `sigmas` too (both schedules must have the same number of steps).")
+        if sigmas is not None and audio_sigmas is not None and len(sigmas) != len(audio_sigmas):
+            raise ValueError(
+                f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
+            )
+        return aligned
+
+    def _check_prompt(self, prompt) -> None:
+        if prompt is None:
+            raise ValueError(
+                "`prompt` must be a string (or a list of strings), got None: pass a prompt, or `prompt_embeds` and "
+                "`text_token_tags` from `encode_prompt`."
+            )
         prompts = prompt if isinstance(prompt, (list, tuple)) else [prompt]
         if not prompts:
             raise ValueError("`prompt` is an empty list: pass a non-empty string or a list of them.")
@@ -325,15 +378,58 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     f"{where} is empty: MiniMax-H3 needs a text description of the clip (any language), e.g. "
                     "'A red fox runs through fresh snow'."
                 )
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        partition = spec.partition
-        if getattr(self, partition, None) is None:
-            loaded = [name for name, _ in self._partitions()] or ["none"]
+
+    def _check_text_encoder_loaded(self, alternative: str) -> None:
+        missing = [name for name in ("text_encoder", "tokenizer", "processor") if getattr(self, name, None) is None]
+        if missing:
             raise ValueError(
-                f"Task {spec.name!r} runs on the `{partition}` partition, but this pipeline holds {', '.join(loaded)}. "
-                f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={spec.name!r})` or pass `{partition}=...`."
+                f"This pipeline was loaded without {', '.join(f'`{name}`' for name in missing)}, so it cannot encode "
+                f"a prompt: {alternative}."
             )
+
+    def _check_prompt_embeds(self, spec, prompt_embeds, text_token_tags) -> None:
+        """`prompt_embeds` `(batch, num_tokens, text_dim)` and its `text_token_tags` `(num_tokens,)` as `encode_prompt`
+        returns them (a batch stacks prompts encoded to the same length), encoded for this request's task."""
+        if not isinstance(prompt_embeds, torch.Tensor) or prompt_embeds.ndim != 3 or 0 in prompt_embeds.shape[:2]:
+            is_tensor = isinstance(prompt_embeds, torch.Tensor)
+            got = tuple(prompt_embeds.shape) if is_tensor else type(prompt_embeds).__name__
+            raise ValueError(
+                f"`prompt_embeds` must be a (batch, num_tokens, text_dim) tensor as `encode_prompt` returns it, got "
+                f"{got}."
+            )
+        transformer = getattr(self, spec.partition, None)
+        text_dim = transformer.config.text_dim if transformer is not None else prompt_embeds.shape[2]
+        if prompt_embeds.shape[2] != text_dim:
+            raise ValueError(
+                f"`prompt_embeds` has width {prompt_embeds.shape[2]} but the `{spec.partition}` reads {text_dim}: "
+                "encode the prompt with this checkpoint's text encoder (`encode_prompt`)."
+            )
+        num_tokens = prompt_embeds.shape[1]
+        if (
+            not isinstance(text_token_tags, torch.Tensor)
+            or text_token_tags.shape != (num_tokens,)
+            or text_token_tags.is_floating_point()
+        ):
+            got = tuple(text_token_tags.shape) if isinstance(text_token_tags, torch.Tensor) else text_token_tags
+            raise ValueError(
+                f"`prompt_embeds` needs its `text_token_tags`: an integer tensor of shape ({num_tokens},) as "
+                f"`encode_prompt` returns with it, got {got}."
+            )
+        tags = set(text_token_tags.tolist())
+        if not tags <= {MINIMAX_H3_TEXT_TAG, MINIMAX_H3_VIDEO_TAG}:
+            raise ValueError(
+                f"`text_token_tags` holds {sorted(tags)}; a prompt's rows are tagged text ({MINIMAX_H3_TEXT_TAG}) or "
+                f"vision ({MINIMAX_H3_VIDEO_TAG}): pass the tags `encode_prompt` returned."
+            )
+        has_vision = MINIMAX_H3_VIDEO_TAG in tags
+        if has_vision != bool(spec.conditioning_inputs):
+            encoded_for = "a conditioned task (fl2va / ref2va)" if has_vision else "t2va (no conditioning)"
+            raise ValueError(
+                f"`prompt_embeds` were encoded for {encoded_for} but this request is {spec.name}: encode them with "
+                "the same `image` / `last_image` / `references` (and canvas) you pass to the pipeline."
+            )
+
+    def _check_canvas(self, height, width) -> None:
         if (height is None) != (width is None):
             raise ValueError("`height` and `width` have to be passed together, or neither of them.")
         if height is not None:
@@ -349,6 +445,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 raise ValueError(
                     f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {width}x{height} ({ratio:.3g}:1)."
                 )
+
+    def _align_num_frames(self, num_frames) -> int:
         if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
             raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
         aligned = align_num_frames(num_frames, self.vae_frames_per_chunk, self.vae_latents_per_chunk)
@@ -363,19 +461,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             )
         if aligned != num_frames:
             logger.warning(f"`num_frames` has to be of the form 17n+5 for the video VAE; rounding {num_frames} up to {aligned}.")
-        spec.check_conditions(conditioning)
-        if callback_on_step_end_tensor_inputs is not None:
-            unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
-            if unknown:
-                raise ValueError(
-                    f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
-                )
-        if audio_sigmas is not None and sigmas is None:
-            raise ValueError("`audio_sigmas` needs `sigmas` too (both schedules must have the same number of steps).")
-        if sigmas is not None and audio_sigmas is not None and len(sigmas) != len(audio_sigmas):
-            raise ValueError(
-                f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
-            )
         return aligned
 
     # ------------------------------------------------------------------------------------------------------------
@@ -452,27 +537,55 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             raise RuntimeError(f"the text encoder finished without running decoder layer {layer - 1}")
         return captured["hidden_states"].to(device=device, dtype=text_encoder.dtype)
 
+    @torch.no_grad()
     def encode_prompt(
         self,
         prompt: str,
-        task: str = "t2va",
-        conditions: Optional[TaskConditions] = None,
+        image: Optional[PIL.Image.Image] = None,
+        last_image: Optional[PIL.Image.Image] = None,
+        references: Optional[Sequence[MiniMaxH3Reference]] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        num_frames: int = 124,
         device: Optional[torch.device] = None,
+        conditions: Optional[TaskConditions] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         r"""
-        Encode `prompt` as `task` presents it to the text encoder: for fl2va a `"<Picture i>: "` label and vision
-        block per keyframe before the prompt, for ref2va diffusers' reference presentation, for t2va the prompt
-        alone (used verbatim, no chat template).
+        Encode `prompt` as the request's task presents it to the text encoder: the prompt alone for t2va (verbatim,
+        no chat template); for fl2va a `"<Picture i>: "` label and vision block per keyframe before the prompt; for
+        ref2va diffusers' reference presentation. The conditioning inputs pick the task as in `__call__`.
 
-        Returns `(prompt_embeds, text_token_tags)`: `hidden_states[text_encoder_layer]` `(1, num_tokens, hidden)` on
-        `device` and the per-token tags (text / vision) `(num_tokens,)` the packed sequence needs. `conditions` are
-        the prepared conditioning media (`TaskSpec.prepare_conditions`); t2va needs none.
+        Encode once and generate many times, or encode where the text encoder is loaded and generate with a pipeline
+        loaded without it (`text_encoder=None, tokenizer=None, processor=None`): pass both outputs unchanged to
+        `__call__` as `prompt_embeds=..., text_token_tags=...`, with the same `image` / `last_image` / `references`.
+        The presentation depends on those inputs, on the canvas (`height`, `width`: fl2va keyframes are fitted to it)
+        and on `num_frames` (ref2va videos and soundtracks are cut to it): encode with the values you generate with.
+
+        Args:
+            prompt (`str`): One prompt (encode a list one by one; embeddings of the same length may be stacked).
+            image, last_image, references, height, width, num_frames: As in `__call__`.
+            device (`torch.device`, *optional*): Where to return the embeddings (default: the text encoder's device).
+            conditions (`TaskConditions`, *optional*): The conditioning media already prepared by the task
+                (`TaskSpec.prepare_conditions`); `__call__` passes them so that they are prepared once.
+
+        Returns:
+            `(prompt_embeds, text_token_tags)`: `hidden_states[text_encoder_layer]` `(1, num_tokens, hidden)` in the
+            text encoder's dtype, and the modality tag of every row (text or vision) `(num_tokens,)`, which the packed
+            sequence needs.
         """
-        spec = get_task(task)
+        conditioning = {"image": image, "last_image": last_image, "references": references}
+        spec = get_task(select_task(**conditioning))
+        self._check_text_encoder_loaded("load it (e.g. on another machine) to encode prompts")
         if conditions is None:
-            if spec.conditioning_inputs:
-                raise ValueError(f"Task {spec.name!r} presents its conditioning with the prompt: pass `conditions`.")
-            conditions = TaskConditions(height=0, width=0)
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"`encode_prompt` encodes one prompt, got {type(prompt).__name__}: call it once per prompt."
+                )
+            self._check_prompt(prompt)
+            self._check_canvas(height, width)
+            num_frames = self._align_num_frames(num_frames)
+            spec.check_conditions(conditioning)
+            conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
         token_ids, token_tags, vision_inputs = spec.present(self, prompt, conditions)
         prompt_embeds = self.encode_presentation(token_ids, vision_inputs, device=device)
         return prompt_embeds, torch.tensor(token_tags, dtype=torch.long)
@@ -616,6 +729,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         generator: Optional[Union[torch.Generator, List[torch.Generator]]] = None,
         latents: Optional[torch.Tensor] = None,
         audio_latents: Optional[torch.Tensor] = None,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        text_token_tags: Optional[torch.Tensor] = None,
         output_type: str = "np",
         return_dict: bool = True,
         attention_kwargs: Optional[Dict[str, Any]] = None,
@@ -626,8 +741,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         Generate a video with its stereo soundtrack.
 
         Args:
-            prompt (`str` or `list[str]`): The prompt (used verbatim, no chat template). A list runs one request
-                per prompt, one after another, with the same conditioning inputs.
+            prompt (`str` or `list[str]`, *optional*): The prompt (used verbatim, no chat template). A list runs one
+                request per prompt, one after another, with the same conditioning inputs. Pass `prompt` or
+                `prompt_embeds`.
             image (`PIL.Image.Image`, *optional*): First keyframe (fl2va); stretched onto the canvas, whose aspect
                 ratio it sets unless `height`/`width` are given.
             last_image (`PIL.Image.Image`, *optional*): Last keyframe (fl2va); cover-cropped when `image` is given.
@@ -650,19 +766,28 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 `batch = len(prompt) * num_videos_per_prompt`.
             audio_latents (`torch.Tensor`, *optional*): Initial audio noise `(2 * batch, channels, num_latents)`
                 (a left/right pair per clip).
+            prompt_embeds (`torch.Tensor`, *optional*): Prompt embeddings from `encode_prompt`, instead of `prompt`:
+                `(batch, num_tokens, hidden)`, one request per row (stack only prompts encoded to the same length).
+                They must be encoded with this request's conditioning inputs, canvas and `num_frames`.
+            text_token_tags (`torch.Tensor`, *optional*): The `(num_tokens,)` row tags `encode_prompt` returned with
+                `prompt_embeds`; required with them.
             output_type (`str`, defaults to `"np"`): `"np"`, `"pil"`, `"pt"` or `"latent"`.
             return_dict (`bool`, defaults to `True`): Return a [`MiniMaxH3PipelineOutput`] instead of a tuple.
             attention_kwargs (`dict`, *optional*): Passed to the transformer (e.g. `{"scale": s}` for LoRA).
-            callback_on_step_end (`Callable`, *optional*): Called as `callback(pipe, step, timestep, tensors)`
-                after every step; may return a dict replacing any of `callback_on_step_end_tensor_inputs`.
+            callback_on_step_end (`Callable`, `PipelineCallback` or `MultiPipelineCallbacks`, *optional*): Called
+                as `callback(pipe, step, timestep, tensors)` after every step; may return a dict replacing any of
+                `callback_on_step_end_tensor_inputs`.
             callback_on_step_end_tensor_inputs (`list[str]`): Among `"latents"`, `"audio_latents"` (packed rows,
-                conditioning rows first) and `"prompt_embeds"`.
+                conditioning rows first) and `"prompt_embeds"`. A `PipelineCallback` / `MultiPipelineCallbacks`
+                brings its own `tensor_inputs`, which replace this argument (as in diffusers' pipelines).
 
         Returns:
             [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`; a batch is stacked along the first axis
             (frames `(batch, ...)`, audio `(batch, 2, samples)`; for `"latent"`, audio `(2 * batch, C, n)`).
         """
         # 1. Route the task and check the request before any model runs.
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
@@ -673,25 +798,34 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             num_inference_steps = 50
         num_frames = self.check_inputs(
             spec, prompt, height, width, num_frames, conditioning, output_type,
-            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas,
+            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas, prompt_embeds, text_token_tags,
         )  # fmt: skip
         count = num_videos_per_prompt
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"`num_videos_per_prompt` must be a positive int, got {num_videos_per_prompt!r}.")
-        prompts = [text for text in ([prompt] if isinstance(prompt, str) else prompt) for _ in range(num_videos_per_prompt)]
-        requests = self._split_batch(len(prompts), generator, latents, audio_latents)
+        # Per request: the prompt to encode, or the given embeddings (one row of `prompt_embeds`) and their tags.
+        if prompt_embeds is None:
+            encoded = [(text, None, None) for text in ([prompt] if isinstance(prompt, str) else prompt)]
+        else:
+            encoded = [(None, row[None], text_token_tags) for row in prompt_embeds]
+        encoded = [request for request in encoded for _ in range(num_videos_per_prompt)]
+        requests = self._split_batch(len(encoded), generator, latents, audio_latents)
         # A LoRA loaded or unloaded since enable_low_memory_offload made diffusers rebuild the offload groups.
         refresh_low_memory_offload(self)
 
         # H3 packs one request into one sequence: a batch runs one request after another, stacked like diffusers.
-        outputs = [
-            self._generate(
-                spec, text, conditioning, height, width, num_frames, num_inference_steps, sigmas, audio_sigmas,
-                flow_shift, audio_flow_shift, request_generator, request_latents, request_audio_latents, output_type,
-                attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
-            )  # fmt: skip
-            for text, (request_generator, request_latents, request_audio_latents) in zip(prompts, requests)
-        ]
+        outputs = []
+        for (text, request_embeds, request_tags), (request_generator, request_latents, request_audio_latents) in zip(
+            encoded, requests
+        ):
+            outputs.append(
+                self._generate(
+                    spec, text, request_embeds, request_tags, conditioning, height, width, num_frames,
+                    num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, request_generator,
+                    request_latents, request_audio_latents, output_type, attention_kwargs, callback_on_step_end,
+                    callback_on_step_end_tensor_inputs,
+                )  # fmt: skip
+            )
         frames, audio = _stack_outputs(outputs, output_type)
         self.maybe_free_model_hooks()
 
@@ -732,9 +866,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         ]
 
     def _generate(
-        self, spec, prompt, conditioning, height, width, num_frames, num_inference_steps, sigmas, audio_sigmas,
-        flow_shift, audio_flow_shift, generator, latents, audio_latents, output_type, attention_kwargs,
-        callback_on_step_end, callback_on_step_end_tensor_inputs,
+        self, spec, prompt, prompt_embeds, text_token_tags, conditioning, height, width, num_frames,
+        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, generator, latents, audio_latents,
+        output_type, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
     ):  # fmt: skip
         """One request (one prompt, one clip), already checked: returns `(frames, audio)` with a batch axis of 1."""
         transformer = getattr(self, spec.partition)
@@ -748,9 +882,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
 
         # 3. Encode the prompt, presented with its conditioning (labels, vision blocks), with the text encoder.
-        prompt_embeds, text_token_tags = run_on_main_rank(
-            lambda: self.encode_prompt(prompt, spec.name, conditions, device=device), cp_group, device
-        )
+        if prompt_embeds is None:
+
+            def encode():
+                return self.encode_prompt(prompt, **conditioning, device=device, conditions=conditions)
+
+            prompt_embeds, text_token_tags = run_on_main_rank(encode, cp_group, device)
+        else:
+            prompt_embeds, text_token_tags = prompt_embeds.to(device), text_token_tags.long().cpu()
 
         # 4. Encode the conditioning media with the VAEs.
         condition_latents, audio_condition_latents = spec.encode_conditions(self, conditions)

@@ -35,16 +35,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from diffusers.utils import logging
 from peft.tuners.lora import LoraConfig, LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from .layers import QuantizedLinear
 
+
+logger = logging.get_logger(__name__)
 
 _INTERFACE = ("in_features", "out_features", "quant_method", "dequantize", "requantize_")
 
@@ -190,7 +192,7 @@ class QuantizedLoraLinear(nn.Module, LoraLayer):
     def unmerge(self) -> None:
         """Restore the quantized tensors saved before the first fuse (bit-exact)."""
         if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
+            logger.warning("Already unmerged. Nothing to do.")
             return
         base = self.get_base_layer()
         saved = self._unmerged_state

@@ -44,14 +44,14 @@ def _rotary(seq, rope_freq_dim=8):
 
 
 @pytest.mark.parametrize("with_rotary", [True, False])
-def test_processor_matches_diffusers_processor_on_cpu(with_rotary):
+def test_processor_matches_diffusers_processor_on_cpu(with_rotary, h3_logs):
     attn = _attention_module()
     hidden = torch.randn(2, 37, 96)
     rotary = _rotary(37) if with_rotary else None
     expected = MiniMaxH3AttnProcessor()(attn, hidden, rotary)
     processor = MiniMaxH3FAV100Processor()
     if with_rotary:
-        with pytest.warns(RuntimeWarning, match="falls back to sdpa_cpu"):
+        with h3_logs.expect("falls back to sdpa_cpu"):
             got = processor(attn, hidden, rotary)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         assert processor.describe_path().startswith("fallback: torch SDPA on CPU")
@@ -61,27 +61,24 @@ def test_processor_matches_diffusers_processor_on_cpu(with_rotary):
         assert "not called yet" in processor.describe_path()
 
 
-def test_fallback_warns_once():
+def test_fallback_warns_once(h3_logs):
     attn = _attention_module()
     processor = MiniMaxH3FAV100Processor()
     hidden = torch.randn(1, 9, 96)
-    with pytest.warns(RuntimeWarning):
+    with h3_logs.expect("falls back"):
         processor(attn, hidden, _rotary(9))
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with h3_logs.expect_none():
         processor(attn, hidden, _rotary(9))
 
 
-def test_tiny_transformer_runs_with_processor():
+def test_tiny_transformer_runs_with_processor(h3_logs):
     torch.manual_seed(0)
     model = MiniMaxH3Transformer3DModel(**TINY).eval()
     inputs = tiny_transformer_inputs()
     with torch.no_grad():
         expected = model(**inputs).sample
         model.set_attn_processor(MiniMaxH3FAV100Processor())
-        with pytest.warns(RuntimeWarning):
+        with h3_logs.expect("falls back"):
             got = model(**inputs).sample
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     paths = {m.processor.describe_path() for m in model.modules() if isinstance(m, MiniMaxH3Attention)}
@@ -179,7 +176,7 @@ def _big_value_qkv(seed=2):
     return q, k, v
 
 
-def test_sdpa_efficient_fallback_computes_in_fp16_with_value_scale(monkeypatch):
+def test_sdpa_efficient_fallback_computes_in_fp16_with_value_scale(monkeypatch, h3_logs):
     # CPU has no memory-efficient SDPA: record the backend request and let SDPA pick, checking what it is given
     requested, dtypes = [], []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -199,7 +196,7 @@ def test_sdpa_efficient_fallback_computes_in_fp16_with_value_scale(monkeypatch):
     processor = MiniMaxH3FAV100Processor()
     monkeypatch.setattr(processor, "_device_path", lambda device: ("sdpa_efficient", "test"))
     q, k, v = _big_value_qkv()
-    with pytest.warns(RuntimeWarning, match="sdpa_efficient: test"):
+    with h3_logs.expect("sdpa_efficient: test"):
         out = processor.core(q, k, v)
     assert requested == [[proc_mod.SDPBackend.EFFICIENT_ATTENTION]]
     assert dtypes[0][0] == torch.float16 and dtypes[0][1] <= 2.0**14
@@ -209,7 +206,7 @@ def test_sdpa_efficient_fallback_computes_in_fp16_with_value_scale(monkeypatch):
     assert processor.describe_path() == "fallback: SDPA memory-efficient fp16 (test)"
 
 
-def test_kernel_path_casts_scales_and_restores(monkeypatch):
+def test_kernel_path_casts_scales_and_restores(monkeypatch, h3_logs):
     calls = []
 
     def fake_kernel(q, k, v, *, query_tile, backend, build_dir):
@@ -220,10 +217,7 @@ def test_kernel_path_casts_scales_and_restores(monkeypatch):
     processor = MiniMaxH3FAV100Processor(query_tile=64)
     monkeypatch.setattr(processor, "_device_path", lambda device: ("kernel", "sm_70"))
     q, k, v = _big_value_qkv(seed=4)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the kernel path does not warn
+    with h3_logs.expect_none():  # the kernel path does not warn
         out = processor.core(q, k, v)
     assert calls == [(torch.float16, torch.float16, torch.float16, calls[0][3], 64)] and calls[0][3] <= 2.0**14
     exact = fa_v100_reference(q, k, v, round_probabilities=False)

@@ -96,7 +96,7 @@ def test_disable_restores_the_native_decode_and_report():
     assert describe_vae_decode(vae).startswith("diffusers native tiled decode")
 
 
-def test_defers_to_a_path_that_answers_the_chunks_itself():
+def test_defers_to_a_path_that_answers_the_chunks_itself(h3_logs):
     """The context-parallel decode installs its own `_decode_clip`; the fast decode then stands aside, says so once."""
     vae = _random_vae(seed=6)
     z = _latents((1, 4, 7, 2, 2), seed=7)
@@ -105,7 +105,7 @@ def test_defers_to_a_path_that_answers_the_chunks_itself():
     answered = []
     vae._decode_clip = lambda clip: answered.append(1) or type(vae)._decode_clip(vae, clip)
     try:
-        with pytest.warns(RuntimeWarning, match="context-parallel"):
+        with h3_logs.expect("context-parallel"):
             out = vae._decode(z)
     finally:
         del vae._decode_clip

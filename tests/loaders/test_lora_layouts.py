@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -129,7 +127,7 @@ def test_shape_mismatch_names_the_module(tmp_path):
         pipe.load_lora_weights(sd)
 
 
-def test_alpha_from_file_metadata_and_argument(tmp_path, caplog):
+def test_alpha_from_file_metadata_and_argument(tmp_path, h3_logs):
     model = tiny_transformer()
     pipe = TinyLoraPipeline(transformer=model)
     lora = canonical_lora(model, seed=11)
@@ -151,10 +149,9 @@ def test_alpha_from_file_metadata_and_argument(tmp_path, caplog):
     assert_deltas(model, rank2, "a", scale=4.0)
 
     # No alpha anywhere: documented default, and it says so.
-    with caplog.at_level(logging.WARNING, logger="diffusers_h3.loaders.lora"):
+    with h3_logs.expect("alpha == rank"):
         report = pipe.load_lora_weights(save_lora(tmp_path / "d.safetensors", sd), "d")
     assert "alpha == rank" in report.alpha_source
-    assert any("alpha == rank" in r.getMessage() for r in caplog.records)
     assert_deltas(model, lora, "d")
 
     # Per-module .alpha tensors are folded already; a network alpha on top would apply twice.

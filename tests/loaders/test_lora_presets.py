@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from diffusers_h3.loaders.lora_presets import (
@@ -65,38 +63,36 @@ def _pipe_with(tmp_path, file_name, metadata=None, **load_kwargs):
     return pipe, report
 
 
-def test_schedule_hook_fills_from_the_active_preset(tmp_path):
+def test_schedule_hook_fills_from_the_active_preset(tmp_path, h3_logs):
     pipe, report = _pipe_with(tmp_path, "minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors", {"alpha": "4"})
     assert report.preset.name == "lightx2v-fl2v-turbo-4step-768p"
     assert "lightx2v-fl2v-turbo-4step-768p" in str(report)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with h3_logs.expect_none():
         assert pipe._resolve_lora_schedule(None, None, None) == (5, 6.0, 3.0)
         assert pipe._resolve_lora_schedule(5, 6.0, None, task="fl2va") == (5, 6.0, 3.0)
     assert any("turbo" in line and "4step-768p" in line for line in pipe.lora_summary())
 
 
-def test_schedule_hook_warns_on_settings_the_lora_was_not_trained_for(tmp_path):
+def test_schedule_hook_warns_on_settings_the_lora_was_not_trained_for(tmp_path, h3_logs):
     pipe, _ = _pipe_with(tmp_path, "minimax_h3_fl2v_turbo_8step_v1.0.safetensors")
-    with pytest.warns(UserWarning, match=r"num_inference_steps=50 \(trained: 9\).*audio_flow_shift=4 \(trained: 3\)"):
+    with h3_logs.expect(r"num_inference_steps=50 \(trained: 9\).*audio_flow_shift=4 \(trained: 3\)"):
         assert pipe._resolve_lora_schedule(50, None, 4.0) == (50, 12.0, 4.0)
-    with pytest.warns(UserWarning, match=r"5 video sigmas \(trained: 9 sigma points\)"):
+    with h3_logs.expect(r"5 video sigmas \(trained: 9 sigma points\)"):
         pipe._resolve_lora_schedule(None, None, None, sigmas=[1.0, 0.8, 0.5, 0.2, 0.0])
 
 
-def test_weights_stacking_disable_and_unload(tmp_path):
+def test_weights_stacking_disable_and_unload(tmp_path, h3_logs):
     pipe, _ = _pipe_with(tmp_path, "minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors")
     pipe.set_adapters("turbo", 0.5)
-    with pytest.warns(UserWarning, match="weight 0.5"):
+    with h3_logs.expect("weight 0.5"):
         pipe._resolve_lora_schedule(None, None, None)
     pipe.load_lora_weights(write_layout(canonical_lora(tiny_transformer(), seed=9), "diffusers"), "style")
     pipe.set_adapters(["turbo", "style"], [1.0, 0.7])
-    with pytest.warns(UserWarning, match=r"together with \['style'\]"):
+    with h3_logs.expect(r"together with \['style'\]"):
         assert pipe._resolve_lora_schedule(None, None, None) == (5, 6.0, 3.0)
 
     pipe.disable_lora()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with h3_logs.expect_none():
         assert pipe._resolve_lora_schedule(None, None, None) == (None, None, None)
     pipe.enable_lora()
     pipe.delete_adapters("turbo")
@@ -125,15 +121,14 @@ def test_explicit_preset_arguments(tmp_path):
         _pipe_with(tmp_path, "p2.safetensors", distillation_preset=42)
 
 
-def test_no_lora_means_no_change():
+def test_no_lora_means_no_change(h3_logs):
     pipe = TinyLoraPipeline(transformer=tiny_transformer())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with h3_logs.expect_none():
         assert pipe._resolve_lora_schedule(None, None, None) == (None, None, None)
         assert pipe._resolve_lora_schedule(50, 12.0, 3.0) == (50, 12.0, 3.0)
 
 
-def test_ref2v_preset_loaded_into_transformer_ref(tmp_path, caplog):
+def test_ref2v_preset_loaded_into_transformer_ref(tmp_path, h3_logs):
     fl2v, ref = tiny_transformer(0), tiny_transformer(1)
     pipe = TinyLoraPipeline(transformer=fl2v, transformer_ref=ref)
     path = save_lora(tmp_path / "minimax_h3_ref2v_turbo_8step_v1.0.safetensors",
@@ -145,8 +140,7 @@ def test_ref2v_preset_loaded_into_transformer_ref(tmp_path, caplog):
     assert pipe._resolve_lora_schedule(None, None, None, task="t2va") == (None, None, None)
 
     # loading a ref2v adapter into the fl2v partition is flagged
-    with caplog.at_level("WARNING", logger="diffusers_h3.loaders.lora"):
+    with h3_logs.expect("was trained for ref2va"):
         pipe.load_lora_weights(path, "wrong")
-    assert any("was trained for ref2va" in r.getMessage() for r in caplog.records)
-    with pytest.warns(UserWarning, match="trained for ref2va, not t2va"):
+    with h3_logs.expect("trained for ref2va, not t2va"):
         assert pipe._resolve_lora_schedule(None, None, None, task="t2va") == (9, 12.0, 3.0)

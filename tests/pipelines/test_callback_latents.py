@@ -5,6 +5,7 @@ pipeline's. Oracle: the same change made between two pipeline runs, the first st
 
 import pytest
 import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from diffusers_h3.testing.tiny import tiny_pipeline
 
@@ -94,3 +95,61 @@ def test_split_run_reproduces_the_uninterrupted_run(pipe, noise):
     resumed = _run(pipe, (first.frames, first.audio), SIGMAS[cut:], AUDIO_SIGMAS[cut:])
     whole = _run(pipe, noise, SIGMAS, AUDIO_SIGMAS)
     assert torch.equal(resumed.frames, whole.frames) and torch.equal(resumed.audio, whole.audio)
+
+
+# -- diffusers' PipelineCallback: the pipeline reads the callback's own `tensor_inputs` --------------------------------
+
+
+class _ScaleAudioAt(PipelineCallback):
+    """A diffusers `PipelineCallback` that asks for `audio_latents` only (not the pipeline's default `latents`)."""
+
+    tensor_inputs = ["audio_latents"]
+
+    def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+        if step_index == self.config.cutoff_step_index:
+            callback_kwargs["audio_latents"] = _change_audio(callback_kwargs["audio_latents"])
+        return callback_kwargs
+
+
+def test_pipeline_callback_gets_its_tensor_inputs(pipe, noise):
+    sigmas = [1.0, 0.5, 0.0]
+    got = _run(pipe, noise, sigmas, sigmas, callback_on_step_end=_ScaleAudioAt(cutoff_step_ratio=None,
+               cutoff_step_index=0))  # fmt: skip
+
+    # The same change through a plain function given the tensor names explicitly.
+    def plain(p, i, t, tensors):
+        return {"audio_latents": _change_audio(tensors["audio_latents"])} if i == 0 else {}
+
+    expected = _run(pipe, noise, sigmas, sigmas, callback_on_step_end=plain,
+                    callback_on_step_end_tensor_inputs=["audio_latents"])  # fmt: skip
+    assert torch.equal(got.audio, expected.audio) and torch.equal(got.frames, expected.frames)
+    assert not torch.equal(got.audio, _run(pipe, noise, sigmas, sigmas).audio)  # the change is visible at all
+
+
+def test_multi_pipeline_callbacks_get_every_callbacks_tensor_inputs(pipe, noise):
+    seen = []
+
+    class _Record(PipelineCallback):
+        tensor_inputs = ["latents", "prompt_embeds"]
+
+        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+            seen.append(sorted(callback_kwargs))
+            return callback_kwargs
+
+    callbacks = MultiPipelineCallbacks([_Record(), _ScaleAudioAt(cutoff_step_ratio=None, cutoff_step_index=99)])
+    _run(pipe, noise, [1.0, 0.0], [1.0, 0.0], callback_on_step_end=callbacks)
+    assert seen == [["audio_latents", "latents", "prompt_embeds"]]
+
+
+def test_pipeline_callback_with_unknown_tensor_input_is_refused_before_any_model_runs(pipe, noise):
+    class _AsksForNoise(_ScaleAudioAt):
+        tensor_inputs = ["noise_pred"]
+
+    calls = []
+    hook = pipe.text_encoder.model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"\['noise_pred'\]; allowed"):
+            _run(pipe, noise, SIGMAS, AUDIO_SIGMAS, callback_on_step_end=_AsksForNoise())
+    finally:
+        hook.remove()
+    assert not calls

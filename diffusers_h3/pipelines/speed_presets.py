@@ -111,6 +111,22 @@ def exact_attention_backend(device: torch.device) -> Optional[str]:
     return None
 
 
+def set_attention_backend_on_model(model: torch.nn.Module, backend: str) -> None:
+    """``model.set_attention_backend(backend)`` for ``model``'s processors only.
+
+    diffusers' ``ModelMixin.set_attention_backend`` also makes ``backend`` the process-wide active backend, which every
+    other model whose processors have no backend of their own then runs on (an fp32 VAE on cuDNN finds no kernel):
+    the previous active backend is restored.
+    """
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
+    try:
+        model.set_attention_backend(backend)
+    finally:
+        _AttentionBackendRegistry.set_active_backend(previous)
+
+
 def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
     """Whether ``preset`` runs a FlashInfer kernel on ``device``: ``"on"``, ``"off"``, ``"available"`` (``"fast"``:
     it could, when asked), or why the automatic choice could not take it (``"not installed"``, ``"no compiler"``);
@@ -250,7 +266,7 @@ def _apply_to_transformer(
         disable_low_precision_attention(model)  # diffusers' default processor on every block
         backend = exact_attention_backend(device)
         if backend is not None:  # the token refiner keeps diffusers' processor, on this backend
-            model.set_attention_backend(backend)
+            set_attention_backend_on_model(model, backend)
             record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
         else:
             record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"

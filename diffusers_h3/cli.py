@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import re
-import struct
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
+from ._checkpoint_files import safetensors_problem
 from ._version import __version__
 
 
@@ -90,28 +90,6 @@ def _local_path(value: str, flag: str) -> Optional[Path]:
             f"{flag} {value}: no such file or folder ({path.absolute()} does not exist)",
             "check the path, or pass a hub repo id such as 'namespace/name'",
         )
-    return None
-
-
-def safetensors_problem(path: Path) -> Optional[str]:
-    """Why `path` is not a complete safetensors file, or `None`; reads its header only."""
-    size = path.stat().st_size
-    if size < 8:
-        return f"not a safetensors file ({size} bytes, shorter than a safetensors header)"
-    with open(path, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        if header_size > size - 8:
-            return (
-                f"not a safetensors file (its first 8 bytes announce a {header_size}-byte header, the file has "
-                f"{size} bytes)"
-            )
-        try:
-            header = json.loads(handle.read(header_size))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
-            return f"not a safetensors file (unreadable header: {error})"
-    if 8 + header_size + end > size:
-        return f"truncated: {size} bytes, but its header describes {8 + header_size + end} bytes"
     return None
 
 

@@ -2,8 +2,9 @@
 
 `import diffusers_h3` registers the pipeline and the quantizers with diffusers, which imports diffusers, transformers
 and torch (seconds). Parsing the command line needs none of that: the arguments are parsed first with
-`diffusers_h3/cli.py` loaded on its own (it imports only the standard library), so `--help`, `--version` and usage
-errors answer at once; the package proper is imported only to run a command.
+`diffusers_h3/cli.py` loaded on its own (it imports only the standard library), so `--help`, `--version`, usage
+errors and the checks that read only the arguments (`cli.check_arguments`) answer at once; the package proper is
+imported only to run a command.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ def _parse_without_the_package(argv: List[str]) -> None:
         return
     shell = types.ModuleType(PACKAGE)
     shell.__path__ = list(spec.submodule_search_locations)
-    names = (PACKAGE, f"{PACKAGE}._version", f"{PACKAGE}.cli")
+    names = (PACKAGE, f"{PACKAGE}._version", f"{PACKAGE}._checkpoint_files", f"{PACKAGE}.cli")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     sys.modules[PACKAGE] = shell
     try:
-        importlib.import_module(f"{PACKAGE}.cli").build_parser().parse_args(argv)
+        importlib.import_module(f"{PACKAGE}.cli").parse_arguments(argv)  # and the checks that read only arguments
     finally:
         for name in names:
             sys.modules.pop(name, None)
@@ -41,7 +42,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if PACKAGE not in sys.modules:
         _parse_without_the_package(argv)
-    from diffusers_h3.cli import main as run
+    try:
+        from diffusers_h3.cli import main as run
+    except KeyboardInterrupt:  # Ctrl-C while the package imports: one line, as in the command itself
+        print(f"{PACKAGE.replace('_', '-')}: interrupted", file=sys.stderr)
+        return 130
 
     return run(argv)
 

@@ -12,12 +12,14 @@ import argparse
 import json
 import os
 import re
-import struct
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import List, Optional
 
+from ._checkpoint_files import safetensors_problem
 from ._version import __version__
 
 
@@ -36,6 +38,8 @@ DEMO_CANVAS = (64, 96)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _PYTHON_TO_FLAGS = (
     ("`height` and `width`", "--height and --width"),
+    ("height=", "--height "),
+    (", width=", " --width "),
     ("`num_frames`=", "--frames "),
     ("`num_frames`", "--frames"),
     ("`references`", "--reference"),
@@ -89,26 +93,44 @@ def _local_path(value: str, flag: str) -> Optional[Path]:
     return None
 
 
-def safetensors_problem(path: Path) -> Optional[str]:
-    """Why `path` is not a complete safetensors file, or `None`; reads its header only."""
-    size = path.stat().st_size
-    if size < 8:
-        return f"not a safetensors file ({size} bytes, shorter than a safetensors header)"
+def torch_checkpoint_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a file `torch.load` reads, or `None`; reads its first bytes or its zip directory only."""
+    if zipfile.is_zipfile(path):  # torch.save's format: a zip archive with <name>/data.pkl
+        with zipfile.ZipFile(path) as archive:
+            if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist()):
+                return "a zip archive but not a PyTorch checkpoint (no data.pkl in it)"
+        return None
     with open(path, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        if header_size > size - 8:
-            return (
-                f"not a safetensors file (its first 8 bytes announce a {header_size}-byte header, the file has "
-                f"{size} bytes)"
-            )
-        try:
-            header = json.loads(handle.read(header_size))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
-            return f"not a safetensors file (unreadable header: {error})"
-    if 8 + header_size + end > size:
-        return f"truncated: {size} bytes, but its header describes {8 + header_size + end} bytes"
-    return None
+        head = handle.read(2)
+    if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # the legacy format: a pickle (PROTO opcode)
+        return None
+    return (
+        f"not a PyTorch checkpoint ({path.stat().st_size} bytes, neither torch.save's zip format, complete, nor "
+        "a pickle)"
+    )
+
+
+def check_hub_reachable(repo_id: str, flag: str, file: Optional[str] = None) -> None:
+    """Before a hub repo id is downloaded: with `HF_HUB_OFFLINE` set, `file` must be in the local cache (no request is
+    made); otherwise the hub's host name must resolve, or the network is named as the cause (not the repo id)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        if file is not None and not isinstance(try_to_load_from_cache(repo_id, file), str):
+            raise UsageError(f"{flag} {repo_id}: HF_HUB_OFFLINE is set and the repo is not in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE})", "download it once with network access, or pass a local "
+                             "folder")  # fmt: skip
+        return
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as error:
+        raise UsageError(f"{flag} {repo_id}: cannot reach the Hugging Face Hub: the network cannot resolve {host} "
+                         f"({error.strerror or error})", "check the network, or set HF_HUB_OFFLINE=1 to use the local "
+                         "cache, or pass a local folder") from None  # fmt: skip
 
 
 def _check_model_folder(path: Path, flag: str = "--model") -> None:
@@ -130,15 +152,26 @@ def _check_image(path_text: str, flag: str):
     """An existing, readable image file, opened (RGB)."""
     from PIL import Image, UnidentifiedImageError
 
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise UsageError(f"{flag} {path_text}: no such file ({path.absolute()} does not exist)", "check the path")
+    path = _check_file(path_text, flag)
     try:
         with Image.open(path) as image:
             image.load()
             return image.convert("RGB")
+    except Image.DecompressionBombError as error:
+        raise UsageError(f"{flag} {path_text}: refused as a possible decompression bomb ({error})",
+                         "pass a smaller image (the reference short edge is 2048 px)") from None  # fmt: skip
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise UsageError(f"{flag} {path_text}: not a readable image ({error})", "pass a PNG, JPEG or WebP file")
+
+
+def _check_file(path_text: str, flag: str) -> Path:
+    """`path_text` as an existing file (a folder or a missing path is named as such)."""
+    path = Path(path_text).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {path_text}: is a folder, not a file", "pass the file in it")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path_text}: no such file ({path.absolute()} does not exist)", "check the path")
+    return path
 
 
 def _split_reference(value: str):
@@ -162,9 +195,7 @@ def _load_reference(value: str):
         from diffusers_h3 import MiniMaxH3ImageReference
 
         return MiniMaxH3ImageReference(image=_check_image(path_text, "--reference"))
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--reference {value}: no such file ({path.absolute()} does not exist)", "check the path")
+    path = _check_file(path_text, "--reference")
     import av
 
     try:
@@ -192,6 +223,11 @@ def _check_out(value: str) -> None:
     parent = path.absolute().parent
     if not parent.is_dir():
         raise UsageError(f"--out {value}: the folder {parent} does not exist", "create it first or pick another --out")
+    try:  # the clip is written next to the target and renamed onto it (export_to_video): probe that folder
+        tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".probe").close()
+    except OSError as error:
+        raise UsageError(f"--out {value}: cannot write in {parent} ({error.strerror or error})",
+                         "pick a folder you can write to") from None  # fmt: skip
 
 
 def _check_flag_combinations(args) -> None:
@@ -214,25 +250,9 @@ def _check_flag_combinations(args) -> None:
     if flashinfer is not None and speed not in ("exact", "fast"):
         raise UsageError(f"--flashinfer {flashinfer} chooses the attention of --speed exact or --speed fast",
                          "add --speed exact / fast or drop --flashinfer")  # fmt: skip
-    if flashinfer == "on":
-        if args.device is not None and not args.device.startswith("cuda"):
-            raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
-                             "run on a CUDA GPU (SM80+) or use --flashinfer off")  # fmt: skip
-        from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, resolve_backend
-
-        try:
-            check_flashinfer_kernels()
-        except (ImportError, RuntimeError) as error:
-            raise UsageError(f"--flashinfer on: {error}", "or use --flashinfer auto / off") from None
-        if speed == "fast":
-            import torch
-
-            if torch.cuda.is_available():
-                try:
-                    resolve_backend("fa3", torch.cuda.get_device_capability(args.device or "cuda"))
-                except ValueError as error:
-                    raise UsageError(f"--speed fast --flashinfer on runs FA3's FP8 kernel: {error}",
-                                     "use --flashinfer off (INT8 attention)") from None  # fmt: skip
+    if flashinfer == "on" and args.device is not None and not args.device.startswith("cuda"):
+        raise UsageError(f"--flashinfer on runs FlashInfer's CUDA kernels, not on --device {args.device}",
+                         "run on a CUDA GPU (SM80+) or use --flashinfer off")  # fmt: skip
     if args.v100 and (args.vsa is not None or args.attention_precision is not None):
         raise UsageError(
             "--v100 installs the FA-V100 attention and cannot be combined with --vsa/--attention-precision",
@@ -243,6 +263,52 @@ def _check_flag_combinations(args) -> None:
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: needs at least one process", "pass --gpus 1 or more")
     _check_placement(args)
+
+
+def _check_flashinfer(args) -> None:
+    """`--flashinfer on`: the kernels build, and FA3's FP8 kernel runs on this GPU."""
+    if getattr(args, "flashinfer", None) != "on":
+        return
+    from diffusers_h3.kernels.attention.flashinfer_dense import check_flashinfer_kernels, resolve_backend
+
+    try:
+        check_flashinfer_kernels()
+    except (ImportError, RuntimeError) as error:
+        raise UsageError(f"--flashinfer on: {error}", "or use --flashinfer auto / off") from None
+    if args.speed == "fast":
+        import torch
+
+        if torch.cuda.is_available():
+            try:
+                resolve_backend("fa3", torch.cuda.get_device_capability(args.device or "cuda"))
+            except ValueError as error:
+                raise UsageError(f"--speed fast --flashinfer on runs FA3's FP8 kernel: {error}",
+                                 "use --flashinfer off (INT8 attention)") from None  # fmt: skip
+
+
+def _check_device(args) -> None:
+    """`--device` names a torch device that this host has (a CPU-only host has no `cuda`)."""
+    if args.device is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(f"--device {args.device}: not a torch device ({str(error).strip().splitlines()[0]})",
+                         "pass cpu, cuda or cuda:N") from None  # fmt: skip
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"--device {args.device}: this host has no usable CUDA GPU ({build})",
+                             "pass --device cpu, or run on a GPU host") from None  # fmt: skip
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) visible",
+                             f"pass cuda:0 to cuda:{torch.cuda.device_count() - 1}")  # fmt: skip
+    elif device.type != "cpu":
+        is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+        if is_available is not None and not is_available():
+            raise UsageError(f"--device {args.device}: no {device.type} device on this host", "pass --device cpu")
 
 
 def _check_placement(args) -> None:
@@ -332,25 +398,106 @@ def _check_request(args, task: str, conditioning) -> None:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
 
 
+def _text_encoder_token_limit(folder: Optional[Path]) -> Optional[int]:
+    """The most tokens the checkpoint's text encoder reads (its `max_position_embeddings`), from its config; `None`
+    when the config does not say."""
+    if folder is None:  # the tiny demo's Qwen3-VL keeps the class default
+        from transformers import Qwen3VLTextConfig
+
+        return Qwen3VLTextConfig().max_position_embeddings
+    file = folder / "text_encoder" / "config.json"
+    if not file.is_file():
+        return None
+    config = json.loads(file.read_text())
+    return (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+
+
+def _check_prompt_length(args) -> None:
+    """The prompt fits the text encoder: at most its `max_position_embeddings` tokens (`tokenizer(prompt,
+    add_special_tokens=False)`, no chat template: what the pipeline presents). The tokenizer is byte-level, so a
+    prompt of at most that many UTF-8 bytes fits without tokenizing."""
+    if args.model is not None and args.model_path is None:  # a hub repo: its configs are not here before loading
+        return
+    limit = _text_encoder_token_limit(args.model_path)
+    if limit is None or len(args.prompt.encode("utf-8")) <= limit:
+        return
+    if args.model_path is None:
+        from diffusers_h3.testing.tiny import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+    elif (args.model_path / "tokenizer").is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path / "tokenizer")
+    else:
+        return
+    num_tokens = len(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    if num_tokens > limit:
+        raise UsageError(f"--prompt is {num_tokens} tokens, more than the text encoder reads ({limit} tokens, its "
+                         "max_position_embeddings)", f"shorten the prompt to at most {limit} tokens")  # fmt: skip
+
+
 def _default_patch_size(model_cls):
     import inspect
 
     return inspect.signature(model_cls.__init__).parameters["patch_size"].default
 
 
-def check_generate(args):
-    """Every check of `generate` that needs no weights; returns the decoded conditioning inputs."""
-    if not args.prompt.strip():
+def _check_prompt_text(prompt: str) -> None:
+    if not prompt.strip():
         raise UsageError("--prompt is empty", "describe the clip, e.g. --prompt 'a cat playing the piano'")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:  # bytes that were not UTF-8 reach Python as lone surrogates (PEP 383)
+        raw = prompt[error.start].encode("utf-8", "surrogateescape")
+        raise UsageError(f"--prompt is not valid UTF-8 text (byte 0x{raw.hex()} at character {error.start})",
+                         "pass the prompt as UTF-8 (check the terminal's or the script's encoding)") from None  # fmt: skip
+
+
+def _check_lora_file(args) -> None:
+    lora_path = _local_path(args.lora, "--lora")
+    if lora_path is None or not lora_path.is_file():
+        return
+    if lora_path.suffix.lower() in (".bin", ".pt", ".pth"):
+        problem = torch_checkpoint_problem(lora_path)
+        if problem:
+            raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file or a torch.save checkpoint")
+    else:
+        problem = safetensors_problem(lora_path)
+        if problem:
+            raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file")
+
+
+def check_arguments(args) -> None:
+    """The checks that read only the arguments and the file system, with the standard library: the console entry
+    point runs them before importing the package (torch, diffusers), so these mistakes answer at once."""
+    if args.command == "describe":
+        if args.demo and args.model is not None:
+            raise UsageError("--demo and --model name two pipelines", "pass one of them")
+        _check_placement(args)
+        _check_model_option(args)
+        return
+    _check_prompt_text(args.prompt)
     _check_flag_combinations(args)
     _check_out(args.out)
     if args.lora is not None:
-        lora_path = _local_path(args.lora, "--lora")
-        if lora_path is not None and lora_path.is_file() and lora_path.suffix.lower() not in (".bin", ".pt", ".pth"):
-            problem = safetensors_problem(lora_path)
-            if problem:
-                raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file")
+        _check_lora_file(args)
     _check_model_option(args)
+    for flag, value in (("--image", args.image), ("--last-image", args.last_image)):
+        if value:
+            _check_file(value, flag)
+    for value in args.reference or ():
+        _check_file(_split_reference(value)[1], "--reference")
+
+
+def check_generate(args):
+    """Every check of `generate` that needs no weights; returns the decoded conditioning inputs."""
+    check_arguments(args)
+    _check_flashinfer(args)
+    _check_device(args)
+    for flag, value in (("--model", args.model), ("--lora", args.lora)):
+        if value is not None and _local_path(value, flag) is None:
+            check_hub_reachable(value, flag, file="model_index.json" if flag == "--model" else None)
     if args.model is None and args.height is None and args.width is None:
         args.height, args.width = DEMO_CANVAS
     conditioning = {
@@ -375,6 +522,7 @@ def check_generate(args):
         )
     _check_choices(args)
     _check_request(args, task, conditioning)
+    _check_prompt_length(args)
     args.task = task
     return conditioning
 
@@ -581,7 +729,11 @@ def cmd_generate(args) -> int:
 
     if not is_main_rank():  # every rank holds the same output; rank 0 writes it
         return 0
-    path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0], sampling_rate=output.sampling_rate)
+    try:
+        path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0],
+                               sampling_rate=output.sampling_rate)  # fmt: skip
+    except OSError as error:  # a full disk: the target is left as it was, the error names it
+        raise UsageError(f"--out {args.out}: {error}", "free some space or pick another --out") from error
     frames = output.frames.shape[1]
     print(f"wrote {path}: {frames} frames at 24 fps + stereo audio at {output.sampling_rate} Hz ({seconds:.1f} s)")
     print("paths:")
@@ -590,10 +742,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_describe(args) -> int:
-    if args.demo and args.model is not None:
-        raise UsageError("--demo and --model name two pipelines", "pass one of them")
-    _check_placement(args)
-    _check_model_option(args)
+    check_arguments(args)
+    if args.model is not None and args.model_path is None:
+        check_hub_reachable(args.model, "--model", file="model_index.json")
+    _check_device(args)
     from diffusers_h3 import describe
     from diffusers_h3._report import format_report
 
@@ -608,8 +760,8 @@ def cmd_describe(args) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # The parser
 # ---------------------------------------------------------------------------------------------------------------------
-def _ranged(kind, minimum=None, below=None, what="value"):
-    """An argparse type: `kind(value)` within [minimum, below)."""
+def _ranged(kind, minimum=None, below=None, what="value", bounds=None):
+    """An argparse type: `kind(value)` within [minimum, below) (`bounds`: how the message says the range)."""
 
     def parse(value: str):
         try:
@@ -617,8 +769,10 @@ def _ranged(kind, minimum=None, below=None, what="value"):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         if (minimum is not None and number < minimum) or (below is not None and number >= below):
-            bounds = f"at least {minimum}" if below is None else f"in [{minimum}, {below})"
-            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {bounds or (f'at least {minimum}' if below is None else f'in [{minimum}, {below})')}, "
+                f"got {value}"
+            )
         return number
 
     return parse
@@ -659,16 +813,18 @@ def build_parser() -> argparse.ArgumentParser:
                                             "but departs from the reference pipeline)")  # fmt: skip
     gen.add_argument("--height", type=int, default=None,
                      help="canvas height in pixels, with --width: multiples of 32 (the VAE's 16x times the DiT's "
-                          "patch 2), aspect ratio 1:4 to 4:1 (default: 768x1344 for t2va/ref2va, the first keyframe's "
-                          "aspect at a 768 short edge for fl2va, %s on the tiny demo)" % "x".join(map(str, DEMO_CANVAS)))  # fmt: skip
+                          "patch 2), aspect ratio (width:height) 1:4 to 4:1 (default: height 768, width 1344 for "
+                          "t2va/ref2va, the first keyframe's aspect at a 768 short edge for fl2va, height %d, width %d "
+                          "on the tiny demo)" % DEMO_CANVAS)  # fmt: skip
     gen.add_argument("--width", type=int, default=None, help="canvas width in pixels (see --height)")
     gen.add_argument("--frames", "--num-frames", dest="frames", type=int, default=124,
-                     help="frames at 24 fps, rounded up to 17n+5; 5-15 s after rounding, i.e. 120-345 frames "
-                          "(default: %(default)s = 5.2 s)")  # fmt: skip
+                     help="frames at 24 fps, rounded up to 17n+5 (the VAE's chunks), 5-15 s after rounding: "
+                          "108-345 frames, which round up to 124-345 (default: %(default)s = 5.2 s)")  # fmt: skip
     gen.add_argument("--steps", type=_ranged(int, 2, what="--steps"), default=None,
                      help="sigma grid points including the final 0 (STEPS-1 transformer forwards), at least 2 "
                           "(default: 50, or the schedule of a step-distillation LoRA)")  # fmt: skip
-    gen.add_argument("--seed", type=int, default=0, help="seed of the one CPU generator (default: %(default)s)")
+    gen.add_argument("--seed", type=_ranged(int, 0, 2**64, what="--seed", bounds="from 0 to 2**64-1"), default=0,
+                     help="seed of the one CPU generator, 0 to 2**64-1 (default: %(default)s)")
     gen.add_argument("--gpus", type=int, default=1,
                      help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
                           "(default: %(default)s)")  # fmt: skip
@@ -716,6 +872,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_interrupt() -> None:
+    """Ctrl-C: one line and exit code 130 (128 + SIGINT), the shell convention."""
+    print(f"{PROG}: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
+
+
+def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse `argv` and run the checks that read only the arguments (`check_arguments`): a mistake exits with one line
+    and code 2. The console entry point calls it before the package (and torch) is imported."""
+    args = build_parser().parse_args(argv)
+    try:
+        check_arguments(args)
+    except UsageError as error:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        _exit_on_interrupt()
+    return args
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -725,6 +903,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"{PROG}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        _exit_on_interrupt()
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def _safetensors(path):
 
 BAD_INPUTS = {
     "empty prompt": (["--prompt", "  "], ["--prompt is empty"]),
-    "height not a multiple": (["--height", "100", "--width", "96"], ["multiples of 32", "100x96"]),
+    "height not a multiple": (["--height", "100", "--width", "96"], ["multiples of 32", "got --height 100 --width 96"]),
     "height without width": (["--height", "64"], ["--height and --width have to be passed together"]),
-    "aspect ratio": (["--height", "32", "--width", "256"], ["aspect ratios from 1:4 to 4:1"]),
+    "aspect ratio": (["--height", "32", "--width", "256"], ["aspect ratios from 1:4 to 4:1 (width:height)",
+                                                            "got --height 32 --width 256"]),
     "too few frames": (["--frames", "50"], ["--frames 50", "17n+5"]),
     "too many frames": (["--num-frames", "400"], ["--frames 400"]),
     "steps": (["--steps", "1"], ["--steps must be at least 2"]),
@@ -79,6 +80,13 @@ BAD_INPUTS = {
     "model under a missing folder": (["--model", "../nowhere"], ["does not exist"]),
     "missing lora file": (["--lora", "./style.safetensors"], ["--lora ./style.safetensors", "does not exist"]),
     "missing image": (["--image", "nope.png"], ["--image nope.png", "does not exist"]),
+    "last image is a folder": (["--last-image", "{tmp}"], ["--last-image", "is a folder, not a file"]),
+    "reference is a folder": (["--reference", "image:{tmp}"], ["--reference", "is a folder, not a file"]),
+    "out in a folder nobody can write": (["--out", "/proc/clip.mp4"], ["--out /proc/clip.mp4", "cannot write in /proc"]),
+    "unknown device": (["--device", "foo"], ["--device foo: not a torch device", "pass cpu, cuda"]),
+    "negative seed": (["--seed", "-1"], ["--seed must be from 0 to 2**64-1, got -1"]),
+    "seed above 64 bits": (["--seed", str(2**64)], ["--seed must be from 0 to 2**64-1"]),
+    "prompt not utf-8": (["--prompt", "caf\udce9"], ["--prompt is not valid UTF-8", "byte 0xe9 at character 3"]),
     "unknown reference kind": (["--reference", "thing.xyz"], ["--reference thing.xyz", "image:PATH"]),
     "ref2va on the demo": (["--reference", "image:{img}"], ["tiny demo", "--model"]),
     "two tasks": (["--image", "{img}", "--reference", "image:{img}"], ["cannot be combined"]),
@@ -241,12 +249,19 @@ for argv in (["--help"], ["--version"], ["generate", "--help"], ["generate", "--
         diffusers_h3_launcher.main(argv)
     except SystemExit as stop:
         print("EXIT", argv[-1], stop.code)
+# Checks that read only the arguments answer before the package (and torch) is imported.
+for name, argv in (("empty-prompt", ["--prompt", " "]), ("unwritable-out", ["--prompt", "a cat", "--out", "/proc/x.mp4"]),
+                   ("seed", ["--prompt", "a cat", "--seed", "-1"]), ("folder-image", ["--prompt", "a", "--image", "."])):
+    try:
+        diffusers_h3_launcher.main(["generate", *argv])
+    except SystemExit as stop:
+        print("EXIT", name, stop.code)
 heavy = sorted(name for name in ("torch", "diffusers", "transformers", "diffusers_h3") if name in sys.modules)
 print("HEAVY", heavy)
-try:
-    diffusers_h3_launcher.main(["generate", "--prompt", " ", "--out", "x.mp4"])
+try:  # the frame count is checked against the checkpoint's VAE: that needs the package
+    diffusers_h3_launcher.main(["generate", "--prompt", "a cat", "--frames", "50", "--out", "x.mp4"])
 except SystemExit as stop:
-    print("EXIT empty-prompt", stop.code)
+    print("EXIT frames", stop.code)
 print("LOADED", "diffusers_h3" in sys.modules and hasattr(sys.modules["diffusers_h3"], "MiniMaxH3Pipeline"))
 """
 
@@ -260,8 +275,11 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
     out = result.stdout
     assert "EXIT --help 0" in out and "EXIT --version 0" in out and "EXIT --no-such-flag 2" in out, out
     assert "HEAVY []" in out, out
-    assert "EXIT empty-prompt 2" in out and "LOADED True" in out, out
-    assert "--prompt is empty" in result.stderr
+    for name in ("empty-prompt", "unwritable-out", "seed", "folder-image"):
+        assert f"EXIT {name} 2" in out, out
+    assert "EXIT frames 2" in out and "LOADED True" in out, out
+    assert "--prompt is empty" in result.stderr and "--frames 50" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 def test_flashinfer_on_without_the_package_is_one_line(no_loading, capsys, monkeypatch):
@@ -283,3 +301,125 @@ def test_fast_flashinfer_on_a_non_hopper_gpu_is_one_line(no_loading, capsys, mon
             "--flashinfer", "on"]  # fmt: skip
     _fails(argv, capsys, "FA3's FP8 kernel", "Hopper (SM90) only, not sm_80", "--flashinfer off")
     assert not out.exists()
+
+
+def test_cuda_without_a_gpu_is_one_line_before_loading(no_loading, capsys, monkeypatch):
+    import torch
+
+    out = no_loading / "out.mp4"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _fails(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cuda"], capsys,
+           "--device cuda: this host has no usable CUDA GPU", "pass --device cpu")  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _fails(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cuda:1"], capsys,
+           "--device cuda:1: only 1 CUDA device(s) visible", "cuda:0")  # fmt: skip
+    assert not out.exists()
+
+
+def test_decompression_bomb_image_is_one_line(no_loading, capsys, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 96x64 = 6144 pixels: past PIL's error limit (2x)
+    image = _image(no_loading / "key.png")
+    argv = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu", "--image", image]
+    _fails(argv, capsys, "--image", "decompression bomb", "pass a smaller image")
+
+
+def test_a_bin_lora_that_is_not_a_checkpoint_is_named(no_loading, capsys):
+    import torch
+
+    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
+    text = no_loading / "style.bin"
+    text.write_text("not a checkpoint at all")
+    _fails([*base, "--lora", str(text)], capsys, f"--lora {text}", "not a PyTorch checkpoint")
+    good = no_loading / "good.bin"
+    torch.save({"lora_A.weight": torch.zeros(2, 2)}, good)
+    assert cli.torch_checkpoint_problem(good) is None
+    legacy = no_loading / "legacy.pt"
+    torch.save({"lora_A.weight": torch.zeros(2, 2)}, legacy, _use_new_zipfile_serialization=False)
+    assert cli.torch_checkpoint_problem(legacy) is None
+    truncated = no_loading / "truncated.bin"
+    truncated.write_bytes(good.read_bytes()[:-40])
+    _fails([*base, "--lora", str(truncated)], capsys, "not a PyTorch checkpoint")
+
+
+def test_hub_id_without_network_blames_the_network(no_loading, capsys, monkeypatch):
+    import socket
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
+    _fails([*base, "--model", "someone/h3-checkpoint"], capsys, "--model someone/h3-checkpoint",
+           "cannot reach the Hugging Face Hub", "name resolution", "HF_HUB_OFFLINE=1", "local folder")  # fmt: skip
+    _fails(["describe", "--model", "someone/h3-checkpoint"], capsys, "cannot reach the Hugging Face Hub")
+    _fails([*base, "--lora", "someone/h3-lora"], capsys, "--lora someone/h3-lora", "cannot reach")
+
+
+def test_hub_offline_uses_the_cache_without_a_request(no_loading, capsys, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE made a network request"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(no_loading / "hub"))
+    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
+    _fails([*base, "--model", "someone/h3-checkpoint"], capsys, "HF_HUB_OFFLINE is set",
+           "not in the Hugging Face cache", str(no_loading / "hub"))  # fmt: skip
+    # In the cache: the checks pass and loading starts (refused here), still without a request.
+    snapshot = no_loading / "hub" / "models--someone--h3-checkpoint" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model_index.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        cli.main([*base, "--model", "someone/h3-checkpoint"])
+
+
+def test_prompt_longer_than_the_text_encoder_reads_is_refused_before_loading(no_loading, capsys):
+    from diffusers_h3.testing.tiny import tiny_tokenizer
+
+    model = no_loading / "model"
+    (model / "text_encoder").mkdir(parents=True)
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3Pipeline"}))
+    (model / "text_encoder" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 16}}))
+    tiny_tokenizer().save_pretrained(model / "tokenizer")
+    base = ["generate", "--out", str(no_loading / "out.mp4"), "--device", "cpu", "--model", str(model)]
+    _fails([*base, "--prompt", "a cat playing the piano"], capsys, "--prompt is 23 tokens",
+           "(16 tokens, its max_position_embeddings)", "at most 16 tokens")  # fmt: skip
+    with pytest.raises(AssertionError, match="a model was loaded"):  # 16 tokens fit: on to loading
+        cli.main([*base, "--prompt", "a cat plays jazz"])
+
+
+def test_frames_range_in_help_is_the_range_accepted(no_loading):
+    import re
+
+    text = cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    low, high = map(int, re.search(r"(\d+)-(\d+) frames, which round up", " ".join(text.split())).groups())
+
+    def accepted(frames):
+        args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"),
+                                              "--device", "cpu", "--frames", str(frames)])  # fmt: skip
+        try:
+            cli.check_generate(args)
+            return True
+        except cli.UsageError:
+            return False
+
+    assert accepted(low) and accepted(high) and not accepted(low - 1) and not accepted(high + 1)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(no_loading, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", classmethod(interrupted))
+    monkeypatch.setattr("diffusers_h3.testing.tiny.demo_checkpoint_dir", lambda: no_loading)
+    try:  # a KeyboardInterrupt escaping would stop the test session: catch it to fail this test only
+        cli.main(["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"])
+    except BaseException as stop:  # noqa: B036
+        ended = stop
+    assert isinstance(ended, SystemExit) and ended.code == 130, repr(ended)
+    err = capsys.readouterr().err
+    assert "diffusers-h3: interrupted" in err and "Traceback" not in err, err

@@ -81,7 +81,8 @@ def _ensure_process_group() -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "enable_context_parallel needs one process per rank: launch with `torchrun --nproc-per-node N`, "
-            "`accelerate launch --num-processes N` or `accelerate.notebook_launcher(..., num_processes=N)`."
+            "`accelerate launch --multi_gpu --num_processes N` (on a host without GPUs too: without --multi_gpu "
+            "Accelerate starts one process there) or `accelerate.notebook_launcher(..., num_processes=N)`."
         )
 
 

@@ -1,7 +1,8 @@
 """Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV (diffusers' `encode_video`).
 
 The clip is encoded into a hidden temporary file beside the target and renamed onto it only when encoding finished,
-so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never clobbers an existing one.
+so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never clobbers an existing one;
+an OS error (a full disk) is raised naming the target file and the cause.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _frames_to_uint8(frames) -> np.ndarray:
             raise ValueError("float frames must lie in [0, 1] (the pipeline's `np`/`pt` output).")
         array = values.mul(255.0).round_().to(torch.uint8).numpy()
     if array.shape[1] % 2 or array.shape[2] % 2:
-        raise ValueError(f"H.264 (yuv420p) needs even height and width, got {array.shape[2]}x{array.shape[1]}.")
+        raise ValueError(f"H.264 (yuv420p) needs even height and width, got height={array.shape[1]}, width={array.shape[2]}.")
     return array
 
 
@@ -113,8 +114,10 @@ def export_to_video(
             audio_sample_rate=sampling_rate if audio is not None else None,
         )  # fmt: skip
         os.replace(temporary, path)
-    except BaseException:  # KeyboardInterrupt too: never leave the partial file behind
+    except BaseException as error:  # KeyboardInterrupt too: never leave the partial file behind
         if os.path.exists(temporary):
             os.remove(temporary)
+        if isinstance(error, OSError):  # a full disk, a vanished folder: the target (not the temporary) and the cause
+            raise OSError(error.errno, f"cannot write the clip ({error.strerror or error})", path) from None
         raise
     return path

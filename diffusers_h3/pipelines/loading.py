@@ -27,6 +27,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 from diffusers.utils.distributed_utils import is_torch_dist_rank_zero
 
+from .._checkpoint_files import safetensors_problem
 from ..tasks import PARTITIONS, partitions_for_task
 
 
@@ -407,6 +408,24 @@ def _has_component(directory: Path, index: Dict[str, Any], name: str) -> bool:
     return (directory / (spec.get("subfolder") or name)).is_dir()
 
 
+# Components loaded by transformers, whose weight files are checked here before loading.
+TRANSFORMERS_MODEL_COMPONENTS = ("text_encoder",)
+
+
+def _check_transformers_weights(directory: Path, index: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
+    """A truncated or corrupt safetensors file of a transformers component, named before it loads: transformers
+    raises `SafetensorError` without the file's name (diffusers' loader names it for the DiT and the VAEs)."""
+    for name in TRANSFORMERS_MODEL_COMPONENTS:
+        entry = index.get(name)
+        if name in kwargs or not isinstance(entry, (list, tuple)) or entry[0] is None:
+            continue
+        spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+        for file in sorted((directory / (spec.get("subfolder") or name)).glob("*.safetensors")):
+            problem = safetensors_problem(file)
+            if problem:
+                raise OSError(f"Unable to load weights from checkpoint file {file}: {problem}.")
+
+
 def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None, **kwargs):
     """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring.
 
@@ -466,6 +485,7 @@ def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], k
     index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
     _check_quantized_components(directory, index, task, kwargs)
+    _check_transformers_weights(directory, index, kwargs)
     if kind == "hub":
         return _load_hub_layout(cls, directory, index, task, kwargs)
     for partition in PARTITIONS:

@@ -436,14 +436,15 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             multiple = self.canvas_multiple
             if height <= 0 or width <= 0 or height % multiple or width % multiple:
                 raise ValueError(
-                    f"`height` and `width` must be positive multiples of {multiple}, got {height}x{width}; "
-                    f"for example {max(multiple, round(height / multiple) * multiple)}x"
-                    f"{max(multiple, round(width / multiple) * multiple)}."
+                    f"`height` and `width` must be positive multiples of {multiple}, got height={height}, "
+                    f"width={width}; for example height={max(multiple, round(height / multiple) * multiple)}, "
+                    f"width={max(multiple, round(width / multiple) * multiple)}."
                 )
             ratio = width / height
             if not MINIMAX_H3_MIN_ASPECT_RATIO <= ratio <= MINIMAX_H3_MAX_ASPECT_RATIO:
                 raise ValueError(
-                    f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {width}x{height} ({ratio:.3g}:1)."
+                    f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1 (width:height), got height={height}, "
+                    f"width={width} ({ratio:.3g}:1)."
                 )
 
     def _align_num_frames(self, num_frames) -> int:

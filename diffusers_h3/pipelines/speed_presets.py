@@ -8,7 +8,7 @@
   eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
-  Q/K on Hopper with about 4x less rounding error), no sparsity; regional compile on CUDA. With ``flashinfer=True``
+  Q/K on Hopper with about 3.4x less Q/K rounding error), no sparsity; regional compile on CUDA. With ``flashinfer=True``
   (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
   on CUDA.
@@ -50,7 +50,7 @@ logger = logging.get_logger(__name__)
 SPEED_PRESETS = ("exact", "fast", "fastest")
 # Sparsity of the "fastest" preset (the operating point of docs/attention.md and benchmarks/results).
 FASTEST_SPARSITY = 0.8
-# INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, ~4x less rounding error (docs/attention.md).
+# INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, ~3.4x less Q/K rounding error (docs/attention.md).
 ATTENTION_PRECISION = "int8"
 
 # The precision of the FlashInfer kernel each preset can run (docs/speed.md).
@@ -109,6 +109,22 @@ def exact_attention_backend(device: torch.device) -> Optional[str]:
     if cap is not None and tuple(cap) >= (8, 0) and torch.backends.cudnn.is_available():
         return "_native_cudnn"
     return None
+
+
+def set_attention_backend_on_model(model: torch.nn.Module, backend: str) -> None:
+    """``model.set_attention_backend(backend)`` for ``model``'s processors only.
+
+    diffusers' ``ModelMixin.set_attention_backend`` also makes ``backend`` the process-wide active backend, which every
+    other model whose processors have no backend of their own then runs on (an fp32 VAE on cuDNN finds no kernel):
+    the previous active backend is restored.
+    """
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
+    try:
+        model.set_attention_backend(backend)
+    finally:
+        _AttentionBackendRegistry.set_active_backend(previous)
 
 
 def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
@@ -250,7 +266,7 @@ def _apply_to_transformer(
         disable_low_precision_attention(model)  # diffusers' default processor on every block
         backend = exact_attention_backend(device)
         if backend is not None:  # the token refiner keeps diffusers' processor, on this backend
-            model.set_attention_backend(backend)
+            set_attention_backend_on_model(model, backend)
             record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
         else:
             record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"

@@ -60,9 +60,11 @@ def _forward(model):
 def _native_forward():
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
+    from diffusers_h3.pipelines.speed_presets import set_attention_backend_on_model
+
     native = _tiny_model()
     native.set_attn_processor(MiniMaxH3AttnProcessor())
-    native.set_attention_backend("_native_cudnn")
+    set_attention_backend_on_model(native, "_native_cudnn")  # not the process-wide backend the other tests run on
     return _forward(native)
 
 

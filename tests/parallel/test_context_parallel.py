@@ -154,3 +154,30 @@ def test_context_parallel_forward_matches_one_process(world_size):
         assert "native" in results["ring_native"] and "ring_degree" in results["ring_native"]
         assert "differs across ranks" in results["config_mismatch"]
         assert "_ProcessorWithoutCP" in results["processor_without_cp"]
+
+
+def test_the_accelerate_advice_starts_n_processes_on_a_host_without_gpus(monkeypatch, tmp_path):
+    # `accelerate launch --num-processes 2` on a CPU host starts one process: the advice must name a command that
+    # reaches Accelerate's multi-process launcher there (no CUDA device visible).
+    import re
+
+    import torch.distributed as dist
+    from accelerate.commands import launch as accelerate_launch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from diffusers_h3.parallel.context_parallel import _ensure_process_group
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    # Not this machine's `accelerate config` file, if it has one.
+    monkeypatch.setattr(accelerate_launch, "default_config_file", str(tmp_path / "no_config.yaml"))
+    with pytest.raises(RuntimeError, match="one process per rank") as raised:
+        _ensure_process_group()
+    command = re.search(r"`(accelerate launch [^`]*)`", str(raised.value)).group(1).replace(" N", " 2")
+    args = launch_command_parser().parse_args([*command.split()[2:], "generate.py"])
+    args = _validate_launch_command(args)[0]
+    assert args.multi_gpu and not args.cpu and args.num_processes == 2, command

@@ -67,3 +67,23 @@ def test_bad_paths_are_refused_before_encoding(tmp_path, monkeypatch):
     with pytest.raises(IsADirectoryError):
         export_to_video(FRAMES, tmp_path)
     assert _files(tmp_path) == []
+
+
+def test_a_full_disk_names_the_target_and_the_cause_not_the_temporary(tmp_path, monkeypatch):
+    import errno
+
+    target = tmp_path / "clip.mp4"
+    export_to_video(FRAMES, target, audio=AUDIO)
+    good = target.read_bytes()
+
+    def disk_full(container, *args, **kwargs):  # PyAV's error as the muxer hits ENOSPC, naming the file it writes
+        raise av.error.OSError(errno.ENOSPC, "No space left on device", container.name)
+
+    monkeypatch.setattr(export_utils, "_write_audio", disk_full)
+    with pytest.raises(OSError) as raised:
+        export_to_video(FRAMES[::-1].copy(), target, audio=AUDIO)
+    message = str(raised.value)
+    assert raised.value.errno == errno.ENOSPC and "No space left on device" in message
+    assert str(target) in message and ".partial" not in message, message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert target.read_bytes() == good and _files(tmp_path) == ["clip.mp4"]

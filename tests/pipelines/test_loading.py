@@ -191,3 +191,16 @@ def test_pipeline_quantization_config_covers_the_text_encoder(layout, own_dir, h
         assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized), name
     out = _latents(pipe)
     assert torch.isfinite(out.frames).all()
+
+
+@pytest.mark.parametrize("layout", ["ours", "hub"])
+def test_truncated_text_encoder_weights_are_named(layout, own_dir, hub_dir, tmp_path):
+    # transformers raises SafetensorError without the file's name; the DiT and VAE paths (diffusers) name it.
+    import shutil
+
+    directory = tmp_path / layout
+    shutil.copytree(own_dir if layout == "ours" else hub_dir, directory)
+    weights = sorted((directory / "text_encoder").glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(OSError, match=f"{weights}: truncated"):
+        MiniMaxH3Pipeline.from_pretrained(directory)

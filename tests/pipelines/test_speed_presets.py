@@ -301,3 +301,20 @@ def test_exact_keeps_cudnn_when_flashinfer_cannot_build(monkeypatch, tmp_path, f
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
     with pytest.raises(RuntimeError, match="no nvcc was found"):  # asked for explicitly: one clear error
         enable_speed_preset_on_transformer(_tiny_bf16_transformer(), "exact", compile=False, flashinfer=True)
+
+
+def test_exact_sets_the_backend_on_its_processors_only(monkeypatch):
+    # diffusers' set_attention_backend also sets the process-wide active backend: after the preset, every other model
+    # (an fp32 VAE, a second pipeline) would run on cuDNN. Fake a GPU where the preset picks cuDNN.
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from diffusers_h3.pipelines import speed_presets
+
+    monkeypatch.setattr(speed_presets, "exact_attention_backend", lambda device: "_native_cudnn")
+    before = _AttentionBackendRegistry.get_active_backend()[0]
+    model = _tiny_bf16_transformer()
+    record = speed_presets.enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=False)
+    assert "'_native_cudnn'" in record.attention["transformer"]
+    assert _AttentionBackendRegistry.get_active_backend()[0] == before
+    processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    assert processors and all(p._attention_backend == AttentionBackendName._NATIVE_CUDNN for p in processors)

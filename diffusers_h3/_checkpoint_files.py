@@ -1,0 +1,31 @@
+"""Checks of checkpoint files that read only their headers, with the standard library (the CLI runs them before
+importing torch; the pipeline's loader runs them before transformers reads a file)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Optional
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a complete safetensors file, or `None`; reads its header only."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"not a safetensors file ({size} bytes, shorter than a safetensors header)"
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        if header_size > size - 8:
+            return (
+                f"not a safetensors file (its first 8 bytes announce a {header_size}-byte header, the file has "
+                f"{size} bytes)"
+            )
+        try:
+            header = json.loads(handle.read(header_size))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
+            return f"not a safetensors file (unreadable header: {error})"
+    if 8 + header_size + end > size:
+        return f"truncated: {size} bytes, but its header describes {8 + header_size + end} bytes"
+    return None

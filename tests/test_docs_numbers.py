@@ -1,0 +1,89 @@
+"""Every benchmark figure the README and docs quote is the one in benchmarks/results/*.json: a table of (document,
+quoted text with `{}` where the figure stands, figure read from the JSON and formatted as quoted)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _json(name):
+    return json.loads((RESULTS / name).read_text())
+
+
+def _seconds(name, case, digits=2):
+    return lambda: f"{_json(name)['cases'][case]['ms'] / 1000:.{digits}f}"
+
+
+def _ratio(name, slow, fast, digits=2):
+    return lambda: f"{_json(name)['cases'][slow]['ms'] / _json(name)['cases'][fast]['ms']:.{digits}f}"
+
+
+def _peak(name, case):
+    return lambda: f"{_json(name)['cases'][case]['peak_gib']:.1f}"
+
+
+def _qk_error_ratio():
+    error = _json("qk_rounding_error_cpu.json")["rel_l2"]
+    return f"{error['e4m3_qk'] / error['int8_qk']:.1f}"
+
+
+def _text_encoder_layers():
+    described = (RESULTS / "request_h200.json").read_text()  # "Qwen3-VL-32B config, decoder layers 0-49 built and run"
+    first, last = re.search(r"decoder layers (\d+)-(\d+) built and run", described).groups()
+    return f"{first}–{last}"
+
+
+E2E, FWD, FI, FAST_FI = "end_to_end_h200.json", "forward_h200.json", "forward_flashinfer_h200.json", "forward_fast_flashinfer_h200.json"
+QUOTES = [
+    ("README.md", "2.61 s ({}×)", _ratio(E2E, "native_cudnn", "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("README.md", "= {}x the native forward", _ratio(E2E, "native_cudnn", "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("README.md", "native cuDNN {} s → VSA bf16 0.8", _seconds(E2E, "native_cudnn")),
+    ("README.md", "VSA bf16 0.8: {} s", _seconds(E2E, "vsa_bf16_sp0.8")),
+    ("README.md", "VSA FP8 0.8: {} s", _seconds(E2E, "vsa_fp8_sp0.8")),
+    ("README.md", "FP8 GEMMs: {} s", _seconds(E2E, "fp8_gemm")),
+    ("README.md", "FP8 GEMMs + VSA FP8 0.8: {} s", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8")),
+    ("README.md", "torch.compile`: **{} s", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("README.md", "peak {} GiB vs", _peak(E2E, "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("README.md", "forward {} s vs 6.00 s with cuDNN", _seconds(FI, "exact_flashinfer")),
+    ("README.md", "forward 5.58 s vs {} s with cuDNN", _seconds(FI, "exact")),
+    ("README.md", "`fast` forward {} s vs", _seconds(FAST_FI, "fast_flashinfer_fp8")),
+    ("README.md", "`fast` forward 4.09 s vs {} s with INT8", _seconds(FAST_FI, "fast")),
+    ("docs/attention.md", "native {} s → VSA bf16 0.8", _seconds(E2E, "native_cudnn")),
+    ("docs/attention.md", "VSA bf16 0.8 {} s", _seconds(E2E, "vsa_bf16_sp0.8")),
+    ("docs/attention.md", "VSA FP8 {} s, FP8 GEMMs", _seconds(E2E, "vsa_fp8_sp0.8")),
+    ("docs/attention.md", "FP8 GEMMs + VSA FP8 {} s, with regional compile", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8")),
+    ("docs/attention.md", "with regional compile {} s", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("docs/attention.md", "2.61 s ({}×)", _ratio(E2E, "native_cudnn", "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("docs/attention.md", "forward {} s eager", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8")),
+    ("docs/attention.md", "→ {} s compiled", _seconds(E2E, "fp8_gemm+vsa_fp8_sp0.8+compile")),
+    ("docs/attention.md", "(native cuDNN {} s)", _seconds(E2E, "native_cudnn")),
+    ("docs/attention.md", "~{}× less rounding error than E4M3", _qk_error_ratio),
+    ("docs/attention.md", "forward inside the `exact` preset takes {} s", _seconds(FI, "exact_flashinfer")),
+    ("docs/attention.md", "takes 5.58 s against {} s", _seconds(FI, "exact")),
+    ("docs/quantization.md", "FP8 GEMMs: {} s →", _seconds(E2E, "native_cudnn")),
+    ("docs/quantization.md", "→ {} s, peak memory", _seconds(E2E, "fp8_gemm")),
+    ("docs/quantization.md", "peak memory {} →", _peak(E2E, "native_cudnn")),
+    ("docs/quantization.md", "→ {} GiB", _peak(E2E, "fp8_gemm")),
+    ("docs/speed.md", "same-run native {} s", _seconds(FI, "native")),
+    ("docs/speed.md", "cuDNN `exact` {} s", _seconds(FI, "exact")),
+    ("docs/speed.md", "drops from {} s", _seconds(FI, "exact")),
+    ("docs/speed.md", "to **{} s**", _seconds(FI, "exact_flashinfer")),
+    ("docs/speed.md", "decoder layers {} built and run", _text_encoder_layers),
+]
+
+
+def _normalized(text):
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("document, quote, figure", QUOTES, ids=[f"{d}: {q}" for d, q, _ in QUOTES])
+def test_quoted_figure_is_the_measured_one(document, quote, figure):
+    text = _normalized((ROOT / document).read_text())
+    expected = quote.format(figure())
+    assert _normalized(expected) in text, f"{document} should quote {expected!r} (from benchmarks/results)"

@@ -61,9 +61,11 @@ def _model_with(processor):
     return model
 
 
+@pytest.mark.parametrize("backend", [None, "flash"])  # flash: a ring-capable backend must not let them through
 @pytest.mark.parametrize("kind", sorted(ULYSSES_ONLY))
-def test_ulysses_only_processors_are_refused_under_ring_attention(two_ranks, kind):
+def test_ulysses_only_processors_are_refused_under_ring_attention(two_ranks, kind, backend):
     processor = ULYSSES_ONLY[kind]()
+    processor._attention_backend = backend  # what transformer.set_attention_backend(...) records on it
     with pytest.raises(ValueError, match=rf"ring_degree=2 needs attention that returns a log-sum-exp; "
                                          rf"{type(processor).__name__} .* runs Ulysses only"):
         context_parallel.enable_context_parallel(_model_with(processor), ulysses_degree=1, ring_degree=2)

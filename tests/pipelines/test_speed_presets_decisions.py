@@ -1,0 +1,55 @@
+"""Decisions of the speed presets that must not flip: the automatic FlashInfer choice is Hopper only (SM90, where it
+was measured; not Ampere/Ada, not Blackwell SM100/SM120), and `exact` puts diffusers' own processor back on every block
+whatever was installed before. The GPU is faked through `torch.cuda.get_device_capability`."""
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+
+from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer, plan_flashinfer
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 6), (8, 9), (10, 0), (10, 3), (12, 0)])
+def test_automatic_flashinfer_is_hopper_only(monkeypatch, flashinfer_stand_in, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    hopper = capability[0] == 9
+    assert plan_flashinfer(None, torch.device("cuda:0"), "exact") == ("on" if hopper else "off")
+    assert plan_flashinfer(None, torch.device("cuda:0"), "fast") == ("available" if hopper else "off")
+    assert plan_flashinfer(False, torch.device("cuda:0"), "exact") == "off"
+
+
+def _tiny_transformer():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
+    torch.manual_seed(0)
+    return MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+
+
+def _int8_attention(model):
+    from diffusers_h3.attention_processors import enable_low_precision_attention
+
+    enable_low_precision_attention(model, "int8")
+
+
+def _flashinfer_attention(model):
+    from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor
+
+    for block in model.transformer_blocks:
+        block.attn.set_processor(MiniMaxH3FlashInferProcessor("fa3"))
+
+
+@pytest.mark.parametrize("install", [_int8_attention, _flashinfer_attention], ids=["int8", "flashinfer"])
+def test_exact_restores_diffusers_processor_on_every_block(install):
+    model = _tiny_transformer()
+    refiner_before = {name: type(p) for name, p in model.attn_processors.items() if name.startswith("token_refiner")}
+    install(model)
+    assert not any(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
+
+    enable_speed_preset_on_transformer(model, "exact", compile=False)
+
+    assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
+    refiner_after = {name: type(p) for name, p in model.attn_processors.items() if name.startswith("token_refiner")}
+    assert refiner_after == refiner_before

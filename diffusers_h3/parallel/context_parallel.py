@@ -223,9 +223,10 @@ def _enable_parallelism_on_cpu(model: torch.nn.Module, cp_config) -> None:
     mesh = cp_config.mesh
     if mesh is None:
         override = cpu_group_backend_override(cp_config.mesh_dim_names)
+        own_groups = override is not None  # init_device_mesh empties the dict it is given
         mesh = init_device_mesh("cpu", cp_config.mesh_shape, mesh_dim_names=cp_config.mesh_dim_names,
                                 backend_override=override)  # fmt: skip
-        if override:  # `setup` flattens the mesh without an override: flatten it here first (the result is cached)
+        if own_groups:  # `setup` flattens the mesh without an override: flatten it here first (the result is cached)
             mesh[cp_config.mesh_dim_names]._flatten(backend_override=CPU_GLOO)
     config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=mesh)
     model._parallel_config = config

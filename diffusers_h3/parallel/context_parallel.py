@@ -253,7 +253,7 @@ def cpu_group_backend_override(mesh_dim_names) -> Optional[Dict[str, str]]:
             f"Context parallelism on a host without GPUs needs a gloo process group, but the default group uses "
             f"'{backend}': call torch.distributed.init_process_group('cpu:gloo') instead."
         )
-    return {name: CPU_GLOO for name in mesh_dim_names}
+    return dict.fromkeys(mesh_dim_names, CPU_GLOO)
 
 
 def _check_same_on_every_rank(description: Dict[str, Any]) -> None:

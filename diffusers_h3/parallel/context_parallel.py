@@ -242,13 +242,15 @@ def cpu_group_backend_override(mesh_dim_names) -> Optional[Dict[str, str]]:
 
     diffusers' uneven-shard size exchange (`gather_size_by_comm`) puts its tensors on the CPU only when the group's
     backend string contains "cpu", else on `torch.accelerator.current_accelerator()`: with the common
-    `init_process_group("gloo")` and a CUDA build of torch on a CPU host, that is CUDA, and the first forward fails
-    with "Found no NVIDIA driver". Groups of our own, created as "cpu:gloo", keep the exchange on the CPU.
+    `init_process_group("gloo")` (or a group created without a backend, "undefined", as Accelerate's `PartialState`
+    creates under torchrun) and a CUDA build of torch on a CPU host, that is CUDA, and the first forward fails with
+    "Found no NVIDIA driver". Groups of our own, created as "cpu:gloo", keep the exchange on the CPU.
     """
     backend = str(dist.get_backend())
     if "cpu" in backend:
         return None
-    if "gloo" not in backend:
+    # "undefined": created without a backend (Accelerate's PartialState under torchrun does), gloo serves the CPU.
+    if "gloo" not in backend and backend != "undefined":
         raise ValueError(
             f"Context parallelism on a host without GPUs needs a gloo process group, but the default group uses "
             f"'{backend}': call torch.distributed.init_process_group('cpu:gloo') instead."

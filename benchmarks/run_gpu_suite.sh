@@ -60,11 +60,11 @@ has flashinfer && run flashinfer python benchmarks/flashinfer_peers.py "${COMMIT
   --out "$OUT/attention_flashinfer_$DEVICE.json"
 has flashinfer_forward && run forward_flashinfer python benchmarks/forward.py "${COMMIT_ARGS[@]}" \
   --cases native,exact,exact_flashinfer,fast,fast_flashinfer_fp8 --out "$OUT/forward_flashinfer_$DEVICE.json"
-# Multi-rank work on one GPU: ranks sharing it over gloo, and the per-rank timings of the scaling model.
-has parallel_one_gpu && run parallel_one_gpu python -m pytest -o addopts="" -m gpu tests/gpu/test_parallel_one_gpu.py \
-  -q -p no:cacheprovider --junitxml "$OUT/parallel_one_gpu_$DEVICE.xml"
+# Multi-rank work on one GPU: the per-rank timings of the scaling model, and ranks sharing the GPU over gloo.
 has scaling_model && run scaling_model python benchmarks/multi_gpu_model.py "${COMMIT_ARGS[@]}" \
   --out "$OUT/multi_gpu_model_$DEVICE.json"
+has parallel_one_gpu && run parallel_one_gpu python -m pytest -o addopts="" -m gpu tests/gpu/test_parallel_one_gpu.py \
+  -q -p no:cacheprovider --junitxml "$OUT/parallel_one_gpu_$DEVICE.xml"
 
 # Multi-GPU parts: one launch per part over every visible GPU (each fits a 10-minute slot on H200s).
 N=$(python -c "import torch; print(torch.cuda.device_count())")

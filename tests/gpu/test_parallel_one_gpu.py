@@ -44,7 +44,7 @@ def _rank_cases(device_type):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_tp_and_vae_cases_on_ranks_sharing_one_gpu(world_size):
-    rank_results = launch(_rank_cases, world_size, args=("cuda",), backend=SHARED_GPU, timeout_s=300)
+    rank_results = launch(_rank_cases, world_size, args=("cuda",), backend=SHARED_GPU, timeout_s=240)
     for rank, results in enumerate(rank_results):
         for case in CP_CASES:
             # Same attention kernels on the full sequence per head; only the GEMMs see other row counts.
@@ -63,7 +63,7 @@ def test_cp_tp_and_vae_cases_on_ranks_sharing_one_gpu(world_size):
 
 def test_real_shape_cp2_and_tp2_match_one_process():
     expected = real_shape_reference("cuda")
-    rank_results = launch(rank_real_shape, 2, args=("cuda",), backend=SHARED_GPU, timeout_s=400)
+    rank_results = launch(rank_real_shape, 2, args=("cuda",), backend=SHARED_GPU, timeout_s=300)
     keys = [("cp", c) for c in REAL_SHAPE_CP_CASES] + [("tp", c) for c in REAL_SHAPE_TP_CASES]
     errors = {(rank, key): rel_l2(results[key], expected[key]) for rank, results in enumerate(rank_results)
               for key in keys}  # fmt: skip
@@ -73,7 +73,7 @@ def test_real_shape_cp2_and_tp2_match_one_process():
 
 def test_pipeline_end_to_end_under_context_parallel_writes_the_mp4_on_rank_0(tmp_path):
     frames, audio = pipeline_reference("cuda")
-    rank_results = launch(rank_pipeline_to_mp4, 2, args=(str(tmp_path), "cuda"), backend=SHARED_GPU, timeout_s=300)
+    rank_results = launch(rank_pipeline_to_mp4, 2, args=(str(tmp_path), "cuda"), backend=SHARED_GPU, timeout_s=180)
     for rank, result in enumerate(rank_results):
         assert rel_l2(result["frames"], frames) <= 1e-2, rank
         assert rel_l2(result["audio"], audio) <= 1e-2, rank

@@ -104,11 +104,88 @@ def _bars(ax, title, rows, unit):
     ax.tick_params(labelsize=8)
 
 
+SCALING_FILE = "multi_gpu_model_h200.json"
+
+
+def scaling_table(results_dir=RESULTS, file: str = SCALING_FILE) -> Optional[dict]:
+    """``{"title", "rows": [(preset, degree, per-rank block ms (measured), forward s, speed-up, efficiency,
+    50-step denoise s, request s)]}`` from benchmarks/multi_gpu_model.py's JSON (everything but the block time is
+    predicted), or ``None`` when the file is absent."""
+    path = Path(results_dir) / file
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    rows = []
+    for preset, degrees in data["predicted"]["presets"].items():
+        measured = data["measured"]["presets"][preset]["per_rank"]
+        for degree, entry in sorted(degrees.items(), key=lambda item: int(item[0])):
+            forward = entry.get("forward_s_scaled") or entry["forward_s"]
+            rows.append((preset, int(degree), measured[degree]["block_ms"], forward, entry["speedup"],
+                         entry["efficiency"], entry.get("denoise_s"), entry.get("request_s")))  # fmt: skip
+    link = data["assumptions"]
+    title = (f"Context parallel scaling, predicted from one-GPU measurements ({data['device']}, {data['commit']}; "
+             f"{link['link']} at {link['all_to_all_efficiency']:.0%} of {link['link_gb_per_s_per_direction']:.0f} GB/s)")
+    return {"title": title, "rows": rows, "anchors": data.get("anchors", {})}
+
+
+def scaling_markdown(table: dict) -> str:
+    """The docs table of :func:`scaling_table` (predicted except the measured per-rank block time)."""
+    lines = ["| preset | GPUs | per-rank block, ms (measured) | forward, s | speed-up | efficiency | 50-step "
+             "denoise, s | request, s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for preset, degree, block_ms, forward, speedup, efficiency, denoise, request in table["rows"]:
+        cells = [preset, str(degree), f"{block_ms:.1f}", f"{forward:.2f}", f"{speedup:.2f}x", f"{efficiency:.0%}",
+                 "" if denoise is None else f"{denoise:.1f}", "" if request is None else f"{request:.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_scaling(table: dict, out) -> None:
+    """Predicted speed-up per preset against GPUs (ideal dashed) and predicted 50-step denoise time, with the public
+    SGLang 4xH200 Ulysses-4 denoise time as a point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    presets = list(dict.fromkeys(row[0] for row in table["rows"]))
+    degrees = sorted({row[1] for row in table["rows"]})
+    left.plot(degrees, degrees, "--", color="#999999", label="ideal")
+    for preset in presets:
+        rows = [row for row in table["rows"] if row[0] == preset]
+        left.plot([r[1] for r in rows], [r[4] for r in rows], "o-", label=preset)
+        if all(r[6] is not None for r in rows):
+            right.plot([r[1] for r in rows], [r[6] for r in rows], "o-", label=preset)
+    sglang = table["anchors"].get("sglang_4xh200_ulysses4_t2va_50_steps")
+    if sglang:
+        right.plot([4], [sglang["denoise_s"]], "k*", markersize=11, label="SGLang 4xH200 Ulysses-4 (public)")
+    left.set(xlabel="GPUs (Ulysses degree)", ylabel="predicted speed-up", xticks=degrees)
+    right.set(xlabel="GPUs (Ulysses degree)", ylabel="predicted 50-step denoise, s", xticks=degrees)
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(table["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> Dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=str(RESULTS), help="folder holding the results JSON files")
     parser.add_argument("--out", default=None, help="PNG to write (default: <results>/summary.png)")
+    parser.add_argument("--scaling", action="store_true",
+                        help=f"draw the context-parallel scaling plot from {SCALING_FILE} instead "
+                             "(default --out: <results>/multi_gpu_model.png) and print its docs table")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.scaling:
+        scaling = scaling_table(args.results)
+        if scaling is None:
+            raise SystemExit(f"no {SCALING_FILE} in {args.results}")
+        plot_scaling(scaling, args.out or str(Path(args.results) / "multi_gpu_model.png"))
+        print(scaling_markdown(scaling))
+        return {SCALING_FILE: scaling}
 
     import matplotlib
 

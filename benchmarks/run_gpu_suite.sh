@@ -7,6 +7,8 @@
 #   --out       where the JSON and logs go (default: benchmarks/results)
 #   --parts     comma list of tests, gemm, attention, e2e, v100, flashinfer, flashinfer_forward, and on a host with
 #               N >= 2 GPUs multi_gpu_tests, cp, uneven, tp_w8a16 (docs/multi_gpu.md) (default: tests,gemm,attention,e2e)
+#               parallel_one_gpu: the multi-rank tests with ranks sharing one GPU (gloo; junit XML beside the logs);
+#               scaling_model: the context-parallel scaling model from one-GPU measurements (docs/multi_gpu.md);
 #               flashinfer: FlashInfer's GPU tests and its peers (needs flashinfer-python; docs/benchmarking.md);
 #               flashinfer_forward: the full forward with and without FlashInfer's kernels under the presets
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
@@ -24,7 +26,7 @@ while [[ $# -gt 0 ]]; do
     --parts) PARTS=$2; shift 2 ;;
     --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
     --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -58,6 +60,11 @@ has flashinfer && run flashinfer python benchmarks/flashinfer_peers.py "${COMMIT
   --out "$OUT/attention_flashinfer_$DEVICE.json"
 has flashinfer_forward && run forward_flashinfer python benchmarks/forward.py "${COMMIT_ARGS[@]}" \
   --cases native,exact,exact_flashinfer,fast,fast_flashinfer_fp8 --out "$OUT/forward_flashinfer_$DEVICE.json"
+# Multi-rank work on one GPU: the per-rank timings of the scaling model, and ranks sharing the GPU over gloo.
+has scaling_model && run scaling_model python benchmarks/multi_gpu_model.py "${COMMIT_ARGS[@]}" \
+  --out "$OUT/multi_gpu_model_$DEVICE.json"
+has parallel_one_gpu && run parallel_one_gpu python -m pytest -o addopts="" -m gpu tests/gpu/test_parallel_one_gpu.py \
+  -q -p no:cacheprovider --junitxml "$OUT/parallel_one_gpu_$DEVICE.xml"
 
 # Multi-GPU parts: one launch per part over every visible GPU (each fits a 10-minute slot on H200s).
 N=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -61,8 +61,11 @@ def _rank_entry(
             pickle.dump(result, f)
     except BaseException:
         # Timestamped, so that the launcher reports the first failure, not a partner's broken collective after it.
-        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+        # Written whole and then renamed: the launcher may read the folder while a partner is still writing.
+        path = os.path.join(result_dir, f"rank{rank}.err")
+        with open(path + ".partial", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".partial", path)
         raise
     finally:
         dist.destroy_process_group()

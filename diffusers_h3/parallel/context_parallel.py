@@ -221,10 +221,42 @@ def _enable_parallelism_on_cpu(model: torch.nn.Module, cp_config) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     config = ParallelConfig(context_parallel_config=cp_config)
-    mesh = cp_config.mesh or init_device_mesh("cpu", cp_config.mesh_shape, mesh_dim_names=cp_config.mesh_dim_names)
+    mesh = cp_config.mesh
+    if mesh is None:
+        override = cpu_group_backend_override(cp_config.mesh_dim_names)
+        own_groups = override is not None  # init_device_mesh empties the dict it is given
+        mesh = init_device_mesh("cpu", cp_config.mesh_shape, mesh_dim_names=cp_config.mesh_dim_names,
+                                backend_override=override)  # fmt: skip
+        if own_groups:  # `setup` flattens the mesh without an override: flatten it here first (the result is cached)
+            mesh[cp_config.mesh_dim_names]._flatten(backend_override=CPU_GLOO)
     config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=mesh)
     model._parallel_config = config
     apply_context_parallel(model, cp_config, model._cp_plan)
+
+
+CPU_GLOO = "cpu:gloo"
+
+
+def cpu_group_backend_override(mesh_dim_names) -> Optional[Dict[str, str]]:
+    """The mesh groups' backend on a host without an accelerator: `None` (the default group's) when its backend string
+    names "cpu", else `"cpu:gloo"` for every dimension.
+
+    diffusers' uneven-shard size exchange (`gather_size_by_comm`) puts its tensors on the CPU only when the group's
+    backend string contains "cpu", else on `torch.accelerator.current_accelerator()`: with the common
+    `init_process_group("gloo")` (or a group created without a backend, "undefined", as Accelerate's `PartialState`
+    creates under torchrun) and a CUDA build of torch on a CPU host, that is CUDA, and the first forward fails with
+    "Found no NVIDIA driver". Groups of our own, created as "cpu:gloo", keep the exchange on the CPU.
+    """
+    backend = str(dist.get_backend())
+    if "cpu" in backend:
+        return None
+    # "undefined": created without a backend (Accelerate's PartialState under torchrun does), gloo serves the CPU.
+    if "gloo" not in backend and backend != "undefined":
+        raise ValueError(
+            f"Context parallelism on a host without GPUs needs a gloo process group, but the default group uses "
+            f"'{backend}': call torch.distributed.init_process_group('cpu:gloo') instead."
+        )
+    return dict.fromkeys(mesh_dim_names, CPU_GLOO)
 
 
 def _check_same_on_every_rank(description: Dict[str, Any]) -> None:

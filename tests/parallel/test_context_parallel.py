@@ -181,3 +181,54 @@ def test_the_accelerate_advice_starts_n_processes_on_a_host_without_gpus(monkeyp
     args = launch_command_parser().parse_args([*command.split()[2:], "generate.py"])
     args = _validate_launch_command(args)[0]
     assert args.multi_gpu and not args.cpu and args.num_processes == 2, command
+
+
+def _rank_plain_gloo():
+    """A process group created as users do, `init_process_group("gloo")` (the launcher passes "gloo"), on a host
+    without GPUs: context parallelism, tensor parallelism and the parallel VAE decode."""
+    import torch.distributed as dist
+
+    from diffusers_h3.parallel import enable_context_parallel, enable_tensor_parallel
+    from diffusers_h3.parallel.vae import parallel_vae_decode
+    from diffusers_h3.testing.tiny import tiny_vae
+
+    assert str(dist.get_backend()) == "gloo"
+    world_size = dist.get_world_size()
+    model = enable_context_parallel(cp_transformer(), ulysses_degree=world_size)
+    config = model._parallel_config.context_parallel_config
+    results = {
+        "cp": forward(model, cp_inputs(5)),
+        # diffusers' size exchange runs on the CPU only for a backend string naming "cpu"
+        "size_exchange_backends": [str(dist.get_backend(m.get_group())) for m in (config._ulysses_mesh,
+                                                                                  config._flattened_mesh)],
+        "tp": forward(enable_tensor_parallel(cp_transformer(), tp_degree=world_size), cp_inputs(5)),
+    }  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vae = tiny_vae()
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_min_overlap_height=16,
+                      tile_sample_min_overlap_width=16)  # fmt: skip
+    latents = torch.randn(1, 4, 9, 3, 4, generator=torch.Generator().manual_seed(0))
+    results["vae"] = parallel_vae_decode(vae, latents)
+    with torch.no_grad():
+        results["vae_serial"] = vae.decode(latents).sample
+    return results
+
+
+def test_plain_gloo_process_group_runs_every_parallel_path():
+    """`init_process_group("gloo")` on a CPU host with a CUDA build of torch used to end the first context-parallel
+    forward in "Found no NVIDIA driver" (diffusers' size exchange went to CUDA)."""
+    rank_results = launch(_rank_plain_gloo, 2, backend="gloo", timeout_s=300)
+    expected_video, expected_audio = forward(cp_transformer(), cp_inputs(5))
+    for results in rank_results:
+        assert all("cpu" in backend for backend in results["size_exchange_backends"]), results["size_exchange_backends"]
+        for got in (results["cp"], results["tp"]):
+            torch.testing.assert_close(got[0], expected_video, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[1], expected_audio, atol=1e-5, rtol=0)
+        assert torch.equal(results["vae"], results["vae_serial"])
+
+
+def test_a_rank_failing_inside_a_forward_ends_the_job_with_its_error():
+    from tests.gpu._parallel_cases import assert_failure_ends_the_job
+
+    assert_failure_ends_the_job("cpu", "cpu:gloo")

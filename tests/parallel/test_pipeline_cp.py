@@ -1,5 +1,6 @@
 """The tiny `MiniMaxH3Pipeline` under context parallelism on 2 gloo ranks equals the one-process pipeline."""
 
+import pytest
 import torch
 
 from diffusers_h3.parallel._launch import launch
@@ -78,8 +79,6 @@ def _rank_placed_pipeline(text_encoder):
 
 
 def test_context_parallel_placement_keeps_the_text_encoder_on_rank_0_only():
-    import pytest
-
     from diffusers_h3.parallel import place_for_context_parallel
 
     with pytest.raises(ValueError, match="text_encoder must be one of"):
@@ -95,3 +94,20 @@ def test_context_parallel_placement_keeps_the_text_encoder_on_rank_0_only():
         assert rank1.startswith("cpu (rank 0 encodes") and not results[1]["text_encoder_hooked"]
         assert rank0.startswith("group offload (leaf level") == results[0]["text_encoder_hooked"]
     assert results[0]["placements"]["text_encoder"] == "cpu"  # the last launch: "resident" on rank 0's device
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end_under_context_parallel_writes_the_mp4_on_rank_0(tmp_path):
+    """The CPU variant of tests/gpu/test_parallel_one_gpu.py's end-to-end case (same rank function)."""
+    import av
+
+    from tests.gpu._parallel_cases import PIPELINE_RUN, pipeline_reference, rank_pipeline_to_mp4, rel_l2
+
+    frames, audio = pipeline_reference("cpu")
+    rank_results = launch(rank_pipeline_to_mp4, 2, args=(str(tmp_path), "cpu"), timeout_s=400)
+    for rank, result in enumerate(rank_results):
+        assert rel_l2(result["frames"], frames) <= 1e-5, rank
+        assert rel_l2(result["audio"], audio) <= 1e-5, rank
+    assert rank_results[0]["written"] == str(tmp_path / "clip.mp4") and rank_results[1]["written"] is None
+    with av.open(rank_results[0]["written"]) as container:
+        assert sum(1 for _ in container.decode(video=0)) == PIPELINE_RUN["num_frames"]

@@ -395,7 +395,19 @@ def swap_to_quantized_on_meta(model, config, keep_in_fp32=()):
     return model
 
 
-def write_model_streamed(model, config, folder, device, index_name, shard_stem, keep_in_fp32=()):
+def _move_storage(piece, own_only, device):
+    """Uninitialized storage on ``device`` for every parameter and buffer of ``piece`` (of the piece alone when
+    ``own_only``), set directly: ``to_empty`` would go through the quantized layers' ``_apply``, which copies."""
+    for sub in [piece] if own_only else piece.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                empty = torch.empty_like(tensor, device=device)
+                table[name] = torch.nn.Parameter(empty, requires_grad=False) if table is sub._parameters else empty
+
+
+def write_model_streamed(model, config, folder, device, index_name, shard_stem, keep_in_fp32=(), limit=CHUNK_BYTES):
     """Write ``model`` (built on the meta device) as a pre-quantized checkpoint, one piece at a time: each piece is
     materialized on ``device`` with random weights, its selected Linear layers quantized with ``config``, copied to
     the CPU, written to its own safetensors shard and dropped. Never more than one piece exists in memory. Returns
@@ -406,20 +418,15 @@ def write_model_streamed(model, config, folder, device, index_name, shard_stem, 
     folder.mkdir(parents=True, exist_ok=True)
     if config is not None:
         swap_to_quantized_on_meta(model, config, keep_in_fp32)
-    pieces = list(_chunks(model))
+    pieces = list(_chunks(model, limit=limit))
     weight_map, total = {}, 0
     for i, (prefix, piece, own_only) in enumerate(pieces):
         tensors = dict(piece.named_parameters(recurse=not own_only)) | dict(piece.named_buffers(recurse=not own_only))
         if not tensors:
             continue
-        if own_only:
-            for name, t in list(piece.named_parameters(recurse=False)):
-                setattr(piece, name, torch.nn.Parameter(torch.empty_like(t, device=device), requires_grad=False))
-        else:
-            piece.to_empty(device=device)
+        _move_storage(piece, own_only, device)
         _randomize(piece, own_only)
-        persistent = piece.state_dict(keep_vars=True) if not own_only else {
-            n: t for n, t in piece.named_parameters(recurse=False)}  # fmt: skip
+        persistent = piece.state_dict(keep_vars=True) if not own_only else dict(piece.named_parameters(recurse=False))
         state = {f"{prefix}{n}": t.detach().to("cpu").contiguous() for n, t in persistent.items()}
         shard = f"{shard_stem}-{i + 1:05d}-of-{len(pieces):05d}.safetensors"
         save_file(state, str(folder / shard), metadata={"format": "pt"})
@@ -427,11 +434,7 @@ def write_model_streamed(model, config, folder, device, index_name, shard_stem, 
             weight_map[key] = shard
             total += tensor.numel() * tensor.element_size()
         del state, persistent
-        if own_only:
-            for name, t in list(piece.named_parameters(recurse=False)):
-                setattr(piece, name, torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False))
-        else:
-            piece.to_empty(device="meta")
+        _move_storage(piece, own_only, torch.device("meta"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -465,6 +468,7 @@ def write_low_ram_checkpoint(folder, device, tiny):
         dit_model_config = {}  # the class defaults are the released sizes
         te_model_config = _released_text_encoder_config()
     sizes = {}
+    limit = 2**16 if tiny else CHUNK_BYTES  # tiny: many small pieces, so the smoke test splits the models too
     # the DiT
     shutil.rmtree(folder / "transformer", ignore_errors=True)
     with torch.device("meta"):
@@ -473,7 +477,7 @@ def write_low_ram_checkpoint(folder, device, tiny):
     dit.register_to_config(quantization_config=dit_config)
     sizes["transformer"] = write_model_streamed(dit, dit_config, folder / "transformer", device,
                                                 "diffusion_pytorch_model.safetensors.index.json",
-                                                "diffusion_pytorch_model", dit._keep_in_fp32_modules)  # fmt: skip
+                                                "diffusion_pytorch_model", dit._keep_in_fp32_modules, limit)  # fmt: skip
     dit.save_config(folder / "transformer")
     del dit
     # the text encoder, without the never-run decoder layers
@@ -486,7 +490,7 @@ def write_low_ram_checkpoint(folder, device, tiny):
     with torch.device("meta"):
         te = Qwen3VLForConditionalGeneration(te_model_config).to(torch.bfloat16)
     sizes["text_encoder"] = write_model_streamed(te, te_config, folder / "text_encoder", device,
-                                                 "model.safetensors.index.json", "model")  # fmt: skip
+                                                 "model.safetensors.index.json", "model", (), limit)  # fmt: skip
     te_model_config.quantization_config = te_config
     te_model_config.save_pretrained(folder / "text_encoder")
     del te

@@ -357,40 +357,31 @@ def _has_component(directory: Path, index: Dict[str, Any], name: str) -> bool:
     return (directory / (spec.get("subfolder") or name)).is_dir()
 
 
-# Components loaded by transformers, whose loader does not know our quantization configs: they load dense and are
-# quantized with `diffusers_h3.quantize` right after.
-TRANSFORMERS_MODEL_COMPONENTS = ("text_encoder",)
-
-
-def _split_post_load_quantization(kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Take our configs for transformers components out of a `PipelineQuantizationConfig`; return them by name."""
-    from ..quantizers import QuantizationConfigBase
-
-    config = kwargs.get("quantization_config")
-    mapping = getattr(config, "quant_mapping", None) or {}
-    post = {
-        name: value
-        for name, value in mapping.items()
-        if name in TRANSFORMERS_MODEL_COMPONENTS and isinstance(value, QuantizationConfigBase)
-    }
-    if post:
-        from diffusers.quantizers import PipelineQuantizationConfig
-
-        remaining = {name: value for name, value in mapping.items() if name not in post}
-        kwargs["quantization_config"] = PipelineQuantizationConfig(quant_mapping=remaining) if remaining else None
-    return post
-
-
 def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None, **kwargs):
-    """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring."""
-    post_load_quantization = _split_post_load_quantization(kwargs)
-    pipe = _load_pipeline(cls, pretrained_model_name_or_path, task, kwargs)
-    if post_load_quantization:
-        from ..quantizers import quantize
+    """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring.
 
-        for name, config in post_load_quantization.items():
-            quantize(getattr(pipe, name), config)
-    return pipe
+    A `quantization_config` (one config, or diffusers' `PipelineQuantizationConfig`) reaches each component's own
+    `from_pretrained`, diffusers' or transformers' alike: our formats are registered with both libraries, so the text
+    encoder is quantized as it loads and a saved quantized text encoder reloads from its `config.json`.
+    """
+    return _load_pipeline(cls, pretrained_model_name_or_path, task, kwargs)
+
+
+def _check_quantized_components(directory: Path, index: Dict[str, Any], task: Optional[str], kwargs) -> None:
+    """Before anything loads: refuse a component folder whose quantized tensors its config.json does not explain
+    (both loaders would read them as float weights)."""
+    from ..quantizers.checkpoint import check_checkpoint_quantization
+
+    wanted = partitions_for_task(task)
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, (list, tuple)) or entry[0] is None or kwargs.get(name) is not None:
+            continue
+        if name in PARTITIONS and task is not None and name not in wanted:
+            continue
+        spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+        folder = directory / (spec.get("subfolder") or name)
+        if folder.is_dir():
+            check_checkpoint_quantization(folder)
 
 
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
@@ -405,6 +396,7 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
         raise _refusal(directory, kind)
     index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
+    _check_quantized_components(directory, index, task, kwargs)
     if kind == "hub":
         return _load_hub_layout(cls, directory, index, task, kwargs)
     for partition in PARTITIONS:

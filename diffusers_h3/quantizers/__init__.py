@@ -1,8 +1,9 @@
 """Weight quantization for diffusers-h3: the formats W8A16, NVFP4 and FP8 (configs, quantized Linear layers, their
-diffusers quantizer), one registry of formats (:mod:`.registry`) and ``quantize(module, config)``."""
+diffusers and transformers quantizers), one registry of formats (:mod:`.registry`) and ``quantize(module, config)``."""
 
 from ._replace import linears_to_quantize
 from .apply import quantization_summary, quantize
+from .checkpoint import check_checkpoint_quantization
 from .config import (
     DEFAULT_MODULES_TO_NOT_CONVERT,
     FP8Config,
@@ -22,6 +23,7 @@ from .registry import (
     register_quantizers,
     unregister_format,
 )
+from .transformers_quantizer import TransformersQuantizerBase
 
 
 __all__ = [
@@ -35,8 +37,10 @@ __all__ = [
     "QuantizationConfigBase",
     "QuantizedLinear",
     "QuantizerBase",
+    "TransformersQuantizerBase",
     "W8A16Config",
     "W8A16Linear",
+    "check_checkpoint_quantization",
     "format_names",
     "formats",
     "get_format",

@@ -1,8 +1,9 @@
 """``diffusers_h3.quantize(module, config)``: quantize the ``nn.Linear`` layers of any ``nn.Module`` in place.
 
 Works for diffusers models (the H3 transformer), transformers models (the Qwen3-VL text encoder) and plain modules.
-For a diffusers ``ModelMixin`` the config is recorded (``model.config.quantization_config``, ``model.hf_quantizer``)
-so ``save_pretrained`` writes the packed tensors and ``from_pretrained`` reloads them without re-quantizing.
+For a diffusers ``ModelMixin`` or a transformers ``PreTrainedModel`` the config is recorded
+(``model.config.quantization_config``, ``model.hf_quantizer``) so ``save_pretrained`` writes the packed tensors and
+``config.json`` says how to read them: ``from_pretrained`` reloads them without re-quantizing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import Dict, Iterable, Optional
 import torch
 from diffusers import ModelMixin
 from torch import nn
+from transformers import PreTrainedModel
 
 from ._replace import linears_to_quantize, set_submodule
 from .config import QuantizationConfigBase
 from .layers import QuantizedLinear
-from .registry import format_names, layer_class_for, quantizer_for
+from .registry import format_names, layer_class_for, quantizer_for, transformers_quantizer_for
 
 
 @torch.no_grad()
@@ -47,13 +49,17 @@ def quantize(
 
 
 def _attach_to_model(module: nn.Module, config: QuantizationConfigBase) -> None:
-    """Make a quantized diffusers ``ModelMixin`` serializable like one loaded with ``quantization_config=``."""
-    if not isinstance(module, ModelMixin):
+    """Make a quantized diffusers / transformers model serializable like one loaded with ``quantization_config=``."""
+    if isinstance(module, ModelMixin):
+        module.hf_quantizer = quantizer_for(config, pre_quantized=False)
+        module.register_to_config(quantization_config=config)
+    elif isinstance(module, PreTrainedModel):
+        module.hf_quantizer = transformers_quantizer_for(config, pre_quantized=False)
+        module.config.quantization_config = config
+    else:
         return
-    module.hf_quantizer = quantizer_for(config, pre_quantized=False)
     module.is_quantized = True
     module.quantization_method = config.quant_method
-    module.register_to_config(quantization_config=config)
 
 
 def quantization_summary(module: nn.Module) -> Dict[str, object]:

@@ -1,6 +1,7 @@
 """Quantization configs of diffusers-h3: ``W8A16Config``, ``NVFP4Config``, ``FP8Config``.
 
-They are diffusers ``QuantizationConfigMixin`` subclasses whose ``quant_method`` is a :class:`QuantMethod` (a string
+They subclass both diffusers' and transformers' ``QuantizationConfigMixin`` (one config for the DiT and the text
+encoder; each library's auto maps know the method once registered); their ``quant_method`` is a :class:`QuantMethod` (a string
 with diffusers' ``.value``). The method names carry an ``h3_`` prefix so they never clash with methods diffusers or
 transformers already own (transformers owns ``"nvfp4"`` and ``"fp8"``). A config class gets its method when its format
 is registered (:func:`diffusers_h3.quantizers.registry.register_format`), the one place that names it.
@@ -26,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from diffusers.quantizers.quantization_config import QuantizationConfigMixin
+from transformers.utils.quantization_config import QuantizationConfigMixin as TransformersQuantizationConfigMixin
 
 
 DEFAULT_MODULES_TO_NOT_CONVERT: List[str] = [
@@ -81,8 +83,11 @@ def module_name_matches(name: str, patterns: Iterable[str]) -> bool:
     return any(p and (p == name or f".{p}." in dotted) for p in patterns)
 
 
-class QuantizationConfigBase(QuantizationConfigMixin):
-    """Shared fields: ``modules_to_not_convert``, ``compute_dtype`` (None: the dtype of each dense weight),
+class QuantizationConfigBase(QuantizationConfigMixin, TransformersQuantizationConfigMixin):
+    """A config of both libraries (diffusers' and transformers' ``QuantizationConfigMixin``): the same object
+    quantizes the DiT and the text encoder, and travels in each one's ``config.json``.
+
+    Shared fields: ``modules_to_not_convert``, ``compute_dtype`` (None: the dtype of each dense weight),
     ``backend`` (``"auto"`` picks the kernel per device; others force one path, see each layer's docstring).
 
     ``quant_method`` is a class attribute set by ``register_format``."""

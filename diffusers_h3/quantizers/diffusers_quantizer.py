@@ -13,11 +13,23 @@ from typing import Any, Dict, List
 
 import torch
 from diffusers.quantizers.base import DiffusersQuantizer
+from diffusers.utils import logging
 from torch import nn
 
-from ._replace import linears_to_quantize, set_submodule
+from ._replace import (
+    dequantize_layers,
+    linears_to_quantize,
+    raise_if_missing,
+    set_submodule,
+    storage_keys,
+    storage_mismatch,
+    swap_to_empty_quantized,
+)
 from .config import QuantizationConfigBase
 from .layers import QuantizedLinear
+
+
+logger = logging.get_logger(__name__)
 
 
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
@@ -52,6 +64,30 @@ def _as_device(device) -> torch.device:
     return torch.device(device if device is not None else "cpu")
 
 
+def check_quantizer_config(quantizer, quantization_config) -> None:
+    """A format's quantizer (diffusers' or transformers') takes the config of its own format only."""
+    if type(quantizer).layer_class is QuantizedLinear:
+        raise TypeError(f"{type(quantizer).__name__} has no layer class: use the quantizer of a registered format.")
+    if not isinstance(quantization_config, quantizer.config_class):
+        raise TypeError(
+            f"{type(quantizer).__name__} needs a {quantizer.config_class.__name__}, got "
+            f"{type(quantization_config).__name__}."
+        )
+
+
+def default_dtype(dtype, what: str) -> torch.dtype:
+    """The dtype the unquantized tensors load in when none was passed: the one a dense model loads in (torch's default
+    dtype), as transformers does for its quantizers."""
+    if dtype is not None:
+        return dtype
+    dtype = torch.get_default_dtype()
+    logger.info(
+        f"No dtype passed with a {what} quantization_config: the unquantized layers load in {dtype} (torch's default "
+        "dtype, as for a dense model). Pass dtype=torch.bfloat16 to keep them in 16-bit."
+    )
+    return dtype
+
+
 class QuantizerBase(DiffusersQuantizer):
     """Shared implementation; a format's subclass only fixes ``config_class`` and ``layer_class``."""
 
@@ -61,12 +97,7 @@ class QuantizerBase(DiffusersQuantizer):
     layer_class = QuantizedLinear
 
     def __init__(self, quantization_config, **kwargs):
-        if type(self).layer_class is QuantizedLinear:
-            raise TypeError(f"{type(self).__name__} has no layer class: use the quantizer of a registered format.")
-        if not isinstance(quantization_config, self.config_class):
-            raise TypeError(
-                f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(quantization_config).__name__}."
-            )
+        check_quantizer_config(self, quantization_config)
         super().__init__(quantization_config, **kwargs)
         self.torch_dtype = None
         self.keep_in_fp32_modules: List[str] = []
@@ -81,8 +112,9 @@ class QuantizerBase(DiffusersQuantizer):
             raise ValueError("Disk offload of diffusers-h3 quantized checkpoints is not supported; use cpu or cuda.")
 
     def update_torch_dtype(self, torch_dtype):
-        self.torch_dtype = torch_dtype
-        return torch_dtype
+        # diffusers sizes the model with this dtype (device_map="auto"): never leave it None
+        self.torch_dtype = default_dtype(torch_dtype, self.quantization_config.quant_method)
+        return self.torch_dtype
 
     def adjust_target_dtype(self, target_dtype):
         return torch.int8
@@ -106,17 +138,8 @@ class QuantizerBase(DiffusersQuantizer):
 
     def _swap_to_empty_quantized(self, model, names) -> None:
         """Pre-quantized checkpoint: put empty (meta) quantized layers in place; the loader fills their storage."""
-        config = self.quantization_config
-        cls = self.layer_class
         self._quantized_names = set(names)
-        for name in names:
-            linear = model.get_submodule(name)
-            with torch.device("meta"):
-                layer = cls(
-                    linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    compute_dtype=self._compute_dtype(), **config.layer_kwargs(),
-                )  # fmt: skip
-            set_submodule(model, name, layer)
+        swap_to_empty_quantized(model, names, self.layer_class, self.quantization_config, self._compute_dtype())
 
     def maybe_update_state_dict(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """Pre-quantized: protect the tensors of quantized layers from the loader's dtype casts (the scales must stay
@@ -161,11 +184,12 @@ class QuantizerBase(DiffusersQuantizer):
             # equivalent layouts of other exporters (e.g. a [1] global scale, [N, 1] channel scales) are accepted
             if tuple(module.normalize_loaded(tensor_name, loaded_param).shape) == tuple(current_param.shape):
                 return True
+            raise ValueError(
+                f"{param_name}: " + storage_mismatch(module, tensor_name, loaded_param.shape, loaded_param.dtype)
+            )
         raise ValueError(
-            f"{param_name}: the checkpoint holds shape {tuple(loaded_param.shape)} ({loaded_param.dtype}) but a "
-            f"{self.quantization_config.quant_method.value} layer of this model expects {tuple(current_param.shape)} "
-            f"({current_param.dtype}). The checkpoint was quantized with another method or for another model config; "
-            "load it with the config it was saved with (config.json 'quantization_config')."
+            f"{param_name}: the checkpoint holds shape {tuple(loaded_param.shape)} but this model expects "
+            f"{tuple(current_param.shape)}; the checkpoint was saved for another model config."
         )
 
     def create_quantized_param(self, model, param_value, param_name, target_device, state_dict=None,
@@ -193,18 +217,8 @@ class QuantizerBase(DiffusersQuantizer):
         self._to_quantize.discard(module_name)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        missing = [
-            f"{name}.{buf}"
-            for name, m in model.named_modules()
-            if isinstance(m, QuantizedLinear)
-            for buf in m._storage_spec()
-            if m.get_buffer(buf).device.type == "meta"
-        ]
-        if missing or self._to_quantize:
-            raise ValueError(
-                f"Quantized tensors missing from the checkpoint: {sorted(missing) or sorted(self._to_quantize)}. "
-                "The checkpoint does not match this quantization config (another method, or a partial save)."
-            )
+        missing = [key for key in storage_keys(model) if model.get_buffer(key).device.type == "meta"]
+        raise_if_missing(missing or [f"{name}.weight" for name in self._to_quantize])
         model.register_to_config(quantization_config=self.quantization_config)
         self._model = None
         return model
@@ -228,13 +242,5 @@ class QuantizerBase(DiffusersQuantizer):
         return False
 
     def _dequantize(self, model):
-        for name, module in list(model.named_modules()):
-            if isinstance(module, QuantizedLinear):
-                dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                  device=module.weight.device, dtype=module.compute_dtype)  # fmt: skip
-                dense.weight.data = module.dequantize()
-                if module.bias is not None:
-                    dense.bias.data = module.bias.detach().clone()
-                set_submodule(model, name, dense)
-        return model
+        return dequantize_layers(model)
 

@@ -2,8 +2,9 @@
 
 A format is registered once, with :func:`register_format`; everything else reads it from here: ``quantize()`` (which
 layer replaces an ``nn.Linear``), the diffusers quantizer (``from_pretrained(..., quantization_config=...)`` and
-pre-quantized checkpoints, through diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``) and
-the CLI's ``--quantize`` choices. Adding a format is a config, a layer, a kernel and one ``register_format(...)``
+pre-quantized checkpoints, through diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``), the
+transformers quantizer (the same for the text encoder, through transformers' ``register_quantizer`` /
+``register_quantization_config``) and the CLI's ``--quantize`` choices. Adding a format is a config, a layer, a kernel and one ``register_format(...)``
 line at the bottom of this file (see docs/quantization.md, "Adding a format").
 """
 
@@ -13,10 +14,12 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Type
 
 from diffusers.quantizers import auto as _diffusers_auto
+from transformers.quantizers import auto as _transformers_auto
 
 from .config import FP8Config, NVFP4Config, QuantizationConfigBase, QuantMethod, W8A16Config
 from .diffusers_quantizer import QuantizerBase
 from .layers import FP8Linear, NVFP4Linear, QuantizedLinear, W8A16Linear
+from .transformers_quantizer import TransformersQuantizerBase
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,9 @@ class QuantFormat:
     - ``method``: the ``quant_method`` written to ``config.json`` (prefixed so it clashes with no diffusers /
       transformers method);
     - ``config_cls`` / ``layer_cls``: its :class:`QuantizationConfigBase` and :class:`QuantizedLinear` subclasses;
-    - ``quantizer_cls``: its :class:`QuantizerBase` subclass (made by :func:`register_format` when not given).
+    - ``quantizer_cls``: its diffusers :class:`QuantizerBase` subclass (made by :func:`register_format` when not
+      given);
+    - ``transformers_quantizer_cls``: its transformers :class:`TransformersQuantizerBase` subclass (likewise).
     """
 
     name: str
@@ -35,6 +40,7 @@ class QuantFormat:
     config_cls: Type[QuantizationConfigBase]
     layer_cls: Type[QuantizedLinear]
     quantizer_cls: Optional[Type[QuantizerBase]] = None
+    transformers_quantizer_cls: Optional[Type[TransformersQuantizerBase]] = None
 
 
 _FORMATS: Dict[str, QuantFormat] = {}  # by name, in registration order
@@ -51,11 +57,12 @@ def _check_new_format(name, method, config_cls, layer_cls, quantizer_cls) -> Non
     taken = {fmt.method: fmt.name for fmt in _FORMATS.values()}
     if method in taken:
         raise ValueError(f"register_format: method {method!r} already belongs to format {taken[method]!r}.")
-    if method in _diffusers_auto.AUTO_QUANTIZER_MAPPING:
-        raise ValueError(
-            f"register_format: method {method!r} is one of diffusers' own quantization methods; pick a prefixed "
-            "name (e.g. 'h3_...')."
-        )
+    for library, auto in (("diffusers", _diffusers_auto), ("transformers", _transformers_auto)):
+        if method in auto.AUTO_QUANTIZER_MAPPING or method in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+            raise ValueError(
+                f"register_format: method {method!r} is one of {library}' own quantization methods; pick a prefixed "
+                "name (e.g. 'h3_...')."
+            )
     if not (isinstance(config_cls, type) and issubclass(config_cls, QuantizationConfigBase)):
         raise TypeError(f"register_format: config_cls must subclass QuantizationConfigBase, got {config_cls!r}.")
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, QuantizedLinear)):
@@ -78,22 +85,29 @@ def register_format(
     """Register a quantization format (see :class:`QuantFormat`) and return its record.
 
     Sets ``config_cls.quant_method`` and ``layer_cls.quant_method`` to ``method``, makes the diffusers quantizer
-    ``<Config name without "Config">Quantizer`` when ``quantizer_cls`` is not given, and adds the method to diffusers'
-    auto maps if :func:`register_quantizers` already ran (it runs when ``diffusers_h3`` is imported).
+    ``<Config name without "Config">Quantizer`` and the transformers quantizer ``<...>HfQuantizer``, and adds the
+    method to diffusers' and transformers' auto maps if :func:`register_quantizers` already ran (it runs when
+    ``diffusers_h3`` is imported).
     """
     _check_new_format(name, method, config_cls, layer_cls, quantizer_cls)
+    stem = config_cls.__name__[: -len("Config")] if config_cls.__name__.endswith("Config") else config_cls.__name__
     if quantizer_cls is None:
-        stem = config_cls.__name__[: -len("Config")] if config_cls.__name__.endswith("Config") else config_cls.__name__
         quantizer_cls = type(
             f"{stem}Quantizer",
             (QuantizerBase,),
             {"__module__": __name__, "__doc__": f"Diffusers quantizer of the {name!r} format ({method})."},
         )
-    quantizer_cls.config_class = config_cls
-    quantizer_cls.layer_class = layer_cls
+    transformers_quantizer_cls = type(
+        f"{stem}HfQuantizer",
+        (TransformersQuantizerBase,),
+        {"__module__": __name__, "__doc__": f"Transformers quantizer of the {name!r} format ({method})."},
+    )
+    for cls in (quantizer_cls, transformers_quantizer_cls):
+        cls.config_class = config_cls
+        cls.layer_class = layer_cls
     config_cls.quant_method = QuantMethod(method)
     layer_cls.quant_method = method
-    fmt = QuantFormat(name, method, config_cls, layer_cls, quantizer_cls)
+    fmt = QuantFormat(name, method, config_cls, layer_cls, quantizer_cls, transformers_quantizer_cls)
     _FORMATS[name] = fmt
     if _installed_in_diffusers:
         _install(fmt)
@@ -101,13 +115,18 @@ def register_format(
 
 
 def unregister_format(name: str) -> QuantFormat:
-    """Remove a format registered with :func:`register_format` (from this table and from diffusers' auto maps)."""
+    """Remove a format registered with :func:`register_format` (from this table and from the auto maps of diffusers
+    and transformers)."""
     fmt = get_format(name)
     del _FORMATS[name]
-    if _diffusers_auto.AUTO_QUANTIZER_MAPPING.get(fmt.method) is fmt.quantizer_cls:
-        del _diffusers_auto.AUTO_QUANTIZER_MAPPING[fmt.method]
-    if _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(fmt.method) is fmt.config_cls:
-        del _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method]
+    for mapping, cls in (
+        (_diffusers_auto.AUTO_QUANTIZER_MAPPING, fmt.quantizer_cls),
+        (_diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING, fmt.config_cls),
+        (_transformers_auto.AUTO_QUANTIZER_MAPPING, fmt.transformers_quantizer_cls),
+        (_transformers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING, fmt.config_cls),
+    ):
+        if mapping.get(fmt.method) is cls:
+            del mapping[fmt.method]  # transformers has no unregister function
     fmt.config_cls.quant_method = None
     fmt.layer_cls.quant_method = ""
     return fmt
@@ -116,12 +135,17 @@ def unregister_format(name: str) -> QuantFormat:
 def _install(fmt: QuantFormat) -> None:
     _diffusers_auto.AUTO_QUANTIZER_MAPPING[fmt.method] = fmt.quantizer_cls
     _diffusers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[fmt.method] = fmt.config_cls
+    if _transformers_auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(fmt.method) is not fmt.config_cls:
+        _transformers_auto.register_quantization_config(fmt.method)(fmt.config_cls)
+    if _transformers_auto.AUTO_QUANTIZER_MAPPING.get(fmt.method) is not fmt.transformers_quantizer_cls:
+        _transformers_auto.register_quantizer(fmt.method)(fmt.transformers_quantizer_cls)
 
 
 def register_quantizers() -> None:
     """Add every registered format to diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``
-    (diffusers has no registration API; this is the mechanism its own plugins use), and every format registered
-    later as it is registered. Idempotent."""
+    (diffusers has no registration API; this is the mechanism its own plugins use) and to transformers' (through its
+    ``register_quantization_config`` / ``register_quantizer``), and every format registered later as it is
+    registered. Idempotent."""
     global _installed_in_diffusers
     for fmt in _FORMATS.values():
         _install(fmt)
@@ -163,6 +187,10 @@ def layer_class_for(config: QuantizationConfigBase) -> Type[QuantizedLinear]:
 
 def quantizer_for(config: QuantizationConfigBase, pre_quantized: bool = True) -> QuantizerBase:
     return format_for_config(config).quantizer_cls(config, pre_quantized=pre_quantized)
+
+
+def transformers_quantizer_for(config: QuantizationConfigBase, pre_quantized: bool = True) -> TransformersQuantizerBase:
+    return format_for_config(config).transformers_quantizer_cls(config, pre_quantized=pre_quantized)
 
 
 # -- built-in formats: one line each --------------------------------------------------------------------------------

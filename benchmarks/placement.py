@@ -46,7 +46,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
+import shutil
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -68,14 +72,17 @@ from request import (
 from _common import result_header, write_json
 
 
-CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb")
+CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb", "low_ram_16gb", "low_ram_24gb")
 # case -> (recipe, cap in GiB on a CUDA device)
 CASE_SETUP = {
     "resident_80gb": ("resident", 78.5),
     "offload_48gb": ("offload", 47.0),
     "offload_40gb": ("offload", 39.0),
     "offload_24gb": ("offload", 22.5),
+    "low_ram_16gb": ("low_ram", 15.5),
+    "low_ram_24gb": ("low_ram", 22.5),
 }
+SUBPROCESS_RECIPES = ("low_ram",)  # loaded from a checkpoint on disk, one fresh process per case
 CAP_BASIS = (
     "usable memory of the class's card as PyTorch sees it (A100/H100 80 GB ~79.1 GiB, RTX A6000/6000 Ada ~47.5 GiB, "
     "A100 40 GB ~39.6 GiB) less ~0.6 GiB of CUDA context and library handles, which on the H200 lie outside the cap "
@@ -87,6 +94,8 @@ RECIPE_LINES = {
                 '**single_gpu_resident_kwargs()); drop_unused_text_encoder_layers(pipe); pipe.to("cuda")',
     "offload": 'drop_unused_text_encoder_layers(pipe); enable_low_memory_offload(pipe, "cuda", low_cpu_mem_usage=True)'
                '  # pipe on the CPU',
+    "low_ram": 'load_for_memory_budget(checkpoint, task="t2va", recipe="low_ram", offload_folder=folder)  # NVFP4 DiT '
+               'in host memory, block offload; W8A16 text encoder streamed from disk, loaded first',
 }  # fmt: skip
 REQUEST_CASE = "t2va_native"  # request.py's t2va request: 50 sigma points, 512-token prompt
 SIGMA_POINTS = 50
@@ -326,6 +335,435 @@ def run_case(pipe, case, cap_gib, device, tiny, warmup):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The low_ram recipe: a checkpoint on disk, loaded in a fresh process per case
+
+HOST_BUDGET_GIB = 32.0
+PCIE4_X16_GB_S = 25.0  # effective host-to-device rate of PCIe 4.0 x16 (an RTX 4090's link), for the computed cost
+CHUNK_BYTES = 2 * GiB  # the writer materializes at most about this much of a model at a time
+
+
+def _chunks(module, prefix="", limit=CHUNK_BYTES):
+    """``(prefix, module, own_only)`` pieces of ``module`` of at most ``limit`` bytes each (a module larger than
+    that is split into its children, its own direct parameters forming one more piece)."""
+    size = module_bytes(module)
+    children = list(module.named_children())
+    if size <= limit or not children:
+        yield prefix, module, False
+        return
+    if any(True for _ in module.parameters(recurse=False)):
+        yield prefix, module, True
+    for name, child in children:
+        yield from _chunks(child, f"{prefix}{name}.", limit)
+
+
+@torch.no_grad()
+def _randomize(module, own_only):
+    """Random weights where ``to_empty`` left garbage: norms 1, biases 0, other matrices N(0, 0.02); quantized
+    layers quantize a random bf16 weight (one layer at a time, on the device)."""
+    from diffusers_h3.quantizers import QuantizedLinear
+
+    modules = [module] if own_only else list(module.modules())
+    for sub in modules:
+        if isinstance(sub, QuantizedLinear):
+            dense = torch.randn(sub.out_features, sub.in_features, device=sub.bias.device if sub.bias is not None
+                                else next(iter(sub.buffers())).device, dtype=torch.bfloat16) * 0.02  # fmt: skip
+            sub.requantize_(dense)
+            if sub.bias is not None:
+                sub.bias.zero_()
+            continue
+        for name, param in sub.named_parameters(recurse=False):
+            if not param.is_floating_point():
+                continue
+            if param.ndim == 1:
+                param.fill_(0.0 if "bias" in name else 1.0)
+            else:
+                param.normal_(0.0, 0.02)
+
+
+def swap_to_quantized_on_meta(model, config, keep_in_fp32=()):
+    """Empty (meta) quantized layers in place of the Linears ``config`` selects, as a pre-quantized load does."""
+    from diffusers_h3.quantizers import linears_to_quantize
+    from diffusers_h3.quantizers.registry import layer_class_for
+
+    cls = layer_class_for(config)
+    for name in linears_to_quantize(model, config, keep_in_fp32):
+        linear = model.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    compute_dtype=torch.bfloat16, device="meta", **config.layer_kwargs())  # fmt: skip
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+    return model
+
+
+def _move_storage(piece, own_only, device):
+    """Uninitialized storage on ``device`` for every parameter and buffer of ``piece`` (of the piece alone when
+    ``own_only``), set directly: ``to_empty`` would go through the quantized layers' ``_apply``, which copies."""
+    for sub in [piece] if own_only else piece.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                empty = torch.empty_like(tensor, device=device)
+                table[name] = torch.nn.Parameter(empty, requires_grad=False) if table is sub._parameters else empty
+
+
+def write_model_streamed(model, config, folder, device, index_name, shard_stem, keep_in_fp32=(), limit=CHUNK_BYTES):
+    """Write ``model`` (built on the meta device) as a pre-quantized checkpoint, one piece at a time: each piece is
+    materialized on ``device`` with random weights, its selected Linear layers quantized with ``config``, copied to
+    the CPU, written to its own safetensors shard and dropped. Never more than one piece exists in memory. Returns
+    the bytes written."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        swap_to_quantized_on_meta(model, config, keep_in_fp32)
+    pieces = list(_chunks(model, limit=limit))
+    weight_map, total = {}, 0
+    for i, (prefix, piece, own_only) in enumerate(pieces):
+        tensors = dict(piece.named_parameters(recurse=not own_only)) | dict(piece.named_buffers(recurse=not own_only))
+        if not tensors:
+            continue
+        _move_storage(piece, own_only, device)
+        _randomize(piece, own_only)
+        persistent = piece.state_dict(keep_vars=True) if not own_only else dict(piece.named_parameters(recurse=False))
+        state = {f"{prefix}{n}": t.detach().to("cpu").contiguous() for n, t in persistent.items()}
+        shard = f"{shard_stem}-{i + 1:05d}-of-{len(pieces):05d}.safetensors"
+        save_file(state, str(folder / shard), metadata={"format": "pt"})
+        for key, tensor in state.items():
+            weight_map[key] = shard
+            total += tensor.numel() * tensor.element_size()
+        del state, persistent
+        _move_storage(piece, own_only, torch.device("meta"))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=1))  # fmt: skip
+    return total
+
+
+def write_low_ram_checkpoint(folder, device, tiny):
+    """The checkpoint the low_ram recipe loads, written like a user's converted one (random weights, released sizes
+    unless ``tiny``): the DiT pre-quantized to NVFP4 and the text encoder pre-quantized to W8A16 with only the decoder
+    layers the early exit runs (51 of 64), both written piece by piece; the VAEs, tokenizer, processor and schedulers
+    by ``save_pretrained``. Returns what was written."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
+    from request import keep_fp32_modules
+
+    from diffusers_h3 import MiniMaxH3Pipeline
+    from diffusers_h3.quantizers import NVFP4Config, W8A16Config
+    from diffusers_h3.testing import tiny as tiny_parts
+
+    folder = Path(folder)
+    started = time.perf_counter()
+    parts = tiny_parts.tiny_components(seed=0, text_encoder_layers=TEXT_ENCODER_LAYER + 1, with_transformer_ref=False)
+    parts.pop("transformer_ref")
+    # model_index.json and the small components (byte-level tokenizer: no download); the models are replaced below
+    MiniMaxH3Pipeline(**parts, text_encoder_layer=TEXT_ENCODER_LAYER).save_pretrained(folder)
+    dit_config, te_config = NVFP4Config(), W8A16Config()
+    if tiny:
+        dit_model_config = dict(parts["transformer"].config)
+        te_model_config = parts["text_encoder"].config
+    else:
+        dit_model_config = {}  # the class defaults are the released sizes
+        te_model_config = _released_text_encoder_config()
+    sizes = {}
+    limit = 2**16 if tiny else CHUNK_BYTES  # tiny: many small pieces, so the smoke test splits the models too
+    # the DiT
+    shutil.rmtree(folder / "transformer", ignore_errors=True)
+    with torch.device("meta"):
+        dit = MiniMaxH3Transformer3DModel(**{k: v for k, v in dit_model_config.items() if not k.startswith("_")})
+    keep_fp32_modules(dit.to(torch.bfloat16))
+    dit.register_to_config(quantization_config=dit_config)
+    sizes["transformer"] = write_model_streamed(dit, dit_config, folder / "transformer", device,
+                                                "diffusion_pytorch_model.safetensors.index.json",
+                                                "diffusion_pytorch_model", dit._keep_in_fp32_modules, limit)  # fmt: skip
+    dit.save_config(folder / "transformer")
+    del dit
+    # the text encoder, without the never-run decoder layers
+    from transformers import Qwen3VLForConditionalGeneration
+
+    shutil.rmtree(folder / "text_encoder", ignore_errors=True)
+    te_model_config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER + 1
+    if isinstance(getattr(te_model_config.text_config, "layer_types", None), list):
+        te_model_config.text_config.layer_types = te_model_config.text_config.layer_types[: TEXT_ENCODER_LAYER + 1]
+    with torch.device("meta"):
+        te = Qwen3VLForConditionalGeneration(te_model_config).to(torch.bfloat16)
+    sizes["text_encoder"] = write_model_streamed(te, te_config, folder / "text_encoder", device,
+                                                 "model.safetensors.index.json", "model", (), limit)  # fmt: skip
+    te_model_config.quantization_config = te_config
+    te_model_config.save_pretrained(folder / "text_encoder")
+    del te
+    # the VAEs: built whole (a few GiB) and saved
+    for name in ("vae", "audio_vae"):
+        shutil.rmtree(folder / name, ignore_errors=True)
+        if tiny:
+            module = parts[name]
+        elif name == "vae":
+            with torch.device(device):
+                module = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
+        else:
+            with torch.device(device):
+                module = AutoencoderKLMiniMaxH3Audio(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
+        module.save_pretrained(folder / name)
+        sizes[name] = module_bytes(module)
+        del module
+        clean_device(device)
+    return {"written_gib": {k: _gib(v) for k, v in sizes.items()}, "write_s": round(time.perf_counter() - started, 1),
+            "formats": {"transformer": "NVFP4 (pre-quantized, weight-only 4-bit)", "text_encoder":
+                        f"W8A16 (pre-quantized), {TEXT_ENCODER_LAYER + 1} decoder layers (64 released: the never-run "
+                        "ones are not written)", "vae": "bf16 (fp32 modules kept)", "audio_vae": "fp32"}}  # fmt: skip
+
+
+def _released_text_encoder_config():
+    from request import QWEN3_VL_32B_VISION
+    from transformers import Qwen3VLConfig
+
+    from diffusers_h3.testing import tiny as tiny_parts
+
+    ids = {token: 257 + i for i, token in enumerate(tiny_parts.VISION_TOKENS)}
+    return Qwen3VLConfig(
+        text_config=dict(QWEN3_VL_32B_TEXT), vision_config=QWEN3_VL_32B_VISION, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+
+
+def vm_hwm_bytes():
+    """This process's peak resident set size (``VmHWM``), pinned and file-backed pages included."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def where_components_live(pipe):
+    """Each component's weight bytes by where they rest between uses and how they reach the GPU."""
+    placement = getattr(pipe, "_diffusers_h3_placement", {}) or {}
+    out = {}
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        out[name] = {"placement": placement.get(name, "?"), "weights_gib": _gib(module_bytes(component))}
+    return out
+
+
+def pcie_traffic(pipe):
+    """Bytes each request moves from the host to the GPU (computed from the weights, not measured): the whole DiT
+    every forward (block offload), the text encoder once per request (from disk), each VAE once per request (model
+    offload), and their cost at PCIe 4.0 x16."""
+    te_bytes = getattr(pipe, "_h3_text_encoder_bytes", None)
+    dit = module_bytes(pipe.transformer)
+    per_request = {"text_encoder": te_bytes if te_bytes is not None else module_bytes(pipe.text_encoder),
+                   "vae": module_bytes(pipe.vae), "audio_vae": module_bytes(pipe.audio_vae)}  # fmt: skip
+    forwards = SIGMA_POINTS - 1
+    total = dit * forwards + sum(per_request.values())
+    rate = PCIE4_X16_GB_S * 1e9
+    return {
+        "label": f"computed from the weight bytes at {PCIE4_X16_GB_S:g} GB/s (PCIe 4.0 x16 effective), not measured",
+        "per_forward_gib": _gib(dit),
+        "per_forward_s_at_pcie4": round(dit / rate, 2),
+        "per_request_once_gib": {k: _gib(v) for k, v in per_request.items()},
+        "per_request_gib": _gib(total),
+        "per_request_s_at_pcie4": round(total / rate, 1),
+    }
+
+
+def child_main(args):
+    """One low_ram case in this (fresh) process: cap, load from the checkpoint, warm-up, timed request."""
+    from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+
+    case = args.child
+    device = torch.device("cuda", 0) if not args.tiny else torch.device("cpu")
+    cap_gib = CASE_SETUP[case][1] if device.type == "cuda" else None
+    fraction = None
+    if device.type == "cuda":  # the cap holds from the load on
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, cap_gib * GiB / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    started = time.perf_counter()
+    pipe = load_for_memory_budget(args.checkpoint, task="t2va", recipe="low_ram", device=device,
+                                  offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - started
+    load_peak = vm_hwm_bytes()
+    load_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    print(f"{case}: loaded in {load_s:.1f} s, host peak RSS so far {load_peak / GiB:.2f} GiB", flush=True)
+    warm = time.perf_counter()
+    if not args.no_warmup:
+        one_request(pipe, args.tiny)
+    warmup_s = time.perf_counter() - warm
+    record = timed_request(pipe, device, args.tiny)
+    record.update(
+        recipe_name="low_ram", recipe=RECIPE_LINES["low_ram"], cap_gib=cap_gib,
+        cap_fraction=round(fraction, 4) if fraction is not None else None,
+        cap_scope="the whole process: load, warm-up and timed request" if cap_gib else "no cap on the CPU",
+        load_s=round(load_s, 1), warmup_s=round(warmup_s, 1),
+        host_peak_rss_load_gib=_gib(load_peak), host_peak_rss_gib=_gib(vm_hwm_bytes()), host_includes_load=True,
+        peak_reserved_load_gib=_gib(load_reserved) if load_reserved is not None else None,
+        placements=(getattr(pipe, "_diffusers_h3_placement", None) or {}), components=where_components_live(pipe),
+        weights_gib={k: v["weights_gib"] for k, v in where_components_live(pipe).items() if k != "transformer_ref"},
+        pcie=pcie_traffic(pipe),
+    )  # fmt: skip
+    record["request_s_extrapolated"] = round(
+        (record["ms"] - record["stages"]["forwards"] + (SIGMA_POINTS - 1) * record["stages"]["forwards"]) / 1000, 1)
+    Path(args.child_out).write_text(json.dumps(record, indent=1))
+
+
+def _cgroup_for_child(limit_gib):
+    """A cgroup v2 with ``memory.max`` = ``limit_gib`` the child joins, when ``/sys/fs/cgroup`` lets us make one;
+    ``(path or None, what happened)``."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        relative = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::", 1)[1].lstrip("/")
+        parent = root / relative
+        if "memory" not in (parent / "cgroup.controllers").read_text().split():
+            return None, f"no memory controller in {parent}"
+        group = parent / f"h3_placement_{os.getpid()}"
+        group.mkdir(exist_ok=True)
+        (group / "memory.max").write_text(str(int(limit_gib * GiB)))
+        if (group / "memory.swap.max").exists():
+            (group / "memory.swap.max").write_text("0")
+        return group, f"cgroup v2 {group} with memory.max {limit_gib:g} GiB, swap 0"
+    except (OSError, IndexError) as error:
+        return None, f"could not make a cgroup ({type(error).__name__}: {error})"
+
+
+def run_child(args, case, checkpoint, work):
+    """Run ``case`` in a fresh process; its record with the child's peak RSS from ``wait4`` (ru_maxrss)."""
+    offload_folder = work / f"offload_{case}"
+    shutil.rmtree(offload_folder, ignore_errors=True)
+    out = work / f"{case}.json"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--child", case, "--checkpoint", str(checkpoint), "--offload-folder",
+               str(offload_folder), "--child-out", str(out)] + (["--tiny"] if args.tiny else []) \
+        + (["--no-warmup"] if args.no_warmup else [])  # fmt: skip
+    group, cgroup_note = (None, "not tried (--no-cgroup)") if args.no_cgroup else _cgroup_for_child(HOST_BUDGET_GIB)
+    enforced = False
+    if group is not None:
+        def join():  # in the child, before it loads anything
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+    else:
+        join = None
+    try:
+        process = subprocess.Popen(command, preexec_fn=join)
+    except (OSError, subprocess.SubprocessError) as error:  # joining the cgroup refused: run without the cap
+        cgroup_note += f"; joining it failed ({error}): run without it"
+        group = None
+        process = subprocess.Popen(command)
+    _, status, usage = os.wait4(process.pid, 0)
+    record = json.loads(out.read_text()) if out.exists() else None
+    cgroup = {"tried": not args.no_cgroup, "note": cgroup_note, "enforced": False}
+    if group is not None:
+        try:
+            cgroup["memory_peak_gib"] = _gib(int((group / "memory.peak").read_text()))
+        except (OSError, ValueError):
+            pass
+        try:
+            events = dict(line.split() for line in (group / "memory.events").read_text().splitlines())
+            cgroup["oom_kills"] = int(events.get("oom_kill", 0))
+        except (OSError, ValueError):
+            pass
+        enforced = (group / "memory.max").read_text().strip() == str(int(HOST_BUDGET_GIB * GiB))
+        cgroup["enforced"] = enforced
+        cgroup["limit_gib"] = HOST_BUDGET_GIB
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+    shutil.rmtree(offload_folder, ignore_errors=True)
+    exit_code = os.waitstatus_to_exitcode(status)
+    if record is None:
+        raise RuntimeError(f"the {case} process exited with {exit_code} without a record "
+                           f"(peak RSS {usage.ru_maxrss / 2**20:.1f} GiB; {cgroup})")  # fmt: skip
+    record["host_peak_rss_wait4_gib"] = _gib(usage.ru_maxrss * 1024)
+    record["host_cgroup"] = cgroup
+    return record
+
+
+def run_low_ram_cases(args, cases, header, previous, results, notes, layers, device):
+    work = Path(args.work_dir)
+    checkpoint = work / "checkpoint"
+    written = None
+    try:
+        if not (checkpoint / "model_index.json").exists() or args.rewrite_checkpoint:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            command = [sys.executable, __file__, "--write-checkpoint", str(checkpoint)] + (
+                ["--tiny"] if args.tiny else [])
+            subprocess.run(command, check=True)  # its own process: this one stays without CUDA allocations
+        written = json.loads((checkpoint / "written.json").read_text())
+        print(f"checkpoint {checkpoint}: {written}", flush=True)
+    except Exception as error:  # noqa: BLE001 - recorded as the cases' failure
+        for case in cases:
+            results[case] = failed_record("low_ram", CASE_SETUP[case][1], device)
+            notes[case] = f"checkpoint writing failed: {type(error).__name__}: {str(error)[:400]}"
+        write_report(args, header, previous, results, notes, layers, device)
+        return
+    for case in cases:
+        try:
+            record = run_child(args, case, checkpoint, work)
+        except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
+            results[case] = failed_record("low_ram", CASE_SETUP[case][1], device)
+            notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
+            print(f"{case:14s} {notes[case]}", flush=True)
+        else:
+            results[case] = {**record, "checkpoint": written, "commit": header["commit"], "date": header["date"]}
+            print(f"{case:14s} load {record['load_s']} s, request {record['ms'] / 1000:.2f} s (1 forward; "
+                  f"{record['request_s_extrapolated']} s with 49), peak reserved {record['peak_reserved_gib']} GiB, "
+                  f"host peak RSS {record['host_peak_rss_gib']} GiB (wait4 {record['host_peak_rss_wait4_gib']}), "
+                  f"cgroup {record['host_cgroup']}", flush=True)  # fmt: skip
+        write_report(args, header, previous, results, notes, layers, device)
+    if not args.keep_checkpoint:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def released_dit_bytes(config):
+    """Bytes of the released-size DiT stored with ``config`` (computed on the meta device: nothing is allocated)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from request import keep_fp32_modules
+
+    with torch.device("meta"):
+        dit = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
+    return module_bytes(swap_to_quantized_on_meta(dit, config, dit._keep_in_fp32_modules))
+
+
+def estimate_low_ram(results):
+    """The low_ram recipe's needs before it is measured (labelled an estimate), from the measured offload case with
+    the smallest GPU need: GPU, its peak allocated memory (its W8A16 blocks are larger than NVFP4's); host, the NVFP4
+    DiT (computed) and the VAEs resident plus that process's memory beyond its weights (the text encoder streams from
+    disk); time, the offload case's."""
+    from diffusers_h3.parallel.memory_budget import derive_recipe_table
+    from diffusers_h3.quantizers import NVFP4Config
+
+    offload = next((e for e in derive_recipe_table(results)["recipes"] if e["recipe"] == "offload"), None)
+    if offload is None:
+        return None
+    case = results["cases"][offload["case"]]
+    weights = case["weights_gib"]
+    overhead = case["host_peak_rss_gib"] - sum(weights.values())
+    host = released_dit_bytes(NVFP4Config()) / GiB + weights["vae"] + weights["audio_vae"] + overhead
+    return {"recipe": "low_ram", "gpu_gib": round(case["peak_allocated_gib"], 2), "host_gib": round(host, 2),
+            "request_s": offload["request_s"], "case": offload["case"], "measured": False, "cap_gib": None,
+            "basis": f"estimate from {offload['case']}: GPU its peak allocated memory, host the NVFP4 DiT (computed) "
+                     "+ VAEs + its memory beyond the weights, time its request"}  # fmt: skip
+
+
+def write_recipe_table(results_path, table_path):
+    """``diffusers_h3/parallel/memory_recipes.json`` from a placement result (estimates for unmeasured recipes)."""
+    from diffusers_h3.parallel.memory_budget import derive_recipe_table
+
+    results = json.loads(Path(results_path).read_text())
+    table = derive_recipe_table(results)
+    if not any(e["recipe"] == "low_ram" for e in table["recipes"]):
+        estimate = estimate_low_ram(results)
+        if estimate is not None:
+            table["recipes"].append(estimate)
+    Path(table_path).write_text(json.dumps(table, indent=1) + "\n")
+    print(f"{table_path}: " + "; ".join(f"{e['recipe']} {e['gpu_gib']} GiB GPU / {e['host_gib']} GiB host "
+                                          f"({'measured' if e['measured'] else 'estimate'})" for e in table["recipes"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Main
 
 
@@ -360,7 +798,32 @@ def main():
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request (smoke tests only)")
     parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU smoke test; no caps)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    parser.add_argument("--work-dir", default="/tmp/h3_placement",
+                        help="low_ram cases: where the checkpoint and the offload files are written (local disk)")
+    parser.add_argument("--keep-checkpoint", action="store_true", help="low_ram cases: keep the written checkpoint")
+    parser.add_argument("--rewrite-checkpoint", action="store_true", help="low_ram cases: write it even if present")
+    parser.add_argument("--no-cgroup", action="store_true", help="low_ram cases: do not try a cgroup memory cap")
+    parser.add_argument("--recipe-table", default=None, metavar="PATH",
+                        help="write the recipe table derived from --out (e.g. diffusers_h3/parallel/"
+                             "memory_recipes.json) and exit")  # fmt: skip
+    internal = parser.add_argument_group("internal (the processes the low_ram cases start)")
+    internal.add_argument("--write-checkpoint", default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--offload-folder", default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.recipe_table:
+        write_recipe_table(args.out, args.recipe_table)
+        return
+    if args.write_checkpoint:
+        device = torch.device("cuda", 0) if not args.tiny else torch.device("cpu")
+        written = write_low_ram_checkpoint(args.write_checkpoint, device, args.tiny)
+        (Path(args.write_checkpoint) / "written.json").write_text(json.dumps(written, indent=1))
+        return
+    if args.child:
+        child_main(args)
+        return
 
     wanted = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(wanted) - set(CASES))
@@ -392,6 +855,9 @@ def main():
     header = result_header("placement", args.commit, device="cpu (tiny smoke test)" if args.tiny else None)
     for recipe in recipes:
         cases = [c for c in run if CASE_SETUP[c][0] == recipe]
+        if recipe in SUBPROCESS_RECIPES:
+            run_low_ram_cases(args, cases, header, previous, results, notes, layers, device)
+            continue
         pipe = None
         try:
             started = time.perf_counter()
@@ -423,6 +889,8 @@ def main():
                 traceback.print_exc()
             else:
                 results[case] = {
+                    "recipe_name": recipe,
+                    "host_includes_load": False,  # the weights were built on the GPU, not loaded
                     "recipe": RECIPE_LINES[recipe],
                     "cap_gib": cap_gib,
                     "cap_scope": "the warm-up and the timed request; building the random weights ran uncapped"
@@ -449,7 +917,7 @@ def main():
 
 
 def failed_record(recipe, cap_gib, device):
-    return {"recipe": RECIPE_LINES[recipe], "cap_gib": cap_gib if device.type == "cuda" else None, "ms": None,
+    return {"recipe_name": recipe, "recipe": RECIPE_LINES[recipe], "cap_gib": cap_gib if device.type == "cuda" else None, "ms": None,
             "stages": None, "forward_ms": None, "peak_allocated_gib": None, "peak_reserved_gib": None}  # fmt: skip
 
 

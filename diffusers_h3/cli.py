@@ -443,6 +443,26 @@ def _default_patch_size(model_cls):
     return inspect.signature(model_cls.__init__).parameters["patch_size"].default
 
 
+def _check_memory(args) -> None:
+    """`--memory auto|<gpu>,<host>`: the recipe that fits, chosen (and printed on one line) before anything loads."""
+    if getattr(args, "memory", None) is None:
+        return
+    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, parse_memory_option, select_recipe
+
+    others = [f for f, on in (("--low-memory", args.low_memory), ("--cpu-offload", args.cpu_offload),
+                              ("--quantize", args.quantize), ("--quantize-text-encoder", args.quantize_text_encoder),
+                              ("--gpus", args.gpus > 1)) if on]  # fmt: skip
+    if others:
+        raise UsageError(f"--memory picks the placement and weight formats itself, but {others[0]} asks for its own",
+                         f"drop {others[0]} or --memory")  # fmt: skip
+    try:
+        args.memory_budget = parse_memory_option(args.memory)
+        args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args))
+    except MemoryBudgetError as error:
+        raise UsageError(str(error), "see docs/memory.md for what each budget runs") from None
+    print(args.memory_recipe.line(), file=sys.stderr)
+
+
 def _check_prompt_text(prompt: str) -> None:
     if not prompt.strip():
         raise UsageError("--prompt is empty", "describe the clip, e.g. --prompt 'a cat playing the piano'")
@@ -495,6 +515,7 @@ def check_generate(args):
     check_arguments(args)
     _check_flashinfer(args)
     _check_device(args)
+    _check_memory(args)
     for flag, value in (("--model", args.model), ("--lora", args.lora)):
         if value is not None and _local_path(value, flag) is None:
             check_hub_reachable(value, flag, file="model_index.json" if flag == "--model" else None)
@@ -559,6 +580,10 @@ def _load_pipeline(args):
         model = demo_checkpoint_dir()
     else:
         model = args.model
+    if getattr(args, "memory_recipe", None) is not None:  # --memory: the recipe loads and places everything
+        from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+
+        return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args), recipe=args.memory_recipe)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     quant_mapping = {}
     if getattr(args, "quantize", None):
@@ -828,6 +853,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gpus", type=int, default=1,
                      help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
                           "(default: %(default)s)")  # fmt: skip
+    gen.add_argument("--memory", default=None, metavar="auto|GPU,HOST",
+                     help="fit a memory budget: 'auto' reads the visible GPU and host memory, '16,32' means 16 GiB of "
+                          "GPU and 32 GiB of host memory; picks the fastest measured recipe that fits (docs/memory.md)")
     gen.add_argument("--text-encoder-offload", action="store_true",
                      help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
                           "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip

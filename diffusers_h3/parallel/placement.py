@@ -212,8 +212,14 @@ def enable_low_memory_offload(
     common = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": use_stream,
               "low_cpu_mem_usage": low_cpu_mem_usage}  # fmt: skip
     settings = f"stream={use_stream}, low_cpu_mem_usage={low_cpu_mem_usage}"
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    already = getattr(pipe, "_diffusers_h3_placement", None) or {}
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
+            continue
+        if _is_group_offload_enabled(component):  # placed before (e.g. a text encoder streamed from disk)
+            placements[name] = already.get(name, "group offload (applied before)")
             continue
         group_offloaded = name in block_level or name in leaf_level
         if group_offloaded and not _has_weight_norm(component):

@@ -1,0 +1,167 @@
+"""Loading for a memory budget: the recipe decides how the weights are loaded, not only where they go.
+
+``load_for_memory_budget(path, gpu_gib=16, host_gib=32)`` selects the fastest recipe that fits (before anything is
+read; see :mod:`diffusers_h3.parallel.memory_budget`), then loads each model straight into the recipe's weight format
+(quantized as each weight arrives from a dense checkpoint, or installed as stored from a pre-quantized one) and places
+it. For ``low_ram`` the text encoder is loaded first, without its never-run decoder layers, and handed to diffusers'
+disk group offload, which writes it to ``offload_folder`` and releases its host memory; only then does the DiT load.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from diffusers.utils import logging
+
+from ..parallel.memory_budget import (
+    MemoryBudgetError,
+    MemoryRecipe,
+    apply_gpu_cap,
+    enable_memory_budget,
+    resolve_recipe,
+    stream_text_encoder_from_disk,
+)
+from ..tasks import partitions_for_task
+from .loading import resolve_repo
+from .pipeline_minimax_h3 import MiniMaxH3Pipeline
+
+
+logger = logging.get_logger(__name__)
+
+
+def _config_of(folder: Path) -> Dict[str, Any]:
+    path = folder / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def stored_quant_method(folder: Path) -> Optional[str]:
+    """The ``quant_method`` a component folder was saved with (None: dense weights)."""
+    config = _config_of(folder).get("quantization_config")
+    return None if config is None else str(config.get("quant_method"))
+
+
+def _format_config(name: str):
+    from ..quantizers import get_format
+
+    return get_format(name).config_cls()
+
+
+def _transformer_format(recipe: MemoryRecipe, device: torch.device) -> str:
+    if recipe.spec.transformer_format == "fp8_or_w8a16":
+        from .speed_presets import gemm_format
+
+        return gemm_format(device)
+    return recipe.spec.transformer_format
+
+
+def _quantization_plan(directory: Path, recipe: MemoryRecipe, partitions, device) -> Dict[str, Any]:
+    """Config per component to quantize while loading (none for a component saved in the recipe's format); refuses
+    a component pre-quantized in another format, before loading."""
+    from ..quantizers import get_format
+
+    wanted = {p: _transformer_format(recipe, device) for p in partitions}
+    wanted["text_encoder"] = recipe.spec.text_encoder_format
+    plan = {}
+    for component, fmt in wanted.items():
+        stored = stored_quant_method(directory / component)
+        if stored is None:
+            plan[component] = _format_config(fmt)
+        elif stored != get_format(fmt).method:
+            raise MemoryBudgetError(
+                f"{directory / component} is saved as {stored}, but memory recipe {recipe.name!r} needs "
+                f"{get_format(fmt).method}: convert the checkpoint for this recipe (docs/memory.md) or use the dense one"
+            )
+    return plan
+
+
+def _load_text_encoder_alone(directory: Path, config, dtype, text_encoder_layer: int):
+    """The text encoder without its never-run decoder layers (they are never read), quantized as it loads."""
+    index = json.loads((directory / "model_index.json").read_text())
+    library, class_name = index["text_encoder"][:2]
+    cls = getattr(importlib.import_module(library), class_name)
+    folder = directory / "text_encoder"
+    model_config = cls.config_class.from_pretrained(folder)
+    text_config = getattr(model_config, "text_config", model_config)
+    keep = text_encoder_layer + 1
+    if text_config.num_hidden_layers > keep:
+        text_config.num_hidden_layers = keep
+        if isinstance(getattr(text_config, "layer_types", None), list):
+            text_config.layer_types = text_config.layer_types[:keep]
+    kwargs = {"config": model_config, "dtype": dtype}
+    if config is not None:
+        kwargs["quantization_config"] = config
+    return cls.from_pretrained(str(folder), **kwargs).eval().requires_grad_(False)
+
+
+def load_for_memory_budget(
+    pretrained_model_name_or_path: Union[str, os.PathLike],
+    task: Optional[str] = "t2va",
+    gpu_gib: Optional[float] = None,
+    host_gib: Optional[float] = None,
+    *,
+    device: Union[str, torch.device] = "cuda",
+    recipe: Union[str, MemoryRecipe, None] = None,
+    offload_folder: Union[str, os.PathLike, None] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    cap_gpu: bool = True,
+    pipeline_class=MiniMaxH3Pipeline,
+    **from_pretrained_kwargs,
+):
+    """Load and place MiniMax-H3 with the fastest recipe that fits ``gpu_gib`` / ``host_gib`` (None: read the
+    visible GPU / host memory). Fails with one :class:`MemoryBudgetError` line before loading when nothing fits.
+
+    Args:
+        pretrained_model_name_or_path: the released checkpoint (dense: quantized while loading) or one converted for
+            the recipe (pre-quantized: loaded as stored, the fastest to load).
+        task: the task, which picks the DiT partition.
+        device: where computation runs.
+        recipe: force a recipe by name (``"resident"``, ``"offload"``, ``"low_ram"``) instead of selecting one.
+        offload_folder: an empty folder on disk for the ``low_ram`` text encoder's offload files (default: a new
+            temporary folder).
+        cap_gpu: hold PyTorch's allocator to ``gpu_gib``, as in the measurement.
+        from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``text_encoder_layer``).
+
+    Returns:
+        The placed pipeline; ``describe(pipe)["placement"]`` names the recipe and where each component streams from.
+    """
+    device = torch.device(device)
+    recipe = resolve_recipe(recipe, gpu_gib, host_gib, device)  # before anything is read
+    if from_pretrained_kwargs.get("quantization_config") is not None:
+        raise MemoryBudgetError("load_for_memory_budget picks the weight formats of its recipe: drop "
+                                "quantization_config (or load with from_pretrained and place the pipeline yourself)")
+    path = str(pretrained_model_name_or_path)
+    if not os.path.isdir(path):
+        path = resolve_repo(path, task, {})
+    directory = Path(path)
+    plan = _quantization_plan(directory, recipe, partitions_for_task(task), device)
+    logger.info(recipe.line())
+    if device.type == "cuda" and cap_gpu and gpu_gib is not None:
+        apply_gpu_cap(gpu_gib, device)
+
+    components = {}
+    if recipe.spec.text_encoder_placement == "disk":
+        default_layer = inspect.signature(pipeline_class.__init__).parameters["text_encoder_layer"].default
+        layer = int(from_pretrained_kwargs.get("text_encoder_layer", default_layer))
+        text_encoder = _load_text_encoder_alone(directory, plan.pop("text_encoder", None), dtype, layer)
+        offload_folder = stream_text_encoder_from_disk(text_encoder, device, offload_folder)
+        components["text_encoder"] = text_encoder
+        gc.collect()  # the text encoder's host copy goes before the DiT arrives
+    if plan:
+        from diffusers.quantizers import PipelineQuantizationConfig
+
+        from_pretrained_kwargs["quantization_config"] = PipelineQuantizationConfig(quant_mapping=plan)
+    pipe = pipeline_class.from_pretrained(path, task=task, dtype=dtype, **components, **from_pretrained_kwargs)
+    if "text_encoder" in components:
+        from ..parallel.placement import _record_placement
+
+        _record_placement(pipe, text_encoder=f"group offload to disk (leaf level, streamed from {offload_folder})")
+    enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
+                         cap_gpu=False)  # fmt: skip
+    return pipe

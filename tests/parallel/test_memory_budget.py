@@ -1,0 +1,192 @@
+"""Memory budgets: recipe selection from the measured table, one-line refusals before loading, and pre-quantized loads
+that never materialize dense weights."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from diffusers_h3 import cli
+from diffusers_h3.parallel import memory_budget as mb
+from diffusers_h3.pipelines import MiniMaxH3Pipeline
+from diffusers_h3.quantizers import NVFP4Config, QuantizedLinear, W8A16Config, quantize
+from diffusers_h3.testing import tiny
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe(name, gpu, host, seconds):
+    return mb.MemoryRecipe(mb.RECIPES[name], gpu, host, seconds, f"{name}_case", True, "test")
+
+
+TABLE = (_recipe("resident", 76.0, 63.0, 290.0), _recipe("offload", 16.4, 71.0, 470.0),
+         _recipe("low_ram", 15.0, 30.0, 520.0))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "gpu, host, expected",
+    [(80, 128, "resident"), (80, 64, "offload"), (24, 64, "low_ram"), (16, 32, "low_ram"), (48, 128, "offload")],
+)
+def test_the_fastest_recipe_that_fits_is_selected(gpu, host, expected):
+    # resident needs 63 GiB host: an 80 GB GPU with 64 GiB RAM still fits it; 64 GiB is too little for offload's 71
+    if (gpu, host) == (80, 64):
+        expected = "resident"
+    assert mb.select_recipe(gpu, host, table=TABLE).name == expected
+
+
+@pytest.mark.parametrize("gpu, host", [(8, 128), (24, 16), (12, 24)])
+def test_an_impossible_budget_is_one_line_naming_the_smallest_needs(gpu, host):
+    with pytest.raises(mb.MemoryBudgetError) as error:
+        mb.select_recipe(gpu, host, table=TABLE)
+    message = str(error.value)
+    assert "\n" not in message and f"{gpu:.1f} GiB of GPU" in message and "15.0 GiB ('low_ram'" in message
+
+
+@pytest.mark.parametrize("text", ["16", "16,32,1", "0,32", "a,b", "16,-1", "nan,3"])
+def test_bad_memory_options_are_refused(text):
+    with pytest.raises(mb.MemoryBudgetError, match="--memory"):
+        mb.parse_memory_option(text)
+
+
+def test_memory_options_parse():
+    assert mb.parse_memory_option("auto") == (None, None)
+    assert mb.parse_memory_option(" 15.5,32 ") == (15.5, 32.0)
+
+
+def test_auto_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(mb.MemoryBudgetError, match="no CUDA GPU"):
+        mb.select_recipe(None, 32, table=TABLE)
+
+
+def test_host_budget_auto_reads_meminfo_and_a_cgroup_limit(monkeypatch):
+    monkeypatch.setattr(mb, "_meminfo_bytes", lambda field: 100 * mb.GiB)
+    monkeypatch.setattr(mb, "_cgroup_limit_bytes", lambda: 31 * mb.GiB)
+    assert mb.visible_host_gib() == 31
+    monkeypatch.setattr(mb, "_cgroup_limit_bytes", lambda: None)
+    assert mb.visible_host_gib() == 100
+
+
+def test_packaged_table_is_the_one_derived_from_the_committed_measurements():
+    results = json.loads((ROOT / "benchmarks" / "results" / "placement_h200.json").read_text())
+    derived = mb.derive_recipe_table(results)
+    packaged = json.loads(mb.RECIPE_TABLE_PATH.read_text())
+    assert packaged["commit"] == derived["commit"]
+    measured = [e for e in packaged["recipes"] if e["measured"]]
+    assert measured == derived["recipes"]
+    # every recipe the table holds can be loaded by name, and unmeasured ones say so in their line
+    for recipe in mb.load_recipe_table():
+        assert recipe.measured or "NOT measured" in recipe.line()
+
+
+def test_cases_built_on_the_gpu_need_at_least_their_weights_in_host_memory():
+    case = {"ms": 1000.0, "stages": {"forwards": 100.0}, "forwards": 1, "sigma_points": 50, "peak_reserved_gib": 10.0,
+            "host_peak_rss_gib": 4.0, "weights_gib": {"a": 30.0, "b": 20.0}}  # fmt: skip
+    table = mb.derive_recipe_table({"cases": {"resident_80gb": case}})["recipes"]
+    assert table[0]["host_gib"] == 50.0 and table[0]["request_s"] == pytest.approx(0.9 + 4.9)
+    loaded = mb.derive_recipe_table({"cases": {"resident_80gb": {**case, "host_includes_load": True}}})["recipes"]
+    assert loaded[0]["host_gib"] == 4.0
+
+
+@pytest.fixture
+def no_loading(monkeypatch, tmp_path):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the memory check")
+
+    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr("diffusers_h3.testing.tiny.demo_checkpoint_dir", refuse)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [(["--memory", "1,1"], "no placement recipe fits 1.0 GiB"), (["--memory", "16"], "'<GPU GiB>,<host GiB>'"),
+     (["--memory", "auto"], "no CUDA GPU"), (["--memory", "16,32", "--low-memory"], "--low-memory asks for its own")],
+)  # fmt: skip
+def test_cli_memory_refusals_are_one_line_before_loading(flags, expected, no_loading, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = no_loading / "clip.mp4"
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
+
+
+class _DenseAllocations(TorchDispatchMode):
+    """Shapes of the 16/32-bit tensors written while active. Uninitialized allocations (``empty*``) are left out:
+    accelerate's ``init_empty_weights`` creates each parameter that way and moves it to the meta device at once,
+    one at a time, never touched; any data written into a tensor shows up as the op that writes it."""
+
+    UNWRITTEN = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                 torch.ops.aten.empty_strided.default}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.UNWRITTEN:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.is_floating_point() and t.element_size() >= 2:
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def _dense_shapes(model):
+    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.parametrize("config", [NVFP4Config(), W8A16Config()], ids=["nvfp4", "w8a16"])
+def test_a_pre_quantized_checkpoint_loads_without_dense_weights(config, tmp_path):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    dense = tiny.tiny_transformer(hidden_size=64, attention_head_dim=32, ffn_dim=128, text_dim=32)
+    dense.save_pretrained(tmp_path / "dense")
+    quantized = quantize(dense, config)
+    quantized.save_pretrained(tmp_path / "quantized")
+    shapes = _dense_shapes(quantized)
+    # the detector sees dense weights where a load has them: quantizing while loading a dense checkpoint
+    with _DenseAllocations() as seen:
+        MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "dense", quantization_config=config)
+    assert shapes & seen.shapes
+    with _DenseAllocations() as seen:
+        loaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "quantized")
+    assert not shapes & seen.shapes, sorted(shapes & seen.shapes)
+    assert _dense_shapes(loaded) == shapes
+
+
+def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path, monkeypatch):
+    from diffusers_h3.pipelines import memory_budget as loader
+
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    quantize(components["transformer"], NVFP4Config())
+    quantize(components["text_encoder"], W8A16Config())
+    MiniMaxH3Pipeline(**components).save_pretrained(tmp_path / "ckpt")
+    order = []
+    real_te, real_pipe = loader._load_text_encoder_alone, MiniMaxH3Pipeline.from_pretrained.__func__
+    monkeypatch.setattr(loader, "_load_text_encoder_alone", lambda *a: order.append("text_encoder") or real_te(*a))
+
+    def pipe_after(cls, *args, **kwargs):
+        assert getattr(kwargs["text_encoder"], "_h3_streams_from_disk", None), "the text encoder is not streamed yet"
+        order.append("pipeline")
+        return real_pipe(cls, *args, **kwargs)
+
+    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", classmethod(pipe_after))
+    pipe = loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe="low_ram", device="cpu",
+                                         offload_folder=tmp_path / "offload")  # fmt: skip
+    assert order == ["text_encoder", "pipeline"]
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "offload").iterdir())
+    placement = pipe._diffusers_h3_placement
+    assert placement["text_encoder"].startswith("group offload to disk") and "low_ram" in placement["memory_recipe"]
+    assert placement["transformer"].startswith("group offload (block level")
+    # a checkpoint pre-quantized in another format than the recipe's is refused before loading
+    with pytest.raises(mb.MemoryBudgetError, match="needs h3_w8a16"):
+        loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe="offload", device="cpu")

@@ -387,8 +387,12 @@ def _check_request(args, task: str, conditioning) -> None:
         vae = AutoencoderKLMiniMaxH3.from_config(config_of("vae"))
     patch_size = config_of(partition).get("patch_size") or _default_patch_size(MiniMaxH3Transformer3DModel)
     names = ("canvas_multiple", "patch_size", "vae_frames_per_chunk", "vae_latents_per_chunk", "_partitions",
-             "check_inputs", "_callback_tensor_inputs")  # fmt: skip
-    geometry_cls = type("RequestGeometry", (), {name: getattr(MiniMaxH3Pipeline, name) for name in names})
+             "check_inputs", "_check_prompt", "_check_prompt_embeds", "_check_canvas", "_align_num_frames",
+             "_callback_tensor_inputs")  # fmt: skip
+    members = {name: getattr(MiniMaxH3Pipeline, name) for name in names}
+    # The CLI always loads the text encoder, so the "no text encoder loaded" check has nothing to say here.
+    members["_check_text_encoder_loaded"] = lambda self, alternative: None
+    geometry_cls = type("RequestGeometry", (), members)
     geometry = geometry_cls()
     geometry.vae, geometry.vae_spatial_compression_ratio = vae, vae.spatial_compression_ratio
     setattr(geometry, partition, argparse.Namespace(config=argparse.Namespace(patch_size=list(patch_size))))

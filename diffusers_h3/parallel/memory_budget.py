@@ -346,31 +346,45 @@ def place_for_recipe(pipe, recipe: MemoryRecipe, device, offload_folder=None) ->
     return enable_low_memory_offload(pipe, device, low_cpu_mem_usage=True)
 
 
-def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=None) -> str:
-    """Leaf-level group offload of the text encoder to disk: each leaf's weights are written once to
-    ``offload_folder`` and read back when the leaf runs; host memory holds only the leaf in flight. Returns the
-    folder. Works on a pipeline or on the text encoder alone (so that it can be streamed before the DiT loads)."""
+def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=None, checkpoint_folder=None) -> str:
+    """Stream the text encoder's weights from disk leaf by leaf; host memory holds only the leaf in flight. Works on
+    a pipeline or on the text encoder alone (so that it can be streamed before the DiT loads). Returns where the
+    weights stream from.
+
+    With ``checkpoint_folder`` (the text encoder was loaded from these safetensors files in the format they store,
+    e.g. a pre-quantized checkpoint), each leaf reads its tensors straight from those files: nothing is written.
+    Otherwise diffusers' group offload writes each leaf once to ``offload_folder`` (default: a new temporary folder)
+    and reads it back when the leaf runs.
+    """
     import tempfile
 
     from .placement import _offload_leaf_level, _record_placement
 
     text_encoder = getattr(pipe_or_text_encoder, "text_encoder", pipe_or_text_encoder)
     device = torch.device(device)
-    if offload_folder is None:
-        offload_folder = tempfile.mkdtemp(prefix="diffusers_h3_text_encoder_")
+    if checkpoint_folder is not None:
+        from .checkpoint_streaming import stream_from_checkpoint
+
+        stream_from_checkpoint(text_encoder, checkpoint_folder, device)
+        source = os.fspath(checkpoint_folder)
+        where = f"streamed from its checkpoint files (leaf level, {source}; nothing copied)"
     else:
-        offload_folder = os.fspath(offload_folder)
-        os.makedirs(offload_folder, exist_ok=True)
-        stale = [f for f in os.listdir(offload_folder) if f.endswith(".safetensors")]
-        if stale:  # diffusers reuses files of the same name without checking their content
-            raise MemoryBudgetError(f"offload_folder {offload_folder} already holds {len(stale)} offload files; "
-                                    "pass an empty folder (files of another model would be read as this one's)")
-    text_encoder.to("cpu")
-    options = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": device.type == "cuda",
-               "low_cpu_mem_usage": True, "offload_to_disk_path": offload_folder}  # fmt: skip
-    _offload_leaf_level(text_encoder, options)
-    text_encoder._h3_streams_from_disk = offload_folder
-    where = f"group offload to disk (leaf level, streamed from {offload_folder})"
+        if offload_folder is None:
+            offload_folder = tempfile.mkdtemp(prefix="diffusers_h3_text_encoder_")
+        else:
+            offload_folder = os.fspath(offload_folder)
+            os.makedirs(offload_folder, exist_ok=True)
+            stale = [f for f in os.listdir(offload_folder) if f.endswith(".safetensors")]
+            if stale:  # diffusers reuses files of the same name without checking their content
+                raise MemoryBudgetError(f"offload_folder {offload_folder} already holds {len(stale)} offload files; "
+                                        "pass an empty folder (files of another model would be read as this one's)")
+        text_encoder.to("cpu")
+        options = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": device.type == "cuda",
+                   "low_cpu_mem_usage": True, "offload_to_disk_path": offload_folder}  # fmt: skip
+        _offload_leaf_level(text_encoder, options)
+        source = offload_folder
+        where = f"group offload to disk (leaf level, streamed from {offload_folder})"
+    text_encoder._h3_streams_from_disk = source
     if text_encoder is not pipe_or_text_encoder:
         _record_placement(pipe_or_text_encoder, text_encoder=where)
-    return offload_folder
+    return source

@@ -218,7 +218,8 @@ def enable_low_memory_offload(
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if _is_group_offload_enabled(component):  # placed before (e.g. a text encoder streamed from disk)
+        if _is_group_offload_enabled(component) or getattr(component, "_h3_streams_from_disk", None):
+            # placed before: a text encoder streamed from disk (offload files or its own checkpoint files)
             placements[name] = already.get(name, "group offload (applied before)")
             continue
         group_offloaded = name in block_level or name in leaf_level

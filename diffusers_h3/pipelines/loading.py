@@ -484,8 +484,8 @@ def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], k
         raise _refusal(directory, kind)
     index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
+    _check_transformers_weights(directory, index, kwargs)  # a truncated file first: the next check reads headers
     _check_quantized_components(directory, index, task, kwargs)
-    _check_transformers_weights(directory, index, kwargs)
     if kind == "hub":
         return _load_hub_layout(cls, directory, index, task, kwargs)
     for partition in PARTITIONS:

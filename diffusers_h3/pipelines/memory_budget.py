@@ -3,8 +3,10 @@
 ``load_for_memory_budget(path, gpu_gib=16, host_gib=32)`` selects the fastest recipe that fits (before anything is
 read; see :mod:`diffusers_h3.parallel.memory_budget`), then loads each model straight into the recipe's weight format
 (quantized as each weight arrives from a dense checkpoint, or installed as stored from a pre-quantized one) and places
-it. For ``low_ram`` the text encoder is loaded first, without its never-run decoder layers, and handed to diffusers'
-disk group offload, which writes it to ``offload_folder`` and releases its host memory; only then does the DiT load.
+it. For ``low_ram`` the text encoder is loaded first, without its never-run decoder layers, and streamed from disk
+leaf by leaf: from its own checkpoint files when they hold it in the recipe's format (a converted checkpoint), else
+through diffusers' disk group offload, which writes it to ``offload_folder``; its host memory is released before the
+DiT loads.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def load_for_memory_budget(
         task: the task, which picks the DiT partition.
         device: where computation runs.
         recipe: force a recipe by name (``"resident"``, ``"offload"``, ``"low_ram"``) instead of selecting one.
-        offload_folder: an empty folder on disk for the ``low_ram`` text encoder's offload files (default: a new
+        offload_folder: an empty folder on disk for the ``low_ram`` text encoder's offload files when it is quantized
+            while loading (a converted checkpoint streams from its own files instead; default: a new
             temporary folder).
         cap_gpu: hold PyTorch's allocator to ``gpu_gib``, as in the measurement.
         from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``text_encoder_layer``).
@@ -149,8 +152,12 @@ def load_for_memory_budget(
     if recipe.spec.text_encoder_placement == "disk":
         default_layer = inspect.signature(pipeline_class.__init__).parameters["text_encoder_layer"].default
         layer = int(from_pretrained_kwargs.get("text_encoder_layer", default_layer))
-        text_encoder = _load_text_encoder_alone(directory, plan.pop("text_encoder", None), dtype, layer)
-        offload_folder = stream_text_encoder_from_disk(text_encoder, device, offload_folder)
+        quantize_while_loading = plan.pop("text_encoder", None)
+        text_encoder = _load_text_encoder_alone(directory, quantize_while_loading, dtype, layer)
+        # Saved in the recipe's format: its own files are the stream's source. Quantized while loading: the files
+        # hold other tensors, so diffusers' disk offload writes the quantized ones once.
+        checkpoint_folder = None if quantize_while_loading is not None else directory / "text_encoder"
+        where = stream_text_encoder_from_disk(text_encoder, device, offload_folder, checkpoint_folder)
         components["text_encoder"] = text_encoder
         gc.collect()  # the text encoder's host copy goes before the DiT arrives
     if plan:
@@ -161,7 +168,8 @@ def load_for_memory_budget(
     if "text_encoder" in components:
         from ..parallel.placement import _record_placement
 
-        _record_placement(pipe, text_encoder=f"group offload to disk (leaf level, streamed from {offload_folder})")
+        how = "from its checkpoint files, nothing copied" if checkpoint_folder is not None else "group offload to disk"
+        _record_placement(pipe, text_encoder=f"{how} (leaf level, streamed from {where})")
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
                          cap_gpu=False)  # fmt: skip
     return pipe

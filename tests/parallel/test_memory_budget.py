@@ -183,10 +183,26 @@ def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path,
     pipe = loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe="low_ram", device="cpu",
                                          offload_folder=tmp_path / "offload")  # fmt: skip
     assert order == ["text_encoder", "pipeline"]
-    assert any(p.suffix == ".safetensors" for p in (tmp_path / "offload").iterdir())
+    # pre-quantized in the recipe's format: it streams from its own files, nothing is written
+    assert not (tmp_path / "offload").exists() or not any((tmp_path / "offload").iterdir())
     placement = pipe._diffusers_h3_placement
-    assert placement["text_encoder"].startswith("group offload to disk") and "low_ram" in placement["memory_recipe"]
+    assert placement["text_encoder"].startswith("from its checkpoint files") and "low_ram" in placement["memory_recipe"]
+    assert str(tmp_path / "ckpt" / "text_encoder") in placement["text_encoder"]
     assert placement["transformer"].startswith("group offload (block level")
     # a checkpoint pre-quantized in another format than the recipe's is refused before loading
     with pytest.raises(mb.MemoryBudgetError, match="needs h3_w8a16"):
         loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe="offload", device="cpu")
+
+
+def test_low_ram_from_a_dense_checkpoint_quantizes_the_text_encoder_and_offloads_it_to_files(tmp_path):
+    from diffusers_h3.pipelines import memory_budget as loader
+
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    MiniMaxH3Pipeline(**components).save_pretrained(tmp_path / "dense")
+    pipe = loader.load_for_memory_budget(tmp_path / "dense", "t2va", recipe="low_ram", device="cpu",
+                                         offload_folder=tmp_path / "offload")  # fmt: skip
+    # the files hold bf16/fp32 weights, the model int8 codes: they cannot be the source, so the codes are written once
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "offload").iterdir())
+    assert pipe._diffusers_h3_placement["text_encoder"].startswith("group offload to disk")
+    assert isinstance(pipe.text_encoder.model.language_model.layers[0].mlp.up_proj, QuantizedLinear)

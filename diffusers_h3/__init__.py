@@ -42,6 +42,7 @@ from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, export_to_video
+from .pipelines.memory_budget import load_for_memory_budget
 from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset
 from .quantizers import (
     FP8Config,
@@ -83,6 +84,7 @@ __all__ = [
     "enable_v100_mode",
     "enable_speed_preset",
     "SPEED_PRESETS",
+    "load_for_memory_budget",
     "V100Mode",
     "NonFiniteActivationError",
     "MiniMaxH3LoraMixin",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -284,6 +285,26 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         from .speed_presets import enable_speed_preset
 
         return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer)
+
+    def enable_memory_budget(
+        self,
+        gpu_gib: Optional[float] = None,
+        host_gib: Optional[float] = None,
+        *,
+        device: Union[str, torch.device] = "cuda",
+        recipe: Optional[str] = None,
+        offload_folder: Optional[Union[str, os.PathLike]] = None,
+    ):
+        """Place this pipeline (loaded on the CPU in the recipe's weight formats) with the fastest measured recipe
+        that fits `gpu_gib` / `host_gib` (None: read the visible GPU / host memory); one `MemoryBudgetError` line
+        when nothing fits. Returns the recipe; `describe(pipe)["placement"]` says where each component lives.
+
+        To load the weights the way the recipe needs (quantized as they arrive, the text encoder streamed from disk
+        before the DiT loads), use `diffusers_h3.load_for_memory_budget(path, gpu_gib=..., host_gib=...)` instead:
+        docs/memory.md."""
+        from ..parallel.memory_budget import enable_memory_budget
+
+        return enable_memory_budget(self, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder)
 
     def _device_of(self, module: torch.nn.Module) -> torch.device:
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may

@@ -206,3 +206,18 @@ def test_low_ram_from_a_dense_checkpoint_quantizes_the_text_encoder_and_offloads
     assert any(p.suffix == ".safetensors" for p in (tmp_path / "offload").iterdir())
     assert pipe._diffusers_h3_placement["text_encoder"].startswith("group offload to disk")
     assert isinstance(pipe.text_encoder.model.language_model.layers[0].mlp.up_proj, QuantizedLinear)
+
+
+def test_pipeline_method_places_with_the_recipe_and_describe_reports_it():
+    from diffusers_h3 import describe
+
+    pipe = tiny.tiny_pipeline(seed=0, with_transformer_ref=False)
+    with pytest.raises(mb.MemoryBudgetError, match="no placement recipe fits"):
+        pipe.enable_memory_budget(1, 1, device="cpu")
+    assert not getattr(pipe, "_diffusers_h3_placement", None)  # refused before anything moved
+    for name in ("transformer", "text_encoder"):
+        quantize(getattr(pipe, name), W8A16Config())
+    recipe = pipe.enable_memory_budget(device="cpu", recipe="offload")
+    assert recipe.name == "offload"
+    placement = describe(pipe)["placement"]
+    assert "offload" in placement["memory_recipe"] and placement["transformer"].startswith("group offload")

@@ -73,7 +73,7 @@ def test_real_shape_cp2_and_tp2_match_one_process():
 
 def test_pipeline_end_to_end_under_context_parallel_writes_the_mp4_on_rank_0(tmp_path):
     frames, audio = pipeline_reference("cuda")
-    rank_results = launch(rank_pipeline_to_mp4, 2, args=(str(tmp_path), "cuda"), backend=SHARED_GPU, timeout_s=180)
+    rank_results = launch(rank_pipeline_to_mp4, 2, args=(str(tmp_path), "cuda"), backend=SHARED_GPU, timeout_s=400)
     for rank, result in enumerate(rank_results):
         assert rel_l2(result["frames"], frames) <= 1e-2, rank
         assert rel_l2(result["audio"], audio) <= 1e-2, rank

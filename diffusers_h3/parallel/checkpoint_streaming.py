@@ -54,7 +54,6 @@ def checkpoint_tensor_files(folder: Union[str, os.PathLike]) -> Dict[str, str]:
 class _StreamFromCheckpointHook(ModelHook):
     """Loads a module's own tensors from the checkpoint before its forward and releases them after it."""
 
-    _is_stateful = False
 
     def __init__(self, tensors: List[Tuple[str, str, str, bool, torch.dtype]], device: torch.device):
         super().__init__()

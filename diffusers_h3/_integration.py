@@ -37,6 +37,7 @@ from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
 from .quantizers.fused_projections import install_quantized_projection_fusion
 from .quantizers.peft_dispatch import install_add_adapter_dispatch
+from .quantizers.checkpoint import check_checkpoint_quantization
 
 
 logger = logging.get_logger(__name__)
@@ -148,6 +149,26 @@ def install_transformer_model_card() -> None:
     MiniMaxH3Transformer3DModel.save_pretrained = save_pretrained
 
 
+def install_transformer_checkpoint_check() -> None:
+    """`MiniMaxH3Transformer3DModel.from_pretrained(<local folder>)` refuses, in one line, a folder whose tensors are
+    quantized but whose `config.json` lost (or never had) a known `quantization_config`: diffusers would load the
+    codes as float weights (idempotent)."""
+    load = MiniMaxH3Transformer3DModel.from_pretrained
+    if getattr(load, "_diffusers_h3_checked", False):
+        return
+    original = load.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if kwargs.get("quantization_config") is None and os.path.isdir(folder):
+            check_checkpoint_quantization(folder)
+        return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    from_pretrained._diffusers_h3_checked = True
+    MiniMaxH3Transformer3DModel.from_pretrained = classmethod(from_pretrained)
+
+
 def _register_with_diffusers() -> None:
     """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline` and install the dispatch, unless diffusers ships a
     class of that name (then diffusers' class keeps the name and `DiffusionPipeline.from_pretrained`, and one warning
@@ -169,3 +190,4 @@ def _register_with_diffusers() -> None:
     register_quantizers()
     register_cache_blocks()
     install_transformer_model_card()
+    install_transformer_checkpoint_check()

@@ -82,3 +82,17 @@ def test_stripped_quantization_config_is_refused_in_one_line(layout, component, 
     with pytest.raises(ValueError, match="holds quantized tensors .* no quantization_config") as error:
         _load(directory)
     assert "\n" not in str(error.value)
+
+
+def test_a_transformer_loaded_alone_with_a_stripped_config_is_refused(saved, tmp_path):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    directory = shutil.copytree(saved[0]["own"] / "transformer", tmp_path / "transformer")
+    loaded = MiniMaxH3Transformer3DModel.from_pretrained(directory)  # intact: loads as saved
+    assert isinstance(loaded.transformer_blocks[0].attn.to_q, W8A16Linear)
+    config = json.loads((directory / "config.json").read_text())
+    del config["quantization_config"]
+    (directory / "config.json").write_text(json.dumps(config))
+    for where, kwargs in ((directory, {}), (tmp_path, {"subfolder": "transformer"})):
+        with pytest.raises(ValueError, match="holds quantized tensors .* no quantization_config"):
+            MiniMaxH3Transformer3DModel.from_pretrained(where, **kwargs)

@@ -35,9 +35,9 @@ from .pipelines.loading import (
 )
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
+from .quantizers.checkpoint import check_checkpoint_quantization
 from .quantizers.fused_projections import install_quantized_projection_fusion
 from .quantizers.peft_dispatch import install_add_adapter_dispatch
-from .quantizers.checkpoint import check_checkpoint_quantization
 
 
 logger = logging.get_logger(__name__)

@@ -298,7 +298,7 @@ def _offload_toggle(model, pipeline):
       Here the hooks stay, and the model's offload groups are rebuilt so that they hold the new LoRA weights (what
       diffusers does for group offload alone).
     """
-    from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
 
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
@@ -312,7 +312,7 @@ def _offload_toggle(model, pipeline):
                 "split."
             )
         return None, False
-    if _get_top_level_group_offload_hook(model) is not None:
+    if _is_group_offload_enabled(model):
         return None, True
     return pipeline, False
 

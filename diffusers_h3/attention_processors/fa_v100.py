@@ -11,12 +11,12 @@ Path choice, per device (``describe_path()`` says which one ran and why, from th
 
 * **kernel** on SM70-class GPUs (compute capability 7.x: V100, Turing), head_dim 64 / 128, no attention mask;
 * **kernel** on sm_80+ only with ``allow_non_volta=True`` (the kernel is valid there but slower than SDPA's
-  flash / cuDNN kernels; used on H200 as a correctness proxy);
+  flash / cuDNN kernels; a correctness proxy on newer GPUs);
 * otherwise **SDPA memory-efficient** (``SDPBackend.EFFICIENT_ATTENTION``, fp16) with a one-time warning: GPU not
   SM70-class, unsupported head_dim, attention mask given, or the extension could not be built (no nvcc / ninja,
   CUDA 13 toolkit on sm_70, ...). Inputs on CPU use plain SDPA in their own dtype (tests, debugging).
 
-Hardware honesty: the kernel targets V100 but has been run on an H200 only; it is **not run on V100 hardware**.
+Hardware honesty: the kernel targets V100 but has been run on a Hopper GPU only; it is **not run on V100 hardware**.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
         build_dir (`str`, *optional*): where the extension is built and cached (default
             `~/.cache/diffusers_h3/torch_extensions`).
 
-    Not run on V100 hardware: validated on an H200 with `allow_non_volta=True`.
+    Not run on V100 hardware: validated on a Hopper GPU with `allow_non_volta=True`.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 The same math as diffusers' ``MiniMaxH3AttnProcessor`` (projections, QK RMSNorm, rotary and output are the base's);
 only ``softmax(Q K^T / sqrt(d)) V`` runs in FlashInfer: FlashAttention-3 on Hopper, FlashAttention-2 on SM80+
-(``backend="auto"``); at the H3 shape FlashInfer's FA3 bf16 kernel is faster than cuDNN (measured in
+(``backend="auto"``); at the H3 shape FlashInfer's FA3 bf16 kernel is faster than cuDNN (see
 ``docs/attention.md``). ``precision="fp8"`` runs FA3's FP8 kernel instead (Hopper only; E4M3 Q/K/V with one scale per
 head, FP8 P·V): an approximation, like this package's dense FP8 attention, with coarser scales. FlashInfer is optional
 (``pip install flashinfer-python``) and builds its kernels on first use.

@@ -4,8 +4,8 @@
 
 * ``"fp8"``: E4M3 Q per token, K per key block (mean-centred with ``smooth_k``), through the dense mode of the
   block-sparse flash kernels (:func:`~diffusers_h3.kernels.attention.fp8_attention`); FP8 tensor cores (SM89+);
-* ``"int8"``: the same with symmetric INT8 Q/K (SageAttention's choice): INT8 tensor cores (SM80+), ~4x less rounding
-  error than E4M3;
+* ``"int8"``: the same with symmetric INT8 Q/K (SageAttention's choice): INT8 tensor cores (SM80+), less rounding error
+  than E4M3 (docs/attention.md);
 * ``"fp4"``: NVFP4-style E2M1 Q/K/V with 16-element E4M3 scales, and P emulated before P·V (``fp4_p``); always
   emulated (quantize-dequantize + 16-bit kernels): native FP4 attention is not implemented and not run on hardware.
 
@@ -34,7 +34,7 @@ PV_PRECISIONS = ("bf16", "fp8")
 FP4_P_MODES = (None, "two_level", "single_level")
 KERNELS = ("auto", "sm90", "triton")
 BACKENDS = ("auto", "triton", "torch")
-# The 8-bit Q/K precisions and their operand dtype (same kernels; INT8 has ~4x less rounding error than E4M3).
+# The 8-bit Q/K precisions and their operand dtype (same kernels; INT8 rounds finer than E4M3, docs/attention.md).
 QK_8BIT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 

@@ -76,8 +76,8 @@ class VSAConfig:
             (a power of two ≥ 16) is also the chunk length of non-video rows.
         precision (`str`, defaults to `"bf16"`): ``"bf16"`` (the activations' dtype), ``"fp8"`` (E4M3 Q with
             per-token scales, K with one scale per key tile; FP8 tensor cores, SM89+), ``"int8"`` (the same with
-            symmetric INT8 Q/K, SageAttention's choice: same speed on Ampere/Hopper tensor cores, ~4x less error than
-            E4M3) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native FP4
+            symmetric INT8 Q/K, SageAttention's choice: same speed on Ampere/Hopper tensor cores, less error than
+            E4M3, docs/attention.md) or ``"fp4"`` (NVFP4-style E2M1 with 16-element E4M3 scales; emulated everywhere, native FP4
             attention is not implemented and not run on hardware).
         dense_layers (`tuple[int, ...]`): block indices that stay dense.
         dense_first_steps (`int`): the first denoising steps (``PackedLayout.step_index``) that stay dense.

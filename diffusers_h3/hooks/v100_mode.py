@@ -20,7 +20,7 @@ V100 (sm_70) has fp16 tensor cores but no usable bf16, so H3 runs there as fp16 
    transformer forward one sync reads the flags and, if any inf/NaN appeared, :class:`NonFiniteActivationError` names
    the first module (in execution order) whose output went non-finite.
 
-Hardware honesty: the transforms are tested on CPU and on an H200; the mode has **not been run on V100 hardware**.
+Hardware honesty: the transforms are tested on CPU and on a Hopper GPU; the mode has **not been run on V100 hardware**.
 Apply it after loading LoRA adapters so that PEFT layers are wrapped as a whole.
 """
 

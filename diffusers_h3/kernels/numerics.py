@@ -10,8 +10,8 @@ Conventions (the NVIDIA / OCP ones, so ModelOpt-style NVFP4 exports read back un
   byte, the element with the even index in the **low** nibble.
 - Attention operands: :func:`quantize_fp8_per_token` (one scale per row: Q and K), :func:`quantize_fp8_per_channel`
   (one scale per channel over the sequence: V for FP8 P.V), :func:`quantize_fp8_per_block` (one scale per key tile);
-  with ``dtype=torch.int8`` the same with ``amax / 127`` (SageAttention's choice for ``Q K^T``: ~4x smaller rounding
-  error than E4M3 at the same bytes and tensor-core rate).
+  with ``dtype=torch.int8`` the same with ``amax / 127`` (SageAttention's choice for ``Q K^T``: smaller rounding
+  error than E4M3 at the same bytes and tensor-core rate; docs/attention.md).
 - :func:`fake_quant_fp4`: NVFP4-style emulation (groups of 16 share an E4M3 scale ``amax / 6``), run as emulation
   everywhere for attention (not run on FP4 hardware).
 """

@@ -6,13 +6,15 @@ The recipes (:data:`RECIPES`) say how the weights are stored and where each comp
 :func:`derive_recipe_table` (``python benchmarks/placement.py --recipe-table``; a test checks the two agree). No
 requirement is written in code.
 
-- ``resident``: 8-bit DiT (FP8 on SM89+, W8A16 elsewhere) and W8A16 text encoder, all on the GPU (80 GB cards).
+- ``resident``: 8-bit DiT (FP8 on SM89+, W8A16 elsewhere) and W8A16 text encoder, all on the GPU (the largest GPUs).
 - ``offload``: W8A16 DiT and text encoder in host memory, group offloaded to the GPU (DiT block by block with CUDA
-  stream prefetch, text encoder leaf by leaf), VAEs model offloaded (24-48 GB cards with >= 72 GiB of RAM).
+  stream prefetch, text encoder leaf by leaf), VAEs model offloaded (mid-size GPUs, ample host memory).
 - ``low_ram``: NVFP4 DiT (weight-only 4-bit: approximate, see docs/memory.md) in host memory, group offloaded block
   by block with stream prefetch; W8A16 text encoder streamed from disk leaf by leaf (diffusers' group offload with
   ``offload_to_disk_path``) and loaded before the DiT, so the two never sit in host memory together; VAEs model
-  offloaded (16-24 GB cards with 32 GiB of RAM).
+  offloaded (small GPUs, little host memory).
+
+What each recipe needs and the GPUs it suits: docs/memory.md.
 
 :func:`select_recipe` picks the fastest recipe that fits, :func:`enable_memory_budget` places an already loaded
 pipeline (``diffusers_h3.pipelines.memory_budget.load_for_memory_budget`` also loads it the way the recipe needs).

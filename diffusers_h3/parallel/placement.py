@@ -19,7 +19,7 @@ import torch
 
 def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
     """`from_pretrained` kwargs for one 80 GB GPU: 8-bit DiT (`"fp8"`: FP8 GEMMs, SM89+; `"w8a16"`: any GPU) and a
-    W8A16 text encoder, so that the whole pipeline stays resident (weights about half of bf16's 124 GiB)."""
+    W8A16 text encoder, so that the whole pipeline stays resident (weights about half of bf16's; docs/multi_gpu.md)."""
     from diffusers.quantizers import PipelineQuantizationConfig
 
     from ..quantizers import FP8Config, W8A16Config
@@ -37,7 +37,7 @@ def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
     """Delete the Qwen3-VL decoder layers that H3 never runs (in place); returns what was kept and freed.
 
     The pipeline reads `hidden_states[text_encoder_layer]` (50 by default) and stops the text encoder there, so decoder
-    layers `text_encoder_layer + 1 ..` (13 of Qwen3-VL-32B's 64: about 12 GiB in bf16, 6 GiB in 8 bits) are dead
+    layers `text_encoder_layer + 1 ..` (13 of Qwen3-VL-32B's 64, docs/multi_gpu.md) are dead
     weight. Layer `text_encoder_layer` itself is kept so the pipeline's layer check still holds. Outputs are unchanged
     (the removed layers never run); the text encoder can no longer be used for generation or saved as the full model.
     Call it before moving the pipeline to the GPU; `describe(pipe)` reports it.

@@ -2,7 +2,7 @@
 
 The official repository (`MiniMaxAI/MiniMax-H3`) stores the diffusers components at its root with a
 `modular_model_index.json` whose entries name the hub repo id; a local snapshot must resolve every subfolder relative
-to the directory it was given, offline, and must load only the DiT partition the task needs (61.7 GiB each).
+to the directory it was given, offline, and must load only the DiT partition the task needs (each a full 33 B DiT).
 It also holds native `FL2VA/` and `Ref2VA/` folders (original weight names) that diffusers cannot read.
 
 `classify_checkpoint` tells the folder kinds apart by their files (`classify_index` by the index files alone);

@@ -8,7 +8,7 @@
   eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
-  Q/K on Hopper with about 3.4x less Q/K rounding error), no sparsity; regional compile on CUDA. With ``flashinfer=True``
+  Q/K on Hopper with less Q/K rounding error, docs/attention.md), no sparsity; regional compile on CUDA. With ``flashinfer=True``
   (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
   on CUDA.
@@ -50,7 +50,7 @@ logger = logging.get_logger(__name__)
 SPEED_PRESETS = ("exact", "fast", "fastest")
 # Sparsity of the "fastest" preset (the operating point of docs/attention.md and benchmarks/results).
 FASTEST_SPARSITY = 0.8
-# INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, ~3.4x less Q/K rounding error (docs/attention.md).
+# INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, less Q/K rounding error (docs/attention.md).
 ATTENTION_PRECISION = "int8"
 
 # The precision of the FlashInfer kernel each preset can run (docs/speed.md).
@@ -132,8 +132,8 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
     it could, when asked), or why the automatic choice could not take it (``"not installed"``, ``"no compiler"``);
     checked before anything changes.
 
-    ``"exact"``: ``flashinfer=None`` (the default) takes FA3 bf16 on a Hopper GPU (SM90, where it was measured faster
-    than cuDNN at no cost in exactness) when flashinfer-python is importable. ``"fast"``: FA3's FP8 kernel only when
+    ``"exact"``: ``flashinfer=None`` (the default) takes FA3 bf16 on a Hopper GPU (SM90, where it is faster than cuDNN
+    at no cost in exactness, docs/speed.md) when flashinfer-python is importable. ``"fast"``: FA3's FP8 kernel only when
     asked (``flashinfer=True``, Hopper): it is faster than the INT8 attention but less exact (docs/speed.md), so automatic
     keeps INT8. ``True``: required (one clear error when the package or the GPU cannot run it). ``False``: never.
     ``"fastest"`` runs video sparse attention, which no FlashInfer kernel runs, and refuses ``flashinfer=True``."""

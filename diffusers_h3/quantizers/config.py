@@ -15,10 +15,10 @@ Which ``nn.Linear`` layers are quantized (:meth:`QuantizationConfigBase.should_q
 - An explicit list replaces all of that: only the listed names are kept (a name matches a module when it equals the
   module's dotted name, one of its dotted components, or a dotted sub-path of it).
 
-The AdaLN projections ``transformer_blocks.*.adaln_proj.linear`` (39 % of H3's parameters) **are quantized** by
-default: they are the only way to reach <= 0.52x (W8A16) / <= 0.30x (NVFP4) of the bf16 weight memory, and their GEMM
-has one row per distinct timestep, so quantizing them costs no speed. Add ``"adaln_proj"`` to
-``modules_to_not_convert`` to keep them in 16-bit.
+The AdaLN projections ``transformer_blocks.*.adaln_proj.linear`` (a large share of H3's parameters) **are quantized**
+by default: without them the weights cannot shrink to about half (W8A16) or under a third (NVFP4) of bf16's
+(docs/quantization.md), and their GEMM has one row per distinct timestep, so quantizing them costs no speed. Add
+``"adaln_proj"`` to ``modules_to_not_convert`` to keep them in 16-bit.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class W8A16Config(QuantizationConfigBase):
 
     On SM80+ GPUs, calls with fewer than ``large_m_rows`` rows run the fused Triton GEMM (int8 dequantized in
     registers); from ``large_m_rows`` rows on (compute-bound prefill, e.g. H3's 38k rows) a Triton kernel dequantizes
-    the layer into a 16-bit scratch weight and cuBLAS does the GEMM (the fused kernel reaches ~0.6x of cuBLAS there).
+    the layer into a 16-bit scratch weight and cuBLAS does the GEMM (faster there than the fused kernel; docs/quantization.md).
     Other GPUs (V100): dequantize + cuBLAS fallback, reported by ``describe()``. CPU: the torch reference.
     ``backend`` forces one path: ``"triton"``, ``"triton_dequant"``, ``"torch"``, ``"dequant"``."""
 

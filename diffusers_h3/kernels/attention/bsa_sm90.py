@@ -35,8 +35,8 @@ from ._launch import index_args, scale_args
 # K/V ring depth of every variant unless a benchmark passes TuningOptions(num_stages=...).
 DEFAULT_STAGES = 3
 
-# Gluon's API moves between Triton releases: these kernels are compiled in CI with the installed Triton (3.8) and run
-# on an H200 with 3.6; older releases get the portable Triton kernel.
+# Gluon's API moves between Triton releases: 3.6 is the oldest release these kernels run with on Hopper (CI compiles
+# them with the installed Triton); older releases get the portable Triton kernel.
 MIN_TRITON = (3, 6)
 
 try:

@@ -21,7 +21,7 @@ Numerics: scores and the softmax run in float32 (online softmax in base 2, with 
   keys are usually mean-centred first, which softmax does not see). Scores are ``(q8 . k8) * q_scale * k_scale``, and
   a tile's K scale is one number folded into the per-row softmax scale. **INT8 Q/K** is the same with ``int8``
   ``q``/``k`` (``dtype=torch.int8`` in those quantizers: ``amax / 127``; exact int32 products): the same bytes and
-  tensor-core rate, ~4x less rounding error than E4M3.
+  tensor-core rate, less rounding error than E4M3 (docs/attention.md).
 * **FP8 PV** (``v_scale`` given): ``v`` is ``float8_e4m3fn`` with one scale per (batch, head, channel), and ``P`` is
   quantized as ``e4m3(448 * p)`` before the product; ``l`` (the softmax denominator) uses the unquantized ``p``.
 

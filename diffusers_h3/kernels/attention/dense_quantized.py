@@ -6,7 +6,8 @@
    centred keys quantize with less error);
 2. Q is quantized to E4M3 with one float32 scale per row and head (``amax / 448``), K with one per key block of
    ``block_n`` rows and head (the kernel folds it into the softmax scale); ``qk_dtype=torch.int8`` quantizes both to
-   symmetric INT8 instead (``amax / 127``): same speed on Ampere/Hopper tensor cores, ~4x less rounding error;
+   symmetric INT8 instead (``amax / 127``): same speed on Ampere/Hopper tensor cores, less rounding error
+   (docs/attention.md);
 3. with ``pv_fp8`` V is quantized per channel and ``P`` is rounded to E4M3 inside the kernel (``e4m3(448 p)``);
 4. the dense mode of the block-sparse flash kernels (:func:`.router.block_sparse_attention`, which picks the Hopper
    or the Triton kernel) computes the attention with a float32 online softmax.

@@ -13,7 +13,7 @@ the rounded ``P``, output fp16. The kernel uses an online softmax over key tiles
 to fp16 rounding of ``P`` (relative L2 around 1e-3 against an fp32 oracle).
 
 The kernel is *valid* on sm_70 and newer (WMMA 16x16x16). It was written for V100 (sm_70), where flash-attn, bf16 and
-tensor-core Triton are unavailable; it has been run on an H200 (sm_90) only and compiled for sm_75 in CPU CI, and is
+tensor-core Triton are unavailable; it has been run on a Hopper GPU (sm_90) only and compiled for sm_75 in CPU CI, and is
 **not run on V100 hardware**. CUDA 13 toolkits cannot target sm_70: on a V100 build with a CUDA 12.x toolkit (the
 cu126 torch wheels still carry sm_70).
 """
@@ -232,7 +232,7 @@ def fa_v100_attention(
             reference.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         query_tile: query rows per thread block, 64 or 128 (4 or 8 warps). Both give bitwise-identical results; 128
-            was faster on H200 (proxy run) and is the default.
+            is the default (the faster one, docs/v100.md).
         backend: ``"cuda"`` (the kernel; built on first use) or ``"reference"`` (:func:`fa_v100_reference`).
         build_dir: where the CUDA path builds and caches the extension (default :func:`default_build_dir`).
         out: optional float16 ``(batch, seq_q, heads, head_dim)`` buffer for the CUDA path's result (contiguous

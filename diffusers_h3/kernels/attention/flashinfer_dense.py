@@ -2,7 +2,7 @@
 elsewhere) and FP8 (FlashAttention-3's FP8 kernel, Hopper only).
 
 FlashInfer is an optional dependency (``pip install flashinfer-python``): it builds its kernels just in time on first
-use (minutes, cached on disk). This module is the only place that calls it; it adds nothing to the math.
+use (slow once, then cached on disk). This module is the only place that calls it; it adds nothing to the math.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def flashinfer_dense_attention(
             flashinfer.single_prefill_with_kv_cache(q, k, v, causal=False, kv_layout="NHD", sm_scale=scale, backend=backend)
         )
     choice = KernelChoice(
-        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 tested on an H200 (tests/gpu/test_flashinfer_gpu.py)"
+        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 have GPU tests (tests/gpu/test_flashinfer_gpu.py)"
     )
     return _batched(outputs), choice
 

@@ -133,8 +133,8 @@ def fp8_linear_reference(
     return out.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
-# cuBLASLt finds no row-wise-scaled FP8 algorithm for a handful of rows (H200, CUDA 13: NOT_SUPPORTED at M=1, and at
-# M=1 zero-padded to 16 rows with a bias), so calls with fewer rows take the exact small-M product below instead.
+# cuBLASLt finds no row-wise-scaled FP8 algorithm for a handful of rows (CUDA 13: NOT_SUPPORTED at M=1, and at M=1
+# zero-padded to 16 rows with a bias), so calls with fewer rows take the exact small-M product below instead.
 SCALED_MM_MIN_ROWS = 64
 
 

@@ -15,8 +15,8 @@ PIXEL_FORMATS = ("yuv420p", "yuv422p", "yuv444p")
 # libx264's constant-rate-factor scale for 8-bit video: 0 is lossless, higher is smaller and worse.
 CRF_RANGE = (0, 51)
 
-DEFAULT_CRF = 18
-DEFAULT_PRESET = "veryfast"
+DEFAULT_CRF = 23
+DEFAULT_PRESET = "superfast"
 DEFAULT_PIX_FMT = "yuv420p"
 
 
@@ -26,7 +26,7 @@ def encoding_option_problem(crf, preset, pix_fmt) -> str:
     if isinstance(crf, bool) or not isinstance(crf, int):
         return f"`crf` must be an integer, got {crf!r} — pass a whole number from {low} to {high}"
     if not low <= crf <= high:
-        return f"`crf` must be from {low} (lossless) to {high}, got {crf} — lower is better quality and larger files"
+        return f"`crf` must be from {low} to {high}, got {crf} — pass {low} (lossless) to {high}; lower is better and larger"
     if preset not in X264_PRESETS:
         return f"`preset` {preset!r} is not an x264 preset — choose one of {', '.join(X264_PRESETS)}"
     if pix_fmt not in PIXEL_FORMATS:

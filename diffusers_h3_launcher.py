@@ -27,7 +27,7 @@ def _parse_without_the_package(argv: List[str]) -> None:
         return
     shell = types.ModuleType(PACKAGE)
     shell.__path__ = list(spec.submodule_search_locations)
-    names = (PACKAGE, f"{PACKAGE}._version", f"{PACKAGE}._checkpoint_files", f"{PACKAGE}.cli")
+    names = (PACKAGE, f"{PACKAGE}._version", f"{PACKAGE}._checkpoint_files", f"{PACKAGE}._video_encoding", f"{PACKAGE}.cli")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     sys.modules[PACKAGE] = shell
     try:

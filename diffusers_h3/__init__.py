@@ -41,7 +41,7 @@ from .hooks.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mod
 from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
-from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, export_to_video
+from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.memory_budget import load_for_memory_budget
 from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset
 from .quantizers import (
@@ -71,6 +71,7 @@ __all__ = [
     "TaskSpec",
     "select_task",
     "export_to_video",
+    "VideoWriter",
     "describe",
     "enable_vsa",
     "disable_vsa",

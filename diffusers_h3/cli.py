@@ -21,6 +21,15 @@ from typing import List, Optional
 
 from ._checkpoint_files import safetensors_problem
 from ._version import __version__
+from ._video_encoding import (
+    CRF_RANGE,
+    DEFAULT_CRF,
+    DEFAULT_PIX_FMT,
+    DEFAULT_PRESET,
+    PIXEL_FORMATS,
+    X264_PRESETS,
+    encoding_option_problem,
+)
 
 
 PROG = "diffusers-h3"
@@ -44,6 +53,9 @@ _PYTHON_TO_FLAGS = (
     ("`num_frames`", "--frames"),
     ("`references`", "--reference"),
     ("`prompt`", "--prompt"),
+    ("`crf`", "--crf"),
+    ("`preset`", "--preset"),
+    ("`pix_fmt`", "--pix-fmt"),
 )
 
 
@@ -228,6 +240,14 @@ def _check_out(value: str) -> None:
     except OSError as error:
         raise UsageError(f"--out {value}: cannot write in {parent} ({error.strerror or error})",
                          "pick a folder you can write to") from None  # fmt: skip
+
+
+def _check_encoding_options(args) -> None:
+    """`--crf`, `--preset`, `--pix-fmt`: values libx264 takes (the export refuses others only after generating)."""
+    problem = encoding_option_problem(args.crf, args.preset, args.pix_fmt)
+    if problem:
+        what, _, fix = problem.partition(" — ")
+        raise UsageError(_as_flags(what), fix)
 
 
 def _check_flag_combinations(args) -> None:
@@ -504,6 +524,7 @@ def check_arguments(args) -> None:
     _check_prompt_text(args.prompt)
     _check_flag_combinations(args)
     _check_out(args.out)
+    _check_encoding_options(args)
     if args.lora is not None:
         _check_lora_file(args)
     _check_model_option(args)
@@ -760,7 +781,8 @@ def cmd_generate(args) -> int:
         return 0
     try:
         path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0],
-                               sampling_rate=output.sampling_rate)  # fmt: skip
+                               sampling_rate=output.sampling_rate, crf=args.crf, preset=args.preset,
+                               pix_fmt=args.pix_fmt)  # fmt: skip
     except OSError as error:  # a full disk: the target is left as it was, the error names it
         raise UsageError(f"--out {args.out}: {error}", "free some space or pick another --out") from error
     frames = output.frames.shape[1]
@@ -863,6 +885,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--text-encoder-offload", action="store_true",
                      help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
                           "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip
+    encoding = gen.add_argument_group("MP4 export (libx264; defaults measured in docs/pipeline.md)")
+    encoding.add_argument("--crf", type=int, default=DEFAULT_CRF,
+                          help=f"constant rate factor, {CRF_RANGE[0]} (lossless) to {CRF_RANGE[1]}; lower is better "
+                               "quality and larger files (default: %(default)s)")  # fmt: skip
+    encoding.add_argument("--preset", choices=X264_PRESETS, default=DEFAULT_PRESET,
+                          help="x264 speed preset; slower presets make smaller files at the same --crf "
+                               "(default: %(default)s)")  # fmt: skip
+    encoding.add_argument("--pix-fmt", choices=PIXEL_FORMATS, default=DEFAULT_PIX_FMT,
+                          help="pixel format: yuv420p plays everywhere, yuv444p keeps full colour resolution but "
+                               "some players refuse it (default: %(default)s)")  # fmt: skip
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
     fast.add_argument("--vsa", type=_ranged(float, 0.0, 1.0, what="sparsity"), default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")

@@ -60,9 +60,13 @@ def test_export_rejects_bad_input(tmp_path):
 def test_cli_generate_demo_writes_clip(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "demo.mp4"
-    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu"]) == 0
+    # The export options reach the file: yuv444p is not the default, and the writer must not fall back to yuv420p.
+    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu",
+                 "--crf", "30", "--preset", "ultrafast", "--pix-fmt", "yuv444p"]) == 0  # fmt: skip
     info = _read_back(out)
     assert info["num_frames"] == 124 and info["channels"] == 2 and info["size"] == (96, 64)
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].codec_context.pix_fmt == "yuv444p"
     assert "wrote" in capsys.readouterr().out
 
 

@@ -101,6 +101,11 @@ BAD_INPUTS = {
     "flashinfer with fastest": (["--speed", "fastest", "--flashinfer", "on"], ["--flashinfer on",
                                                                                 "add --speed exact / fast"]),
     "flashinfer on the cpu": (["--speed", "exact", "--flashinfer", "on"], ["not on --device cpu", "--flashinfer off"]),
+    "crf above the range": (["--crf", "52"], ["--crf must be from 0 to 51, got 52", "lower is better"]),
+    "crf below the range": (["--crf", "-1"], ["--crf must be from 0 to 51, got -1"]),
+    "crf not an integer": (["--crf", "18.5"], ["argument --crf", "invalid int value: '18.5'"]),
+    "unknown x264 preset": (["--preset", "fastest"], ["argument --preset", "'fastest'", "veryfast"]),
+    "unknown pixel format": (["--pix-fmt", "rgb24"], ["argument --pix-fmt", "'rgb24'", "yuv420p"]),
 }
 
 
@@ -251,7 +256,8 @@ for argv in (["--help"], ["--version"], ["generate", "--help"], ["generate", "--
         print("EXIT", argv[-1], stop.code)
 # Checks that read only the arguments answer before the package (and torch) is imported.
 for name, argv in (("empty-prompt", ["--prompt", " "]), ("unwritable-out", ["--prompt", "a cat", "--out", "/proc/x.mp4"]),
-                   ("seed", ["--prompt", "a cat", "--seed", "-1"]), ("folder-image", ["--prompt", "a", "--image", "."])):
+                   ("seed", ["--prompt", "a cat", "--seed", "-1"]), ("folder-image", ["--prompt", "a", "--image", "."]),
+                   ("crf", ["--prompt", "a cat", "--crf", "99"]), ("preset", ["--prompt", "a cat", "--preset", "x"])):
     try:
         diffusers_h3_launcher.main(["generate", *argv])
     except SystemExit as stop:
@@ -275,7 +281,7 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
     out = result.stdout
     assert "EXIT --help 0" in out and "EXIT --version 0" in out and "EXIT --no-such-flag 2" in out, out
     assert "HEAVY []" in out, out
-    for name in ("empty-prompt", "unwritable-out", "seed", "folder-image"):
+    for name in ("empty-prompt", "unwritable-out", "seed", "folder-image", "crf", "preset"):
         assert f"EXIT {name} 2" in out, out
     assert "EXIT frames 2" in out and "LOADED True" in out, out
     assert "--prompt is empty" in result.stderr and "--frames 50" in result.stderr

@@ -33,6 +33,14 @@ def _qk_error_ratio():
     return f"{error['e4m3_qk'] / error['int8_qk']:.1f}"
 
 
+def _export(case, field):
+    return lambda: str(_json("export_cpu.json")["cases"][case][field])
+
+
+def _streamed(mode):
+    return lambda: str(_json("export_cpu.json")["streaming_smooth"][mode]["after_last_chunk_s"])
+
+
 def _text_encoder_layers():
     described = (RESULTS / "request_h200.json").read_text()  # "Qwen3-VL-32B config, decoder layers 0-49 built and run"
     first, last = re.search(r"decoder layers (\d+)-(\d+) built and run", described).groups()
@@ -75,6 +83,19 @@ QUOTES = [
     ("docs/speed.md", "drops from {} s", _seconds(FI, "exact")),
     ("docs/speed.md", "to **{} s**", _seconds(FI, "exact_flashinfer")),
     ("docs/speed.md", "decoder layers {} built and run", _text_encoder_layers),
+    ("docs/pipeline.md", "took {} s for 46.48 dB", _export("smooth_medium_crf23", "export_s")),
+    ("docs/pipeline.md", "took 7.07 s for {} dB", _export("smooth_medium_crf23", "codec_psnr_db")),
+    ("docs/pipeline.md", "crf 23 took {} s for 47.13 dB", _export("smooth_superfast_crf23", "export_s")),
+    ("docs/pipeline.md", "crf 23 took 1.78 s for {} dB", _export("smooth_superfast_crf23", "codec_psnr_db")),
+    ("docs/pipeline.md", "at {} MB instead of 0.57 MB", _export("smooth_superfast_crf23", "size_mb")),
+    ("docs/pipeline.md", "at 0.93 MB instead of {} MB", _export("smooth_medium_crf23", "size_mb")),
+    ("docs/pipeline.md", "quality at crf 23 ({} dB)", _export("smooth_veryfast_crf23", "codec_psnr_db")),
+    ("docs/pipeline.md", "the fastest ({} s)", _export("smooth_ultrafast_crf23", "export_s")),
+    ("docs/pipeline.md", "and worse ({} dB)", _export("smooth_ultrafast_crf23", "codec_psnr_db")),
+    ("docs/pipeline.md", "`medium` takes {} s against", _export("noise_medium_crf23", "export_s")),
+    ("docs/pipeline.md", "against {} s for `superfast`", _export("noise_superfast_crf23", "export_s")),
+    ("docs/pipeline.md", "finished {} s after the last chunk", _streamed("streamed")),
+    ("docs/pipeline.md", "against {} s for the one-shot export", _streamed("one_shot")),
 ]
 
 

@@ -1,19 +1,30 @@
-"""Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV (diffusers' `encode_video`).
+"""Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV.
 
-The clip is encoded into a hidden temporary file beside the target and renamed onto it only when encoding finished,
-so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never clobbers an existing one;
-an OS error (a full disk) is raised naming the target file and the cause.
+`export_to_video` writes a whole clip; `VideoWriter` encodes frames as they arrive, in a background thread, and muxes
+the audio at the end. Both take libx264's `crf`, `preset` and `pix_fmt` (defaults chosen by `benchmarks/export.py`,
+see docs/pipeline.md). The clip is encoded into a hidden temporary file beside the target and renamed onto it only
+when encoding finished, so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never
+clobbers an existing one; an OS error (a full disk) is raised naming the target file and the cause.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import uuid
+from fractions import Fraction
 from typing import List, Optional, Union
 
 import numpy as np
 import PIL.Image
 import torch
+from diffusers.utils import logging
+
+from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET, check_encoding_options
+
+
+logger = logging.get_logger(__name__)
 
 
 def _frames_to_uint8(frames) -> np.ndarray:
@@ -51,8 +62,6 @@ def _frames_to_uint8(frames) -> np.ndarray:
         if low < 0 or high > 1:
             raise ValueError("float frames must lie in [0, 1] (the pipeline's `np`/`pt` output).")
         array = values.mul(255.0).round_().to(torch.uint8).numpy()
-    if array.shape[1] % 2 or array.shape[2] % 2:
-        raise ValueError(f"H.264 (yuv420p) needs even height and width, got height={array.shape[1]}, width={array.shape[2]}.")
     return array
 
 
@@ -87,37 +96,254 @@ def check_output_path(path: Union[str, os.PathLike]) -> str:
     return path
 
 
+# Chunks waiting for the encoder thread: enough to keep it busy, few enough to bound the memory of a fast producer.
+MAX_QUEUED_CHUNKS = 2
+_END_OF_VIDEO = object()
+
+
+def _check_rate(value, name: str) -> Fraction:
+    if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)) or not value > 0:
+        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+    return Fraction(value).limit_denominator(1001)
+
+
+def _check_frame_size(height: int, width: int, pix_fmt: str) -> None:
+    """libx264 subsamples chroma 2x2 in yuv420p and 2x1 in yuv422p: those dimensions must be even."""
+    needs_even_height = pix_fmt == "yuv420p"
+    if width % 2 or (needs_even_height and height % 2):
+        what = "even height and width" if needs_even_height else "an even width"
+        raise ValueError(f"H.264 ({pix_fmt}) needs {what}, got height={height}, width={width}.")
+
+
+def _encode_audio(container, stream, audio: torch.Tensor, sampling_rate: int) -> None:
+    """Encode the whole stereo track and flush the encoder; the samples go in as planar float, AAC's own format, so
+    nothing is rounded to 16 bits on the way."""
+    import av
+
+    samples = np.ascontiguousarray(audio.clamp(-1.0, 1.0).numpy(), dtype=np.float32)
+    frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="stereo")
+    frame.sample_rate = sampling_rate
+    frame.pts = 0
+    for packet in stream.encode(frame):
+        container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+
+
+class VideoWriter:
+    """Write an MP4 clip whose frames arrive in chunks: each chunk is encoded in a background thread while the caller
+    produces the next one, and the audio is muxed at the end.
+
+    ```py
+    with VideoWriter("clip.mp4", fps=24, sampling_rate=32000) as writer:
+        for chunk in frame_chunks:  # each (F, H, W, 3), as `export_to_video` takes frames
+            writer.write_frames(chunk)
+        writer.write_audio(audio)  # stereo (2, samples)
+    ```
+
+    The file at `path` appears when the `with` block ends without an error (or at `close()`), complete; an error or
+    Ctrl-C inside the block stops the encoder, removes the partial file and leaves an existing file at `path` as it
+    was. `sampling_rate=None` writes a clip without audio.
+
+    Args:
+        path: the `.mp4` file to write.
+        fps: frames per second of the clip.
+        sampling_rate: the audio's sampling rate in Hz, or `None` for no audio stream.
+        crf: libx264's constant rate factor, from 0 (lossless) to 51; lower is better quality and larger files.
+        preset: libx264's speed preset (`ultrafast` ... `veryslow`); slower presets make smaller files at the same crf.
+        pix_fmt: `yuv420p` (plays everywhere), `yuv422p` or `yuv444p` (full colour resolution, fewer players).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        fps: Union[int, float, Fraction] = 24,
+        sampling_rate: Optional[int] = None,
+        *,
+        crf: int = DEFAULT_CRF,
+        preset: str = DEFAULT_PRESET,
+        pix_fmt: str = DEFAULT_PIX_FMT,
+    ):
+        self.path = check_output_path(path)
+        self.fps = _check_rate(fps, "fps")
+        if sampling_rate is not None and (isinstance(sampling_rate, bool) or not isinstance(sampling_rate, int)
+                                          or sampling_rate <= 0):  # fmt: skip
+            raise ValueError(f"`sampling_rate` must be a positive integer (Hz) or None, got {sampling_rate!r}.")
+        check_encoding_options(crf, preset, pix_fmt)
+        self.sampling_rate, self.crf, self.preset, self.pix_fmt = sampling_rate, crf, preset, pix_fmt
+        self.num_frames = 0
+        directory, name = os.path.split(os.path.abspath(self.path))
+        # Same directory (so the rename is atomic), hidden, unique per writer; created with the first frames.
+        self._temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.partial.mp4")
+        self._container = self._video_stream = self._audio_stream = self._audio = self._size = None
+        self._chunks: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_CHUNKS)
+        self._stop = threading.Event()
+        self._encoder: Optional[threading.Thread] = None
+        self._encoder_error: Optional[BaseException] = None
+        self._state = "open"
+
+    # -- the caller's side -------------------------------------------------------------------------------------------
+    def write_frames(self, frames: Union[np.ndarray, torch.Tensor, List[PIL.Image.Image]]) -> None:
+        """Queue `frames` (`(F, H, W, 3)` in [0, 1] or uint8, `(F, 3, H, W)` torch in [0, 1], or PIL images) for
+        encoding; returns once they are converted, while the encoder works on earlier chunks."""
+        self._check_open()
+        with self._aborting_on_error():
+            video = _frames_to_uint8(frames)
+            if self._size is None:
+                self._open(*video.shape[1:3])
+            elif video.shape[1:3] != self._size:
+                raise ValueError(f"every chunk must have the first chunk's size {self._size}, got {video.shape[1:3]}.")
+            while True:  # the queue is bounded: wait for room, but not on an encoder that has failed
+                self._raise_encoder_error()
+                try:
+                    self._chunks.put(video, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            self.num_frames += len(video)
+
+    def write_audio(self, audio: Union[np.ndarray, torch.Tensor]) -> None:
+        """Set the stereo track (`(2, samples)` or `(1, 2, samples)` in [-1, 1]); it is encoded when the clip closes."""
+        self._check_open()
+        if self.sampling_rate is None:
+            raise ValueError("this VideoWriter has no audio stream: pass `sampling_rate` when creating it.")
+        with self._aborting_on_error():
+            self._audio = _audio_to_tensor(audio)
+
+    def close(self) -> str:
+        """Finish the video, mux the audio and move the file onto `path`; returns `path`."""
+        self._check_open()
+        with self._aborting_on_error():
+            if self._size is None:
+                raise ValueError("no frames were written: call `write_frames` before closing the clip.")
+            if self.sampling_rate is not None and self._audio is None:
+                raise ValueError("the clip declares an audio stream (`sampling_rate`) but `write_audio` was not called.")
+            self._chunks.put(_END_OF_VIDEO)
+            self._encoder.join()
+            self._raise_encoder_error()
+            if self._audio is not None:
+                _encode_audio(self._container, self._audio_stream, self._audio, self.sampling_rate)
+            self._container.close()
+            os.replace(self._temporary, self.path)
+            self._state = "closed"
+        logger.debug(f"wrote {self.path}: {self.num_frames} frames, crf {self.crf}, preset {self.preset}")
+        return self.path
+
+    def abort(self) -> None:
+        """Stop encoding and remove the partial file; the file at `path` is left as it was."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._stop.set()
+        try:
+            if self._encoder is not None:
+                self._encoder.join()
+            if self._container is not None:
+                try:
+                    self._container.close()
+                except Exception:  # the partial file is removed next: a failed trailer does not matter
+                    pass
+        finally:
+            if os.path.exists(self._temporary):
+                os.remove(self._temporary)
+
+    def __enter__(self) -> "VideoWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.close()
+
+    # -- internals ---------------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"this VideoWriter is {self._state}: create a new one to write another clip.")
+
+    def _open(self, height: int, width: int) -> None:
+        import av
+
+        _check_frame_size(height, width, self.pix_fmt)
+        self._size = (height, width)
+        self._container = av.open(self._temporary, mode="w")
+        options = {"crf": str(self.crf), "preset": self.preset}
+        self._video_stream = self._container.add_stream("libx264", rate=self.fps, options=options)
+        self._video_stream.width, self._video_stream.height, self._video_stream.pix_fmt = width, height, self.pix_fmt
+        if self.sampling_rate is not None:
+            self._audio_stream = self._container.add_stream("aac", rate=self.sampling_rate)
+            self._audio_stream.codec_context.layout = "stereo"
+            self._audio_stream.codec_context.time_base = Fraction(1, self.sampling_rate)
+        self._encoder = threading.Thread(target=self._encode_chunks, name="h3-video-encoder", daemon=True)
+        self._encoder.start()
+
+    def _encode_chunks(self) -> None:
+        """The encoder thread: encode queued chunks until the end marker, then flush the encoder."""
+        import av
+
+        try:
+            while not self._stop.is_set():
+                try:
+                    chunk = self._chunks.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if chunk is _END_OF_VIDEO:
+                    for packet in self._video_stream.encode(None):
+                        self._container.mux(packet)
+                    return
+                for array in chunk:
+                    if self._stop.is_set():
+                        return
+                    for packet in self._video_stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                        self._container.mux(packet)
+        except BaseException as error:  # handed to the caller's thread, which raises it
+            self._encoder_error = error
+
+    def _raise_encoder_error(self) -> None:
+        if self._encoder_error is not None:
+            raise self._encoder_error
+
+    def _aborting_on_error(self):
+        return _AbortOnError(self)
+
+
+class _AbortOnError:
+    """Abort the writer on any error (KeyboardInterrupt too); an OS error (a full disk, a vanished folder) is raised
+    naming the target file, not the temporary one, and its cause."""
+
+    def __init__(self, writer: VideoWriter):
+        self.writer = writer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, error, traceback) -> None:
+        if exc_type is None:
+            return
+        self.writer.abort()
+        if isinstance(error, OSError):
+            raise OSError(error.errno, f"cannot write the clip ({error.strerror or error})", self.writer.path) from None
+
+
 def export_to_video(
     frames: Union[np.ndarray, torch.Tensor, List[PIL.Image.Image]],
     path: Union[str, os.PathLike],
-    fps: int = 24,
+    fps: Union[int, float, Fraction] = 24,
     audio: Optional[Union[np.ndarray, torch.Tensor]] = None,
     sampling_rate: int = 32000,
+    *,
+    crf: int = DEFAULT_CRF,
+    preset: str = DEFAULT_PRESET,
+    pix_fmt: str = DEFAULT_PIX_FMT,
 ) -> str:
     """Write `frames` (and, if given, the stereo `audio` at `sampling_rate`) to an MP4 file; returns the path.
 
-    Atomic: the file at `path` is either the complete new clip or left as it was (an existing file keeps its bytes).
+    H.264 through libx264 with `crf`, `preset` and `pix_fmt` (see `VideoWriter`), AAC stereo audio. Atomic: the file
+    at `path` is either the complete new clip or left as it was (an existing file keeps its bytes).
     """
-    from diffusers.utils.export_utils import encode_video
-
-    path = check_output_path(path)
-    if fps <= 0:
-        raise ValueError(f"`fps` must be positive, got {fps}.")
-    video = torch.from_numpy(_frames_to_uint8(frames))
-    audio_tensor = _audio_to_tensor(audio) if audio is not None else None
-    directory, name = os.path.split(os.path.abspath(path))
-    # Same directory (so the rename is atomic), hidden, unique per call; PyAV creates it with the usual permissions.
-    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.partial.mp4")
-    try:
-        encode_video(
-            video, fps=fps, output_path=temporary, audio=audio_tensor,
-            audio_sample_rate=sampling_rate if audio is not None else None,
-        )  # fmt: skip
-        os.replace(temporary, path)
-    except BaseException as error:  # KeyboardInterrupt too: never leave the partial file behind
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        if isinstance(error, OSError):  # a full disk, a vanished folder: the target (not the temporary) and the cause
-            raise OSError(error.errno, f"cannot write the clip ({error.strerror or error})", path) from None
-        raise
-    return path
+    with VideoWriter(path, fps, sampling_rate if audio is not None else None, crf=crf, preset=preset,
+                     pix_fmt=pix_fmt) as writer:  # fmt: skip
+        writer.write_frames(frames)
+        if audio is not None:
+            writer.write_audio(audio)
+    return writer.path

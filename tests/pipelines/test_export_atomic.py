@@ -1,5 +1,5 @@
 """`export_to_video` is atomic: it writes a hidden temporary file beside the target and renames it on success; a
-failure mid-write (here: the audio muxing of diffusers' PyAV writer raising after the video packets went out) leaves
+failure mid-write (here: the audio muxing raising after the video packets went out) leaves
 an existing file's bytes and no temporary file. Bad paths are refused before anything is encoded."""
 
 import os
@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from diffusers.utils import export_utils
 
 from diffusers_h3 import export_to_video
+from diffusers_h3.pipelines import export
 
 
 av = pytest.importorskip("av")
@@ -42,7 +42,7 @@ def test_failure_mid_write_keeps_the_existing_file_and_leaves_no_temporary(tmp_p
         written.extend(name for name in _files(tmp_path) if name != "clip.mp4")
         raise error
 
-    monkeypatch.setattr(export_utils, "_write_audio", failing_write_audio)
+    monkeypatch.setattr(export, "_encode_audio", failing_write_audio)
     with pytest.raises(type(error)):
         export_to_video(FRAMES[::-1].copy(), target, audio=AUDIO)
     assert written and all(name.startswith(".clip.mp4.") for name in written), "it wrote beside the target"
@@ -56,7 +56,7 @@ def test_failure_mid_write_keeps_the_existing_file_and_leaves_no_temporary(tmp_p
 
 
 def test_bad_paths_are_refused_before_encoding(tmp_path, monkeypatch):
-    monkeypatch.setattr(export_utils, "encode_video", lambda *a, **k: pytest.fail("must not encode"))
+    monkeypatch.setattr(export.VideoWriter, "_open", lambda *a, **k: pytest.fail("must not encode"))
     missing = tmp_path / "no" / "such" / "dir" / "clip.mp4"
     with pytest.raises(FileNotFoundError, match=str(missing.parent)):
         export_to_video(FRAMES, missing)
@@ -79,7 +79,7 @@ def test_a_full_disk_names_the_target_and_the_cause_not_the_temporary(tmp_path, 
     def disk_full(container, *args, **kwargs):  # PyAV's error as the muxer hits ENOSPC, naming the file it writes
         raise av.error.OSError(errno.ENOSPC, "No space left on device", container.name)
 
-    monkeypatch.setattr(export_utils, "_write_audio", disk_full)
+    monkeypatch.setattr(export, "_encode_audio", disk_full)
     with pytest.raises(OSError) as raised:
         export_to_video(FRAMES[::-1].copy(), target, audio=AUDIO)
     message = str(raised.value)

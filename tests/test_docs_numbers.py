@@ -48,7 +48,20 @@ def _text_encoder_layers():
 
 
 E2E, FWD, FI, FAST_FI = "end_to_end_h200.json", "forward_h200.json", "forward_flashinfer_h200.json", "forward_fast_flashinfer_h200.json"
+def _placement(case, field):
+    return lambda: f"{_json('placement_h200.json')['cases'][case][field]:.2f}"
+
+
+def _recipe_host(recipe):
+    table = json.loads((ROOT / "diffusers_h3" / "parallel" / "memory_recipes.json").read_text())
+    return lambda: f"{next(r for r in table['recipes'] if r['recipe'] == recipe)['host_gib']:.2f}"
+
+
 QUOTES = [
+    ("README.md", "`offload_24gb`: peak {} GiB reserved", _placement("offload_24gb", "peak_reserved_gib")),
+    ("README.md", "GiB reserved, host {} GiB (`offload_40gb`", _placement("offload_24gb", "host_peak_rss_gib")),
+    ("README.md", "`resident_80gb`: peak {} GiB reserved", _placement("resident_80gb", "peak_reserved_gib")),
+    ("README.md", "host: the weights' {} GiB", _recipe_host("resident")),
     ("README.md", "2.61 s ({}×)", _ratio(E2E, "native_cudnn", "fp8_gemm+vsa_fp8_sp0.8+compile")),
     ("README.md", "= {}x the native forward", _ratio(E2E, "native_cudnn", "fp8_gemm+vsa_fp8_sp0.8+compile")),
     ("README.md", "native cuDNN {} s → VSA bf16 0.8", _seconds(E2E, "native_cudnn")),

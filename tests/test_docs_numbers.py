@@ -58,6 +58,12 @@ def _recipe_host(recipe):
 
 
 QUOTES = [
+    ("README.md", "`low_ram_16gb`: peak {} GiB reserved", _placement("low_ram_16gb", "peak_reserved_gib")),
+    ("README.md", "host peak RSS {} GiB (load included)", _placement("low_ram_16gb", "host_peak_rss_gib")),
+    ("README.md", "t2va 50 steps {} s (1 forward", lambda: f"{_json('placement_h200.json')['cases']['low_ram_16gb']['request_s_extrapolated']}"),
+    ("README.md", "`low_ram_24gb`: peak {} GiB reserved", _placement("low_ram_24gb", "peak_reserved_gib")),
+    ("README.md", "a 22.5 GiB cap, host peak RSS {} GiB", _placement("low_ram_24gb", "host_peak_rss_gib")),
+    ("docs/multi_gpu.md", "predicts a {} s 50-step denoise", lambda: f"{_json('multi_gpu_model_h200.json')['predicted']['presets']['exact']['4']['denoise_s']:.1f}"),
     ("README.md", "`offload_24gb`: peak {} GiB reserved", _placement("offload_24gb", "peak_reserved_gib")),
     ("README.md", "GiB reserved, host {} GiB (`offload_40gb`", _placement("offload_24gb", "host_peak_rss_gib")),
     ("README.md", "`resident_80gb`: peak {} GiB reserved", _placement("resident_80gb", "peak_reserved_gib")),

@@ -4,6 +4,7 @@ that never materialize dense weights."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -221,3 +222,24 @@ def test_pipeline_method_places_with_the_recipe_and_describe_reports_it():
     assert recipe.name == "offload"
     placement = describe(pipe)["placement"]
     assert "offload" in placement["memory_recipe"] and placement["transformer"].startswith("group offload")
+
+
+@pytest.mark.gpu
+def test_low_ram_runs_a_request_under_a_gpu_cap(tmp_path):
+    from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    quantize(components["transformer"], NVFP4Config())
+    quantize(components["text_encoder"], W8A16Config())
+    MiniMaxH3Pipeline(**components).save_pretrained(tmp_path / "ckpt")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cap_gib = 2.0
+    pipe = load_for_memory_budget(tmp_path / "ckpt", "t2va", gpu_gib=cap_gib, recipe="low_ram", device="cuda")
+    out = pipe(prompt="a red fox", height=64, width=96, num_frames=124, num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert np.isfinite(out.frames).all() and np.isfinite(out.audio).all()
+    assert torch.cuda.max_memory_reserved() <= cap_gib * 2**30
+    placement = pipe._diffusers_h3_placement
+    assert placement["text_encoder"].startswith("from its checkpoint files")

@@ -552,9 +552,12 @@ def pcie_traffic(pipe):
     """Bytes each request moves from the host to the GPU (computed from the weights, not measured): the whole DiT
     every forward (block offload), the text encoder once per request (from disk), each VAE once per request (model
     offload), and their cost at PCIe 4.0 x16."""
-    te_bytes = getattr(pipe, "_h3_text_encoder_bytes", None)
+    from diffusers_h3.parallel.checkpoint_streaming import streamed_bytes
+
     dit = module_bytes(pipe.transformer)
-    per_request = {"text_encoder": te_bytes if te_bytes is not None else module_bytes(pipe.text_encoder),
+    # a text encoder streamed from its checkpoint files holds only its small resident tensors between forwards
+    te_bytes = module_bytes(pipe.text_encoder) + streamed_bytes(pipe.text_encoder)
+    per_request = {"text_encoder": te_bytes,
                    "vae": module_bytes(pipe.vae), "audio_vae": module_bytes(pipe.audio_vae)}  # fmt: skip
     forwards = SIGMA_POINTS - 1
     total = dit * forwards + sum(per_request.values())

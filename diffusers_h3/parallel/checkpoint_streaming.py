@@ -55,10 +55,11 @@ class _StreamFromCheckpointHook(ModelHook):
     """Loads a module's own tensors from the checkpoint before its forward and releases them after it."""
 
 
-    def __init__(self, tensors: List[Tuple[str, str, str, bool, torch.dtype]], device: torch.device):
+    def __init__(self, tensors: List[Tuple[str, str, str, bool, torch.dtype]], device: torch.device, nbytes: int):
         super().__init__()
         self.tensors = tensors  # (attribute name, checkpoint key, file, is a parameter, dtype in the model)
         self.device = device
+        self.nbytes = nbytes  # read from disk each time the module runs
         self.by_file: Dict[str, List[Tuple[str, str, bool, torch.dtype]]] = defaultdict(list)
         for name, key, file, is_param, dtype in tensors:
             self.by_file[file].append((name, key, is_param, dtype))
@@ -162,7 +163,7 @@ def stream_from_checkpoint(
                 kept += tensor.numel() * tensor.element_size()
     for module, entries, nbytes in plan:
         HookRegistry.check_if_exists_or_initialize(module).register_hook(
-            _StreamFromCheckpointHook(entries, device), STREAM_HOOK_NAME
+            _StreamFromCheckpointHook(entries, device, nbytes), STREAM_HOOK_NAME
         )
         for name, _, _, is_param, _ in entries:
             _set_tensor(module, name, torch.empty(0, dtype=getattr(module, name).dtype), is_param)
@@ -177,3 +178,13 @@ def stream_from_checkpoint(
     HookRegistry.check_if_exists_or_initialize(model)
     _release_host_memory()
     return {"streamed_bytes_per_forward": streamed, "resident_bytes": kept}
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s weights read from its checkpoint files per full forward (0 when nothing streams)."""
+    total = 0
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook(STREAM_HOOK_NAME) if registry is not None else None
+        total += hook.nbytes if hook is not None else 0
+    return total

@@ -9,6 +9,7 @@ from diffusers_h3.parallel.checkpoint_streaming import (
     STREAM_HOOK_NAME,
     CheckpointMismatchError,
     stream_from_checkpoint,
+    streamed_bytes,
 )
 from diffusers_h3.pipelines import MiniMaxH3Pipeline
 from diffusers_h3.quantizers import W8A16Config
@@ -39,6 +40,7 @@ def test_streamed_model_gives_the_same_output_and_holds_no_weights(tmp_path):
     held = sum(t.numel() * t.element_size() for t in streamed.state_dict().values())
     total = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     assert sizes["streamed_bytes_per_forward"] > 0.5 * total
+    assert streamed_bytes(streamed) == sizes["streamed_bytes_per_forward"] and streamed_bytes(reference) == 0
     assert held <= total - sizes["streamed_bytes_per_forward"]
     ids = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(1))
     expected = _hidden(reference, ids)

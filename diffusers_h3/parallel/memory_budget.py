@@ -369,7 +369,6 @@ def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=N
 
         stream_from_checkpoint(text_encoder, checkpoint_folder, device)
         source = os.fspath(checkpoint_folder)
-        where = f"streamed from its checkpoint files (leaf level, {source}; nothing copied)"
     else:
         if offload_folder is None:
             offload_folder = tempfile.mkdtemp(prefix="diffusers_h3_text_encoder_")
@@ -385,8 +384,14 @@ def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=N
                    "low_cpu_mem_usage": True, "offload_to_disk_path": offload_folder}  # fmt: skip
         _offload_leaf_level(text_encoder, options)
         source = offload_folder
-        where = f"group offload to disk (leaf level, streamed from {offload_folder})"
     text_encoder._h3_streams_from_disk = source
     if text_encoder is not pipe_or_text_encoder:
-        _record_placement(pipe_or_text_encoder, text_encoder=where)
+        _record_placement(pipe_or_text_encoder, text_encoder=text_encoder_stream_placement(source, checkpoint_folder))
     return source
+
+
+def text_encoder_stream_placement(source: str, checkpoint_folder=None) -> str:
+    """How ``describe()`` names a text encoder that :func:`stream_text_encoder_from_disk` streams from ``source``."""
+    if checkpoint_folder is not None:
+        return f"streamed from its checkpoint files (leaf level, {source}; nothing copied)"
+    return f"group offload to disk (leaf level, streamed from {source})"

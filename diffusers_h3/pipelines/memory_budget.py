@@ -29,6 +29,7 @@ from ..parallel.memory_budget import (
     enable_memory_budget,
     resolve_recipe,
     stream_text_encoder_from_disk,
+    text_encoder_stream_placement,
 )
 from ..tasks import partitions_for_task
 from .loading import resolve_repo
@@ -168,8 +169,7 @@ def load_for_memory_budget(
     if "text_encoder" in components:
         from ..parallel.placement import _record_placement
 
-        how = "from its checkpoint files, nothing copied" if checkpoint_folder is not None else "group offload to disk"
-        _record_placement(pipe, text_encoder=f"{how} (leaf level, streamed from {where})")
+        _record_placement(pipe, text_encoder=text_encoder_stream_placement(where, checkpoint_folder))
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
                          cap_gpu=False)  # fmt: skip
     return pipe

@@ -187,7 +187,7 @@ def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path,
     # pre-quantized in the recipe's format: it streams from its own files, nothing is written
     assert not (tmp_path / "offload").exists() or not any((tmp_path / "offload").iterdir())
     placement = pipe._diffusers_h3_placement
-    assert placement["text_encoder"].startswith("from its checkpoint files") and "low_ram" in placement["memory_recipe"]
+    assert placement["text_encoder"].startswith("streamed from its checkpoint files") and "low_ram" in placement["memory_recipe"]
     assert str(tmp_path / "ckpt" / "text_encoder") in placement["text_encoder"]
     assert placement["transformer"].startswith("group offload (block level")
     # a checkpoint pre-quantized in another format than the recipe's is refused before loading
@@ -242,4 +242,4 @@ def test_low_ram_runs_a_request_under_a_gpu_cap(tmp_path):
     assert np.isfinite(out.frames).all() and np.isfinite(out.audio).all()
     assert torch.cuda.max_memory_reserved() <= cap_gib * 2**30
     placement = pipe._diffusers_h3_placement
-    assert placement["text_encoder"].startswith("from its checkpoint files")
+    assert placement["text_encoder"].startswith("streamed from its checkpoint files")

@@ -13,6 +13,11 @@ from diffusers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+# safetensors' names of the storage dtypes (a lazily read checkpoint tensor reports its dtype by name)
+SAFETENSORS_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+                      "I64": torch.int64, "BOOL": torch.bool}  # fmt: skip
+
 
 def attach_to_diffusers_logging() -> None:
     """Hang the package logger under diffusers' library root logger.

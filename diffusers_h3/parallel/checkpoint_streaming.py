@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from .._utils import SAFETENSORS_DTYPES
+
 
 STREAM_HOOK_NAME = "diffusers_h3_checkpoint_stream"
 # Modules whose streamed tensors are smaller than this stay on the execution device: norms and biases would cost a
@@ -35,25 +37,28 @@ class CheckpointMismatchError(ValueError):
     """The model's tensors are not the ones stored in the checkpoint files (names, shapes or dtypes differ)."""
 
 
-def checkpoint_tensor_files(folder: Union[str, os.PathLike]) -> Dict[str, str]:
-    """Map each tensor name of a safetensors checkpoint folder (one file or an index of shards) to its file."""
+def _stored_tensors(folder: Path) -> Dict[str, Tuple[str, str, Tuple[int, ...]]]:
+    """Each tensor of a safetensors checkpoint folder (the shards its index names, else every file): its file, dtype
+    name and shape, read from the headers."""
     from safetensors import safe_open
 
-    folder = Path(folder)
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        return {key: str(folder / name) for key, name in weight_map.items()}
-    files: Dict[str, str] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+        shards = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    stored: Dict[str, Tuple[str, str, Tuple[int, ...]]] = {}
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            files.update(dict.fromkeys(handle.keys(), str(file)))
-    return files
+            for key in handle.keys():
+                piece = handle.get_slice(key)
+                stored[key] = (str(file), piece.get_dtype(), tuple(piece.get_shape()))
+    return stored
 
 
 class _StreamFromCheckpointHook(ModelHook):
     """Loads a module's own tensors from the checkpoint before its forward and releases them after it."""
-
 
     def __init__(self, tensors: List[Tuple[str, str, str, bool, torch.dtype]], device: torch.device, nbytes: int):
         super().__init__()
@@ -108,26 +113,17 @@ def stream_from_checkpoint(
     another name or shape, or in another dtype that is not a floating-point cast of the model's (e.g. a checkpoint
     quantized while loading, whose files hold other tensors). Floating-point tensors stored in another precision are
     cast as they arrive, as ``from_pretrained(dtype=...)`` cast them. Modules holding fewer than
-    ``resident_below_bytes`` (default :data:`RESIDENT_BELOW_BYTES`) stay on ``device``. Returns the bytes streamed per full forward and the bytes kept on ``device``.
+    ``resident_below_bytes`` (default :data:`RESIDENT_BELOW_BYTES`) stay on ``device``. Returns the bytes streamed
+    per full forward and the bytes kept on ``device``.
     """
     device = torch.device(device)
     if resident_below_bytes is None:
         resident_below_bytes = RESIDENT_BELOW_BYTES
-    files = checkpoint_tensor_files(folder)
-    if not files:
+    stored = _stored_tensors(Path(folder))
+    if not stored:
         raise CheckpointMismatchError(f"{folder} holds no safetensors files to stream the weights from")
-    from safetensors import safe_open
 
-    headers: Dict[str, Dict[str, Tuple[str, Tuple[int, ...]]]] = {}
-    for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as handle:
-            headers[file] = {k: (handle.get_slice(k).get_dtype(), tuple(handle.get_slice(k).get_shape()))
-                             for k in handle.keys()}  # fmt: skip
-    dtype_names = {torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float16: "F16",
-                   torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-                   torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}  # fmt: skip
-
-    plan: List[Tuple[torch.nn.Module, List[Tuple[str, str, str, bool]], int]] = []
+    plan: List[Tuple[torch.nn.Module, List[Tuple[str, str, str, bool, torch.dtype]], int]] = []
     resident: List[torch.nn.Module] = []
     for module_name, module in model.named_modules():
         own = [(n, t, True) for n, t in module._parameters.items() if t is not None]
@@ -136,19 +132,19 @@ def stream_from_checkpoint(
         entries, nbytes = [], 0
         for name, tensor, is_param in own + persistent:
             key = f"{module_name}.{name}" if module_name else name
-            if key not in files:
+            if key not in stored:
                 raise CheckpointMismatchError(f"{key} is not in the checkpoint files of {folder}: stream only a model "
                                               "loaded from these files in the format they store")  # fmt: skip
-            stored_dtype, stored_shape = headers[files[key]][key]
-            stored_float = stored_dtype in ("BF16", "F16", "F32")
-            same_kind = stored_dtype == dtype_names.get(tensor.dtype) or (stored_float and tensor.is_floating_point()
-                                                                          and tensor.dtype in _CASTABLE)  # fmt: skip
-            if stored_shape != tuple(tensor.shape) or not same_kind:
+            file, stored_dtype, stored_shape = stored[key]
+            stored_as = SAFETENSORS_DTYPES.get(stored_dtype)
+            # floating-point tensors stored in another precision are cast as they arrive, as from_pretrained casts
+            castable = stored_as in _CASTABLE and tensor.dtype in _CASTABLE
+            if stored_shape != tuple(tensor.shape) or not (stored_as == tensor.dtype or castable):
                 raise CheckpointMismatchError(
                     f"{key} is {tensor.dtype} {tuple(tensor.shape)} in the model but {stored_dtype} {stored_shape} "
-                    f"in {files[key]}: stream only a model loaded from these files in the format they store"
+                    f"in {file}: stream only a model loaded from these files in the format they store"
                 )
-            entries.append((name, key, files[key], is_param, tensor.dtype))
+            entries.append((name, key, file, is_param, tensor.dtype))
             nbytes += tensor.numel() * tensor.element_size()
         if entries and nbytes >= resident_below_bytes:
             plan.append((module, entries, nbytes))

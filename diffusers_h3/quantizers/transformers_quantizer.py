@@ -22,6 +22,7 @@ import torch
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
+from .._utils import SAFETENSORS_DTYPES
 from ._replace import (
     dequantize_layers,
     linears_to_quantize,
@@ -35,17 +36,12 @@ from .diffusers_quantizer import check_quantizer_config, default_dtype
 from .layers import QuantizedLinear
 
 
-# safetensors' names of the storage dtypes (a lazily loaded checkpoint tensor reports its dtype by name)
-_SAFETENSORS_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
-                       "F16": torch.float16, "BF16": torch.bfloat16}  # fmt: skip
-
-
 def _shape_and_dtype(tensor):
     """Shape and dtype of a checkpoint tensor, without reading it when it is a lazy safetensors slice."""
     if isinstance(tensor, torch.Tensor):
         return tuple(tensor.shape), tensor.dtype
     name = tensor.get_dtype()
-    return tuple(tensor.get_shape()), _SAFETENSORS_DTYPES.get(name, name)
+    return tuple(tensor.get_shape()), SAFETENSORS_DTYPES.get(name, name)
 
 
 class QuantizeOnLoad(ConversionOps):

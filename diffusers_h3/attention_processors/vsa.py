@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
@@ -36,10 +37,10 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._utils import warn_once
-from ..kernels._triton_utils import opaque_to_compile
-from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
+from ..kernels._triton_utils import kernel_op, ran_choice, record_run
+from ..kernels.attention.router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention
 from ..kernels.attention.v_fp8 import quantize_v_fp8_channel_major
-from ..kernels.attention.vsa_pool import tile_pool, tile_quantize_fp8
+from ..kernels.attention.vsa_pool import tile_pool, tile_quantize_fp8, valid_slots
 from ..kernels.attention.vsa_select import select_tiles, topk_for_sparsity
 from ..kernels.numerics import (
     dequantize_fp8_per_block,
@@ -49,7 +50,7 @@ from ..kernels.numerics import (
     quantize_fp8_per_channel,
 )
 from .base import MiniMaxH3AttnProcessorBase
-from .layout import current_packed_layout, require_packed_layout
+from .layout import PackedLayout, current_packed_layout, require_packed_layout
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
@@ -154,7 +155,6 @@ class VSAConfig:
         )
 
 
-@opaque_to_compile
 def vsa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -179,13 +179,73 @@ def vsa_attention(
     kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``tuning`` (benchmarks) is passed to
     the fine kernel, see :class:`~diffusers_h3.kernels.attention.TuningOptions`. ``fp4_p`` (``"two_level"``,
     ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P. With ``return_choice`` the
-    :class:`~diffusers_h3.kernels.attention.KernelChoice` of the fine stage comes third.
+    :class:`~diffusers_h3.kernels.attention.KernelChoice` of the fine stage comes third. The work runs in the custom
+    op ``diffusers_h3::vsa_attention`` over the plan's tensors and sizes (one node under ``torch.compile``).
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
-    block = plan.block
+    tuning = tuning if tuning is not None else DEFAULT_TUNING
+    if not isinstance(tuning, TuningOptions):
+        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    out, out_coarse = vsa_attention_op(
+        query, key, value, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles, plan.num_video_tiles,
+        float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, tuning.kernel,
+        tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate, tuning.two_tiles,
+    )
+    out_coarse = out_coarse if compress else None
+    return (out, out_coarse, ran_choice("vsa_attention")) if return_choice else (out, out_coarse)
+
+
+def _vsa_attention_fake(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles,
+                        sparsity, precision, smooth_k, pv_precision, compress, *options):
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    b, _, h, d = query.shape
+    coarse = query.new_empty((b, h, tile_counts.shape[0], d), dtype=torch.float32) if compress else query.new_empty(0)
+    return out, coarse
+
+
+@kernel_op("vsa_attention", _vsa_attention_fake)
+def vsa_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_rows: torch.Tensor,
+    tile_counts: torch.Tensor,
+    block: int,
+    num_prefix_tiles: int,
+    num_video_tiles: int,
+    sparsity: float,
+    precision: str,
+    smooth_k: bool,
+    pv_precision: str,
+    compress: bool,
+    emulate: bool,
+    backend: str,
+    fp4_p: Optional[str],
+    kernel: str,
+    block_m: Optional[int],
+    num_warps: Optional[int],
+    num_stages: Optional[int],
+    tma: Optional[bool],
+    rotate: Optional[bool],
+    two_tiles: Optional[bool],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vsa_attention` over the plan's tensors and sizes; returns ``(out_fine, out_coarse)`` (an empty tensor
+    without ``compress``) and records the fine stage's :class:`~diffusers_h3.kernels.attention.KernelChoice`."""
+    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    out, out_coarse, choice = _run_vsa_attention(
+        query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles, sparsity=sparsity,
+        precision=precision, smooth_k=smooth_k, pv_precision=pv_precision, compress=compress, emulate=emulate,
+        backend=backend, fp4_p=fp4_p, tuning=tuning,
+    )
+    record_run("vsa_attention", choice)
+    return out, (out_coarse.contiguous() if out_coarse is not None else query.new_empty(0))
+
+
+def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles, *,
+                       sparsity, precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, tuning):
     scale = 1.0 / math.sqrt(query.shape[-1])
-    rows = (plan.slot_rows, plan.tile_counts, block)
+    rows = (slot_rows, tile_counts, block)
     qk_dtype = QK_8BIT.get(precision)
     native_8bit = qk_dtype is not None and not emulate
     if native_8bit:  # Q is pooled and quantized in one pass; K is pooled first (its mean is needed to smooth it)
@@ -196,16 +256,16 @@ def vsa_attention(
         pooled_k, k_packed = tile_pool(key, *rows, packed=True, backend=backend)
     pooled_v, v_packed = tile_pool(value, *rows, pooled=compress, packed=True, backend=backend)
     scores = torch.matmul(pooled_q, pooled_k.transpose(-1, -2)) * scale  # [B, H, T, T] float32
-    topk = topk_for_sparsity(sparsity, plan.num_video_tiles)
-    kv_index, kv_num = select_tiles(scores, plan.num_prefix_tiles, topk, backend=backend)
+    topk = topk_for_sparsity(sparsity, num_video_tiles)
+    kv_index, kv_num = select_tiles(scores, num_prefix_tiles, topk, backend=backend)
     out_coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled_v) if compress else None
 
     common = {"block": block, "scale": scale, "out_dtype": query.dtype, "backend": backend, "tuning": tuning, "return_choice": True}
-    sparse_args = (plan.slot_rows, plan.tile_counts, kv_index, kv_num)
+    sparse_args = (slot_rows, tile_counts, kv_index, kv_num)
 
     def result(fine):
         out, choice = fine
-        return (out, out_coarse, choice) if return_choice else (out, out_coarse)
+        return out, out_coarse, choice
 
     if precision == "bf16":
         return result(block_sparse_attention(query, k_packed, v_packed, *sparse_args, **common))
@@ -215,7 +275,7 @@ def vsa_attention(
     k_mean = None
     if smooth_k:
         # Per-head key mean over the valid rows, from the tile means (softmax is invariant to this shift).
-        counts = plan.tile_counts.to(torch.float32)
+        counts = tile_counts.to(torch.float32)
         k_mean = (pooled_k * counts[:, None]).sum(2) / counts.sum()  # [B, H, D]
     if native_8bit:
         _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, dtype=qk_dtype,
@@ -227,7 +287,7 @@ def vsa_attention(
                                              v_scale=v_scale, **common))
 
     if k_mean is not None:  # pad slots stay zero (they must not count in the FP8 per-tile K scales)
-        valid = plan.valid_slots.reshape(1, -1, 1, 1)
+        valid = valid_slots(tile_counts, block).reshape(1, -1, 1, 1)
         k_packed = torch.where(valid, k_packed.float() - k_mean.unsqueeze(1), 0.0).to(key.dtype)
     if precision == "fp4":
         q_e = fake_quant_fp4(query, dim=-1)
@@ -266,6 +326,10 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             layer_index is not None and layer_index in self.config.dense_layers
         )
         self._plans = TilePlanCache()
+        # ("dense", None) or ("sparse", plan) of the current transformer call, set before the blocks run by the hook
+        # enable_vsa installs (prepare_vsa_call): the blocks read it as plain state, so torch.compile traces them whole
+        # (fullgraph) and specializes only on the mode and the plan's sizes, not on each layout / denoising step.
+        self._call_route: Optional[Tuple[str, Optional[TilePlan]]] = None
         self._low_precision = self.config.low_precision_processor()
         if self._low_precision is not None:
             self._low_precision._who = type(self).__name__
@@ -279,7 +343,31 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     dense_first_steps = property(lambda self: self.config.dense_first_steps)
 
     # -- which path -------------------------------------------------------------------------------------------------
-    @opaque_to_compile
+    def route_for(self, layout: PackedLayout, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
+        """``("dense", None)`` or ``("sparse", plan)`` for a call under ``layout`` on ``device``."""
+        if self.layer_dense:
+            return "dense", None
+        if layout.step_index is not None and layout.step_index < self.dense_first_steps:
+            return "dense", None
+        plan = self._plans.get(layout, self.tile, device)
+        if plan.num_video_tiles == 0:
+            return "dense", None
+        return "sparse", plan
+
+    def _current_route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
+        """The route of this call: the one prepared for the transformer call when it fits these rows, else read from
+        the published layout (:meth:`_route`)."""
+        route = self._call_route
+        if route is not None:
+            plan = route[1]
+            if plan is None or (plan.seq_len == seq_len and plan.slot_rows.device == device):
+                return route
+        return self._route(seq_len, device)
+
+    # Without a prepared route (a processor installed with set_attn_processor, a gradient-checkpointed block
+    # recomputing in backward) the published layout is read here: context-variable and plan-cache bookkeeping, one
+    # eager island under torch.compile (which would otherwise specialize on every layout / denoising step).
+    @torch.compiler.disable
     def _dense_by_step(self) -> bool:
         """Whether the published layout's denoising step is one of the dense first steps."""
         if self.config.dense_first_steps == 0:
@@ -287,19 +375,12 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         layout = current_packed_layout()
         return layout is not None and layout.step_index is not None and layout.step_index < self.dense_first_steps
 
-    @opaque_to_compile
+    @torch.compiler.disable
     def _route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
-        """``("dense", None)`` or ``("sparse", plan)`` for this call (reads the published layout and the plan cache;
-        opaque to torch.compile, which would otherwise specialize on every layout / denoising step)."""
+        """:meth:`route_for` the published layout (an error when none is published or it has other rows)."""
         if self.layer_dense:
             return "dense", None
-        layout = require_packed_layout(type(self).__name__, seq_len)
-        if layout.step_index is not None and layout.step_index < self.dense_first_steps:
-            return "dense", None
-        plan = self._plans.get(layout, self.tile, device)
-        if plan.num_video_tiles == 0:
-            return "dense", None
-        return "sparse", plan
+        return self.route_for(require_packed_layout(type(self).__name__, seq_len), device)
 
     def _emulate(self, device: torch.device) -> bool:
         """Whether FP8 / INT8 runs as quantize-dequantize emulation on ``device`` (warns once, or raises when strict)."""
@@ -309,12 +390,15 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     def extras(self, attn, hidden_states: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The trained coarse gate ``to_gate_compress(x)`` per row and head, on sparse calls of gated blocks."""
         gate = getattr(attn, "to_gate_compress", None)
-        if gate is None or self.layer_dense or self._dense_by_step():
+        if gate is None or self.layer_dense:
+            return {}
+        route = self._call_route
+        if (route[0] == "dense") if route is not None else self._dense_by_step():
             return {}
         return {"gate": gate(hidden_states).unflatten(-1, (attn.heads, -1))}
 
     def core(self, query, key, value, attention_mask=None, gate: Optional[torch.Tensor] = None):
-        mode, plan = self._route(query.shape[1], query.device)
+        mode, plan = self._current_route(query.shape[1], query.device)
         if mode == "dense":
             return self._dense_core(query, key, value, attention_mask)
         if attention_mask is not None:
@@ -340,7 +424,6 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         self.record_choice(self._dense_choice)
         return out
 
-    @opaque_to_compile
     def _sparse_core(self, query, key, value, plan: TilePlan, compress: bool):
         emulate = self._emulate(query.device)
         backend = self.config.backend
@@ -397,12 +480,15 @@ def enable_vsa(transformer, config: Optional[VSAConfig] = None, **options) -> Di
     if bad:
         raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
     processors = []
+    plans = TilePlanCache()  # one plan object per layout for every block (one compiled version serves them all)
     for i, block in enumerate(blocks):
         processor = MiniMaxH3VSAProcessor(config, layer_index=i)
+        processor._plans = plans
         if config.strict:
             processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
         block.attn.set_processor(processor)
         processors.append(processor)
+    _install_route_hooks(transformer)
     gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in blocks)
     return {
         "blocks": len(blocks),
@@ -419,6 +505,78 @@ def disable_vsa(transformer) -> None:
     """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block."""
     for block in transformer_blocks(transformer, "disable_vsa"):
         block.attn.set_processor(MiniMaxH3AttnProcessor())
+    _remove_route_hooks(transformer)
+
+
+# -- the route of a transformer call, prepared outside the (compiled) blocks ----------------------------------------
+
+
+def _vsa_processors(transformer):
+    processors = (getattr(block.attn, "processor", None) for block in transformer_blocks(transformer, "VSA routing"))
+    return [p for p in processors if isinstance(p, MiniMaxH3VSAProcessor)]
+
+
+def prepare_vsa_call(transformer, device: torch.device) -> None:
+    """Give every VSA processor of ``transformer`` its route for the call about to run under the published layout
+    (read once here, eagerly, instead of inside every block); with no layout published the blocks read it themselves
+    (and raise the error that says how to publish one)."""
+    layout = current_packed_layout()
+    for processor in _vsa_processors(transformer):
+        processor._call_route = processor.route_for(layout, device) if layout is not None else None
+
+
+def finish_vsa_call(transformer) -> None:
+    """Forget the prepared routes (the blocks then read the published layout themselves)."""
+    for processor in _vsa_processors(transformer):
+        processor._call_route = None
+
+
+class _RouteHooks:
+    """The transformer's forward pre-hook and hook that :func:`enable_vsa` installs: routes are prepared while exactly
+    one call runs on the transformer. A call that starts while another one runs (threads serving requests) clears
+    them, so that every block of both reads its own thread's published layout (thread-safe, as without the hooks)."""
+
+    _lock = threading.Lock()  # one for every transformer (a module-level lock keeps the model deep-copyable)
+
+    def __init__(self, transformer):
+        self._running = 0
+        self.handles = (
+            transformer.register_forward_pre_hook(self.before, with_kwargs=True),
+            transformer.register_forward_hook(self.after, with_kwargs=True, always_call=True),
+        )
+
+    def before(self, transformer, args, kwargs):
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        with self._lock:
+            self._running += 1
+            if self._running == 1 and isinstance(hidden_states, torch.Tensor):
+                prepare_vsa_call(transformer, hidden_states.device)
+            else:
+                finish_vsa_call(transformer)
+
+    def after(self, transformer, args, kwargs, output):
+        with self._lock:
+            self._running -= 1
+            finish_vsa_call(transformer)
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+_ROUTE_HOOKS = "_diffusers_h3_vsa_route_hooks"
+
+
+def _install_route_hooks(transformer) -> None:
+    _remove_route_hooks(transformer)
+    setattr(transformer, _ROUTE_HOOKS, _RouteHooks(transformer))
+
+
+def _remove_route_hooks(transformer) -> None:
+    hooks = getattr(transformer, _ROUTE_HOOKS, None)
+    if hooks is not None:
+        hooks.remove()
+        delattr(transformer, _ROUTE_HOOKS)
 
 
 _GATE_KEY = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.(\d+)\.(?:attn|self_attn|attn1)\.to_gate_compress\.(weight|bias)$")

@@ -1,9 +1,10 @@
 """Helpers shared by the kernels of this package: import guard, interpreter detection, backend choice, and the
-``torch.compile`` boundary."""
+registration of kernel entry points as ``torch.library`` custom ops (the ``torch.compile`` boundary)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable, Dict
 
 import torch
 
@@ -12,10 +13,74 @@ from .._utils import is_package_available, warn_once
 
 HAS_TRITON = is_package_available("triton")
 
-# Kernel entry points do host-side work (TMA descriptors, autotuning, shape dispatch) that torch.compile should not
-# trace: under torch.compile (e.g. diffusers' ``transformer.compile_repeated_blocks()``) they run as eager islands and
-# the surrounding projections, norms and elementwise ops compile around them.
-opaque_to_compile = torch.compiler.disable
+# Kernel entry points do host-side work (TMA descriptors, autotuning, shape dispatch, library calls) that
+# torch.compile must not trace. Each one is a custom op ``diffusers_h3::<name>`` over tensors and plain scalars: dynamo
+# puts one node per call in the graph (no graph break), its fake implementation gives the output's shape, dtype and
+# strides, and inductor fuses the norms, casts and elementwise work around it. docs/architecture.md, "Kernels as custom
+# ops", says how to add one.
+OP_NAMESPACE = "diffusers_h3"
+
+
+# What each op ran on its last call (a KernelChoice of kernels.attention.router, or any object with .describe()),
+# recorded by the op's implementation at run time, also when the op runs inside a compiled graph.
+_LAST_RUN: Dict[str, Any] = {}
+
+
+def record_run(op: str, choice: Any) -> None:
+    """Called by the implementation of ``op``: remember what it ran (see :func:`ran_choice`)."""
+    _LAST_RUN[op] = choice
+
+
+class RanChoice:
+    """Stands for what ``op`` ran on its last call, read when asked (``kernel``, ``variant``, ``reason``,
+    ``describe()``): what a traced caller records, since the op's implementation only runs after tracing."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def _last(self):
+        return _LAST_RUN.get(self.op)
+
+    kernel = property(lambda self: getattr(self._last(), "kernel", "not run yet"))
+    variant = property(lambda self: getattr(self._last(), "variant", ""))
+    reason = property(lambda self: getattr(self._last(), "reason", ""))
+
+    def describe(self) -> str:
+        last = self._last()
+        return last.describe() if last is not None else f"{self.op} (not run yet)"
+
+    def __repr__(self) -> str:
+        return f"RanChoice({self.op!r}: {self._last()!r})"
+
+
+_RAN_CHOICES: Dict[str, RanChoice] = {}
+
+
+def kernel_op(name: str, fake: Callable[..., Any]):
+    """Decorator: register a kernel entry point as the custom op ``diffusers_h3::<name>`` (no argument mutated) with
+    ``fake`` as its fake (meta) implementation, and return the op (callable like the function).
+
+    The function takes tensors, ints, floats, bools, strings, dtypes and lists / ``Optional`` of those (type-annotated)
+    and returns fresh tensors (never a view of an input) with the exact shape, dtype and strides ``fake`` returns.
+    Richer Python arguments (plans, tuning objects) stay in a wrapper with the public signature, which splits them.
+    """
+
+    def register(impl: Callable[..., Any]):
+        op = torch.library.custom_op(f"{OP_NAMESPACE}::{name}", impl, mutates_args=())
+        op.register_fake(fake)
+        _RAN_CHOICES[name] = RanChoice(name)
+        return op
+
+    return register
+
+
+def ran_choice(op: str):
+    """What ``op`` ran in the call just made: the recorded object in eager mode; under ``torch.compile`` (where the
+    op has not run yet when the caller is traced) the :class:`RanChoice` of ``op``, one constant object per op, which
+    reads the record when described."""
+    if torch.compiler.is_compiling():
+        return _RAN_CHOICES[op]
+    return _LAST_RUN[op]
 
 
 def triton_interpreter_active() -> bool:

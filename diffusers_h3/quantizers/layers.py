@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from .._utils import cuda_capability, has_fp8_tensor_cores, warn_once
-from ..kernels._triton_utils import opaque_to_compile
 from ..kernels.gemm import (
     LARGE_M_ROWS,
     flashinfer_fp4_available,
@@ -249,16 +248,21 @@ class QuantizedLinear(nn.Module):
         return self
 
     # -- run ---------------------------------------------------------------------------------------------------------
-    @opaque_to_compile  # path choice + kernels: one eager island under torch.compile (no per-shape recompiles)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernels are custom ops (diffusers_h3::*_linear) that resolve backend="auto" for the device themselves:
+        # under torch.compile this is one graph node, and the cast before it fuses with the producer of ``x``.
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__} expects {self.in_features} input features, got {x.shape[-1]}.")
-        backend, reason = self._select(x.device)
-        if backend == "dequant":
-            warn_once(f"{self.quant_method}-dequant-{x.device.type}", f"{type(self).__name__}: {reason}")
+        if not torch.compiler.is_compiling():
+            self._warn_fallback(x.device)
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        return self._run(x, backend)
+        return self._run(x, self.backend)
+
+    def _warn_fallback(self, device: torch.device) -> None:
+        backend, reason = self._select(device)
+        if backend == "dequant":
+            warn_once(f"{self.quant_method}-dequant-{device.type}", f"{type(self).__name__}: {reason}")
 
     def describe_path(self) -> str:
         backend, reason = self._select(self.weight.device)
@@ -487,8 +491,10 @@ class FP8Linear(QuantizedLinear):
         return "torch", "fp32 emulation of the W8A8 numerics (CPU)"
 
     def _run(self, x, backend):
-        if self.input_shard_group is not None and backend in ("torch", "scaled_mm"):
-            return self._run_on_row_shard(x, backend)
+        if self.input_shard_group is not None:
+            resolved = self._select(x.device)[0]
+            if resolved in ("torch", "scaled_mm"):
+                return self._run_on_row_shard(x, resolved)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, backend=backend,
                           use_fast_accum=self.use_fast_accum)  # fmt: skip
 

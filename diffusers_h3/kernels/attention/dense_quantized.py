@@ -21,7 +21,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .._triton_utils import opaque_to_compile, use_triton
+from .._triton_utils import kernel_op, ran_choice, record_run, use_triton
 from ..numerics import (
     dequantize_fp8_per_block,
     quantize_fp8_per_block,
@@ -84,7 +84,6 @@ def fp8_attention_reference(
     )
 
 
-@opaque_to_compile
 def fp8_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,9 +101,52 @@ def fp8_attention(
     """Dense attention with E4M3 (or ``qk_dtype=torch.int8``: INT8) Q/K and optionally E4M3 P·V; returns
     ``[B, S, H, D]`` in ``q``'s dtype, and with ``return_choice`` also the :class:`~.router.KernelChoice` that ran.
 
-    ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`.
+    ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`. Quantization
+    and attention run in the custom op ``diffusers_h3::fp8_attention`` (one node under ``torch.compile``).
     """
     tuning = tuning if tuning is not None else DEFAULT_TUNING
+    if not isinstance(tuning, TuningOptions):
+        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    out = fp8_attention_op(
+        q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, tuning.kernel, tuning.block_m, tuning.num_warps,
+        tuning.num_stages, tuning.tma, tuning.rotate, tuning.two_tiles,
+    )
+    return (out, ran_choice("fp8_attention")) if return_choice else out
+
+
+def _fp8_attention_fake(q, k, v, *options) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@kernel_op("fp8_attention", _fp8_attention_fake)
+def fp8_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    smooth_k: bool,
+    pv_fp8: bool,
+    scale: Optional[float],
+    block_n: Optional[int],
+    qk_dtype: torch.dtype,
+    backend: str,
+    kernel: str,
+    block_m: Optional[int],
+    num_warps: Optional[int],
+    num_stages: Optional[int],
+    tma: Optional[bool],
+    rotate: Optional[bool],
+    two_tiles: Optional[bool],
+) -> torch.Tensor:
+    """:func:`fp8_attention` over tensors and scalars; records the :class:`~.router.KernelChoice` that ran."""
+    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    out, choice = _run_fp8_attention(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
+                                     qk_dtype=qk_dtype, backend=backend, tuning=tuning)
+    record_run("fp8_attention", choice)
+    return out
+
+
+def _run_fp8_attention(q, k, v, *, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend,
+                       tuning) -> Tuple[torch.Tensor, KernelChoice]:
     if not use_triton("fp8_attention", q, k, v, backend=backend):
         if tuning != DEFAULT_TUNING:
             raise ValueError("TuningOptions are knobs of the GPU kernels; the torch reference runs here (no CUDA "
@@ -112,7 +154,7 @@ def fp8_attention(
         out = fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
                                       qk_dtype=qk_dtype)
         why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
-        return (out, KernelChoice("torch-reference", "dense", why)) if return_choice else out
+        return out.contiguous(), KernelChoice("torch-reference", "dense", why)
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
     block_n = block_n or _default_block_n(q, tuning.kernel)
@@ -131,5 +173,5 @@ def fp8_attention(
         v_, vs = quantize_v_fp8_channel_major(v, backend="triton")
     return block_sparse_attention(
         q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
-        dense=True, out_dtype=q.dtype, backend="triton", tuning=tuning, return_choice=return_choice,
+        dense=True, out_dtype=q.dtype, backend="triton", tuning=tuning, return_choice=True,
     )

@@ -32,7 +32,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..._utils import cuda_capability
-from .._triton_utils import opaque_to_compile
+from .._triton_utils import kernel_op
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -212,7 +212,6 @@ def fa_v100_reference(
     return torch.cat(outputs, dim=2).transpose(1, 2).to(query.dtype)
 
 
-@opaque_to_compile
 def fa_v100_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -235,19 +234,39 @@ def fa_v100_attention(
             is the default (the faster one, docs/v100.md).
         backend: ``"cuda"`` (the kernel; built on first use) or ``"reference"`` (:func:`fa_v100_reference`).
         build_dir: where the CUDA path builds and caches the extension (default :func:`default_build_dir`).
-        out: optional float16 ``(batch, seq_q, heads, head_dim)`` buffer for the CUDA path's result (contiguous
-            head_dim, strides in multiples of 8 elements, 16-byte aligned); every element is written.
+        out: optional float16 ``(batch, seq_q, heads, head_dim)`` buffer the result is copied into (and returned).
 
     Returns ``(batch, seq_q, heads, head_dim)`` in the query's dtype. Raises :class:`FAV100BuildError` when the
     kernel cannot be built on this machine (callers that want a fallback catch it: see
-    :class:`~diffusers_h3.attention_processors.fa_v100.MiniMaxH3FAV100Processor`).
+    :class:`~diffusers_h3.attention_processors.fa_v100.MiniMaxH3FAV100Processor`). The work runs in the custom op
+    ``diffusers_h3::fa_v100_attention`` (one node under ``torch.compile``).
     """
+    result = fa_v100_attention_op(query, key, value, softmax_scale, query_tile, backend,
+                                  None if build_dir is None else os.fspath(build_dir))
+    if out is None:
+        return result
+    if out.shape != query.shape or out.dtype != torch.float16 or out.device != query.device:
+        raise ValueError(
+            f"out must be a float16 tensor of the query's shape {tuple(query.shape)} on {query.device}; got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}."
+        )
+    return out.copy_(result)
+
+
+def _fa_v100_fake(query, key, value, *options) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@kernel_op("fa_v100_attention", _fa_v100_fake)
+def fa_v100_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_scale: Optional[float],
+                         query_tile: int, backend: str, build_dir: Optional[str]) -> torch.Tensor:
+    """:func:`fa_v100_attention` over tensors and scalars (a fresh output)."""
     batch, seq_q, seq_k, heads, head_dim = _check_operands(query, key, value)
     if query_tile not in SUPPORTED_QUERY_TILES:
         raise ValueError(f"query_tile must be one of {SUPPORTED_QUERY_TILES}, got {query_tile}.")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if backend == "reference":
-        return fa_v100_reference(query, key, value, softmax_scale=scale)
+        return fa_v100_reference(query, key, value, softmax_scale=scale).contiguous()
     if backend != "cuda":
         raise ValueError(f"backend must be 'cuda' or 'reference', got {backend!r}.")
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -265,16 +284,6 @@ def fa_v100_attention(
             f"sizes out of the kernel's range: batch {batch}, heads {heads}, seq_q {seq_q}, seq_k {seq_k}."
         )
     extension = load_extension(query.device, build_dir=build_dir)
-    if out is None:
-        out = torch.empty((batch, seq_q, heads, head_dim), dtype=torch.float16, device=query.device)
-    elif out.shape != query.shape or out.dtype != torch.float16 or out.device != query.device:
-        raise ValueError(
-            f"out must be a float16 tensor of the query's shape {tuple(query.shape)} on {query.device}; got "
-            f"{out.dtype} {tuple(out.shape)} on {out.device}."
-        )
-    elif _kernel_ready(out) is not out:
-        raise ValueError(
-            "out needs a contiguous head_dim, strides in multiples of 8 elements and a 16-byte aligned base."
-        )
+    out = torch.empty((batch, seq_q, heads, head_dim), dtype=torch.float16, device=query.device)
     extension.forward(_kernel_ready(query), _kernel_ready(key), _kernel_ready(value), out, scale, int(query_tile))
     return out

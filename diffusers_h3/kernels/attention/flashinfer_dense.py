@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._triton_utils import opaque_to_compile
+from .._triton_utils import kernel_op
 from .fp8_per_head import quantize_fp8_per_head
 from .router import KernelChoice
 
@@ -90,12 +90,25 @@ def _check_16bit_operands(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise TypeError(f"{what} takes bf16 or fp16 Q/K/V of one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
 
 
-@opaque_to_compile  # a library call: one eager island under torch.compile
 def flashinfer_dense_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: str
 ) -> Tuple[torch.Tensor, KernelChoice]:
     """``softmax(Q K^T / sqrt(d)) V`` on ``(batch, seq, heads, head_dim)`` bf16 / fp16 tensors, no mask, one FlashInfer
-    single-prefill call per batch item (``backend`` already resolved: ``"fa2"`` or ``"fa3"``)."""
+    single-prefill call per batch item (``backend`` already resolved: ``"fa2"`` or ``"fa3"``), in the custom op
+    ``diffusers_h3::flashinfer_dense_attention``."""
+    choice = KernelChoice(
+        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 have GPU tests (tests/gpu/test_flashinfer_gpu.py)"
+    )
+    return flashinfer_dense_attention_op(query, key, value, backend), choice
+
+
+def _attention_fake(query, key, value, *options) -> torch.Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@kernel_op("flashinfer_dense_attention", _attention_fake)  # a library call, opaque to torch.compile
+def flashinfer_dense_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  backend: str) -> torch.Tensor:
     _check_16bit_operands(query, key, value, "FlashInfer attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
@@ -105,10 +118,7 @@ def flashinfer_dense_attention(
         outputs.append(
             flashinfer.single_prefill_with_kv_cache(q, k, v, causal=False, kv_layout="NHD", sm_scale=scale, backend=backend)
         )
-    choice = KernelChoice(
-        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 have GPU tests (tests/gpu/test_flashinfer_gpu.py)"
-    )
-    return _batched(outputs), choice
+    return _batched(outputs).contiguous()
 
 
 def fp8_per_head_operands(
@@ -133,17 +143,28 @@ def flashinfer_fp8_reference(query, key, value, smooth_k: bool = True) -> torch.
     return out.transpose(1, 2).to(query.dtype)
 
 
-@opaque_to_compile  # a library call: one eager island under torch.compile
 def flashinfer_fp8_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, smooth_k: bool = True
 ) -> Tuple[torch.Tensor, KernelChoice]:
     """``softmax(Q K^T / sqrt(d)) V`` through FlashInfer's FlashAttention-3 FP8 kernel (Hopper): E4M3 Q/K/V with one
     scale per head (:func:`fp8_per_head_operands`), FP8 P·V inside the kernel, output in the inputs' 16-bit dtype; one
-    single-prefill call per batch item."""
+    single-prefill call per batch item, in the custom op ``diffusers_h3::flashinfer_fp8_attention``."""
+    # FlashInfer runs on CUDA tensors; a CPU call (a stand-in of the library in tests) takes the torch reference.
+    quantizer = "triton" if query.is_cuda else "torch"
+    choice = KernelChoice(
+        "flashinfer", "single_prefill fa3 fp8",
+        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''} (quantized by "
+        f"{'one Triton pass each' if quantizer == 'triton' else 'the torch reference'}), FP8 P·V",
+    )  # fmt: skip
+    return flashinfer_fp8_attention_op(query, key, value, smooth_k), choice
+
+
+@kernel_op("flashinfer_fp8_attention", _attention_fake)  # a library call, opaque to torch.compile
+def flashinfer_fp8_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                smooth_k: bool) -> torch.Tensor:
     _check_16bit_operands(query, key, value, "FlashInfer FP8 attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
-    # FlashInfer runs on CUDA tensors; a CPU call (a stand-in of the library in tests) takes the torch reference.
     quantizer = "triton" if query.is_cuda else "torch"
     (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k, backend=quantizer)
     outputs = [
@@ -153,9 +174,4 @@ def flashinfer_fp8_attention(
         )
         for b in range(query.shape[0])
     ]  # fmt: skip
-    choice = KernelChoice(
-        "flashinfer", "single_prefill fa3 fp8",
-        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''} (quantized by "
-        f"{'one Triton pass each' if quantizer == 'triton' else 'the torch reference'}), FP8 P·V",
-    )  # fmt: skip
-    return _batched(outputs), choice
+    return _batched(outputs).contiguous()

@@ -24,7 +24,14 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .._triton_utils import check_interpreter_dtype, opaque_to_compile, triton_interpreter_active, use_triton
+from .._triton_utils import (
+    check_interpreter_dtype,
+    kernel_op,
+    ran_choice,
+    record_run,
+    triton_interpreter_active,
+    use_triton,
+)
 from ..numerics import QK_8BIT_DTYPES
 from ._launch import check_attention_args
 from .bsa_sm90 import (
@@ -190,7 +197,6 @@ def select_kernel(
     return KernelChoice("sm90-gluon", "two-tile" if two else "one-tile", reason)
 
 
-@opaque_to_compile
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,12 +227,79 @@ def block_sparse_attention(
     knobs (:class:`TuningOptions`).
 
     ``v`` may be any strided view (FP8 P·V wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
-    Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``q``'s dtype, bfloat16 for 8-bit ``q``), and with
-    ``return_choice`` also the :class:`KernelChoice` that ran.
+    Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``out``'s dtype, else ``q``'s, bfloat16 for 8-bit ``q``;
+    with ``out`` the result is copied there), and with ``return_choice`` also the :class:`KernelChoice` that ran. The work runs in
+    the custom op ``diffusers_h3::block_sparse_attention`` (one node under ``torch.compile``).
     """
     tuning = tuning if tuning is not None else DEFAULT_TUNING
     if not isinstance(tuning, TuningOptions):
         raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    if out is not None and out_dtype is None:
+        out_dtype = out.dtype  # the kernels write ``out``'s precision
+    result = block_sparse_attention_op(
+        q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale, v_scale, dense, out_dtype,
+        p_fp4, backend, tuning.kernel, tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate,
+        tuning.two_tiles,
+    )
+    if out is not None:
+        if out.shape != result.shape or out.stride(-1) != 1:
+            raise ValueError(f"out must be a [B, S, H, D] tensor with a contiguous last dim, got {tuple(out.shape)}")
+        out.copy_(result)
+        result = out
+    return (result, ran_choice("block_sparse_attention")) if return_choice else result
+
+
+def attention_out_dtype(q: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The output dtype of the attention kernels: ``out_dtype``, else ``q``'s (bfloat16 for 8-bit ``q``)."""
+    return out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
+
+
+def _block_sparse_attention_fake(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
+                                 v_scale, dense, out_dtype, *p_fp4_backend_and_tuning) -> torch.Tensor:
+    return q.new_empty(q.shape, dtype=attention_out_dtype(q, out_dtype))
+
+
+@kernel_op("block_sparse_attention", _block_sparse_attention_fake)
+def block_sparse_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_rows: Optional[torch.Tensor],
+    tile_counts: Optional[torch.Tensor],
+    kv_index: Optional[torch.Tensor],
+    kv_num: Optional[torch.Tensor],
+    block: int,
+    scale: Optional[float],
+    q_scale: Optional[torch.Tensor],
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
+    dense: bool,
+    out_dtype: Optional[torch.dtype],
+    p_fp4: Optional[str],
+    backend: str,
+    kernel: str,
+    block_m: Optional[int],
+    num_warps: Optional[int],
+    num_stages: Optional[int],
+    tma: Optional[bool],
+    rotate: Optional[bool],
+    two_tiles: Optional[bool],
+) -> torch.Tensor:
+    """:func:`block_sparse_attention` over tensors and scalars (the :class:`TuningOptions` as its fields); records the
+    :class:`KernelChoice` that ran."""
+    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    out, choice = _run_block_sparse_attention(
+        q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
+        k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4, backend=backend,
+        tuning=tuning,
+    )
+    record_run("block_sparse_attention", choice)
+    return out
+
+
+def _run_block_sparse_attention(q, k, v, slot_rows, tile_counts, kv_index, kv_num, *, block, scale, q_scale,
+                                k_scale, v_scale, dense, out_dtype, p_fp4, backend,
+                                tuning) -> Tuple[torch.Tensor, KernelChoice]:
     if p_fp4 not in (None, "two_level", "single_level"):
         raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
     if p_fp4 is not None and v_scale is not None:
@@ -242,11 +315,8 @@ def block_sparse_attention(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
             k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4,
         )
-        if out is not None:
-            out.copy_(result)
-            result = out
         why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
-        return (result, KernelChoice("torch-reference", mode, why)) if return_choice else result
+        return result.contiguous(), KernelChoice("torch-reference", mode, why)
 
     check_attention_args(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     check_interpreter_dtype("block_sparse_attention", q, k, v)
@@ -263,11 +333,7 @@ def block_sparse_attention(
     choice = select_kernel(q, k, v, block=block, dense=dense, q_scale=q_scale, v_scale=v_scale, p_fp4=p_fp4,
                            tuning=tuning, sm90_available=sm90_available_for(q.device))
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out_dtype = out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
-    if out is None:
-        out = torch.empty(b, s, h, d, device=q.device, dtype=out_dtype)
-    elif out.shape != (b, s, h, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be a [B, S, H, D] tensor with a contiguous last dim, got {tuple(out.shape)}")
+    out = torch.empty(b, s, h, d, device=q.device, dtype=attention_out_dtype(q, out_dtype))
     args = (q, k, v, slot_rows, tile_counts, kv_index, kv_num, out)
     scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
     if choice.kernel == "sm90-gluon":
@@ -280,4 +346,4 @@ def block_sparse_attention(
             *args, block=block, scale=scale, dense=dense, p_fp4=p_fp4, block_m=tuning.block_m,
             num_warps=tuning.num_warps, num_stages=tuning.num_stages, tma=tuning.tma, rotate=tuning.rotate, **scales,
         )
-    return (out, choice) if return_choice else out
+    return out, choice

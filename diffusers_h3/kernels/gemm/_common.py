@@ -105,3 +105,9 @@ def prepare_gemm_io(op: str, x: torch.Tensor, n: int, k: int, out: Optional[torc
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}.")
     return x2, out
+
+
+def linear_fake(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The fake implementation of every GEMM op here (``x``, then the packed weight whose rows are the output
+    features): ``x``'s dtype, ``[*x.shape[:-1], weight.shape[0]]``, contiguous."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

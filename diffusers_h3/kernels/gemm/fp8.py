@@ -23,9 +23,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..._utils import has_fp8_tensor_cores
-from .._triton_utils import HAS_TRITON, opaque_to_compile, triton_interpreter_active
+from .._triton_utils import HAS_TRITON, kernel_op, triton_interpreter_active
 from ..numerics import E4M3_MAX, to_e4m3
-from ._common import check_2d_weight
+from ._common import check_2d_weight, linear_fake
 
 
 if HAS_TRITON:
@@ -199,7 +199,7 @@ def fp8_linear_scaled_mm(
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-@opaque_to_compile
+@kernel_op("fp8_linear", linear_fake)
 def fp8_linear(
     x: torch.Tensor,
     wq: torch.Tensor,

@@ -28,13 +28,14 @@ from typing import Optional
 import torch
 
 from ..._utils import has_fp4_tensor_cores, is_package_available, warn_once
-from .._triton_utils import HAS_TRITON, opaque_to_compile
+from .._triton_utils import HAS_TRITON, kernel_op
 from ..numerics import E2M1_MAX, E4M3_MAX, e2m1_decode, e2m1_encode, pack_nibbles, to_e4m3, unpack_nibbles
 from ._common import (
     LARGE_M_ROWS,
     dequant_tile,
     gemm_configs,
     launch_gemm,
+    linear_fake,
     m_bucket,
     prepare_gemm_io,
     triton_gemm_supported,
@@ -301,7 +302,7 @@ def nvfp4_w4a4_flashinfer(
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-@opaque_to_compile
+@kernel_op("nvfp4_linear", linear_fake)
 def nvfp4_linear(
     x: torch.Tensor,
     packed: torch.Tensor,

@@ -21,13 +21,14 @@ from typing import Optional
 
 import torch
 
-from .._triton_utils import HAS_TRITON, opaque_to_compile
+from .._triton_utils import HAS_TRITON, kernel_op
 from ._common import (
     LARGE_M_ROWS,
     check_2d_weight,
     dequant_tile,
     gemm_configs,
     launch_gemm,
+    linear_fake,
     m_bucket,
     prepare_gemm_io,
     triton_gemm_supported,
@@ -198,7 +199,7 @@ def w8a16_dequantize_triton(q: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     return out
 
 
-@opaque_to_compile
+@kernel_op("w8a16_linear", linear_fake)
 def w8a16_linear(
     x: torch.Tensor,
     q: torch.Tensor,

@@ -32,6 +32,10 @@ def attach_to_diffusers_logging() -> None:
 _WARNED: set = set()
 
 
+# Under torch.compile, code that calls these two is traced: they run once at trace time and their result is a
+# constant of the graph (a device's capability does not change; a warning is a side effect with no result), so the
+# processors' and quantized layers' per-device decisions do not break the graph.
+@torch.compiler.assume_constant_result
 def warn_once(key: str, message: str) -> None:
     """Warn once per process for ``key`` (fallbacks must be visible, but not on every layer and step)."""
     if key in _WARNED:
@@ -40,6 +44,7 @@ def warn_once(key: str, message: str) -> None:
     logger.warning(message)
 
 
+@torch.compiler.assume_constant_result
 def cuda_capability(device: Optional[torch.device] = None) -> Optional[Tuple[int, int]]:
     """Compute capability of a CUDA device, or ``None`` for CPU / no CUDA."""
     if device is not None and torch.device(device).type != "cuda":

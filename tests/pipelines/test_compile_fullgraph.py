@@ -1,0 +1,88 @@
+"""The ``fast`` / ``fastest`` presets' blocks compile to one graph each (no graph break): every kernel is a custom op
+(diffusers_h3/kernels/_triton_utils.py: kernel_op), and the VSA route of a call is prepared outside the blocks."""
+
+import math
+import os
+
+import torch
+
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
+from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer  # noqa: E402
+from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs  # noqa: E402
+
+
+TEXT, AUDIO, GRID = 5, 4, (4, 4, 8)  # two 4x4x4 video tiles: the fastest preset's VSA runs sparse
+
+
+def _layout(step=None):
+    video = math.prod(GRID)
+    segments = (
+        LayoutSegment("text", "prompt", 0, TEXT),
+        LayoutSegment("audio", "target", TEXT, TEXT + AUDIO),
+        LayoutSegment("video", "target", TEXT + AUDIO, TEXT + AUDIO + video, grid=GRID),
+    )
+    return PackedLayout(segments, seq_len=TEXT + AUDIO + video, step_index=step, num_steps=2)
+
+
+def _run(model, step=None):
+    inputs = tiny_transformer_inputs(seed=1, seq_text=TEXT, seq_audio=AUDIO, grid=GRID)
+    with torch.no_grad(), use_packed_layout(_layout(step)):
+        return model(**inputs, return_dict=False)
+
+
+class _GraphRecorder:
+    """A dynamo backend that keeps every graph it is given and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def ops(self):
+        return {str(node.target) for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"}
+
+
+# The custom ops each preset's blocks must call on this CPU (W8A16 GEMMs: no FP8 tensor cores here).
+PRESET_OPS = {
+    "exact": set(),  # diffusers' processor and bf16 weights: no kernel of ours on a CPU
+    "fast": {"diffusers_h3.w8a16_linear.default", "diffusers_h3.fp8_attention.default"},
+    "fastest": {"diffusers_h3.w8a16_linear.default", "diffusers_h3.vsa_attention.default"},
+}
+
+
+@pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])
+def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    enable_speed_preset_on_transformer(model, preset, compile=False)
+    eager = _run(model)
+    torch._dynamo.reset()
+    counters.clear()
+    recorder = _GraphRecorder()
+    # fullgraph=True: any graph break inside a block (an op put back behind torch.compiler.disable, a Python-level
+    # decision dynamo cannot trace) raises here.
+    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    compiled = _run(model)
+    again = _run(model, step=1)  # another denoising step's layout: same graphs, no recompilation
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert recorder.graphs and len(recorder.graphs) == counters["stats"]["unique_graphs"]
+    assert PRESET_OPS[preset] <= recorder.ops(), sorted(op for op in recorder.ops() if "diffusers_h3" in op)
+    for got, ref in zip(compiled, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(again, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    blocks = model.transformer_blocks
+    if preset != "exact":
+        assert "not run yet" not in blocks[0].attn.processor.describe_path()
+    torch._dynamo.reset()

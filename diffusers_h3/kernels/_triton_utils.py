@@ -3,6 +3,7 @@ registration of kernel entry points as ``torch.library`` custom ops (the ``torch
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Dict
 
@@ -58,20 +59,39 @@ _RAN_CHOICES: Dict[str, RanChoice] = {}
 
 def kernel_op(name: str, fake: Callable[..., Any]):
     """Decorator: register a kernel entry point as the custom op ``diffusers_h3::<name>`` (no argument mutated) with
-    ``fake`` as its fake (meta) implementation, and return the op (callable like the function).
+    ``fake`` as its fake (meta) implementation; returns a function with the entry point's signature (the op is its
+    ``.op``).
 
     The function takes tensors, ints, floats, bools, strings, dtypes and lists / ``Optional`` of those (type-annotated)
     and returns fresh tensors (never a view of an input) with the exact shape, dtype and strides ``fake`` returns.
     Richer Python arguments (plans, tuning objects) stay in a wrapper with the public signature, which splits them.
+
+    The op has no autograd formula: calls that record autograd (grad mode on and an input that requires grad, i.e.
+    training) run the function itself, as before it was an op (differentiable where it is pure torch, such as the
+    torch references; the Triton kernels' outputs carry no gradient). Inference (``torch.no_grad`` /
+    ``torch.inference_mode``) runs the op.
     """
 
     def register(impl: Callable[..., Any]):
         op = torch.library.custom_op(f"{OP_NAMESPACE}::{name}", impl, mutates_args=())
         op.register_fake(fake)
         _RAN_CHOICES[name] = RanChoice(name)
-        return op
+
+        @functools.wraps(impl)
+        def call(*args, **kwargs):
+            if torch.is_grad_enabled() and _records_autograd(args, kwargs):
+                return impl(*args, **kwargs)
+            return op(*args, **kwargs)
+
+        call.op = op
+        return call
 
     return register
+
+
+def _records_autograd(args, kwargs) -> bool:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return any(t.requires_grad for t in tensors)
 
 
 def ran_choice(op: str):

@@ -57,6 +57,7 @@ def _gen(seed=0):
 def opcheck(op, args):
     """``torch.library.opcheck``; with float8 inputs (which its schema test cannot compare on CPU) the other tests,
     and the no-mutation part of the schema test done here on the raw bytes."""
+    op = getattr(op, "op", op)  # the registered op behind a kernel_op entry point
     fp8 = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     if not fp8:
         torch.library.opcheck(op, args)
@@ -73,8 +74,19 @@ def test_every_kernel_entry_point_is_a_registered_custom_op():
     for name in REGISTERED:
         assert hasattr(namespace, name), name
     # the public functions the rest of the package calls are (or wrap) these ops
-    for function in (w8a16_linear, fp8_linear, nvfp4_linear):
-        assert isinstance(function, torch._library.custom_ops.CustomOpDef)
+    for function in (w8a16_linear, fp8_linear, nvfp4_linear, block_sparse_attention_op, fp8_attention_op,
+                     vsa_attention_op, fa_v100_attention_op, flashinfer_dense_attention_op):  # fmt: skip
+        assert isinstance(function.op, torch._library.custom_ops.CustomOpDef)
+
+
+def test_calls_that_record_autograd_run_the_function_itself():
+    """Training through the torch references stays differentiable (the ops have no autograd formula)."""
+    x = torch.randn(3, 32, generator=_gen(), requires_grad=True)
+    q, s = w8a16_quantize(torch.randn(16, 32, generator=_gen(1)))
+    w8a16_linear(x, q, s, None, backend="torch").sum().backward()
+    torch.testing.assert_close(x.grad, (q.float() * s[:, None]).sum(0).expand(3, -1))
+    with torch.no_grad():
+        assert w8a16_linear(x, q, s, None, backend="torch").grad_fn is None
 
 
 # -- GEMMs -----------------------------------------------------------------------------------------------------------

@@ -279,12 +279,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
 
-    def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None):
+    def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
+                            fullgraph: bool = False):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
         partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md."""
         from .speed_presets import enable_speed_preset
 
-        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer)
+        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph)
 
     def enable_memory_budget(
         self,

@@ -75,16 +75,20 @@ DETERMINISM = {
 COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {"exact": {"emulate_precision_casts": True}, "fast": {}, "fastest": {}}
 
 
-def compile_blocks(model: torch.nn.Module, preset: str) -> str:
+def compile_blocks(model: torch.nn.Module, preset: str, fullgraph: bool = False) -> str:
     """Regional ``torch.compile`` of ``model``'s repeated blocks with ``preset``'s inductor options; returns the line
-    ``describe`` shows."""
+    ``describe`` shows.
+
+    The kernels are custom ops (``diffusers_h3::*``) and the VSA route is prepared outside the blocks, so the presets'
+    blocks trace without a graph break (tests/pipelines/test_compile_fullgraph.py); ``fullgraph=True`` makes any
+    break an error instead of a split graph."""
     options = COMPILE_OPTIONS[check_speed_preset(preset)]
     if options:
-        model.compile_repeated_blocks(fullgraph=False, options=dict(options))
+        model.compile_repeated_blocks(fullgraph=fullgraph, options=dict(options))
     else:
-        model.compile_repeated_blocks(fullgraph=False)
+        model.compile_repeated_blocks(fullgraph=fullgraph)
     extra = "".join(f", {key}={value}" for key, value in options.items())
-    return f"regional torch.compile (compile_repeated_blocks, fullgraph=False{extra})"
+    return f"regional torch.compile (compile_repeated_blocks, fullgraph={fullgraph}{extra})"
 
 
 def check_speed_preset(preset: Any) -> str:
@@ -255,6 +259,7 @@ def _apply_to_transformer(
     flashinfer: str,
     preset: str,
     compile: bool,
+    fullgraph: bool = False,
 ) -> None:
     """Turn ``preset``'s weights, attention and compile on for one transformer (planned by ``_plan_weights``) and
     record it under ``name``."""
@@ -300,7 +305,7 @@ def _apply_to_transformer(
     if _is_compiled(model):
         record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
     elif compile and device.type == "cuda":
-        record.compile[name] = compile_blocks(model, preset)
+        record.compile[name] = compile_blocks(model, preset, fullgraph=fullgraph)
     elif compile:
         record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
     else:
@@ -312,7 +317,7 @@ def _apply_to_transformer(
 
 
 def enable_speed_preset(
-    pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None
+    pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None, fullgraph: bool = False
 ) -> SpeedPresetRecord:
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
@@ -328,6 +333,9 @@ def enable_speed_preset(
             first use), `False` diffusers' backend (cuDNN). ``"fast"``: `True` runs FA3's FP8 kernel (Hopper) instead
             of the INT8 attention (faster, less exact); `None` / `False` keep INT8. `True` requires it (an error if it
             cannot run). ``"fastest"`` refuses `True`.
+        fullgraph (`bool`, defaults to `False`): compile each block as one graph (``compile_repeated_blocks(
+            fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
+            (every kernel is a custom op), so this only changes what happens if one appears.
 
     Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
     """
@@ -346,7 +354,7 @@ def enable_speed_preset(
 
     record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]))
     for name, model in models:
-        _apply_to_transformer(record, name, model, *plans[name], preset, compile)
+        _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph)
     # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
     # the exact preset keeps diffusers' decode.
     vae = getattr(pipe, "vae", None)
@@ -370,6 +378,7 @@ def enable_speed_preset_on_transformer(
     compile: bool = True,
     name: str = "transformer",
     flashinfer: Optional[bool] = None,
+    fullgraph: bool = False,
 ) -> SpeedPresetRecord:
     r"""
     Turn on a speed preset's transformer part (weights, attention, regional compile) on one
@@ -382,6 +391,7 @@ def enable_speed_preset_on_transformer(
         compile (`bool`, defaults to `True`): regional ``torch.compile`` of the blocks on CUDA.
         name (`str`, defaults to ``"transformer"``): the key of the record's per-partition entries.
         flashinfer (`bool`, *optional*): as for :func:`enable_speed_preset`.
+        fullgraph (`bool`, defaults to `False`): as for :func:`enable_speed_preset`.
 
     Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved).
     """
@@ -394,7 +404,8 @@ def enable_speed_preset_on_transformer(
     uses_flashinfer = plan_flashinfer(flashinfer, device, preset)
     record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [uses_flashinfer]),
                                decode="not applied (transformer only)")
-    _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile)
+    _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile,
+                          fullgraph)
     return record
 
 

@@ -32,6 +32,8 @@ def _layout(step=None):
 
 def _run(model, step=None):
     inputs = tiny_transformer_inputs(seed=1, seq_text=TEXT, seq_audio=AUDIO, grid=GRID)
+    dtype = next(model.parameters()).dtype
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad(), use_packed_layout(_layout(step)):
         return model(**inputs, return_dict=False)
 
@@ -85,4 +87,54 @@ def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
     blocks = model.transformer_blocks
     if preset != "exact":
         assert "not run yet" not in blocks[0].attn.processor.describe_path()
+    torch._dynamo.reset()
+
+
+def test_presets_pass_fullgraph_to_compile_repeated_blocks():
+    from diffusers_h3.pipelines.speed_presets import compile_blocks
+
+    calls = []
+
+    class Blocks:
+        def compile_repeated_blocks(self, **options):
+            calls.append(options)
+
+    assert "fullgraph=True" in compile_blocks(Blocks(), "fast", fullgraph=True)
+    assert "fullgraph=False" in compile_blocks(Blocks(), "exact")
+    assert calls == [{"fullgraph": True}, {"fullgraph": False, "options": {"emulate_precision_casts": True}}]
+
+
+@pytest.mark.parametrize(
+    "make, op",
+    [
+        ("flashinfer_bf16", "diffusers_h3.flashinfer_dense_attention.default"),
+        ("flashinfer_fp8", "diffusers_h3.flashinfer_fp8_attention.default"),
+        ("fp4", "diffusers_h3.block_sparse_attention.default"),
+    ],
+)
+def test_other_processors_compile_fullgraph(make, op, flashinfer_stand_in):
+    """The FlashInfer processor (through the CPU stand-in of the library) and the emulated FP4 attention (P emulated
+    in the Triton kernel) also trace as one graph per block."""
+    import torch._dynamo
+
+    from diffusers_h3.attention_processors.flashinfer import MiniMaxH3FlashInferProcessor
+    from diffusers_h3.attention_processors.low_precision import MiniMaxH3LowPrecisionAttnProcessor
+
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    if make.startswith("flashinfer"):
+        model = model.to(torch.bfloat16)  # FlashInfer takes 16-bit Q/K/V
+        processor = MiniMaxH3FlashInferProcessor(precision=make.split("_")[1])
+    else:
+        processor = MiniMaxH3LowPrecisionAttnProcessor("fp4")
+    for block in model.transformer_blocks:
+        block.attn.set_processor(processor)
+    eager = _run(model)
+    torch._dynamo.reset()
+    recorder = _GraphRecorder()
+    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    compiled = _run(model)
+    assert op in recorder.ops()
+    for got, ref in zip(compiled, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()

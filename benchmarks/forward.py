@@ -26,9 +26,10 @@ later presets find them compiled and keep the compiled wrappers ("blocks already
 would re-trace the blocks for the swapped processors and quantized linears on their own, but every preset case here
 starts with ``torch._dynamo.reset()``: the cache is empty, nothing stale can run and no re-trace is lost to
 ``recompile_limit``, so the first call traces (and inductor compiles) the blocks with that preset's processors and
-``QuantizedLinear`` layers. Per case ``dynamo`` records the graphs traced and graph breaks during the warm-up (our
-kernels are ``torch.compiler.disable`` islands, so the quantized linears and the attention kernels break the graph),
-and whether anything was (re)compiled during the timed forwards (it should not).
+``QuantizedLinear`` layers. Per case ``dynamo`` records the graphs traced and graph breaks during the warm-up with
+their reasons (``graph_break_reasons``; the kernels are ``torch.library`` custom ops, so the presets' blocks should
+trace as one graph each: 0 breaks), and whether anything was (re)compiled during the timed forwards (it should not).
+``--fullgraph`` compiles the blocks with ``compile_repeated_blocks(fullgraph=True)`` (a graph break fails the case).
 
 Per case: ``--warmup`` (2) untimed forwards (the first one compiles / autotunes: ``first_call_s``), then ``--reps``
 CUDA-event timed forwards. ``ms`` = their median; ``ratio`` = native ms / ms; ``rel_l2`` = ||out - native|| / ||native||
@@ -116,10 +117,28 @@ def dynamo_counts() -> Tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["graph_break"].values()))
 
 
+def graph_break_reasons() -> Dict[str, int]:
+    """Graph breaks so far in this process by reason (torch._dynamo.utils.counters["graph_break"])."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def new_graph_breaks(before: Dict[str, int], after: Dict[str, int], width: int = 300) -> Dict[str, int]:
+    """The graph breaks counted between two :func:`graph_break_reasons` snapshots, by (shortened) reason."""
+    new: Dict[str, int] = {}
+    for reason, count in after.items():
+        if count > before.get(reason, 0):
+            key = " ".join(str(reason).split())[:width]
+            new[key] = new.get(key, 0) + count - before.get(reason, 0)
+    return new
+
+
 def measure(run, device: torch.device, warmup: int, reps: int) -> Dict[str, Any]:
     """Warm-up calls (the first timed as ``first_call_s``), then ``reps`` timed calls; returns the record and the last
     output."""
     graphs0, breaks0 = dynamo_counts()
+    reasons0 = graph_break_reasons()
     warmup_s = []
     out = None
     for _ in range(warmup):
@@ -129,6 +148,7 @@ def measure(run, device: torch.device, warmup: int, reps: int) -> Dict[str, Any]
         synchronize(device)
         warmup_s.append(time.perf_counter() - start)
     graphs1, breaks1 = dynamo_counts()
+    reasons1 = graph_break_reasons()
     del out
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -157,6 +177,7 @@ def measure(run, device: torch.device, warmup: int, reps: int) -> Dict[str, Any]
         "dynamo": {
             "graphs_traced": graphs1 - graphs0,
             "graph_breaks": breaks1 - breaks0,
+            "graph_break_reasons": new_graph_breaks(reasons0, reasons1),
             "recompiled_while_timed": graphs2 != graphs1,
         },  # fmt: skip
     }
@@ -174,8 +195,8 @@ def model_paths(model) -> Dict[str, Any]:
 # Cases
 
 
-def set_up(case: str, model, device: torch.device) -> Dict[str, Any]:
-    """Turn ``case`` on; returns what it turned on."""
+def set_up(case: str, model, device: torch.device, fullgraph: bool = False) -> Dict[str, Any]:
+    """Turn ``case`` on; returns what it turned on (``fullgraph``: compile the blocks with fullgraph=True)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
     from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer, exact_attention_backend
@@ -195,7 +216,8 @@ def set_up(case: str, model, device: torch.device) -> Dict[str, Any]:
     # "exact" is measured with cuDNN (what it runs without flashinfer-python), "exact_flashinfer" with FlashInfer's FA3.
     # "fast_flashinfer_fp8" is the "fast" preset with flashinfer=True (FA3's FP8 attention in place of INT8).
     flashinfer = {"exact": False, "exact_flashinfer": True, "fast_flashinfer_fp8": True}.get(case)
-    return enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer).describe()
+    return enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer,
+                                              fullgraph=fullgraph).describe()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -218,6 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no compile (smoke test)")
+    parser.add_argument("--fullgraph", action="store_true",
+                        help="compile the presets' blocks with compile_repeated_blocks(fullgraph=True)")
     args = parser.parse_args(argv)
 
     wanted = [c for c in args.cases.split(",") if c]
@@ -255,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for case in run_cases:
         case_start = time.perf_counter()
         try:
-            turned_on = set_up(case, model, device)
+            turned_on = set_up(case, model, device, args.fullgraph)
             record, out = measure(run, device, args.warmup, args.reps)
             video, audio = out[0], out[1]
             if case == "native":
@@ -300,7 +324,8 @@ def write_report(args, results, notes, shape, build_s) -> None:
                      "distance, not quality",
         "protocol": f"in one process, in the order native, exact, fast, fastest (presets applied in place); per "
                     f"case torch._dynamo.reset() before a preset, {args.warmup} untimed forwards (the first compiles: "
-                    f"first_call_s), then the median of {args.reps} timed forwards (CUDA events; perf_counter on a CPU)",
+                    f"first_call_s), then the median of {args.reps} timed forwards (CUDA events; perf_counter on a CPU)"
+                    f"; blocks compiled with fullgraph={args.fullgraph}",
         "build_s": round(build_s, 1),
         "cases": results,
         "notes": notes,

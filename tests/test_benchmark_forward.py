@@ -69,7 +69,8 @@ def test_tiny_run_records_every_case(tmp_path):
         assert case["baseline"] == "native" and case["ratio"] > 0
         assert len(case["warmup_s"]) == 2 and case["first_call_s"] == case["warmup_s"][0] >= 0
         assert case["peak_gib"] is None  # CPU: no CUDA memory statistics
-        assert set(case["dynamo"]) == {"graphs_traced", "graph_breaks", "recompiled_while_timed"}
+        assert set(case["dynamo"]) == {"graphs_traced", "graph_breaks", "graph_break_reasons", "recompiled_while_timed"}
+        assert case["dynamo"]["graph_break_reasons"] == {}  # no compile on a CPU (and none in the blocks anyway)
         assert case["dynamo"]["recompiled_while_timed"] is False
         assert case["rel_l2_audio"] is not None and case["paths"]["attention"]
 
@@ -104,6 +105,15 @@ def test_tiny_run_records_every_case(tmp_path):
         assert profile["kernel_ms_over_ms"] > 0
     assert "profile" not in cases["exact"] and "profile" not in cases["fast"]
     assert cases["native"]["profile"]["categories"]["attention"]["ms"] > 0  # aten::_scaled_dot_product_*
+
+
+def test_new_graph_breaks_counts_only_the_breaks_of_a_case(monkeypatch):
+    forward = _forward_module(monkeypatch)
+    before = {"Unsupported: foo": 2}
+    after = {"Unsupported: foo": 5, "Skip calling   torch.compiler.disable\n function": 1}
+    assert forward.new_graph_breaks(before, after) == {"Unsupported: foo": 3,
+                                                       "Skip calling torch.compiler.disable function": 1}  # fmt: skip
+    assert forward.new_graph_breaks(after, after) == {}
 
 
 def test_kernel_category(monkeypatch):

@@ -83,10 +83,12 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def _select(self, device: torch.device) -> Tuple[str, str]:
-        """(backend, human-readable reason) for ``device``."""
+        """(backend, human-readable reason) for ``device``: what ``describe_path`` reports and the fallback warning
+        says (the GEMM op itself resolves ``"auto"`` the same way)."""
         raise NotImplementedError
 
     def _run(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """The product; ``backend`` is the layer's configured ``backend`` (``"auto"`` or forced)."""
         raise NotImplementedError
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

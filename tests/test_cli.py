@@ -84,7 +84,8 @@ def test_cli_generate_takes_the_speed_presets_export_settings(tmp_path, monkeypa
     from diffusers_h3.pipelines import speed_presets
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setitem(speed_presets.EXPORT_SETTINGS, "exact", {"crf": 28, "preset": "veryfast", "pix_fmt": "yuv444p"})
+    chosen = {"crf": 28, "preset": "veryfast", "pix_fmt": "yuv444p"}
+    monkeypatch.setitem(speed_presets.EXPORT_SETTINGS, "exact", chosen)
     out = tmp_path / "exact.mp4"
     assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu",
                  "--speed", "exact", "--crf", "20"]) == 0  # fmt: skip

@@ -6,14 +6,21 @@ noise, what random-weight checkpoints decode to: the worst case for H.264). Each
 `diffusers_h3.export_to_video`, decodes the file back with PyAV and records the PSNR of the decoded RGB frames
 against the source frames. The `streaming` part feeds `VideoWriter` the clip in the video VAE's 17-frame chunks,
 waiting `--chunk-decode-s` before each one (a GPU decode that leaves the CPU free), and records how long the export
-takes after the last chunk, against the one-shot export started after the whole decode.
+takes after the last chunk, against the one-shot export started after the whole decode. The `streaming_pipeline`
+part runs the pipeline's own paths on the tiny pipeline at the released size: `MiniMaxH3Pipeline.decode_to_video`
+(what `diffusers-h3 generate` runs: chunked decode, uint8 conversion, the writer, the audio muxed at the end) against
+`_decode_video` + `_decode_audio` + `export_to_video` (`output_type="np"` then the export), its VAE's per-chunk decode
+answering the `smooth` clip's frames after `--chunk-decode-s` (a GPU decode), and records the time from the last
+decoded chunk to the finished file.
 
     PYTHONPATH=. python benchmarks/export.py --out benchmarks/results/export_cpu.json
+    PYTHONPATH=. python benchmarks/export.py --parts streaming_pipeline --merge   # one part, the others kept
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -136,6 +143,96 @@ def measure_streaming(frames: np.ndarray, audio: np.ndarray, chunk_decode_s: flo
             "simulated_decode_s": round(decode_s, 2), "one_shot": one_shot, "streamed": streamed}  # fmt: skip
 
 
+def measure_pipeline_streaming(frames: np.ndarray, chunk_decode_s: float, folder: str) -> dict:
+    """`decode_to_video` against the one-shot decode + export, through the tiny pipeline's code at the released size.
+
+    The VAE's per-chunk decode is a stand-in that returns the `frames` of that chunk (the smooth clip in the VAE's
+    pixel space, prepared before the timing) after `chunk_decode_s`, so the content and the decode's timing are those
+    of a GPU decode; the audio is decoded once before the timing and handed over at once in both paths (its GPU decode
+    is not what is compared). Timed from the moment the last chunk's frames are ready for the writer (streamed) or the
+    whole clip's frames are (one-shot), and from the last chunk decode's end, which adds the pipeline's conversion of
+    the last chunk to uint8 (on the CPU here, on the device in a GPU run)."""
+    from diffusers_h3 import export_to_video
+    from diffusers_h3._vae_tiles import chunk_inputs
+    from diffusers_h3.pipelines import export
+    from diffusers_h3.pipelines.pipeline_minimax_h3 import PIXEL_MEAN, PIXEL_STD
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    vae, device = pipe.vae, torch.device("cpu")
+    geometry = pipe._latent_geometry(NUM_FRAMES, HEIGHT, WIDTH)
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, vae.config.latent_channels, geometry.num_latent_frames, geometry.latent_height,
+                          geometry.latent_width, generator=generator)  # fmt: skip
+    audio_latents = torch.randn(2, pipe.audio_vae.config.latent_channels, geometry.num_audio_latents,
+                                generator=generator)  # fmt: skip
+    audio = pipe._decode_audio(audio_latents, device)
+
+    # Chunk i's 28 decoded frames: its 17 (after the 3 leading pad frames) and the 5 it overflows into chunk i + 1.
+    mean = torch.tensor(PIXEL_MEAN).view(-1, 1, 1, 1)
+    std = torch.tensor(PIXEL_STD).view(-1, 1, 1, 1)
+    clip = torch.from_numpy(frames).permute(3, 0, 1, 2)  # (3, F, H, W) uint8
+    chunk_frames = vae.tokens_chunk_size * vae.temporal_compression_ratio
+    clip_frames = (vae.tokens_chunk_size + vae.token_overlap) * vae.temporal_compression_ratio
+    num_chunks = len(chunk_inputs(vae, latents))
+    decoded = []
+    for index in range(num_chunks):
+        first = index * VAE_CHUNK_FRAMES - vae.frame_pre_padding
+        order = [first + (k if k < chunk_frames else k - vae.frame_pre_padding) for k in range(clip_frames)]
+        decoded.append(((clip[:, torch.tensor(order).clamp(0, NUM_FRAMES - 1)].float() / 255 - mean) / std)[None])
+    decoded_at, ready_at = [], []
+
+    def stand_in_decode_clip(clip_latents):
+        time.sleep(chunk_decode_s)  # the GPU decodes this chunk
+        decoded_at.append(time.perf_counter())
+        return decoded[len(decoded_at) - 1]
+
+    write_frames = export.VideoWriter.write_frames
+
+    def timed_write_frames(writer, chunk):
+        ready_at.append(time.perf_counter())
+        return write_frames(writer, chunk)
+
+    vae._decode_clip = stand_in_decode_clip
+    pipe._decode_audio = lambda audio_latents, device: audio
+    export.VideoWriter.write_frames = timed_write_frames
+    try:
+        start = time.perf_counter()
+        video = pipe._decode_video(latents, "np", device)
+        ready_at.append(time.perf_counter())
+        one_shot_path = export_to_video(video[0], os.path.join(folder, "pipeline_one_shot.mp4"), fps=FPS,
+                                        audio=pipe._decode_audio(audio_latents, device)[0],
+                                        sampling_rate=SAMPLING_RATE)  # fmt: skip
+        done = time.perf_counter()
+        one_shot = {"total_s": round(done - start, 2), "after_last_chunk_s": round(done - ready_at[0], 2),
+                    "after_last_decode_s": round(done - decoded_at[-1], 2)}  # fmt: skip
+        del video
+        decoded_at.clear()
+        ready_at.clear()
+        start = time.perf_counter()
+        streamed_path = pipe.decode_to_video(latents, audio_latents, os.path.join(folder, "pipeline_streamed.mp4"))
+        done = time.perf_counter()
+        streamed = {"total_s": round(done - start, 2), "after_last_chunk_s": round(done - ready_at[-1], 2),
+                    "after_last_decode_s": round(done - decoded_at[-1], 2)}  # fmt: skip
+    finally:
+        export.VideoWriter.write_frames = write_frames
+        del vae._decode_clip, pipe._decode_audio
+    import av
+
+    def decoded_frames(path):
+        with av.open(path) as container:
+            return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+    same = bool(np.array_equal(decoded_frames(one_shot_path), decoded_frames(streamed_path)))
+    return {"chunks": num_chunks, "chunk_writes": len(ready_at), "chunk_decode_s": chunk_decode_s,
+            "simulated_decode_s": round(chunk_decode_s * num_chunks, 2),
+            "export": dict(pipe._h3_last_export, path=os.path.basename(streamed_path)),
+            "same_decoded_frames": same, "one_shot": one_shot, "streamed": streamed}  # fmt: skip
+
+
+PARTS = ("cases", "streaming", "streaming_pipeline")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/export_cpu.json")
@@ -144,26 +241,51 @@ def main(argv=None) -> None:
                              "video decode over its chunks)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="exports per smooth case; the fastest is recorded")
     parser.add_argument("--commit", default=None, help="the commit measured, when the tree has no .git")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of parts to run, of {', '.join(PARTS)}")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the parts already in --out that this run does not measure; the header stays that "
+                             "of the run that measured the cases, each merged part records its own commit, date and "
+                             "command")  # fmt: skip
     args = parser.parse_args(argv)
+    parts = [part for part in args.parts.split(",") if part]
+    if not parts or any(part not in PARTS for part in parts):
+        raise SystemExit(f"--parts: choose from {', '.join(PARTS)}, got {args.parts!r}")
 
-    result = result_header("export", commit=args.commit, device="cpu")
+    header = result_header("export", commit=args.commit, device="cpu")
+    result = header if not args.merge or not os.path.exists(args.out) else json.load(open(args.out))
+    if result.get("suite") != "export":
+        raise SystemExit(f"--merge: {args.out} is not an export result")
     result.update({
         "cpu_cores": os.cpu_count(),
         "clip": {"width": WIDTH, "height": HEIGHT, "frames": NUM_FRAMES, "fps": FPS, "audio": f"stereo {SAMPLING_RATE} Hz, {AUDIO_SECONDS} s"},
         "quality": "PSNR (dB) over all frames of the decoded rgb24 frames: psnr_db against the source frames, "
                    "codec_psnr_db against the source converted to yuv420p and back (the encoder's own loss)",
-        "cases": {},
     })  # fmt: skip
+    provenance = {key: header[key] for key in ("commit", "date", "command", "device", "torch")}
     audio = audio_track()
-    contents = {"smooth": smooth_clip(), "noise": noise_clip()}
+    smooth = smooth_clip()
     with tempfile.TemporaryDirectory() as folder:
-        for content, crf, preset in CASES:
-            repeats = args.repeats if content == "smooth" else 1  # a noise export is slow and varies little
-            case = measure_case(content, contents[content], audio, crf, preset, folder, repeats)
-            result["cases"][f"{content}_{preset}_crf{crf}"] = case
-            print(case, flush=True)
-        result["streaming_smooth"] = measure_streaming(contents["smooth"], audio, args.chunk_decode_s, folder)
-        print(result["streaming_smooth"], flush=True)
+        if "cases" in parts:
+            result.update({key: header[key] for key in provenance})
+            result["cases"] = {}
+            contents = {"smooth": smooth, "noise": noise_clip()}
+            for content, crf, preset in CASES:
+                repeats = args.repeats if content == "smooth" else 1  # a noise export is slow and varies little
+                case = measure_case(content, contents[content], audio, crf, preset, folder, repeats)
+                result["cases"][f"{content}_{preset}_crf{crf}"] = case
+                print(case, flush=True)
+        if "streaming" in parts:
+            result["streaming_smooth"] = measure_streaming(smooth, audio, args.chunk_decode_s, folder)
+            if "cases" not in parts:
+                result["streaming_smooth"]["measured"] = provenance
+            print(result["streaming_smooth"], flush=True)
+        if "streaming_pipeline" in parts:
+            load_before = os.getloadavg()[0]
+            part = measure_pipeline_streaming(smooth, args.chunk_decode_s, folder)
+            # The CPU may be shared: its 1-minute load average (runnable processes) before and after the part.
+            part["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            result["streaming_pipeline"] = {**part, "measured": provenance}
+            print(result["streaming_pipeline"], flush=True)
     write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
 

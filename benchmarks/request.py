@@ -3,6 +3,11 @@ MP4 mux, and peak memory, for the speed presets (docs/speed.md).
 
     python benchmarks/request.py --out benchmarks/results/request_h200.json --forwards 3
     python benchmarks/request.py --tiny --cases t2va_fast --out /tmp/request_tiny.json   # CPU smoke test
+    python benchmarks/request.py --export streamed --cases t2va_fastest --out /tmp/request_streamed.json
+
+``--export streamed`` writes the MP4 as the CLI does (``output_type="latent"`` + ``pipe.decode_to_video``: each decoded
+video chunk encoded while the next decodes) and records ``mux_after_last_chunk_ms``; the default ``one-shot`` decodes
+the whole clip (``output_type="np"``) and then runs ``export_to_video``.
 
 Random weights at the released sizes, no downloads: the Qwen3-VL-32B text encoder built from its public config
 (its decoder layers after the one H3 reads are never run by the pipeline's early exit and are not built: same compute,
@@ -287,12 +292,19 @@ def warm_up(pipe, case, tiny, decode):
     pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(forwards))
 
 
-def request(pipe, case, device, out_dir, forwards_limit, tiny):
-    """One request of ``case``; returns its record (ms, stages, forwards, peak)."""
+def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"):
+    """One request of ``case``; returns its record (ms, stages, forwards, peak). ``export="streamed"`` writes the MP4
+    with ``pipe.decode_to_video`` (each decoded chunk encoded while the next decodes, as the CLI does): the video
+    decode and the mux are then one stage, ``video_decode+mux``, and ``mux_after_last_chunk_ms`` is the time from the
+    last chunk handed to the writer to the finished file."""
     from diffusers_h3 import export_to_video
+    from diffusers_h3.pipelines import export as export_module
 
     task, _, sigma_points, _, _ = CASE_SETUP[case]
     kwargs = request_kwargs(case, tiny)
+    streamed = export == "streamed"
+    if streamed:
+        kwargs["output_type"] = "latent"
     total_forwards = sigma_points - 1
     timed_forwards = total_forwards if forwards_limit is None else min(forwards_limit, total_forwards)
 
@@ -300,14 +312,32 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    with StageTimer(pipe, device) as timer:
-        start = time.perf_counter()
-        out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(timed_forwards))
-        mux_start = time.perf_counter()
-        export_to_video(out.frames[0], str(Path(out_dir) / f"{case}.mp4"), audio=out.audio[0],
-                        sampling_rate=out.sampling_rate)  # fmt: skip
-        end = time.perf_counter()
-    timer.stages["mux"] = (end - mux_start) * 1000
+    chunk_ready = []
+    write_frames = export_module.VideoWriter.write_frames
+
+    def timed_write_frames(writer, frames):
+        chunk_ready.append(time.perf_counter())
+        return write_frames(writer, frames)
+
+    export_module.VideoWriter.write_frames = timed_write_frames
+    try:
+        with StageTimer(pipe, device) as timer:
+            start = time.perf_counter()
+            out = pipe(**kwargs, generator=torch.Generator().manual_seed(0),
+                       callback_on_step_end=stop_after(timed_forwards))  # fmt: skip
+            mux_start = time.perf_counter()
+            path = str(Path(out_dir) / f"{case}.mp4")
+            if streamed:
+                pipe.decode_to_video(out.frames, out.audio, path)
+            else:
+                export_to_video(out.frames[0], path, audio=out.audio[0], sampling_rate=out.sampling_rate)
+            end = time.perf_counter()
+    finally:
+        export_module.VideoWriter.write_frames = write_frames
+    if streamed:  # decode_to_video decodes the audio first (timed by its own stage), then the video into the writer
+        timer.stages["video_decode+mux"] = (end - mux_start) * 1000 - timer.stages.get("audio_decode", 0.0)
+    else:
+        timer.stages["mux"] = (end - mux_start) * 1000
     assert len(timer.forwards) == timed_forwards, (len(timer.forwards), timed_forwards)
     forward_ms = statistics.median(timer.forwards)
     measured_ms = (end - start) * 1000
@@ -316,7 +346,8 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
     if task == "fl2va":
         stages["condition_encode"] = timer.stages.get("condition_encode", 0.0)
     stages["forwards"] = sum(timer.forwards) + missing * forward_ms
-    stages.update({k: timer.stages[k] for k in ("video_decode", "audio_decode", "mux")})
+    stages.update({k: timer.stages[k] for k in (("audio_decode", "video_decode+mux") if streamed else
+                                                ("video_decode", "audio_decode", "mux"))})  # fmt: skip
     stages["other"] = measured_ms + missing * forward_ms - sum(stages.values())  # packing, scheduler steps, ...
     return {
         "ms": round(measured_ms + missing * forward_ms, 1),
@@ -329,6 +360,9 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny):
         "sigma_points": sigma_points,
         "resident_gib": round(resident, 2) if resident is not None else None,
         "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "export": export,
+        "video_chunks_written": len(chunk_ready),
+        "mux_after_last_chunk_ms": round((end - chunk_ready[-1]) * 1000, 1) if chunk_ready else None,
     }
 
 
@@ -345,6 +379,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU smoke test)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny when no GPU)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    parser.add_argument("--export", choices=("one-shot", "streamed"), default="one-shot",
+                        help="one-shot: output_type='np' then export_to_video; streamed: output_type='latent' then "
+                             "pipe.decode_to_video, the MP4 written while the video decodes (what the CLI runs)")  # fmt: skip
     args = parser.parse_args(argv)
 
     wanted = [c for c in args.cases.split(",") if c]
@@ -382,7 +419,8 @@ def main(argv=None):
                 warm_up(pipe, case, args.tiny, decode=not decoders_warm)
                 decoders_warm = True
             warmup_s = time.perf_counter() - case_start
-            record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny)
+            record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny,
+                             export=args.export)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
             results[case] = {"ms": None, "stages": None, "peak_gib": None}
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"

@@ -8,7 +8,7 @@ diffusers would decode one by one in their own way, then let diffusers' `_stitch
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 
@@ -82,3 +82,62 @@ def decode_from_tiles(
     if next(answers, None) is not None:
         raise RuntimeError(f"{who}: diffusers' _decode used fewer chunks than laid out; please report.")
     return out, len(tiles), len(layouts)
+
+
+def trimmed_tail_frames(vae, num_latent_frames: int) -> int:
+    """How many decoded frames diffusers' `_decode` cuts off the end of `num_latent_frames` latents: the frames of
+    the latent frames it repeated to fill the last chunk."""
+    tokens_chunk_size = vae.tokens_chunk_size
+    temporal_ratio = vae.temporal_compression_ratio
+    pad_tokens = (-(num_latent_frames + vae.config.token_drop)) % tokens_chunk_size
+    intra_tail = vae.config.clip_length % temporal_ratio
+    return sum(
+        intra_tail if intra_tail and (num_latent_frames + k) % tokens_chunk_size == 0 else temporal_ratio
+        for k in range(pad_tokens)
+    )
+
+
+def iter_decoded_chunks(
+    vae, z: torch.Tensor, decode_clip: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """diffusers' `_decode` of `z` `(1, C, T, h, w)`, one temporal chunk at a time: yields `(1, 3, f, H, W)` pieces of
+    the decoded video, in order, as soon as they are final; concatenated along the frames they are `_decode(z)`.
+
+    It is `_decode`'s own loop (same latent slices through ``decode_clip``, the per-chunk decode, same cross-fade by
+    `vae._blend`, same tail trim), rearranged to hand over each chunk once the next one no longer changes it: the
+    first `frame_overlap` frames of a chunk are cross-faded with the previous chunk's overflow, its overflow waits for
+    the next chunk, and the frames the end padding produced are never yielded. Every value is computed by the same
+    operations on the same inputs as in `_decode`, so the pieces are bitwise those of the whole-clip decode
+    (tests/test_vae_tiles.py).
+    """
+    chunk_num_frames = vae.tokens_chunk_size * vae.temporal_compression_ratio
+    has_overflow = vae.config.token_drop > 0
+    drop_at_end = trimmed_tail_frames(vae, z.shape[2])
+    held: List[torch.Tensor] = []  # decoded frames that may still be trimmed off the end
+
+    def release(pieces: List[torch.Tensor]) -> Iterator[torch.Tensor]:
+        held.extend(pieces)
+        ready = sum(piece.shape[2] for piece in held) - drop_at_end
+        out = []
+        while held and ready > 0:
+            piece = held.pop(0)
+            if piece.shape[2] > ready:  # its tail may be trimmed: keep it back
+                held.insert(0, piece[:, :, ready:])
+                piece = piece[:, :, :ready]
+            ready -= piece.shape[2]
+            out.append(piece)
+        if out:
+            yield out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+    overlap = None
+    clips = chunk_inputs(vae, z)
+    for index, clip_latents in enumerate(clips):
+        clip = decode_clip(clip_latents)
+        chunk = clip[:, :, :chunk_num_frames][:, :, vae.frame_pre_padding :]
+        if overlap is not None:
+            chunk = vae._blend(overlap, chunk, vae.frame_overlap, dim=-3)
+        if has_overflow:
+            overlap = clip[:, :, chunk_num_frames : 2 * chunk_num_frames][:, :, vae.frame_pre_padding :]
+        last = index == len(clips) - 1
+        # The last chunk's overflow ends the video: handed over with it.
+        yield from release([chunk, overlap] if last and overlap is not None else [chunk])

@@ -243,8 +243,11 @@ def _check_out(value: str) -> None:
 
 
 def _check_encoding_options(args) -> None:
-    """`--crf`, `--preset`, `--pix-fmt`: values libx264 takes (the export refuses others only after generating)."""
-    problem = encoding_option_problem(args.crf, args.preset, args.pix_fmt)
+    """`--crf`, `--preset`, `--pix-fmt`: values libx264 takes (the export refuses others only after generating).
+    Unset ones are the speed preset's choice, which is one libx264 takes."""
+    problem = encoding_option_problem(DEFAULT_CRF if args.crf is None else args.crf,
+                                      DEFAULT_PRESET if args.preset is None else args.preset,
+                                      DEFAULT_PIX_FMT if args.pix_fmt is None else args.pix_fmt)  # fmt: skip
     if problem:
         what, _, fix = problem.partition(" — ")
         raise UsageError(_as_flags(what), fix)
@@ -726,8 +729,6 @@ def cmd_generate(args) -> int:
 
     import torch
 
-    from diffusers_h3 import export_to_video
-
     _device(args)
     if args.gpus > 1:
         from diffusers_h3.parallel._launch import launch
@@ -764,7 +765,7 @@ def cmd_generate(args) -> int:
         num_frames=args.frames,
         num_inference_steps=args.steps,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
-        output_type="np",
+        output_type="latent",  # decoded by decode_to_video, which encodes each video chunk while the next decodes
         height=args.height,
         width=args.width,
         **{name: value for name, value in conditioning.items() if value is not None},
@@ -774,19 +775,18 @@ def cmd_generate(args) -> int:
         output = pipe(**call)
     except ValueError as error:  # the pipeline's input checks that need the loaded model
         raise UsageError(_as_flags(str(error)), "see `diffusers-h3 generate --help`") from error
-    seconds = time.perf_counter() - start
-    from diffusers_h3.parallel.ranks import is_main_rank
-
-    if not is_main_rank():  # every rank holds the same output; rank 0 writes it
-        return 0
-    try:
-        path = export_to_video(output.frames[0], args.out, fps=24, audio=output.audio[0],
-                               sampling_rate=output.sampling_rate, crf=args.crf, preset=args.preset,
-                               pix_fmt=args.pix_fmt)  # fmt: skip
+    try:  # every rank takes part (the context-parallel decode); rank 0 writes
+        path = pipe.decode_to_video(output.frames, output.audio, args.out, crf=args.crf, preset=args.preset,
+                                    pix_fmt=args.pix_fmt)  # fmt: skip
     except OSError as error:  # a full disk: the target is left as it was, the error names it
         raise UsageError(f"--out {args.out}: {error}", "free some space or pick another --out") from error
-    frames = output.frames.shape[1]
-    print(f"wrote {path}: {frames} frames at 24 fps + stereo audio at {output.sampling_rate} Hz ({seconds:.1f} s)")
+    seconds = time.perf_counter() - start
+    if path is None:  # a context-parallel rank other than 0
+        return 0
+    export = pipe._h3_last_export
+    print(f"wrote {path}: {export['num_frames']} frames at 24 fps + stereo audio at {output.sampling_rate} Hz "
+          f"({seconds:.1f} s); video {export['decode']}; crf {export['crf']}, preset {export['preset']}, "
+          f"{export['pix_fmt']}")  # fmt: skip
     print("paths:")
     _print_paths(pipe)
     return 0
@@ -885,16 +885,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--text-encoder-offload", action="store_true",
                      help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
                           "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip
-    encoding = gen.add_argument_group("MP4 export (libx264; defaults measured in docs/pipeline.md)")
-    encoding.add_argument("--crf", type=int, default=DEFAULT_CRF,
+    encoding = gen.add_argument_group(
+        "MP4 export (libx264; written while the video decodes; unset options take the --speed preset's choice, "
+        "else the defaults measured in docs/pipeline.md)")  # fmt: skip
+    encoding.add_argument("--crf", type=int, default=None,
                           help=f"constant rate factor, {CRF_RANGE[0]} (lossless) to {CRF_RANGE[1]}; lower is better "
-                               "quality and larger files (default: %(default)s)")  # fmt: skip
-    encoding.add_argument("--preset", choices=X264_PRESETS, default=DEFAULT_PRESET,
+                               f"quality and larger files (default: {DEFAULT_CRF})")  # fmt: skip
+    encoding.add_argument("--preset", choices=X264_PRESETS, default=None,
                           help="x264 speed preset; slower presets make smaller files at the same --crf "
-                               "(default: %(default)s)")  # fmt: skip
-    encoding.add_argument("--pix-fmt", choices=PIXEL_FORMATS, default=DEFAULT_PIX_FMT,
+                               f"(default: {DEFAULT_PRESET})")  # fmt: skip
+    encoding.add_argument("--pix-fmt", choices=PIXEL_FORMATS, default=None,
                           help="pixel format: yuv420p plays everywhere, yuv444p keeps full colour resolution but "
-                               "some players refuse it (default: %(default)s)")  # fmt: skip
+                               f"some players refuse it (default: {DEFAULT_PIX_FMT})")  # fmt: skip
     fast = gen.add_argument_group("fast paths (each prints the path it runs at the end)")
     fast.add_argument("--vsa", type=_ranged(float, 0.0, 1.0, what="sparsity"), default=None, metavar="SPARSITY",
                       help="video sparse attention with this sparsity in [0, 1) (0.8: FastH3's setting)")

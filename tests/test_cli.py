@@ -58,8 +58,15 @@ def test_export_rejects_bad_input(tmp_path):
 
 
 def test_cli_generate_demo_writes_clip(tmp_path, monkeypatch, capsys):
+    from diffusers_h3.pipelines import export
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "demo.mp4"
+    # The clip is written while the video decodes: one write per temporal chunk of the VAE, not one for the clip.
+    chunks = []
+    write_frames = export.VideoWriter.write_frames
+    monkeypatch.setattr(export.VideoWriter, "write_frames",
+                        lambda self, frames: chunks.append(len(frames)) or write_frames(self, frames))  # fmt: skip
     # The export options reach the file: yuv444p is not the default, and the writer must not fall back to yuv420p.
     assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "3", "--seed", "1", "--device", "cpu",
                  "--crf", "30", "--preset", "ultrafast", "--pix-fmt", "yuv444p"]) == 0  # fmt: skip
@@ -67,7 +74,24 @@ def test_cli_generate_demo_writes_clip(tmp_path, monkeypatch, capsys):
     assert info["num_frames"] == 124 and info["channels"] == 2 and info["size"] == (96, 64)
     with av.open(str(out)) as container:
         assert container.streams.video[0].codec_context.pix_fmt == "yuv444p"
-    assert "wrote" in capsys.readouterr().out
+    assert chunks == [17] * 6 + [22]
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "video streamed: each decoded chunk encoded while the next decodes" in printed
+    assert "crf 30, preset ultrafast, yuv444p" in printed
+
+
+def test_cli_generate_takes_the_speed_presets_export_settings(tmp_path, monkeypatch, capsys):
+    from diffusers_h3.pipelines import speed_presets
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    chosen = {"crf": 28, "preset": "veryfast", "pix_fmt": "yuv444p"}
+    monkeypatch.setitem(speed_presets.EXPORT_SETTINGS, "exact", chosen)
+    out = tmp_path / "exact.mp4"
+    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu",
+                 "--speed", "exact", "--crf", "20"]) == 0  # fmt: skip
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].codec_context.pix_fmt == "yuv444p"
+    assert "crf 20, preset veryfast, yuv444p" in capsys.readouterr().out  # --crf given, the rest the preset's
 
 
 def test_cli_describe_json(tmp_path, monkeypatch, capsys):

@@ -41,6 +41,14 @@ def _streamed(mode):
     return lambda: str(_json("export_cpu.json")["streaming_smooth"][mode]["after_last_chunk_s"])
 
 
+def _vae(case, field, spec):
+    return lambda: format(_json("vae_h200.json")["cases"][case][field], spec).replace("e-0", "e-")
+
+
+def _streamed_pipeline(mode, field="after_last_chunk_s"):
+    return lambda: str(_json("export_cpu.json")["streaming_pipeline"][mode][field])
+
+
 def _text_encoder_layers():
     described = (RESULTS / "request_h200.json").read_text()  # "Qwen3-VL-32B config, decoder layers 0-49 built and run"
     first, last = re.search(r"decoder layers (\d+)-(\d+) built and run", described).groups()
@@ -115,6 +123,16 @@ QUOTES = [
     ("docs/pipeline.md", "against {} s for `superfast`", _export("noise_superfast_crf23", "export_s")),
     ("docs/pipeline.md", "finished {} s after the last chunk", _streamed("streamed")),
     ("docs/pipeline.md", "against {} s for the one-shot export", _streamed("one_shot")),
+    ("docs/speed.md", "in the same run): native {} s", _seconds("vae_h200.json", "native")),
+    ("docs/speed.md", "batched tiles + compile (`fast`) {} s", _seconds("vae_h200.json", "batched_tiles+compile")),
+    ("docs/speed.md", "s at rel-L2 {}; + FP8 decoder linears", _vae("batched_tiles+compile", "rel_l2", ".1e")),
+    ("docs/speed.md", "(`fastest` on FP8 GPUs) {} s", _seconds("vae_h200.json", "batched_tiles+compile+fp8")),
+    ("docs/speed.md", "s at rel-L2 {}, an approximation", _vae("batched_tiles+compile+fp8", "rel_l2", ".1e")),
+    ("docs/speed.md", "tile-batch shape ({} s on the H200", _vae("batched_tiles+compile", "compile_s", ".1f")),
+    ("docs/pipeline.md", "`decode_to_video` finished the file {} s after", _streamed_pipeline("streamed")),
+    ("docs/pipeline.md", "against {} s for the one-shot `_decode_video`", _streamed_pipeline("one_shot")),
+    ("docs/pipeline.md", "file was done after {} s and", _streamed_pipeline("streamed", "after_last_decode_s")),
+    ("docs/pipeline.md", "the one-shot after {} s: on a CPU", _streamed_pipeline("one_shot", "after_last_decode_s")),
 ]
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
-from .._vae_tiles import decode_from_tiles
+from .._vae_tiles import decode_from_tiles, tile_layout
 
 
 logger = logging.get_logger(__name__)
@@ -37,7 +37,8 @@ FP8_LINEARS_NOTE = "FP8 decoder linears (FP8Config; approximate: measured error 
 FP8_KEEP = ("proj_in",)
 
 
-def _decoder_is_fp8(vae) -> bool:
+def decoder_is_fp8(vae) -> bool:
+    """Whether the VAE decoder's linears are quantized (``fp8_linears=True`` earlier; it cannot be undone)."""
     from ..quantizers import QuantizedLinear
 
     return any(isinstance(m, QuantizedLinear) for m in vae.decoder.modules())
@@ -134,9 +135,39 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         return decoded
 
     out, tiles, chunks = decode_from_tiles(vae, z, decode_tiles, lambda latents: native_decode(vae, latents),
-                                           "fast VAE decode")
+                                           "fast VAE decode")  # fmt: skip
     state.last_run = f"{tiles} tiles in {decoder_calls} decoder calls ({chunks} chunks)"
     return out
+
+
+def chunk_decoder(vae) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The decode of one temporal chunk (the latent slice diffusers' `_decode` hands to `_decode_clip`) on the path
+    installed on `vae`: diffusers' `_decode_clip` (its tiles one by one), or with `enable_fast_vae_decode` the
+    chunk's tiles in batched decoder calls, stitched by diffusers' `_stitch_tiles`.
+
+    For a chunk-by-chunk decode (`MiniMaxH3Pipeline.decode_to_video`). Batches never mix chunks here, while the
+    whole-clip fast decode batches the tiles of all chunks together; at 768x1344 both decode the 28 tiles of one
+    chunk per call (`DEFAULT_TILES_PER_BATCH` 32, balanced batches), so the calls are the same shape.
+    """
+    state: Optional[FastVAEDecodeState] = getattr(vae, "_h3_fast_decode", None)
+    if state is None:
+        return vae._decode_clip
+    totals = {"chunks": 0, "tiles": 0, "calls": 0}
+
+    def decode_clip(clip: torch.Tensor) -> torch.Tensor:
+        rows, y_overlaps, x_overlaps = tile_layout(vae, clip)
+        tiles = [tile for row in rows for tile in row]
+        decoded, calls = _decode_units(vae, state, tiles)
+        pieces = iter(decoded)
+        grid = [[next(pieces) for _ in row] for row in rows]
+        totals["chunks"] += 1
+        totals["tiles"] += len(tiles)
+        totals["calls"] += calls
+        state.last_run = (f"{totals['tiles']} tiles in {totals['calls']} decoder calls ({totals['chunks']} chunks, "
+                          "decoded chunk by chunk)")  # fmt: skip
+        return vae._stitch_tiles(grid, y_overlaps, x_overlaps) if vae.use_tiling else grid[0][0]
+
+    return decode_clip
 
 
 def enable_fast_vae_decode(
@@ -175,7 +206,7 @@ def enable_fast_vae_decode(
         raise ValueError(f"`compile` must be True or False, got {compile!r}.")
     if not isinstance(fp8_linears, bool):
         raise ValueError(f"`fp8_linears` must be True or False, got {fp8_linears!r}.")
-    already_fp8 = _decoder_is_fp8(vae)
+    already_fp8 = decoder_is_fp8(vae)
     if already_fp8 and not fp8_linears:
         raise ValueError(
             "the VAE decoder's linears are already quantized (fp8_linears=True earlier), which cannot be undone: pass "
@@ -211,7 +242,7 @@ def describe_vae_decode(vae: torch.nn.Module) -> str:
     state: Optional[FastVAEDecodeState] = getattr(vae, "_h3_fast_decode", None)
     if state is None:
         tiling = "tiled" if getattr(vae, "use_tiling", False) else "untiled"
-        fp8 = f", {FP8_LINEARS_NOTE}" if _decoder_is_fp8(vae) else ""
+        fp8 = f", {FP8_LINEARS_NOTE}" if decoder_is_fp8(vae) else ""
         return f"diffusers native {tiling} decode (one decoder call per tile){fp8}"
     text = state.describe_path()
     if state.compile_seconds is not None:

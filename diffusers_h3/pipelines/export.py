@@ -14,7 +14,7 @@ import queue
 import threading
 import uuid
 from fractions import Fraction
-from typing import List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import PIL.Image
@@ -66,7 +66,9 @@ def _frames_to_uint8(frames) -> np.ndarray:
 
 
 def _audio_to_tensor(audio) -> torch.Tensor:
-    tensor = torch.as_tensor(np.asarray(audio) if not isinstance(audio, torch.Tensor) else audio).detach().float().cpu()
+    tensor = (
+        torch.as_tensor(np.asarray(audio) if not isinstance(audio, torch.Tensor) else audio).detach().float().cpu()
+    )
     if tensor.ndim == 3:
         if tensor.shape[0] != 1:
             raise ValueError("export_to_video writes one clip; pass audio[i] for a batch.")
@@ -217,7 +219,9 @@ class VideoWriter:
             if self._size is None:
                 raise ValueError("no frames were written: call `write_frames` before closing the clip.")
             if self.sampling_rate is not None and self._audio is None:
-                raise ValueError("the clip declares an audio stream (`sampling_rate`) but `write_audio` was not called.")
+                raise ValueError(
+                    "the clip declares an audio stream (`sampling_rate`) but `write_audio` was not called."
+                )
             self._chunks.put(_END_OF_VIDEO)
             self._encoder.join()
             self._raise_encoder_error()
@@ -322,7 +326,23 @@ class _AbortOnError:
             return
         self.writer.abort()
         if isinstance(error, OSError):
-            raise OSError(error.errno, f"cannot write the clip ({error.strerror or error})", self.writer.path) from None
+            raise OSError(
+                error.errno, f"cannot write the clip ({error.strerror or error})", self.writer.path
+            ) from None
+
+
+def export_settings(pipe=None, *, crf: Optional[int] = None, preset: Optional[str] = None,
+                    pix_fmt: Optional[str] = None) -> Dict[str, Any]:  # fmt: skip
+    """libx264's `crf`, `preset` and `pix_fmt` for a clip of `pipe`: the ones given, the others from the speed preset
+    applied to `pipe` (`describe(pipe)["speed_preset"]["export"]`), else the measured defaults; checked."""
+    record = getattr(pipe, "_h3_speed_preset", None)
+    chosen = dict(getattr(record, "export", None) or {})
+    settings = {"crf": DEFAULT_CRF, "preset": DEFAULT_PRESET, "pix_fmt": DEFAULT_PIX_FMT}
+    settings.update({key: chosen[key] for key in settings if key in chosen})
+    settings.update({key: value for key, value in (("crf", crf), ("preset", preset), ("pix_fmt", pix_fmt))
+                     if value is not None})  # fmt: skip
+    check_encoding_options(**settings)
+    return settings
 
 
 def export_to_video(

@@ -28,7 +28,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import PIL.Image
@@ -1019,23 +1019,126 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return latents, audio_latents
 
-    def _decode_video(self, video_latents, output_type, device):
+    def _denormalize_video_latents(self, video_latents, device):
         mean = torch.tensor(self.vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
-        video_latents = video_latents.to(device) * std + mean
+        return video_latents.to(device) * std + mean
+
+    @staticmethod
+    def _to_unit_range(video, device):
+        """The VAE's ImageNet-normalized RGB → [0, 1]."""
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        return (video.float() * pixel_std).add_(pixel_mean).clamp_(0, 1)
+
+    def _decode_video(self, video_latents, output_type, device):
+        video_latents = self._denormalize_video_latents(video_latents, device)
         cp_group = getattr(self, "_context_parallel_group", None)
         if cp_group is not None:  # the VAE tiles are split over the context-parallel ranks
             video = parallel_vae_decode(self.vae, video_latents, cp_group)
         else:
             video = self.vae.decode(video_latents, return_dict=False)[0]
-        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
-        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
-        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
+        video = self._to_unit_range(video, device)
         if output_type == "np" and not self.video_processor.config.do_normalize:
             # The values of postprocess_video(video, "np") (no denormalization), with the channels-last copy done on
             # the decode device: diffusers makes it on the host, a strided copy of the whole float32 clip.
             return video.permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()
         return self.video_processor.postprocess_video(video, output_type=output_type)
+
+    def _decode_video_chunks(self, video_latents, device) -> Iterator[np.ndarray]:
+        """The video of `video_latents` (one clip) as uint8 `(F, H, W, 3)` arrays, one temporal chunk of the VAE at a
+        time: concatenated, bitwise `_decode_video(video_latents, "np")` converted to uint8 as `export_to_video`
+        converts it (same decode per chunk, same cross-fade, same float32 operations)."""
+        from diffusers.models.modeling_utils import get_parameter_dtype
+
+        from .._vae_tiles import iter_decoded_chunks
+        from ..hooks.fast_vae_decode import chunk_decoder
+
+        vae = self.vae
+        if self.video_processor.config.do_normalize:  # postprocess_video would map [-1, 1] to [0, 1] first
+            raise ValueError("decode_to_video expects the pipeline's video processor with do_normalize=False.")
+        if hasattr(vae, "_hf_hook") and hasattr(vae._hf_hook, "pre_forward"):
+            vae._hf_hook.pre_forward(vae)  # as `vae.decode` does: model CPU offload moves the VAE onto its device
+        z = self._denormalize_video_latents(video_latents, device)
+        z = z.to(get_parameter_dtype(vae.post_quant_conv))  # as `vae.decode` does
+        for chunk in iter_decoded_chunks(vae, z, chunk_decoder(vae)):
+            # Rounded to uint8 before the channels-last copy (elementwise: the same values), a quarter of the bytes.
+            video = self._to_unit_range(chunk, device)[0].mul_(255.0).round_().to(torch.uint8)
+            yield video.permute(1, 2, 3, 0).contiguous().cpu().numpy()
+
+    @torch.no_grad()
+    def decode_to_video(
+        self,
+        latents: torch.Tensor,
+        audio_latents: torch.Tensor,
+        path: Union[str, os.PathLike],
+        *,
+        crf: Optional[int] = None,
+        preset: Optional[str] = None,
+        pix_fmt: Optional[str] = None,
+    ) -> Optional[str]:
+        r"""
+        Decode the latents of `pipe(..., output_type="latent")` into an MP4 file (H.264 + AAC stereo at 24 fps),
+        encoding each decoded temporal chunk of the video while the VAE decodes the next one.
+
+        ```py
+        out = pipe(prompt, output_type="latent", generator=torch.Generator().manual_seed(0))
+        pipe.decode_to_video(out.frames, out.audio, "clip.mp4")
+        ```
+
+        The audio is decoded first and muxed at the end, so the file is finished soon after the last video chunk
+        decodes (`benchmarks/results/export_cpu.json`). The frames are those of `pipe(..., output_type="np")` exported
+        with `export_to_video` and the same options, bitwise before encoding. Atomic: the file at `path` is either the
+        complete clip or left as it was, also when the decode fails half way. Under context parallelism every rank
+        calls it: the ranks decode the whole clip together (`parallel_vae_decode`) and rank 0 writes the file.
+
+        Args:
+            latents (`torch.Tensor`): The video latents of one clip, `(1, C, latent_frames, h, w)` (for a batch pass
+                `frames[i : i + 1]`).
+            audio_latents (`torch.Tensor`): Its audio latents, `(2, C, n)` (a batch: `audio[2 * i : 2 * i + 2]`).
+            path (`str` or `os.PathLike`): The `.mp4` file to write.
+            crf (`int`, *optional*), preset (`str`, *optional*), pix_fmt (`str`, *optional*): libx264's options
+                (see `diffusers_h3.VideoWriter`); unset ones take the speed preset's choice
+                (`describe(pipe)["speed_preset"]["export"]`), or the measured defaults without a preset.
+
+        Returns:
+            The path written, or `None` on the context-parallel ranks that do not write.
+        """
+        from ..parallel.ranks import is_main_rank
+        from .export import VideoWriter, check_output_path, export_settings, export_to_video
+
+        settings = export_settings(self, crf=crf, preset=preset, pix_fmt=pix_fmt)
+        path = check_output_path(path)
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 5 or latents.shape[0] != 1:
+            raise ValueError(
+                "decode_to_video writes one clip: `latents` must be (1, C, latent_frames, h, w) from "
+                f"output_type='latent', got {tuple(getattr(latents, 'shape', ()))} — pass frames[i : i + 1]."
+            )
+        if not isinstance(audio_latents, torch.Tensor) or audio_latents.ndim != 3 or audio_latents.shape[0] != 2:
+            raise ValueError(
+                "decode_to_video writes one clip: `audio_latents` must be its (2, C, n) left/right pair from "
+                f"output_type='latent', got {tuple(getattr(audio_latents, 'shape', ()))} — pass audio[2 * i : 2 * i + 2]."
+            )
+        audio = self._decode_audio(audio_latents, self._device_of(self.audio_vae))
+        device = self._device_of(self.vae)
+        if getattr(self, "_context_parallel_group", None) is not None:
+            frames = self._decode_video(latents, "np", device)  # every rank takes part in the parallel decode
+            self.maybe_free_model_hooks()
+            if not is_main_rank():
+                return None
+            written = export_to_video(frames[0], path, fps=MINIMAX_H3_FPS, audio=audio,
+                                      sampling_rate=self.audio_sampling_rate, **settings)  # fmt: skip
+            num_frames, mode = frames.shape[1], "whole clip (context-parallel decode), then encoded by rank 0"
+        else:
+            with VideoWriter(path, MINIMAX_H3_FPS, self.audio_sampling_rate, **settings) as writer:
+                writer.write_audio(audio)
+                for frames in self._decode_video_chunks(latents, device):
+                    writer.write_frames(frames)  # encoded in the writer's thread while the next chunk decodes
+            self.maybe_free_model_hooks()
+            written, num_frames = writer.path, writer.num_frames
+            mode = "streamed: each decoded chunk encoded while the next decodes"
+        self._h3_last_export = {"path": written, "num_frames": int(num_frames), "decode": mode, **settings}
+        return written
 
     def _decode_audio(self, audio_latents, device):
         mean = torch.tensor(self.audio_vae.config.latents_mean, device=device).view(1, -1, 1)

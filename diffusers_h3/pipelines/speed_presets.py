@@ -13,6 +13,12 @@
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
   on CUDA.
 
+Each preset also picks the video decode (``plan_vae_decode``): ``"exact"`` diffusers' own tile-by-tile decode (the bitwise
+reference), ``"fast"`` the tiles decoded in batches with the decoder under ``torch.compile`` on CUDA
+(``enable_fast_vae_decode``), ``"fastest"`` the same with FP8 decoder linears where FP8 tensor cores exist (SM89+;
+elsewhere without, said in the record). And the MP4 export settings (``EXPORT_SETTINGS``: the measured defaults of
+benchmarks/results/export_cpu.json for all three) that ``MiniMaxH3Pipeline.decode_to_video`` and the CLI write with.
+
 Each call logs what it turned on and records it on the pipeline (``diffusers_h3.describe(pipe)["speed_preset"]``).
 Weight quantization is applied in place once: switching between ``"fast"`` and ``"fastest"`` keeps the quantized
 weights, and a preset that needs other weights than the ones loaded (``"exact"`` after ``"fast"``, FP8 over W8A16)
@@ -29,13 +35,14 @@ import torch
 from diffusers.utils import logging
 
 from .._utils import cuda_capability, has_fp8_tensor_cores
+from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET
 from ..attention_processors import (
     disable_low_precision_attention,
     enable_flashinfer_attention,
     enable_low_precision_attention,
     enable_vsa,
 )
-from ..hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
+from ..hooks.fast_vae_decode import FP8_LINEARS_NOTE, decoder_is_fp8, disable_fast_vae_decode, enable_fast_vae_decode
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_kernel_source,
@@ -68,6 +75,16 @@ DETERMINISM = {
     "fastest": "bitwise reproducible on one GPU: VSA's pooling, top-k selection and block-sparse kernels use no "
                "atomics; ties in top-k resolve the same way on every run",
 }  # fmt: skip
+
+
+# The MP4 export each preset writes with (`MiniMaxH3Pipeline.decode_to_video`, `diffusers-h3 generate`): all three
+# take the measured defaults of benchmarks/results/export_cpu.json (docs/pipeline.md, "MP4 export"). No preset has a
+# reason to differ: the encoder runs on the CPU while the GPU decodes and the streamed export hides it behind the
+# decode whatever the preset, and neither a slower x264 preset nor a lower crf bought visible quality there.
+EXPORT_SOURCE = "measured defaults: benchmarks/results/export_cpu.json (docs/pipeline.md, MP4 export)"
+EXPORT_SETTINGS: Dict[str, Dict[str, Any]] = {
+    preset: {"crf": DEFAULT_CRF, "preset": DEFAULT_PRESET, "pix_fmt": DEFAULT_PIX_FMT} for preset in SPEED_PRESETS
+}
 
 
 # Inductor keeps fused intermediates in fp32 unless asked to round them where eager rounds; "exact" asks, so its compiled
@@ -170,6 +187,57 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
     return "on"
 
 
+@dataclass(frozen=True)
+class VAEDecodePlan:
+    """The video decode a preset runs: diffusers' own (``batched=False``) or ``enable_fast_vae_decode``'s, and the
+    lines ``describe`` shows."""
+
+    batched: bool
+    compile: bool
+    fp8_linears: bool
+    decode: str
+    decode_compile: str
+
+
+def plan_vae_decode(preset: str, device: torch.device, compile: bool, decoder_fp8: bool = False) -> VAEDecodePlan:
+    """The video decode of ``preset`` for a VAE on ``device`` (``decoder_fp8``: its decoder linears are FP8 already);
+    raises before anything changes when it cannot be run.
+
+    ``"exact"``: diffusers' tile-by-tile decode, eager (the bitwise reference). ``"fast"``: the tiles decoded in
+    batches, the decoder under ``torch.compile`` on CUDA. ``"fastest"``: the same with FP8 decoder linears where FP8
+    tensor cores exist (SM89+; approximate, the measured error is in docs/speed.md), without them elsewhere.
+    """
+    check_speed_preset(preset)
+    device = torch.device(device)
+    if preset == "exact":
+        if decoder_fp8:
+            raise ValueError(
+                "speed preset 'exact' runs diffusers' own video decode, but the VAE decoder's linears are already FP8 "
+                "(an earlier 'fastest' preset), which cannot be undone: reload the VAE or the pipeline and apply "
+                "'exact' first"
+            )
+        return VAEDecodePlan(False, False, False, "diffusers' tiled decode",
+                             "off: 'exact' runs diffusers' eager decode (the bitwise reference)")  # fmt: skip
+    compiled = bool(compile) and device.type == "cuda"
+    if compiled:
+        compile_line = "torch.compile of the VAE decoder (one graph per tile-batch shape, built on the first decode)"
+    elif compile:
+        compile_line = f"off: the VAE decoder is compiled on CUDA only (device {device})"
+    else:
+        compile_line = "off (compile=False)"
+    if decoder_fp8:
+        fp8, fp8_line = True, f"{FP8_LINEARS_NOTE} [already quantized: kept; reload the VAE for bf16 linears]"
+    elif preset == "fastest" and device.type == "cuda" and has_fp8_tensor_cores(device):
+        fp8, fp8_line = True, FP8_LINEARS_NOTE
+    elif preset == "fastest":
+        fp8, fp8_line = False, f"decoder linears not quantized: no FP8 tensor cores on {device} (SM89+ needed)"
+    else:
+        fp8, fp8_line = False, ""
+    decode = "batched tiles" + (" + torch.compile" if compiled else "") + (f" + {fp8_line}" if fp8 else "")
+    decode += " (enable_fast_vae_decode)" + ("" if fp8 or not fp8_line else f"; {fp8_line}")
+    return VAEDecodePlan(True, compiled, fp8, decode, compile_line)
+
+
 @dataclass
 class SpeedPresetRecord:
     """What ``enable_speed_preset`` turned on, per partition, for ``describe``."""
@@ -179,6 +247,8 @@ class SpeedPresetRecord:
     attention: Dict[str, str] = field(default_factory=dict)
     compile: Dict[str, str] = field(default_factory=dict)
     decode: str = ""
+    decode_compile: str = ""
+    export: Dict[str, Any] = field(default_factory=dict)
     determinism: str = ""
 
     def describe(self) -> Dict[str, Any]:
@@ -188,6 +258,8 @@ class SpeedPresetRecord:
             "attention": dict(self.attention),
             "compile": dict(self.compile),
             "decode": self.decode,
+            "decode_compile": self.decode_compile,
+            "export": dict(self.export),
             "determinism": self.determinism,
         }
 
@@ -346,28 +418,30 @@ def enable_speed_preset(
     models = list(partitions())
     if not models:
         raise ValueError("enable_speed_preset: the pipeline holds no transformer partition to speed up")
-    # Check every partition before changing any (one clear error, nothing half-applied).
+    # Check every partition and the VAE before changing any (one clear error, nothing half-applied).
     plans = {}
     for name, model in models:
         device = pipe._device_of(model)
         plans[name] = (device, *_plan_weights(name, model, preset, device), plan_flashinfer(flashinfer, device, preset))
+    vae = getattr(pipe, "vae", None)
+    vae_plan = None if vae is None else plan_vae_decode(preset, pipe._device_of(vae), compile, decoder_is_fp8(vae))
 
-    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]))
+    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]),
+                               export={**EXPORT_SETTINGS[preset], "source": EXPORT_SOURCE})  # fmt: skip
     for name, model in models:
         _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph)
     # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
     # the exact preset keeps diffusers' decode.
-    vae = getattr(pipe, "vae", None)
-    if vae is None:
-        record.decode = "no video VAE"
-    elif preset == "exact":
-        disable_fast_vae_decode(vae)
-        record.decode = "diffusers' tiled decode"
+    if vae_plan is None:
+        record.decode, record.decode_compile = "no video VAE", "off (no video VAE)"
     else:
-        vae_compile = compile and pipe._device_of(vae).type == "cuda"
-        enable_fast_vae_decode(vae, batch_tiles=True, compile=vae_compile)
-        record.decode = "batched tiles" + (" + torch.compile" if vae_compile else "") + " (enable_fast_vae_decode)"
-    logger.info(f"speed preset {preset!r}: video decode {record.decode}")
+        if vae_plan.batched:
+            enable_fast_vae_decode(vae, batch_tiles=True, compile=vae_plan.compile, fp8_linears=vae_plan.fp8_linears)
+        else:
+            disable_fast_vae_decode(vae)
+        record.decode, record.decode_compile = vae_plan.decode, vae_plan.decode_compile
+    logger.info(f"speed preset {preset!r}: video decode {record.decode}; decoder compile {record.decode_compile}; "
+                f"export {record.export}")  # fmt: skip
     pipe._h3_speed_preset = record
     return record
 
@@ -418,11 +492,13 @@ def speed_preset_report(pipe) -> Optional[Dict[str, Any]]:
 __all__: List[str] = [
     "SPEED_PRESETS",
     "SpeedPresetRecord",
+    "VAEDecodePlan",
     "check_speed_preset",
     "enable_speed_preset",
     "enable_speed_preset_on_transformer",
     "exact_attention_backend",
     "gemm_format",
     "plan_flashinfer",
+    "plan_vae_decode",
     "speed_preset_report",
 ]

@@ -318,3 +318,34 @@ def test_exact_sets_the_backend_on_its_processors_only(monkeypatch):
     assert _AttentionBackendRegistry.get_active_backend()[0] == before
     processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
     assert processors and all(p._attention_backend == AttentionBackendName._NATIVE_CUDNN for p in processors)
+
+
+@pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])
+def test_presets_record_their_decode_and_export(preset):
+    from diffusers_h3.pipelines.speed_presets import EXPORT_SETTINGS
+
+    pipe = _pipe()
+    pipe.enable_speed_preset(preset, compile=True)
+    report = diffusers_h3.describe(pipe)["speed_preset"]
+    if preset == "exact":
+        assert report["decode"] == "diffusers' tiled decode" and "_h3_fast_decode" not in pipe.vae.__dict__
+        assert report["decode_compile"].startswith("off: 'exact' runs diffusers' eager decode")
+    else:
+        assert report["decode"].startswith("batched tiles (enable_fast_vae_decode)")
+        assert report["decode_compile"] == "off: the VAE decoder is compiled on CUDA only (device cpu)"
+        assert pipe.vae._h3_fast_decode.compile is False and pipe.vae._h3_fast_decode.fp8_linears is False
+    assert ("no FP8 tensor cores on cpu" in report["decode"]) is (preset == "fastest")
+    export = report["export"]
+    assert {key: export[key] for key in ("crf", "preset", "pix_fmt")} == EXPORT_SETTINGS[preset]
+    assert "benchmarks/results/export_cpu.json" in export["source"]
+
+
+def test_fast_after_an_fp8_decoder_keeps_it_and_exact_refuses_it():
+    pipe = _pipe()
+    diffusers_h3.enable_fast_vae_decode(pipe, fp8_linears=True)  # what "fastest" does on an FP8 GPU
+    with pytest.raises(ValueError, match=r"'exact' runs diffusers' own video decode.*already FP8"):
+        pipe.enable_speed_preset("exact", compile=False)
+    assert getattr(pipe, "_h3_speed_preset", None) is None and not _quantized(pipe)  # nothing changed
+    assert "_h3_fast_decode" in pipe.vae.__dict__
+    pipe.enable_speed_preset("fast", compile=False)
+    assert pipe.vae._h3_fast_decode.fp8_linears and "already quantized: kept" in pipe._h3_speed_preset.decode

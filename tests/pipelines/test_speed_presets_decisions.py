@@ -53,3 +53,41 @@ def test_exact_restores_diffusers_processor_on_every_block(install):
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
     refiner_after = {name: type(p) for name, p in model.attn_processors.items() if name.startswith("token_refiner")}
     assert refiner_after == refiner_before
+
+
+@pytest.mark.parametrize("capability", [(7, 0), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_fastest_takes_the_fp8_decoder_only_where_fp8_runs(monkeypatch, capability):
+    from diffusers_h3.pipelines.speed_presets import plan_vae_decode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fp8 = capability >= (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
+    plan = plan_vae_decode("fastest", torch.device("cuda:0"), compile=True)
+    assert plan.batched and plan.compile and plan.fp8_linears is fp8
+    assert plan.decode.startswith("batched tiles + torch.compile")
+    assert ("FP8 decoder linears" in plan.decode) is fp8
+    assert ("no FP8 tensor cores on cuda:0" in plan.decode) is not fp8
+    # "fast" never quantizes the decoder, "exact" never leaves diffusers' eager decode.
+    fast = plan_vae_decode("fast", torch.device("cuda:0"), compile=True)
+    assert fast.batched and fast.compile and not fast.fp8_linears and "FP8" not in fast.decode
+    exact = plan_vae_decode("exact", torch.device("cuda:0"), compile=True)
+    assert not (exact.batched or exact.compile or exact.fp8_linears)
+
+
+def test_the_decoder_is_compiled_on_cuda_only():
+    from diffusers_h3.pipelines.speed_presets import plan_vae_decode
+
+    cpu = plan_vae_decode("fastest", torch.device("cpu"), compile=True)
+    assert not cpu.compile and not cpu.fp8_linears
+    assert cpu.decode_compile == "off: the VAE decoder is compiled on CUDA only (device cpu)"
+    assert "no FP8 tensor cores on cpu" in cpu.decode
+    assert plan_vae_decode("fast", torch.device("cpu"), compile=False).decode_compile == "off (compile=False)"
+
+
+def test_an_fp8_decoder_is_kept_by_fast_and_refused_by_exact():
+    from diffusers_h3.pipelines.speed_presets import plan_vae_decode
+
+    kept = plan_vae_decode("fast", torch.device("cpu"), compile=False, decoder_fp8=True)
+    assert kept.fp8_linears and "already quantized: kept" in kept.decode
+    with pytest.raises(ValueError, match=r"'exact' runs diffusers' own video decode.*already FP8.*reload the VAE"):
+        plan_vae_decode("exact", torch.device("cpu"), compile=False, decoder_fp8=True)

@@ -244,6 +244,8 @@ def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> 
     """Hold PyTorch's caching allocator to ``gpu_gib`` on ``device`` (the condition the recipes were measured under);
     returns the fraction set, None when the budget is the whole device or more."""
     device = torch.device(device)
+    if device.index is None:  # "cuda" means the current device; the allocator's cap needs its index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if gpu_gib * GiB >= total:
         return None

@@ -186,8 +186,10 @@ def install_real_shape_case(model, case):
     if case == "dense_cudnn":
         from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
+        from diffusers_h3.pipelines.speed_presets import set_attention_backend_on_model
+
         model.set_attn_processor(MiniMaxH3AttnProcessor())
-        model.set_attention_backend("_native_cudnn")
+        set_attention_backend_on_model(model, "_native_cudnn")  # this model only: the process-wide default stays
     elif case == "vsa_0.8_fp8":
         enable_vsa(model, sparsity=0.8, precision="fp8")
     elif case == "fastest_processors_fp8_gemms":

@@ -243,3 +243,18 @@ def test_low_ram_runs_a_request_under_a_gpu_cap(tmp_path):
     assert torch.cuda.max_memory_reserved() <= cap_gib * 2**30
     placement = pipe._diffusers_h3_placement
     assert placement["text_encoder"].startswith("streamed from its checkpoint files")
+
+
+def test_gpu_cap_on_plain_cuda_resolves_the_current_device_index(monkeypatch):
+    """`device="cuda"` (no index) is what users pass; the allocator's cap needs the current device's index."""
+    from types import SimpleNamespace
+
+    GiB = mb.GiB
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * GiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
+    assert mb.apply_gpu_cap(25, "cuda") == 0.25
+    assert calls == [(0.25, torch.device("cuda", 3))]
+    mb.apply_gpu_cap(50, "cuda:1")
+    assert calls[-1] == (0.5, torch.device("cuda", 1))

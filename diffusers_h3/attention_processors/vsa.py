@@ -48,8 +48,8 @@ from ..kernels.numerics import (
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
+from ..layout import current_packed_layout, require_packed_layout
 from .base import MiniMaxH3AttnProcessorBase
-from .layout import current_packed_layout, require_packed_layout
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.hooks.context_parallel import ContextParallelGatherHook
 
+from .._hooks import transformers_of
 from ..attention_processors._ulysses import check_ulysses_heads
 
 
@@ -44,24 +45,6 @@ _RING_CAPABLE_BACKENDS = {
 }
 _REFINER_PREFIX = "token_refiner."
 _STATE_ATTRIBUTE = "_diffusers_h3_context_parallel"
-
-
-def _transformers_of(pipe_or_transformer) -> List[torch.nn.Module]:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if isinstance(pipe_or_transformer, MiniMaxH3Transformer3DModel):
-        return [pipe_or_transformer]
-    models = []
-    for name in ("transformer", "transformer_ref"):
-        model = getattr(pipe_or_transformer, name, None)
-        if model is not None:
-            models.append(model)
-    if not models:
-        raise TypeError(
-            f"enable_context_parallel expects a MiniMaxH3Transformer3DModel or a pipeline with a `transformer`, got "
-            f"{type(pipe_or_transformer).__name__}."
-        )
-    return models
 
 
 def _ensure_process_group() -> None:
@@ -294,7 +277,7 @@ def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_d
         raise ValueError(
             f"ulysses_degree={ulysses_degree}, ring_degree={ring_degree}: both must be >= 1 and their product > 1."
         )
-    models = _transformers_of(pipe_or_transformer)
+    models = transformers_of(pipe_or_transformer, "enable_context_parallel")
     _ensure_process_group()
     world_size = dist.get_world_size()
     if ulysses_degree * ring_degree != world_size:

@@ -32,6 +32,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
+from .._hooks import partitions_of
+
 
 logger = logging.get_logger(__name__)
 
@@ -267,10 +269,7 @@ def check_weights_for_recipe(pipe, recipe: MemoryRecipe) -> None:
 
     wanted = {"fp8_or_w8a16": {"fp8", "w8a16"}}.get(recipe.spec.transformer_format, {recipe.spec.transformer_format})
     methods = {get_format(name).method for name in wanted}
-    for name in ("transformer", "transformer_ref"):
-        component = getattr(pipe, name, None)
-        if component is None:
-            continue
+    for name, component in partitions_of(pipe):
         found = _stored_formats(component)
         if not found & methods:
             raise MemoryBudgetError(

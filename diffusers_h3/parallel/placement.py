@@ -16,6 +16,8 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
+from .._hooks import PARTITIONS
+
 
 def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
     """`from_pretrained` kwargs for one 80 GB GPU: 8-bit DiT (`"fp8"`: FP8 GEMMs, SM89+; `"w8a16"`: any GPU) and a
@@ -205,7 +207,7 @@ def enable_low_memory_offload(
         use_stream = device.type == "cuda"
     if use_stream and device.type != "cuda":
         raise ValueError(f"use_stream=True needs a CUDA device, got {device}.")
-    block_level = ("transformer", "transformer_ref")
+    block_level = PARTITIONS
     leaf_level = ("text_encoder",)
     placements: Dict[str, str] = {}
     previous_hook = None

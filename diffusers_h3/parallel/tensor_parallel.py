@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._hooks import transformers_of
 from .context_parallel import context_parallel_state
 
 
@@ -44,21 +45,6 @@ _HOOKS_ATTRIBUTE = "_diffusers_h3_tensor_parallel_hooks"
 # ----------------------------------------------------------------------------------------------------------------------
 # The plan: which linear is split how
 # ----------------------------------------------------------------------------------------------------------------------
-def _transformers_of(pipe_or_transformer) -> List[nn.Module]:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if isinstance(pipe_or_transformer, MiniMaxH3Transformer3DModel):
-        return [pipe_or_transformer]
-    models = [getattr(pipe_or_transformer, n, None) for n in ("transformer", "transformer_ref")]
-    models = [m for m in models if m is not None]
-    if not models:
-        raise TypeError(
-            f"enable_tensor_parallel expects a MiniMaxH3Transformer3DModel or a pipeline with a `transformer`, got "
-            f"{type(pipe_or_transformer).__name__}."
-        )
-    return models
-
-
 def _packed_halves(feed_forward: nn.Module) -> int:
     """2 when the up projection packs `[up | gate]` (SwiGLU / GEGLU: `chunk(2, dim=-1)` in the activation), else 1."""
     from diffusers.models.activations import GEGLU, SwiGLU
@@ -344,7 +330,7 @@ def enable_tensor_parallel(
     """
     if not isinstance(tp_degree, int) or tp_degree < 2:
         raise ValueError(f"tp_degree must be an integer >= 2, got {tp_degree!r}.")
-    models = _transformers_of(pipe_or_transformer)
+    models = transformers_of(pipe_or_transformer, "enable_tensor_parallel")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "enable_tensor_parallel needs one process per rank and a process group: launch with `torchrun "

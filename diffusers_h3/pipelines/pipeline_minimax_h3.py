@@ -61,9 +61,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
+from .._hooks import partitions_of
 from .._model_card import pipeline_model_card, save_with_card
-from ..attention_processors.layout import use_packed_layout
 from ..hooks.cache import start_cache_request
+from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
@@ -316,7 +317,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return param.device
 
     def _partitions(self):
-        return [(n, getattr(self, n)) for n in PARTITIONS if getattr(self, n, None) is not None]
+        return partitions_of(self)
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
+from .._hooks import partitions_of
 from .._utils import cuda_capability, has_fp8_tensor_cores
 from ..attention_processors import (
     disable_low_precision_attention,
@@ -332,10 +333,9 @@ def enable_speed_preset(
     Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
     """
     check_speed_preset(preset)
-    partitions = getattr(pipe, "_partitions", None)
-    if not callable(partitions):
+    if isinstance(pipe, torch.nn.Module) or not callable(getattr(pipe, "_device_of", None)):
         raise TypeError(f"enable_speed_preset expects a MiniMaxH3Pipeline, got {type(pipe).__name__}")
-    models = list(partitions())
+    models = partitions_of(pipe)
     if not models:
         raise ValueError("enable_speed_preset: the pipeline holds no transformer partition to speed up")
     # Check every partition before changing any (one clear error, nothing half-applied).

@@ -153,7 +153,7 @@ def first_block_cache_cases(device, layers, reps, tiny, record):
 
     import diffusers_h3  # noqa: F401 - registers H3's block with diffusers' cache hooks
     from diffusers_h3 import use_packed_layout
-    from diffusers_h3.hooks.cache import start_cache_request
+    from diffusers_h3.hooks.cache import cache_stats, start_cache_request
 
     if tiny:
         from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
@@ -193,7 +193,7 @@ def first_block_cache_cases(device, layers, reps, tiny, record):
             # cached tail residual): this checks the cache's bookkeeping, not its quality.
             entry["rel_l2"] = float(f"{rel_l2(outputs[-1], reference):.3g}")
             if threshold is not None:
-                entry["cache"] = model._h3_cache_stats.describe_path()
+                entry["cache"] = cache_stats(model).describe_path()
         except Exception as error:  # noqa: BLE001
             entry["notes"] = f"failed: {type(error).__name__}: {error}"[:500]
         record(name, entry)

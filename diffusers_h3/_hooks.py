@@ -95,13 +95,16 @@ def register_h3_hook(module: torch.nn.Module, hook: ModelHook, name: str, root: 
     return hook
 
 
-def remove_h3_hook(module: torch.nn.Module, name: str, recurse: bool = True) -> bool:
-    """Remove hook ``name`` from ``module`` (and, with ``recurse``, from every submodule); True if one was there."""
+def remove_h3_hook(
+    module: torch.nn.Module, name: str, recurse: bool = True, root: Optional[torch.nn.Module] = None
+) -> bool:
+    """Remove hook ``name`` from ``module`` (and, with ``recurse``, from every submodule); True if one was there.
+    ``root`` as for :func:`register_h3_hook`."""
     found = [m for m in (module.modules() if recurse else [module]) if get_h3_hook(m, name) is not None]
     for owner in found:
         owner._diffusers_hook.remove_hook(name, recurse=False)
     if found:
-        _invalidate(module)
+        _invalidate(root if root is not None else module)
     return bool(found)
 
 
@@ -142,3 +145,20 @@ def transformers_of(pipe_or_transformer: Any, who: str) -> List[torch.nn.Module]
             f"{type(pipe_or_transformer).__name__}."
         )
     return [model for _, model in models]
+
+
+# Hooks of ours that move weights (the others only compute differently or record what ran).
+_PLACEMENT_HOOKS = (H3_OFFLOAD_BUFFERS_HOOK, H3_CHECKPOINT_STREAM_HOOK)
+
+
+def moves_weights(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s registry may move its weights at forward time: it holds a hook that is not one of ours
+    (group offload, context-parallel splits, diffusers' caches) or one of our placement hooks, or it is empty (the
+    marker group offload and checkpoint streaming leave on a component's top module). Our compute and reporting hooks
+    leave the weights where they are, so they do not change where a pipeline sends a component's inputs."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None:
+        return False
+    if not registry.hooks:
+        return True
+    return any(name not in H3_HOOK_NAMES or name in _PLACEMENT_HOOKS for name in registry.hooks)

@@ -61,14 +61,15 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from .._hooks import partitions_of
+from .._hooks import moves_weights, partitions_of
 from .._model_card import pipeline_model_card, save_with_card
 from ..hooks.cache import start_cache_request
+from ..hooks.refine_once import refine_text_once
 from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
-from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
+from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
 from .loading import load_pipeline
@@ -311,7 +312,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may
         sit on different GPUs (`device_map="balanced"`, or the text encoder on a second GPU); tensors follow them."""
         param = next(module.parameters(), None)
-        offloaded = hasattr(module, "_hf_hook") or hasattr(module, "_diffusers_hook")
+        offloaded = hasattr(module, "_hf_hook") or moves_weights(module)
         if param is None or offloaded or param.device.type == "meta":
             return self._execution_device
         return param.device

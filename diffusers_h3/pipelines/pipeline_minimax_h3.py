@@ -65,6 +65,7 @@ from .._hooks import moves_weights, partitions_of
 from .._model_card import pipeline_model_card, save_with_card
 from ..hooks.cache import start_cache_request
 from ..hooks.refine_once import refine_text_once
+from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
@@ -1055,7 +1056,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         if lora:
             report["lora"] = lora
         for name, model in self._partitions():
-            mode = getattr(model, "_h3_v100_mode", None)
+            mode = v100_mode_of(model)
             if mode is not None:
                 report[f"{name}_v100_mode"] = mode.describe_path()
         return report

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3._utils as h3_utils
@@ -46,9 +47,15 @@ def test_activation_limit_bounds_every_fp16_gemm_input(limit):
     fc_in = model.transformer_blocks[0].ff.net[0].proj
     raw, scaled = {}, {}
     fc_in.register_forward_pre_hook(lambda mod, args: raw.__setitem__("x", args[0].detach().float().clone()))
+
+    class Probe(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            scaled["x"] = args[0].detach().float().clone()
+            return args, kwargs
+
+    # registered in the registry before V100 mode's hook, so inside it: sees the fp16 input the GEMM gets
+    HookRegistry.check_if_exists_or_initialize(fc_in).register_hook(Probe(), "probe")
     enable_v100_mode(model, attention="keep", activation_limit=limit)
-    # registered after V100 mode's hooks: sees the fp16 input the GEMM gets
-    fc_in.register_forward_pre_hook(lambda mod, args: scaled.__setitem__("x", args[0].detach().float().clone()))
     _run(model, inputs)
     x, y = raw["x"], scaled["x"]
     assert y.abs().max() <= limit

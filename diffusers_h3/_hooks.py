@@ -32,6 +32,7 @@ H3_TENSOR_PARALLEL_HOOK = "diffusers_h3.tensor_parallel"  # on the transformer: 
 H3_TENSOR_PARALLEL_REDUCE_HOOK = "diffusers_h3.tensor_parallel_reduce"  # on each attention / FFN module
 H3_OFFLOAD_BUFFERS_HOOK = "diffusers_h3.offload_buffers"  # on a group-offloaded component: its groups return buffers
 H3_CHECKPOINT_STREAM_HOOK = "diffusers_h3.checkpoint_stream"  # on each leaf streamed from its checkpoint files
+H3_STREAM_FROM_DISK_HOOK = "diffusers_h3.stream_from_disk"  # on a text encoder streamed from disk: where from
 
 H3_HOOK_NAMES = (
     H3_FAST_VAE_DECODE_HOOK,
@@ -43,6 +44,7 @@ H3_HOOK_NAMES = (
     H3_TENSOR_PARALLEL_REDUCE_HOOK,
     H3_OFFLOAD_BUFFERS_HOOK,
     H3_CHECKPOINT_STREAM_HOOK,
+    H3_STREAM_FROM_DISK_HOOK,
 )
 
 
@@ -148,7 +150,7 @@ def transformers_of(pipe_or_transformer: Any, who: str) -> List[torch.nn.Module]
 
 
 # Hooks of ours that move weights (the others only compute differently or record what ran).
-_PLACEMENT_HOOKS = (H3_OFFLOAD_BUFFERS_HOOK, H3_CHECKPOINT_STREAM_HOOK)
+_PLACEMENT_HOOKS = (H3_OFFLOAD_BUFFERS_HOOK, H3_CHECKPOINT_STREAM_HOOK, H3_STREAM_FROM_DISK_HOOK)
 
 
 def moves_weights(module: torch.nn.Module) -> bool:

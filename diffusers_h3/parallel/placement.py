@@ -12,11 +12,20 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 Peak memory of the single-GPU recipes is measured by `benchmarks/placement.py` (`placement_h200.json`).
 """
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 import torch
 
-from .._hooks import PARTITIONS
+from .._hooks import (
+    H3_OFFLOAD_BUFFERS_HOOK,
+    H3_STREAM_FROM_DISK_HOOK,
+    PARTITIONS,
+    H3Hook,
+    get_h3_hook,
+    register_h3_hook,
+)
 
 
 def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
@@ -103,9 +112,29 @@ def _has_weight_norm(module: torch.nn.Module) -> bool:
     return False
 
 
+@dataclass
+class OffloadBuffersRecord:
+    """Offload groups of a component whose `_offload_to_memory` also returns the buffers (counted over refreshes)."""
+
+    groups_changed: int = 0
+
+
+class OffloadBuffersHook(H3Hook):
+    """Marks a component whose stream-prefetched offload groups get the buffer fix (`H3_OFFLOAD_BUFFERS_HOOK`), so
+    that :func:`refresh_low_memory_offload` re-checks it before each request. Adds nothing to the forward."""
+
+    def __init__(self) -> None:
+        super().__init__(OffloadBuffersRecord())
+
+
+# diffusers' ModuleGroup objects (not modules: no registry) whose `_offload_to_memory` was wrapped.
+_GROUPS_RETURNING_BUFFERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """Make stream-prefetched offload groups send their modules' buffers back to the CPU as well; returns the number
-    of groups changed. Marks `component`, so that :func:`refresh_low_memory_offload` re-checks it before each request.
+    of groups changed. Registers :class:`OffloadBuffersHook` on `component`, so that
+    :func:`refresh_low_memory_offload` re-checks it before each request.
 
     diffusers 0.42.1's `ModuleGroup._offload_to_memory` (stream path) restores the CPU copies of the group modules'
     parameters only, while onloading moves their buffers too: buffers onloaded once stay on the GPU for good. The
@@ -113,7 +142,9 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
-    component._h3_stream_offload = True
+    marker = get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK)
+    if marker is None:
+        marker = register_h3_hook(component, OffloadBuffersHook(), H3_OFFLOAD_BUFFERS_HOOK)
     changed, seen = 0, set()
     for module in component.modules():
         registry = getattr(module, "_diffusers_hook", None)
@@ -122,7 +153,7 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
         if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
             continue
         seen.add(id(group))
-        if getattr(group, "_h3_returns_buffers", False):  # already changed (a refresh after diffusers rebuilt others)
+        if group in _GROUPS_RETURNING_BUFFERS:  # already changed (a refresh after diffusers rebuilt others)
             continue
         if not callable(getattr(group, "_offload_to_memory", None)) or not isinstance(group.cpu_param_dict, dict):
             raise RuntimeError(
@@ -140,8 +171,9 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
                 buffer.data = group.cpu_param_dict[buffer]
 
         group._offload_to_memory = offload_parameters_and_buffers
-        group._h3_returns_buffers = True
+        _GROUPS_RETURNING_BUFFERS.add(group)
         changed += 1
+    marker.record.groups_changed += changed
     return changed
 
 
@@ -154,7 +186,7 @@ def refresh_low_memory_offload(pipe) -> int:
     """
     changed = 0
     for component in getattr(pipe, "components", {}).values():
-        if isinstance(component, torch.nn.Module) and getattr(component, "_h3_stream_offload", False):
+        if isinstance(component, torch.nn.Module) and get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK) is not None:
             changed += _offload_group_buffers_too(component)
     return changed
 
@@ -220,7 +252,7 @@ def enable_low_memory_offload(
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if _is_group_offload_enabled(component) or getattr(component, "_h3_streams_from_disk", None):
+        if _is_group_offload_enabled(component) or get_h3_hook(component, H3_STREAM_FROM_DISK_HOOK) is not None:
             # placed before: a text encoder streamed from disk (offload files or its own checkpoint files)
             placements[name] = already.get(name, "group offload (applied before)")
             continue

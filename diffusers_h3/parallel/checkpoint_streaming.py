@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from .._hooks import H3_CHECKPOINT_STREAM_HOOK, register_h3_hook
+from .._hooks import H3_CHECKPOINT_STREAM_HOOK, get_h3_hook, register_h3_hook
 from .._utils import SAFETENSORS_DTYPES
 
 
@@ -179,7 +179,6 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s weights read from its checkpoint files per full forward (0 when nothing streams)."""
     total = 0
     for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(STREAM_HOOK_NAME) if registry is not None else None
+        hook = get_h3_hook(module, STREAM_HOOK_NAME)
         total += hook.nbytes if hook is not None else 0
     return total

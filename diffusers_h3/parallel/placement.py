@@ -76,9 +76,19 @@ def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
     return record
 
 
+# A pipeline is no module and has no hook registry: the recipes' record of where each component went is kept on the
+# pipeline object under this attribute (read with `placement_of`).
+_PLACEMENT_ATTRIBUTE = "_diffusers_h3_placement"
+
+
 def _record_placement(pipe, **entries: str) -> None:
     """Add to what the recipes applied to `pipe` (`describe(pipe)["placement"]`)."""
-    pipe._diffusers_h3_placement = {**(getattr(pipe, "_diffusers_h3_placement", None) or {}), **entries}
+    setattr(pipe, _PLACEMENT_ATTRIBUTE, {**placement_of(pipe), **entries})
+
+
+def placement_of(pipe) -> Dict[str, str]:
+    """`{component: placement}` the placement recipes applied to `pipe` (empty when none ran)."""
+    return dict(getattr(pipe, _PLACEMENT_ATTRIBUTE, None) or {})
 
 
 def balanced_kwargs(max_memory: Dict[Union[int, str], str]) -> Dict[str, Any]:
@@ -248,7 +258,7 @@ def enable_low_memory_offload(
     settings = f"stream={use_stream}, low_cpu_mem_usage={low_cpu_mem_usage}"
     from diffusers.hooks.group_offloading import _is_group_offload_enabled
 
-    already = getattr(pipe, "_diffusers_h3_placement", None) or {}
+    already = placement_of(pipe)
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue

@@ -312,6 +312,11 @@ def _apply_to_transformer(
     )
 
 
+# A pipeline is no module and has no hook registry: the preset's pipeline-wide record (every partition, the decode)
+# is kept on the pipeline object under this attribute; the parts it enables hold their own records in their hooks.
+_RECORD_ATTRIBUTE = "_h3_speed_preset"
+
+
 def enable_speed_preset(
     pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None
 ) -> SpeedPresetRecord:
@@ -360,7 +365,7 @@ def enable_speed_preset(
         enable_fast_vae_decode(vae, batch_tiles=True, compile=vae_compile)
         record.decode = "batched tiles" + (" + torch.compile" if vae_compile else "") + " (enable_fast_vae_decode)"
     logger.info(f"speed preset {preset!r}: video decode {record.decode}")
-    pipe._h3_speed_preset = record
+    setattr(pipe, _RECORD_ATTRIBUTE, record)
     return record
 
 
@@ -400,8 +405,13 @@ def enable_speed_preset_on_transformer(
 
 def speed_preset_report(pipe) -> Optional[Dict[str, Any]]:
     """The recorded speed preset of ``pipe`` (``None`` when none was applied)."""
-    record = getattr(pipe, "_h3_speed_preset", None)
+    record = speed_preset_record(pipe)
     return record.describe() if record is not None else None
+
+
+def speed_preset_record(pipe) -> Optional[SpeedPresetRecord]:
+    """The :class:`SpeedPresetRecord` of the last :func:`enable_speed_preset` on ``pipe``, or ``None``."""
+    return getattr(pipe, _RECORD_ATTRIBUTE, None)
 
 
 __all__: List[str] = [

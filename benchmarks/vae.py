@@ -96,6 +96,7 @@ CASES = ("native", "batched_tiles") + COMPILED_CASES
 
 def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=False):
     from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
+    from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 
     def decode():
         with torch.inference_mode():
@@ -117,7 +118,8 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
                 fp8 = name.endswith("+fp8")
                 if fp8:
                     torch._dynamo.reset()  # the bf16 decoder's graphs must not be reused
-                state = enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
+                enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
+                state = fast_vae_decode_state(vae)
             base = peak_start(device)
             started = time.perf_counter()
             out = decode()  # untimed: compilation on the compiled case, and the output that is compared

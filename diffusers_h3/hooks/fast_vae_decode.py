@@ -170,7 +170,7 @@ def enable_fast_vae_decode(
     batch_tiles: Union[bool, int] = True,
     compile: bool = False,
     fp8_linears: bool = False,
-) -> FastVAEDecodeState:
+) -> Any:
     """Decode the MiniMax-H3 video VAE's tiles in batches; `pipe.vae.decode` (and so the pipeline) uses it from now on.
 
     Args:
@@ -187,8 +187,9 @@ def enable_fast_vae_decode(
             approximation (its measured speed and error: docs/vae.md). It cannot be undone: reload the VAE for bf16
             linears.
 
-    Returns the installed `FastVAEDecodeState`, the record its `H3_FAST_VAE_DECODE_HOOK` holds (reported by
-    `diffusers_h3.describe`). Enabling again replaces the earlier options. The tile geometry and blend are the VAE's
+    Returns the argument. What was enabled (and what the last decode ran) is the `FastVAEDecodeState` record its
+    `H3_FAST_VAE_DECODE_HOOK` holds: `fast_vae_decode_state(vae)`, reported by `diffusers_h3.describe`. Enabling again
+    replaces the earlier options. The tile geometry and blend are the VAE's
     own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
     """
     vae = _vae_of(pipe_or_vae)
@@ -222,7 +223,7 @@ def enable_fast_vae_decode(
                                fp8_linears=fp8_linears)  # fmt: skip
     remove_h3_hook(vae, H3_FAST_VAE_DECODE_HOOK, recurse=False)
     register_h3_hook(vae, FastVAEDecodeHook(state), H3_FAST_VAE_DECODE_HOOK)
-    return state
+    return pipe_or_vae
 
 
 def disable_fast_vae_decode(pipe_or_vae: Any) -> Any:

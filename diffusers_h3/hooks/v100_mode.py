@@ -288,8 +288,10 @@ def enable_v100_mode(
     detect_non_finite: bool = True,
     fp32_modules: Sequence[str] = (),
     build_dir: Optional[Union[str, os.PathLike]] = None,
-) -> V100Mode:
-    """Make a MiniMax-H3 transformer run fp16 GEMMs safely (see the module docstring); returns a :class:`V100Mode`.
+) -> nn.Module:
+    """Make a MiniMax-H3 transformer run fp16 GEMMs safely (see the module docstring); returns ``transformer``. The
+    :class:`V100Mode` record (``v100_mode_of(transformer)``) says what was set up; :func:`disable_v100_mode` undoes the
+    hooks.
 
     Args:
         transformer: a ``MiniMaxH3Transformer3DModel`` (any dtype; bf16 checkpoints are converted).
@@ -360,4 +362,4 @@ def enable_v100_mode(
                     continue
                 watched.add(name)
                 register_h3_hook(module, _WatchOutput(mode, name), H3_V100_MODE_HOOK, root=transformer)
-    return mode
+    return transformer

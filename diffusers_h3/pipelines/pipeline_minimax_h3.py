@@ -271,16 +271,20 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
 
     def enable_fast_vae_decode(self, **options):
-        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`."""
+        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`.
+        Returns the pipeline."""
         from ..hooks.fast_vae_decode import enable_fast_vae_decode
 
-        return enable_fast_vae_decode(self.vae, **options)
+        return enable_fast_vae_decode(self, **options)
 
     def enable_v100_mode(self, **options):
-        """Run a bf16-trained H3 in fp16 safely on Volta GPUs; see `diffusers_h3.enable_v100_mode`."""
+        """Run a bf16-trained H3 in fp16 safely on Volta GPUs, on every loaded partition; see
+        `diffusers_h3.enable_v100_mode`. Returns the pipeline (`v100_mode_of(pipe.transformer)`: the record)."""
         from ..hooks.v100_mode import enable_v100_mode
 
-        return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
+        for _, model in self._partitions():
+            enable_v100_mode(model, **options)
+        return self
 
     def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer

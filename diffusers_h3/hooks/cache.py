@@ -61,7 +61,9 @@ def cache_config(
         if num_inference_steps is None:
             raise ValueError("MagCache needs num_inference_steps: pass the number of steps the requests will use.")
         if num_inference_steps < 2:
-            raise ValueError(f"MagCache needs num_inference_steps >= 2 (got {num_inference_steps}): pass the pipeline's.")
+            raise ValueError(
+                f"MagCache needs num_inference_steps >= 2 (got {num_inference_steps}): pass the pipeline's."
+            )
         return MagCacheConfig(
             threshold=0.06 if threshold is None else threshold,
             num_inference_steps=num_inference_steps - 1,

@@ -159,8 +159,9 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         decoded, decoder_calls = _decode_units(vae, state, tiles)
         return decoded
 
-    out, tiles, chunks = decode_from_tiles(vae, z, decode_tiles, lambda latents: native_decode(vae, latents),
-                                           "fast VAE decode")
+    out, tiles, chunks = decode_from_tiles(
+        vae, z, decode_tiles, lambda latents: native_decode(vae, latents), "fast VAE decode"
+    )
     state.last_run = f"{tiles} tiles in {decoder_calls} decoder calls ({chunks} chunks)"
     return out
 

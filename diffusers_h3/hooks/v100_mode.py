@@ -308,7 +308,9 @@ def enable_v100_mode(
     if not activation_limit > 0 or activation_limit > FP16_MAX / 4:
         raise ValueError(f"activation_limit must be in (0, {FP16_MAX / 4:g}], got {activation_limit}.")
     if v100_mode_of(transformer) is not None:
-        raise RuntimeError("V100 mode is already enabled on this transformer; call disable_v100_mode(transformer) first.")
+        raise RuntimeError(
+            "V100 mode is already enabled on this transformer; call disable_v100_mode(transformer) first."
+        )
     blocks = list(getattr(transformer, "transformer_blocks", []))
     refiner = getattr(transformer, "token_refiner", None)
     refiner_blocks = list(getattr(refiner, "refiner_blocks", [])) if refiner is not None else []

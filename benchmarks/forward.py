@@ -80,7 +80,7 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
                  "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128, "tiny": False}  # fmt: skip
         return model, kwargs, layout, shape
 
-    from diffusers_h3.attention_processors.layout import current_packed_layout
+    from diffusers_h3.layout import current_packed_layout
     from diffusers_h3.testing.tiny import tiny_pipeline, tiny_transformer
 
     pipe = tiny_pipeline(seed=0, with_transformer_ref=False)

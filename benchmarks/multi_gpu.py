@@ -81,7 +81,7 @@ def build_transformer(device, tiny):
 
 def build_inputs(device, tiny, text_rows=512):
     if tiny:
-        from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
+        from diffusers_h3.layout import LayoutSegment, PackedLayout
         from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
         grid = (3, 5, 6)
@@ -165,7 +165,7 @@ def main():
     fresh_cases = [c for c in cases if c in FRESH_MODEL_CASES]
     cases = [c for c in cases if c not in FRESH_MODEL_CASES]
 
-    from diffusers_h3.attention_processors.layout import use_packed_layout
+    from diffusers_h3.layout import use_packed_layout
     from diffusers_h3.parallel import enable_context_parallel
     from diffusers_h3.parallel.vae import parallel_vae_decode
 

@@ -539,7 +539,9 @@ def vm_hwm_bytes():
 
 def where_components_live(pipe):
     """Each component's weight bytes by where they rest between uses and how they reach the GPU."""
-    placement = getattr(pipe, "_diffusers_h3_placement", {}) or {}
+    from diffusers_h3.parallel.placement import placement_of
+
+    placement = placement_of(pipe)
     out = {}
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
@@ -574,6 +576,7 @@ def pcie_traffic(pipe):
 
 def child_main(args):
     """One low_ram case in this (fresh) process: cap, load from the checkpoint, warm-up, timed request."""
+    from diffusers_h3.parallel.placement import placement_of
     from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
 
     case = args.child
@@ -604,7 +607,7 @@ def child_main(args):
         load_s=round(load_s, 1), warmup_s=round(warmup_s, 1),
         host_peak_rss_load_gib=_gib(load_peak), host_peak_rss_gib=_gib(vm_hwm_bytes()), host_includes_load=True,
         peak_reserved_load_gib=_gib(load_reserved) if load_reserved is not None else None,
-        placements=(getattr(pipe, "_diffusers_h3_placement", None) or {}), components=where_components_live(pipe),
+        placements=placement_of(pipe), components=where_components_live(pipe),
         weights_gib={k: v["weights_gib"] for k, v in where_components_live(pipe).items() if k != "transformer_ref"},
         pcie=pcie_traffic(pipe),
     )  # fmt: skip

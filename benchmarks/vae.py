@@ -96,6 +96,7 @@ CASES = ("native", "batched_tiles") + COMPILED_CASES
 
 def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=False):
     from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
+    from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 
     def decode():
         with torch.inference_mode():
@@ -117,7 +118,8 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
                 fp8 = name.endswith("+fp8")
                 if fp8:
                     torch._dynamo.reset()  # the bf16 decoder's graphs must not be reused
-                state = enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
+                enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
+                state = fast_vae_decode_state(vae)
             base = peak_start(device)
             started = time.perf_counter()
             out = decode()  # untimed: compilation on the compiled case, and the output that is compared
@@ -153,7 +155,7 @@ def first_block_cache_cases(device, layers, reps, tiny, record):
 
     import diffusers_h3  # noqa: F401 - registers H3's block with diffusers' cache hooks
     from diffusers_h3 import use_packed_layout
-    from diffusers_h3.hooks.cache import start_cache_request
+    from diffusers_h3.hooks.cache import cache_stats, start_cache_request
 
     if tiny:
         from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
@@ -193,7 +195,7 @@ def first_block_cache_cases(device, layers, reps, tiny, record):
             # cached tail residual): this checks the cache's bookkeeping, not its quality.
             entry["rel_l2"] = float(f"{rel_l2(outputs[-1], reference):.3g}")
             if threshold is not None:
-                entry["cache"] = model._h3_cache_stats.describe_path()
+                entry["cache"] = cache_stats(model).describe_path()
         except Exception as error:  # noqa: BLE001
             entry["notes"] = f"failed: {type(error).__name__}: {error}"[:500]
         record(name, entry)

@@ -29,16 +29,16 @@ from .attention_processors import (
     enable_low_precision_attention,
     enable_vsa,
 )
-from .attention_processors.layout import (
+from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
+from .hooks.v100_mode import NonFiniteActivationError, V100Mode, disable_v100_mode, enable_v100_mode
+from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
+from .layout import (
     LayoutSegment,
     PackedLayout,
     current_packed_layout,
     require_packed_layout,
     use_packed_layout,
 )
-from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
-from .hooks.v100_mode import NonFiniteActivationError, V100Mode, enable_v100_mode
-from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
@@ -83,6 +83,7 @@ __all__ = [
     "enable_fast_vae_decode",
     "disable_fast_vae_decode",
     "enable_v100_mode",
+    "disable_v100_mode",
     "enable_speed_preset",
     "SPEED_PRESETS",
     "load_for_memory_budget",

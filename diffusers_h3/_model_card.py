@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
+from ._hooks import partitions_of
+
 
 PIPELINE_TAG = "text-to-video"
 BASE_TAGS = ("diffusers", "diffusers-h3", "minimax-h3", "text-to-video", "text-to-audio")
@@ -87,7 +89,7 @@ def _card(data: ModelCardData, title: str, body: str) -> ModelCard:
 
 def pipeline_model_card(pipe, repo_id: Optional[str] = None) -> ModelCard:
     """The card for a saved ``MiniMaxH3Pipeline``; ``repo_id`` is where it will live (a path or a hub id)."""
-    transformers = [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_ref", None)) if m]
+    transformers = [model for _, model in partitions_of(pipe)]
     methods = sorted({m for m in map(quantization_method, transformers) if m})
     loras = sorted({name for m in transformers for name in fused_lora_names(m)})
     source = getattr(pipe.config, "_name_or_path", None)

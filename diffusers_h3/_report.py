@@ -1,7 +1,9 @@
 """``diffusers_h3.describe(pipe)``: which path every attention processor and quantized layer runs.
 
 Processors and quantized layers of this package implement ``describe_path() -> str`` (one line: kernel or fallback,
-and why; "not run on hardware" where that applies). Anything else is reported by class name.
+and why; "not run on hardware" where that applies). Anything else is reported by class name. What an ``enable_*``
+attached to a model is read from the records its hooks hold in the model's diffusers ``HookRegistry``
+(``diffusers_h3._hooks``), never re-derived: the report says what was set up and, where the hook records it, what ran.
 """
 
 from __future__ import annotations
@@ -13,6 +15,14 @@ from typing import Any, Dict, List
 
 import torch
 
+from ._hooks import (
+    H3_CONTEXT_PARALLEL_HOOK,
+    H3_HOOK_NAMES,
+    H3_TENSOR_PARALLEL_HOOK,
+    H3_V100_MODE_HOOK,
+    get_h3_hook,
+    h3_record,
+)
 from .hooks.cache import describe_cache
 from .hooks.fast_vae_decode import describe_vae_decode
 
@@ -51,11 +61,13 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     quant = getattr(model, "hf_quantizer", None)
     if quant is not None:
         info["quantization"] = type(quant.quantization_config).__name__
-    from .parallel import context_parallel_state, tensor_parallel_state
-
-    for label, state in (("tensor parallel", tensor_parallel_state), ("context parallel", context_parallel_state)):
-        if state(model) is not None:
-            info[label] = dict(state(model))
+    for label, name in (("tensor parallel", H3_TENSOR_PARALLEL_HOOK), ("context parallel", H3_CONTEXT_PARALLEL_HOOK)):
+        record = h3_record(model, name)
+        if record is not None:
+            info[label] = record.as_dict()
+    v100 = h3_record(model, H3_V100_MODE_HOOK)
+    if v100 is not None:
+        info["v100 mode"] = v100.describe_path()
     if attention:
         info["attention"] = dict(attention)
     if linears:
@@ -65,7 +77,20 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
         info["cache"] = cache
     if hasattr(model, "tokens_chunk_size") and hasattr(model, "_stitch_tiles"):  # the MiniMax-H3 video VAE
         info["decode"] = describe_vae_decode(model)
+    hooks = registered_hooks(model)
+    if hooks:
+        info["hooks"] = hooks
     return info
+
+
+def registered_hooks(model: torch.nn.Module) -> Dict[str, int]:
+    """``{hook name: number of modules holding it}`` for diffusers_h3's hooks in ``model``'s registries."""
+    counts: Dict[str, int] = {}
+    for module in model.modules():
+        for name in H3_HOOK_NAMES:
+            if get_h3_hook(module, name) is not None:
+                counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 # Optional packages that change which paths can run: FlashInfer (the exact preset's FA3 attention on Hopper, NVFP4 W4A4
@@ -117,12 +142,16 @@ def describe(pipe_or_model: Any = None) -> Dict[str, Any]:
         elif component is not None:
             components[name] = {"class": type(component).__name__}
     report["components"] = components
-    speed_preset = getattr(pipe_or_model, "_h3_speed_preset", None)  # recorded by enable_speed_preset
+    # Pipeline-wide records (a pipeline is no module and has no hook registry): kept on the pipeline object.
+    from .parallel.placement import placement_of
+    from .pipelines.speed_presets import speed_preset_report
+
+    speed_preset = speed_preset_report(pipe_or_model)  # recorded by enable_speed_preset
     if speed_preset is not None:
-        report["speed_preset"] = speed_preset.describe()
-    placement = getattr(pipe_or_model, "_diffusers_h3_placement", None)  # recorded by the placement recipes
+        report["speed_preset"] = speed_preset
+    placement = placement_of(pipe_or_model)  # recorded by the placement recipes
     if placement:
-        report["placement"] = dict(placement)
+        report["placement"] = placement
     extra = getattr(pipe_or_model, "describe_paths", None)
     if callable(extra):
         report["pipeline"] = extra()

@@ -690,8 +690,8 @@ def _apply_fast_paths(pipe, args) -> None:
             model.enable_cache(args.cache_config)
     if getattr(args, "speed", None):  # after the cache hooks: the preset compiles the blocks last
         flashinfer = {"on": True, "off": False}.get(getattr(args, "flashinfer", None))  # None: automatic
-        pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer)
-        print(f"speed preset {args.speed}: {pipe._h3_speed_preset.describe()}", file=sys.stderr)
+        record = pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer)
+        print(f"speed preset {args.speed}: {record.describe()}", file=sys.stderr)
     elif args.compile:
         for _, model in pipe._partitions():
             model.compile_repeated_blocks(fullgraph=False)

@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .attention_processors.layout import LayoutSegment, PackedLayout
+from .layout import LayoutSegment, PackedLayout
 
 
 def _grid(latent_frames: int, latent_height: int, latent_width: int, patch_size: Tuple[int, int, int]):

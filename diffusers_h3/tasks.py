@@ -46,11 +46,11 @@ from diffusers.modular_pipelines.minimax_h3.references import (
 )
 from PIL import Image
 
-from .attention_processors.layout import PackedLayout
+from ._hooks import PARTITIONS
+from .layout import PackedLayout
 from .packing import ref2va_layout, t2va_fl2va_layout
 
 
-PARTITIONS = ("transformer", "transformer_ref")
 REFERENCE_LIMITS = {"image": 9, "video": 3, "audio": 3}
 MAX_REFERENCES = 12
 VIDEO_REFERENCE_SAMPLE_FPS = 2.0

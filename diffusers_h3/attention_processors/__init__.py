@@ -1,16 +1,9 @@
-"""Attention processors for ``MiniMaxH3Attention`` (all built on :class:`MiniMaxH3AttnProcessorBase`) and the
-packed-layout side channel they read."""
+"""Attention processors for ``MiniMaxH3Attention`` (all built on :class:`MiniMaxH3AttnProcessorBase`); the
+packed-layout side channel they read is ``diffusers_h3.layout``."""
 
 from .base import MiniMaxH3AttnProcessorBase
 from .fa_v100 import MiniMaxH3FAV100Processor
 from .flashinfer import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
-from .layout import (
-    LayoutSegment,
-    PackedLayout,
-    current_packed_layout,
-    require_packed_layout,
-    use_packed_layout,
-)
 from .low_precision import (
     MiniMaxH3LowPrecisionAttnProcessor,
     disable_low_precision_attention,
@@ -27,11 +20,6 @@ __all__ = [
     "MiniMaxH3LowPrecisionAttnProcessor",
     "MiniMaxH3VSAProcessor",
     "VSAConfig",
-    "LayoutSegment",
-    "PackedLayout",
-    "current_packed_layout",
-    "require_packed_layout",
-    "use_packed_layout",
     "TilePlan",
     "build_tile_plan",
     "add_gate_compress",

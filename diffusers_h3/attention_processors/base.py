@@ -30,8 +30,8 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from ..kernels.attention.router import KernelChoice
+from ..layout import layout_to_reenter, use_packed_layout
 from ._projections import project_output, project_qkv
-from .layout import layout_to_reenter, use_packed_layout
 
 
 class MiniMaxH3AttnProcessorBase:

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
+from .._hooks import partitions_of
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
 from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
@@ -238,11 +239,10 @@ def transformer_blocks(transformer, who: str) -> Sequence[torch.nn.Module]:
 
 def _models(pipe_or_transformer, who: str):
     """``[(name, transformer)]`` of a pipeline (its loaded transformer partitions) or of one transformer."""
-    partitions = getattr(pipe_or_transformer, "_partitions", None)
-    if callable(partitions):
-        return list(partitions())
-    transformer_blocks(pipe_or_transformer, who)
-    return [("transformer", pipe_or_transformer)]
+    models = partitions_of(pipe_or_transformer)
+    if isinstance(pipe_or_transformer, torch.nn.Module) or not (models or hasattr(pipe_or_transformer, "components")):
+        transformer_blocks(pipe_or_transformer, who)  # the error for something that is neither
+    return models
 
 
 def enable_low_precision_attention(

@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 import torch
 
 from ..kernels.attention.vsa_pool import valid_slots
-from .layout import PackedLayout
+from ..layout import PackedLayout
 
 
 @dataclass(frozen=True)

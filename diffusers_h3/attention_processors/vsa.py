@@ -36,6 +36,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
+from .._hooks import H3_VSA_ROUTE_HOOK, H3Hook, register_h3_hook, remove_h3_hook
 from .._utils import warn_once
 from ..kernels._triton_utils import kernel_op, ran_choice, record_run
 from ..kernels.attention.router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention
@@ -49,8 +50,8 @@ from ..kernels.numerics import (
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
+from ..layout import PackedLayout, current_packed_layout, require_packed_layout
 from .base import MiniMaxH3AttnProcessorBase
-from .layout import PackedLayout, current_packed_layout, require_packed_layout
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
@@ -531,52 +532,48 @@ def finish_vsa_call(transformer) -> None:
         processor._call_route = None
 
 
-class _RouteHooks:
-    """The transformer's forward pre-hook and hook that :func:`enable_vsa` installs: routes are prepared while exactly
+@dataclass
+class VSARouteRecord:
+    """Transformer calls whose VSA routes were prepared before the blocks ran (the rest read the layout themselves)."""
+
+    prepared_calls: int = 0
+
+
+class VSARouteHook(H3Hook):
+    """The transformer hook (``H3_VSA_ROUTE_HOOK``) that :func:`enable_vsa` registers: routes are prepared while exactly
     one call runs on the transformer. A call that starts while another one runs (threads serving requests) clears
-    them, so that every block of both reads its own thread's published layout (thread-safe, as without the hooks)."""
+    them, so that every block of both reads its own thread's published layout (thread-safe, as without the hook)."""
 
-    _lock = threading.Lock()  # one for every transformer (a module-level lock keeps the model deep-copyable)
+    _lock = threading.Lock()  # one for every transformer (a class-level lock keeps the model deep-copyable)
 
-    def __init__(self, transformer):
+    def __init__(self):
+        super().__init__(VSARouteRecord())
         self._running = 0
-        self.handles = (
-            transformer.register_forward_pre_hook(self.before, with_kwargs=True),
-            transformer.register_forward_hook(self.after, with_kwargs=True, always_call=True),
-        )
 
-    def before(self, transformer, args, kwargs):
+    def new_forward(self, transformer, *args, **kwargs):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         with self._lock:
             self._running += 1
             if self._running == 1 and isinstance(hidden_states, torch.Tensor):
                 prepare_vsa_call(transformer, hidden_states.device)
+                self.record.prepared_calls += 1
             else:
                 finish_vsa_call(transformer)
-
-    def after(self, transformer, args, kwargs, output):
-        with self._lock:
-            self._running -= 1
-            finish_vsa_call(transformer)
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
-
-
-_ROUTE_HOOKS = "_diffusers_h3_vsa_route_hooks"
+        try:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        finally:  # also when the call raises: the next call must not read a stale route
+            with self._lock:
+                self._running -= 1
+                finish_vsa_call(transformer)
 
 
 def _install_route_hooks(transformer) -> None:
     _remove_route_hooks(transformer)
-    setattr(transformer, _ROUTE_HOOKS, _RouteHooks(transformer))
+    register_h3_hook(transformer, VSARouteHook(), H3_VSA_ROUTE_HOOK)
 
 
 def _remove_route_hooks(transformer) -> None:
-    hooks = getattr(transformer, _ROUTE_HOOKS, None)
-    if hooks is not None:
-        hooks.remove()
-        delattr(transformer, _ROUTE_HOOKS)
+    remove_h3_hook(transformer, H3_VSA_ROUTE_HOOK, recurse=False)
 
 
 _GATE_KEY = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.(\d+)\.(?:attn|self_attn|attn1)\.to_gate_compress\.(weight|bias)$")

@@ -12,16 +12,21 @@ step counters) carries over from an earlier request, including the previous clip
 cache keeps quality can only be judged with trained weights.
 
 :func:`describe_cache` reports the enabled config and how many transformer forwards of the last request the cache
-skipped, read from the hooks' own state right after each forward (what ran, not a re-derivation).
+skipped, read from the hooks' own state right after each forward (what ran, not a re-derivation) by a stateful
+:data:`~diffusers_h3._hooks.H3_CACHE_STATS_HOOK` on the transformer, whose :class:`CacheStats` record
+:func:`start_cache_request` renews (``reset_state``) at the start of each request.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+from .._hooks import H3_CACHE_STATS_HOOK, H3Hook, get_h3_hook, h3_record, register_h3_hook, remove_h3_hook
 
 
 CACHE_METHODS = ("first-block", "mag", "taylorseer")
@@ -56,7 +61,9 @@ def cache_config(
         if num_inference_steps is None:
             raise ValueError("MagCache needs num_inference_steps: pass the number of steps the requests will use.")
         if num_inference_steps < 2:
-            raise ValueError(f"MagCache needs num_inference_steps >= 2 (got {num_inference_steps}): pass the pipeline's.")
+            raise ValueError(
+                f"MagCache needs num_inference_steps >= 2 (got {num_inference_steps}): pass the pipeline's."
+            )
         return MagCacheConfig(
             threshold=0.06 if threshold is None else threshold,
             num_inference_steps=num_inference_steps - 1,
@@ -74,12 +81,12 @@ def cache_config(
 # Per-request state and the skip counter
 
 
+@dataclass
 class CacheStats:
     """Transformer forwards of the current (or last) request and the steps at which the cache skipped computing."""
 
-    def __init__(self) -> None:
-        self.forwards = 0
-        self.skipped_steps: List[int] = []
+    forwards: int = 0
+    skipped_steps: List[int] = field(default_factory=list)
 
     def describe_path(self) -> str:
         if self.forwards == 0:
@@ -114,19 +121,36 @@ def _tail_hook_state(transformer: torch.nn.Module):
     return kind, hook.state_manager
 
 
-def _count_forward(transformer, args, output) -> None:
-    stats: Optional[CacheStats] = getattr(transformer, "_h3_cache_stats", None)
-    if stats is None:
-        return
-    kind, state_manager = _tail_hook_state(transformer)
-    if state_manager is None or state_manager._context is None:
-        return
-    step = stats.forwards
-    stats.forwards += 1
-    state = state_manager.get_state()
-    computed = state.should_compute if kind == "block" else state.last_update_step == state.current_step
-    if not computed:
-        stats.skipped_steps.append(step)
+class CacheStatsHook(H3Hook):
+    """After each transformer forward, reads from diffusers' cache hooks whether the step was computed or skipped.
+    ``reset_state`` starts a new request's record: :func:`start_cache_request` calls it before the first forward. Not
+    marked stateful, because diffusers resets stateful hooks after each call (``maybe_free_model_hooks``) and the
+    record must outlive the request for ``describe``."""
+
+    def __init__(self) -> None:
+        super().__init__(CacheStats())
+
+    def post_forward(self, module, output):
+        kind, state_manager = _tail_hook_state(module)
+        if state_manager is None or state_manager._context is None:
+            return output
+        stats: CacheStats = self.record
+        step = stats.forwards
+        stats.forwards += 1
+        state = state_manager.get_state()
+        computed = state.should_compute if kind == "block" else state.last_update_step == state.current_step
+        if not computed:
+            stats.skipped_steps.append(step)
+        return output
+
+    def reset_state(self, module):
+        self.record = CacheStats()
+        return module
+
+
+def cache_stats(transformer: torch.nn.Module) -> Optional[CacheStats]:
+    """The skips of ``transformer``'s current (or last) request, or ``None`` when no cached request has run."""
+    return h3_record(transformer, H3_CACHE_STATS_HOOK)
 
 
 def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None:
@@ -136,6 +160,7 @@ def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None
     MagCache config was built for this request's number of forwards, and restarts the skip counter.
     """
     if not getattr(transformer, "is_cache_enabled", False):
+        remove_h3_hook(transformer, H3_CACHE_STATS_HOOK, recurse=False)  # a cache disabled since the last request
         return
     from diffusers.hooks import MagCacheConfig
 
@@ -147,10 +172,10 @@ def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None
             f"cache_config('mag', num_inference_steps={num_forwards + 1}, ...)."
         )
     transformer._reset_stateful_cache()
-    transformer._h3_cache_stats = CacheStats()
-    if not getattr(transformer, "_h3_cache_counter_installed", False):
-        transformer.register_forward_hook(_count_forward)
-        transformer._h3_cache_counter_installed = True
+    hook = get_h3_hook(transformer, H3_CACHE_STATS_HOOK)
+    if hook is None:
+        hook = register_h3_hook(transformer, CacheStatsHook(), H3_CACHE_STATS_HOOK)
+    hook.reset_state(transformer)
 
 
 def describe_cache(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
@@ -159,6 +184,6 @@ def describe_cache(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
     if config is None:
         return None
     report: Dict[str, Any] = {"config": repr(config)}
-    stats = getattr(model, "_h3_cache_stats", None)
+    stats = cache_stats(model)
     report["last_request"] = stats.describe_path() if stats is not None else "no request run yet"
     return report

@@ -12,6 +12,13 @@ batch results in call order, and each chunk's tiles are stitched by diffusers' `
 cross-fade, the spatial tile blend and the tail trimming are diffusers' code. In fp32 the result equals the native
 tiled decode up to GEMM summation order (tested within 1e-6 relative L2); in bf16 the batched GEMMs may use other
 kernels, and the measured distance is in `benchmarks/results/vae_h200.json`.
+
+The path is a `FastVAEDecodeHook` registered as `H3_FAST_VAE_DECODE_HOOK` in the VAE's diffusers `HookRegistry`,
+holding the `FastVAEDecodeState` record. diffusers' registry wraps `forward`, but the VAE decodes through
+`decode` -> `_decode`: registering the hook installs the batched `_decode` on the VAE instance
+(`initialize_hook`) and removing it takes it off (`deinitalize_hook`), so `vae.decode` — called by the pipeline or by
+anyone else — takes the fast path exactly while the hook is registered, and the registry is the one place that says
+so. The pipeline's decode code needs no knowledge of it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
+from .._hooks import H3_FAST_VAE_DECODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 from .._vae_tiles import decode_from_tiles, tile_layout
 
 
@@ -112,9 +120,27 @@ def _decode_units(vae, state: FastVAEDecodeState, units: List[torch.Tensor]) -> 
     return decoded, calls
 
 
+class FastVAEDecodeHook(H3Hook):
+    """The fast decode's place in the VAE's registry: holds the `FastVAEDecodeState` record and, while registered,
+    the batched `_decode` on the VAE instance."""
+
+    def initialize_hook(self, module):
+        module._decode = types.MethodType(_batched_decode, module)
+        return module
+
+    def deinitalize_hook(self, module):
+        module.__dict__.pop("_decode", None)
+        return module
+
+
+def fast_vae_decode_state(vae: torch.nn.Module) -> Optional[FastVAEDecodeState]:
+    """The record of the fast decode enabled on `vae`, or `None` (diffusers' own decode)."""
+    return h3_record(vae, H3_FAST_VAE_DECODE_HOOK)
+
+
 def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
     """Installed as `vae._decode`: diffusers' `_decode` with its chunks answered from batched tile decodes."""
-    state: FastVAEDecodeState = vae._h3_fast_decode
+    state: FastVAEDecodeState = fast_vae_decode_state(vae)
     native_decode = type(vae)._decode
     if "_decode_clip" in vae.__dict__:
         # Another path (the context-parallel decode) already answers the chunks: it decodes the tiles itself.
@@ -134,8 +160,9 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         decoded, decoder_calls = _decode_units(vae, state, tiles)
         return decoded
 
-    out, tiles, chunks = decode_from_tiles(vae, z, decode_tiles, lambda latents: native_decode(vae, latents),
-                                           "fast VAE decode")  # fmt: skip
+    out, tiles, chunks = decode_from_tiles(
+        vae, z, decode_tiles, lambda latents: native_decode(vae, latents), "fast VAE decode"
+    )
     state.last_run = f"{tiles} tiles in {decoder_calls} decoder calls ({chunks} chunks)"
     return out
 
@@ -175,7 +202,7 @@ def enable_fast_vae_decode(
     batch_tiles: Union[bool, int] = True,
     compile: bool = False,
     fp8_linears: bool = False,
-) -> FastVAEDecodeState:
+) -> Any:
     """Decode the MiniMax-H3 video VAE's tiles in batches; `pipe.vae.decode` (and so the pipeline) uses it from now on.
 
     Args:
@@ -192,8 +219,10 @@ def enable_fast_vae_decode(
             approximation (its measured speed and error: docs/vae.md). It cannot be undone: reload the VAE for bf16
             linears.
 
-    Returns the installed `FastVAEDecodeState` (reported by `diffusers_h3.describe`). The tile geometry and blend are
-    the VAE's own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
+    Returns the argument. What was enabled (and what the last decode ran) is the `FastVAEDecodeState` record its
+    `H3_FAST_VAE_DECODE_HOOK` holds: `fast_vae_decode_state(vae)`, reported by `diffusers_h3.describe`. Enabling again
+    replaces the earlier options. The tile geometry and blend are the VAE's
+    own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
     """
     vae = _vae_of(pipe_or_vae)
     if isinstance(batch_tiles, bool):
@@ -224,22 +253,22 @@ def enable_fast_vae_decode(
     decoder = torch.compile(vae.decoder, dynamic=False) if compile else vae.decoder
     state = FastVAEDecodeState(tiles_per_batch=tiles_per_batch, compile=compile, decoder=decoder,
                                fp8_linears=fp8_linears)  # fmt: skip
-    vae._h3_fast_decode = state
-    vae._decode = types.MethodType(_batched_decode, vae)
-    return state
+    remove_h3_hook(vae, H3_FAST_VAE_DECODE_HOOK, recurse=False)
+    register_h3_hook(vae, FastVAEDecodeHook(state), H3_FAST_VAE_DECODE_HOOK)
+    return pipe_or_vae
 
 
-def disable_fast_vae_decode(pipe_or_vae: Any) -> None:
-    """Restore diffusers' tile-by-tile decode (a no-op when the fast decode is not enabled). FP8 decoder linears
-    (`fp8_linears=True`) stay FP8."""
+def disable_fast_vae_decode(pipe_or_vae: Any) -> Any:
+    """Restore diffusers' tile-by-tile decode (a no-op when the fast decode is not enabled) by removing the
+    `H3_FAST_VAE_DECODE_HOOK`; returns the argument. FP8 decoder linears (`fp8_linears=True`) stay FP8."""
     vae = _vae_of(pipe_or_vae)
-    vae.__dict__.pop("_decode", None)
-    vae.__dict__.pop("_h3_fast_decode", None)
+    remove_h3_hook(vae, H3_FAST_VAE_DECODE_HOOK, recurse=False)
+    return pipe_or_vae
 
 
 def describe_vae_decode(vae: torch.nn.Module) -> str:
     """The decode path of an `AutoencoderKLMiniMaxH3`, with what its last decode ran."""
-    state: Optional[FastVAEDecodeState] = getattr(vae, "_h3_fast_decode", None)
+    state = fast_vae_decode_state(vae)
     if state is None:
         tiling = "tiled" if getattr(vae, "use_tiling", False) else "untiled"
         fp8 = f", {FP8_LINEARS_NOTE}" if decoder_is_fp8(vae) else ""

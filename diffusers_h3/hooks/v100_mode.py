@@ -20,6 +20,10 @@ V100 (sm_70) has fp16 tensor cores but no usable bf16, so H3 runs there as fp16 
    transformer forward one sync reads the flags and, if any inf/NaN appeared, :class:`NonFiniteActivationError` names
    the first module (in execution order) whose output went non-finite.
 
+Hooks: every hooked module holds a diffusers ``ModelHook`` named ``H3_V100_MODE_HOOK`` in its ``HookRegistry`` (the
+transformer's own holds the :class:`V100Mode` record and the inf/NaN check); :func:`disable_v100_mode` (or
+``V100Mode.remove``) removes them all by that name.
+
 Hardware honesty: the transforms are tested on CPU and on a Hopper GPU; the mode has **not been run on V100 hardware**.
 Apply it after loading LoRA adapters so that PEFT layers are wrapped as a whole.
 """
@@ -32,6 +36,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+
+from .._hooks import H3_V100_MODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 
 
 FP16_MAX = 65504.0
@@ -73,7 +79,8 @@ def pow2_row_scale(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 @dataclasses.dataclass
 class V100Mode:
-    """Handle returned by :func:`enable_v100_mode`: ``remove()`` takes the hooks off (weights keep their dtypes)."""
+    """The record of :func:`enable_v100_mode`, held by the transformer's ``H3_V100_MODE_HOOK``: ``remove()`` takes
+    the mode's hooks off (weights keep their dtypes)."""
 
     transformer: nn.Module = dataclasses.field(repr=False)
     activation_limit: float
@@ -81,15 +88,11 @@ class V100Mode:
     attention: str
     hooked_linears: List[str] = dataclasses.field(repr=False)
     fp32_modules: List[str] = dataclasses.field(repr=False)
-    handles: list = dataclasses.field(default_factory=list, repr=False)
     _flags: list = dataclasses.field(default_factory=list, repr=False)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        if getattr(self.transformer, "_h3_v100_mode", None) is self:
-            del self.transformer._h3_v100_mode
+        if v100_mode_of(self.transformer) is self:
+            remove_h3_hook(self.transformer, H3_V100_MODE_HOOK)
 
     def describe_path(self) -> str:
         attention = "attention processors unchanged"
@@ -146,6 +149,86 @@ class V100Mode:
             f"with enable_v100_mode(..., fp32_modules=[{name!r}]).",
             name,
         )
+
+
+class _ScaledFP16Linear(H3Hook):
+    """A linear's input split into ``2^e * x'`` (per row), cast to fp16; its output restored in fp32."""
+
+    def __init__(self, mode: V100Mode, name: str):
+        super().__init__()
+        self.mode, self.name, self.scale = mode, name, None
+
+    def pre_forward(self, module, *args, **kwargs):
+        x = args[0]
+        if self.mode.detect_non_finite:
+            self.mode._record(self.name + INPUT_SUFFIX, x)
+        self.scale = pow2_row_scale(x, self.mode.activation_limit)
+        return ((x / self.scale.to(x.dtype)).to(torch.float16),) + tuple(args[1:]), kwargs
+
+    def post_forward(self, module, output):
+        scale, self.scale = self.scale, None
+        bias = getattr(getattr(module, "base_layer", module), "bias", None)
+        y = output.float()
+        if bias is not None:
+            y = (y - bias.float()) * scale + bias.float()
+        else:
+            y = y * scale
+        if self.mode.detect_non_finite:
+            self.mode._record(self.name, y)
+        return y
+
+
+class _WatchOutput(H3Hook):
+    """Flags (on the device) whether a module's output went non-finite."""
+
+    def __init__(self, mode: V100Mode, name: str):
+        super().__init__()
+        self.mode, self.name = mode, name
+
+    def post_forward(self, module, output):
+        self.mode._record(self.name, output)
+        return output
+
+
+class _V100ModeHook(H3Hook):
+    """On the transformer: holds the :class:`V100Mode` record; with detection on, checks the inputs before the
+    forward and, after it, reads every flag of the forward with one host sync."""
+
+    def pre_forward(self, module, *args, **kwargs):
+        mode: V100Mode = self.record
+        if mode.detect_non_finite:
+            mode._flags = []
+            named = dict(kwargs)
+            for value, key in zip(args, ("hidden_states", "audio_hidden_states", "encoder_hidden_states")):
+                named[key] = value
+            for key in ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep"):
+                if isinstance(named.get(key), torch.Tensor):
+                    mode._record(f"input:{key}", named[key])
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        mode: V100Mode = self.record
+        if mode.detect_non_finite:
+            mode._record("", output)
+            mode._check()
+        return output
+
+
+def v100_mode_of(transformer: nn.Module) -> Optional[V100Mode]:
+    """The :class:`V100Mode` enabled on ``transformer``, or ``None``."""
+    return h3_record(transformer, H3_V100_MODE_HOOK)
+
+
+def disable_v100_mode(pipe_or_transformer):
+    """Take V100 mode's hooks off a transformer or a pipeline's partitions (weights keep their dtypes; a no-op where
+    it is not enabled); returns the argument."""
+    from .._hooks import partitions_of
+
+    for _, model in partitions_of(pipe_or_transformer):
+        mode = v100_mode_of(model)
+        if mode is not None:
+            mode.remove()
+    return pipe_or_transformer
 
 
 def _tensors_of(value) -> List[torch.Tensor]:
@@ -205,8 +288,10 @@ def enable_v100_mode(
     detect_non_finite: bool = True,
     fp32_modules: Sequence[str] = (),
     build_dir: Optional[Union[str, os.PathLike]] = None,
-) -> V100Mode:
-    """Make a MiniMax-H3 transformer run fp16 GEMMs safely (see the module docstring); returns a :class:`V100Mode`.
+) -> nn.Module:
+    """Make a MiniMax-H3 transformer run fp16 GEMMs safely (see the module docstring); returns ``transformer``. The
+    :class:`V100Mode` record (``v100_mode_of(transformer)``) says what was set up; :func:`disable_v100_mode` undoes the
+    hooks.
 
     Args:
         transformer: a ``MiniMaxH3Transformer3DModel`` (any dtype; bf16 checkpoints are converted).
@@ -222,8 +307,10 @@ def enable_v100_mode(
         raise ValueError(f"attention must be 'fa_v100' or 'keep', got {attention!r}.")
     if not activation_limit > 0 or activation_limit > FP16_MAX / 4:
         raise ValueError(f"activation_limit must be in (0, {FP16_MAX / 4:g}], got {activation_limit}.")
-    if getattr(transformer, "_h3_v100_mode", None) is not None:
-        raise RuntimeError("V100 mode is already enabled on this transformer; call .remove() on its handle first.")
+    if v100_mode_of(transformer) is not None:
+        raise RuntimeError(
+            "V100 mode is already enabled on this transformer; call disable_v100_mode(transformer) first."
+        )
     blocks = list(getattr(transformer, "transformer_blocks", []))
     refiner = getattr(transformer, "token_refiner", None)
     refiner_blocks = list(getattr(refiner, "refiner_blocks", [])) if refiner is not None else []
@@ -262,31 +349,9 @@ def enable_v100_mode(
         fp32_modules=kept,
     )
 
+    register_h3_hook(transformer, _V100ModeHook(mode), H3_V100_MODE_HOOK)
     for name, module in targets.items():
-        state: Dict[str, Optional[torch.Tensor]] = {"scale": None}
-
-        def pre_hook(mod, args, _state=state, _name=name):
-            x = args[0]
-            if mode.detect_non_finite:
-                mode._record(_name + INPUT_SUFFIX, x)
-            scale = pow2_row_scale(x, mode.activation_limit)
-            _state["scale"] = scale
-            return ((x / scale.to(x.dtype)).to(torch.float16),) + tuple(args[1:])
-
-        def post_hook(mod, args, output, _state=state, _name=name):
-            scale, _state["scale"] = _state["scale"], None
-            bias = getattr(getattr(mod, "base_layer", mod), "bias", None)
-            y = output.float()
-            if bias is not None:
-                y = (y - bias.float()) * scale + bias.float()
-            else:
-                y = y * scale
-            if mode.detect_non_finite:
-                mode._record(_name, y)
-            return y
-
-        mode.handles.append(module.register_forward_pre_hook(pre_hook))
-        mode.handles.append(module.register_forward_hook(post_hook))
+        register_h3_hook(module, _ScaledFP16Linear(mode, name), H3_V100_MODE_HOOK, root=transformer)
 
     if detect_non_finite:
         watched = set(targets)
@@ -298,25 +363,5 @@ def enable_v100_mode(
                 if any(name.startswith(w + ".") for w in watched if _matches(w, fp32_patterns)):
                     continue
                 watched.add(name)
-                mode.handles.append(
-                    module.register_forward_hook(lambda mod, args, out, _name=name: mode._record(_name, out))
-                )
-
-        def check_inputs(mod, args, kwargs):
-            mode._flags = []
-            named = dict(kwargs)
-            for value, key in zip(args, ("hidden_states", "audio_hidden_states", "encoder_hidden_states")):
-                named[key] = value
-            for key in ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "timestep"):
-                if isinstance(named.get(key), torch.Tensor):
-                    mode._record(f"input:{key}", named[key])
-
-        def check_outputs(mod, args, kwargs, output):
-            mode._record("", output)
-            mode._check()
-
-        mode.handles.append(transformer.register_forward_pre_hook(check_inputs, with_kwargs=True))
-        mode.handles.append(transformer.register_forward_hook(check_outputs, with_kwargs=True))
-
-    transformer._h3_v100_mode = mode
-    return mode
+                register_h3_hook(module, _WatchOutput(mode, name), H3_V100_MODE_HOOK, root=transformer)
+    return transformer

@@ -23,10 +23,11 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from .._hooks import H3_CHECKPOINT_STREAM_HOOK, get_h3_hook, register_h3_hook
 from .._utils import SAFETENSORS_DTYPES
 
 
-STREAM_HOOK_NAME = "diffusers_h3_checkpoint_stream"
+STREAM_HOOK_NAME = H3_CHECKPOINT_STREAM_HOOK
 # Modules whose streamed tensors are smaller than this stay on the execution device: norms and biases would cost a
 # file open each per forward for a few KiB.
 RESIDENT_BELOW_BYTES = 1 << 20
@@ -158,9 +159,7 @@ def stream_from_checkpoint(
                 _set_tensor(module, name, tensor.to(device), name in module._parameters)
                 kept += tensor.numel() * tensor.element_size()
     for module, entries, nbytes in plan:
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(
-            _StreamFromCheckpointHook(entries, device, nbytes), STREAM_HOOK_NAME
-        )
+        register_h3_hook(module, _StreamFromCheckpointHook(entries, device, nbytes), STREAM_HOOK_NAME, root=model)
         for name, _, _, is_param, _ in entries:
             _set_tensor(module, name, torch.empty(0, dtype=getattr(module, name).dtype), is_param)
         streamed += nbytes
@@ -180,7 +179,6 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s weights read from its checkpoint files per full forward (0 when nothing streams)."""
     total = 0
     for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(STREAM_HOOK_NAME) if registry is not None else None
+        hook = get_h3_hook(module, STREAM_HOOK_NAME)
         total += hook.nbytes if hook is not None else 0
     return total

@@ -7,8 +7,9 @@ machinery lacks for H3:
 * any packed length: the `*_anything` sharding (uneven shards) is switched on, and the output gather is replaced by a
   padded one because gloo's all-gather rejects uneven sizes;
 * processors installed after `enable_parallelism` (VSA, low-precision attention) receive the config at the next
-  forward, and a processor that cannot run under context parallelism is refused instead of silently attending over
-  its own shard only;
+  forward (the `H3_CONTEXT_PARALLEL_HOOK` on the transformer, which also holds the `ContextParallelRecord`, re-checks
+  the processors only when one was replaced since), and a processor that cannot run under context parallelism is
+  refused instead of silently attending over its own shard only;
 * the token refiner's text rows are not sharded, so its attention runs without the config (same result, no duplicated
   all-to-all work);
 * one-line errors, raised identically on every rank, for head counts, world sizes, ring degrees and configs that
@@ -16,16 +17,18 @@ machinery lacks for H3:
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.hooks.context_parallel import ContextParallelGatherHook
 
+from .._hooks import H3_CONTEXT_PARALLEL_HOOK, H3Hook, h3_record, register_h3_hook, transformers_of
 from ..attention_processors._ulysses import check_ulysses_heads
 
 
@@ -43,25 +46,41 @@ _RING_CAPABLE_BACKENDS = {
     "sage_hub",
 }
 _REFINER_PREFIX = "token_refiner."
-_STATE_ATTRIBUTE = "_diffusers_h3_context_parallel"
 
 
-def _transformers_of(pipe_or_transformer) -> List[torch.nn.Module]:
-    from diffusers import MiniMaxH3Transformer3DModel
+@dataclasses.dataclass
+class ContextParallelRecord:
+    """What `enable_context_parallel` set up on a transformer (`context_parallel_state` returns it as a dict)."""
 
-    if isinstance(pipe_or_transformer, MiniMaxH3Transformer3DModel):
-        return [pipe_or_transformer]
-    models = []
-    for name in ("transformer", "transformer_ref"):
-        model = getattr(pipe_or_transformer, name, None)
-        if model is not None:
-            models.append(model)
-    if not models:
-        raise TypeError(
-            f"enable_context_parallel expects a MiniMaxH3Transformer3DModel or a pipeline with a `transformer`, got "
-            f"{type(pipe_or_transformer).__name__}."
-        )
-    return models
+    ulysses_degree: int
+    ring_degree: int
+    world_size: int
+    uneven_shards: bool
+    backend: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ContextParallelHook(H3Hook):
+    """On the transformer: holds the `ContextParallelRecord`; before a forward, gives the CP config to block processors
+    installed since the last forward (and keeps it off the refiner's). Nothing is rewritten while the processors stay
+    the ones it last synced."""
+
+    def __init__(self, record: ContextParallelRecord):
+        super().__init__(record)
+        self._synced: Optional[Tuple[int, ...]] = None
+
+    def pre_forward(self, module, *args, **kwargs):
+        current = _processor_ids(module)
+        if current != self._synced:
+            _sync_processors(module, self.record.ring_degree)
+            self._synced = _processor_ids(module)
+        return args, kwargs
+
+
+def _processor_ids(model: torch.nn.Module) -> Tuple[int, ...]:
+    return tuple(id(m.processor) for _, m in _attention_modules(model))
 
 
 def _ensure_process_group() -> None:
@@ -138,9 +157,8 @@ def _check_processor(name: str, processor, ring_degree: int) -> None:
             )
 
 
-def _sync_processors(model: torch.nn.Module) -> None:
+def _sync_processors(model: torch.nn.Module, ring_degree: int) -> None:
     """Give the CP config to block processors installed after `enable_parallelism`; keep it off the refiner."""
-    state = getattr(model, _STATE_ATTRIBUTE)
     config = model._parallel_config
     modules = list(_attention_modules(model))
     block_processors = {id(m.processor) for name, m in modules if not name.startswith(_REFINER_PREFIX)}
@@ -154,7 +172,7 @@ def _sync_processors(model: torch.nn.Module) -> None:
             if getattr(processor, "_parallel_config", None) is not None:
                 processor._parallel_config = None
             continue
-        _check_processor(name, processor, state["ring_degree"])
+        _check_processor(name, processor, ring_degree)
         if processor._parallel_config is not config:
             processor._parallel_config = config
 
@@ -294,7 +312,7 @@ def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_d
         raise ValueError(
             f"ulysses_degree={ulysses_degree}, ring_degree={ring_degree}: both must be >= 1 and their product > 1."
         )
-    models = _transformers_of(pipe_or_transformer)
+    models = transformers_of(pipe_or_transformer, "enable_context_parallel")
     _ensure_process_group()
     world_size = dist.get_world_size()
     if ulysses_degree * ring_degree != world_size:
@@ -334,22 +352,20 @@ def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_d
             _enable_parallelism_on_cpu(model, cp_config)
         if cp_config.ulysses_anything or cp_config.ring_anything:
             _replace_gather_hooks(model, model._parallel_config.context_parallel_config, model._cp_plan)
-        setattr(
-            model,
-            _STATE_ATTRIBUTE,
-            {
-                "ulysses_degree": ulysses_degree,
-                "ring_degree": ring_degree,
-                "world_size": world_size,
-                "uneven_shards": cp_config.ulysses_anything or cp_config.ring_anything,
-                "backend": str(dist.get_backend()),
-            },
+        record = ContextParallelRecord(
+            ulysses_degree=ulysses_degree,
+            ring_degree=ring_degree,
+            world_size=world_size,
+            uneven_shards=cp_config.ulysses_anything or cp_config.ring_anything,
+            backend=str(dist.get_backend()),
         )
-        _sync_processors(model)
-        model.register_forward_pre_hook(lambda module, args: _sync_processors(module))
+        hook = register_h3_hook(model, ContextParallelHook(record), H3_CONTEXT_PARALLEL_HOOK)
+        _sync_processors(model, ring_degree)
+        hook._synced = _processor_ids(model)
     return pipe_or_transformer
 
 
 def context_parallel_state(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
     """What `enable_context_parallel` set up on `model` (degrees, world size, backend), or `None`."""
-    return getattr(model, _STATE_ATTRIBUTE, None)
+    record = h3_record(model, H3_CONTEXT_PARALLEL_HOOK)
+    return None if record is None else record.as_dict()

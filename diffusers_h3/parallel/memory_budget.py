@@ -32,6 +32,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
+from .._hooks import H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
+
 
 logger = logging.get_logger(__name__)
 
@@ -269,10 +271,7 @@ def check_weights_for_recipe(pipe, recipe: MemoryRecipe) -> None:
 
     wanted = {"fp8_or_w8a16": {"fp8", "w8a16"}}.get(recipe.spec.transformer_format, {recipe.spec.transformer_format})
     methods = {get_format(name).method for name in wanted}
-    for name in ("transformer", "transformer_ref"):
-        component = getattr(pipe, name, None)
-        if component is None:
-            continue
+    for name, component in partitions_of(pipe):
         found = _stored_formats(component)
         if not found & methods:
             raise MemoryBudgetError(
@@ -345,7 +344,7 @@ def place_for_recipe(pipe, recipe: MemoryRecipe, device, offload_folder=None) ->
         _record_placement(pipe, **placements)
         return placements
     if spec.text_encoder_placement == "disk" and getattr(pipe, "text_encoder", None) is not None:
-        if not getattr(pipe.text_encoder, "_h3_streams_from_disk", None):
+        if streams_from_disk(pipe.text_encoder) is None:
             stream_text_encoder_from_disk(pipe, device, offload_folder)
     return enable_low_memory_offload(pipe, device, low_cpu_mem_usage=True)
 
@@ -386,10 +385,30 @@ def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=N
                    "low_cpu_mem_usage": True, "offload_to_disk_path": offload_folder}  # fmt: skip
         _offload_leaf_level(text_encoder, options)
         source = offload_folder
-    text_encoder._h3_streams_from_disk = source
+    register_h3_hook(text_encoder, StreamFromDiskHook(StreamFromDiskRecord(source, checkpoint_folder is not None)),
+                     H3_STREAM_FROM_DISK_HOOK)  # fmt: skip
     if text_encoder is not pipe_or_text_encoder:
         _record_placement(pipe_or_text_encoder, text_encoder=text_encoder_stream_placement(source, checkpoint_folder))
     return source
+
+
+@dataclass
+class StreamFromDiskRecord:
+    """Where a text encoder's weights stream from (:func:`stream_text_encoder_from_disk`)."""
+
+    source: str
+    checkpoint_files: bool  # its own checkpoint files (nothing copied), else offload files written for it
+
+
+class StreamFromDiskHook(H3Hook):
+    """Holds the :class:`StreamFromDiskRecord` on the text encoder's top module (the leaves carry the hooks that
+    stream); adds nothing to the forward."""
+
+
+def streams_from_disk(text_encoder: torch.nn.Module) -> Optional[str]:
+    """Where ``text_encoder``'s weights stream from, or ``None`` when they do not stream from disk."""
+    record = h3_record(text_encoder, H3_STREAM_FROM_DISK_HOOK)
+    return None if record is None else record.source
 
 
 def text_encoder_stream_placement(source: str, checkpoint_folder=None) -> str:

@@ -12,9 +12,20 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 Peak memory of the single-GPU recipes is measured by `benchmarks/placement.py` (`placement_h200.json`).
 """
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 import torch
+
+from .._hooks import (
+    H3_OFFLOAD_BUFFERS_HOOK,
+    H3_STREAM_FROM_DISK_HOOK,
+    PARTITIONS,
+    H3Hook,
+    get_h3_hook,
+    register_h3_hook,
+)
 
 
 def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
@@ -65,9 +76,19 @@ def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
     return record
 
 
+# A pipeline is no module and has no hook registry: the recipes' record of where each component went is kept on the
+# pipeline object under this attribute (read with `placement_of`).
+_PLACEMENT_ATTRIBUTE = "_diffusers_h3_placement"
+
+
 def _record_placement(pipe, **entries: str) -> None:
     """Add to what the recipes applied to `pipe` (`describe(pipe)["placement"]`)."""
-    pipe._diffusers_h3_placement = {**(getattr(pipe, "_diffusers_h3_placement", None) or {}), **entries}
+    setattr(pipe, _PLACEMENT_ATTRIBUTE, {**placement_of(pipe), **entries})
+
+
+def placement_of(pipe) -> Dict[str, str]:
+    """`{component: placement}` the placement recipes applied to `pipe` (empty when none ran)."""
+    return dict(getattr(pipe, _PLACEMENT_ATTRIBUTE, None) or {})
 
 
 def balanced_kwargs(max_memory: Dict[Union[int, str], str]) -> Dict[str, Any]:
@@ -101,9 +122,29 @@ def _has_weight_norm(module: torch.nn.Module) -> bool:
     return False
 
 
+@dataclass
+class OffloadBuffersRecord:
+    """Offload groups of a component whose `_offload_to_memory` also returns the buffers (counted over refreshes)."""
+
+    groups_changed: int = 0
+
+
+class OffloadBuffersHook(H3Hook):
+    """Marks a component whose stream-prefetched offload groups get the buffer fix (`H3_OFFLOAD_BUFFERS_HOOK`), so
+    that :func:`refresh_low_memory_offload` re-checks it before each request. Adds nothing to the forward."""
+
+    def __init__(self) -> None:
+        super().__init__(OffloadBuffersRecord())
+
+
+# diffusers' ModuleGroup objects (not modules: no registry) whose `_offload_to_memory` was wrapped.
+_GROUPS_RETURNING_BUFFERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """Make stream-prefetched offload groups send their modules' buffers back to the CPU as well; returns the number
-    of groups changed. Marks `component`, so that :func:`refresh_low_memory_offload` re-checks it before each request.
+    of groups changed. Registers :class:`OffloadBuffersHook` on `component`, so that
+    :func:`refresh_low_memory_offload` re-checks it before each request.
 
     diffusers 0.42.1's `ModuleGroup._offload_to_memory` (stream path) restores the CPU copies of the group modules'
     parameters only, while onloading moves their buffers too: buffers onloaded once stay on the GPU for good. The
@@ -111,7 +152,9 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
     """
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
-    component._h3_stream_offload = True
+    marker = get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK)
+    if marker is None:
+        marker = register_h3_hook(component, OffloadBuffersHook(), H3_OFFLOAD_BUFFERS_HOOK)
     changed, seen = 0, set()
     for module in component.modules():
         registry = getattr(module, "_diffusers_hook", None)
@@ -120,7 +163,7 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
         if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
             continue
         seen.add(id(group))
-        if getattr(group, "_h3_returns_buffers", False):  # already changed (a refresh after diffusers rebuilt others)
+        if group in _GROUPS_RETURNING_BUFFERS:  # already changed (a refresh after diffusers rebuilt others)
             continue
         if not callable(getattr(group, "_offload_to_memory", None)) or not isinstance(group.cpu_param_dict, dict):
             raise RuntimeError(
@@ -138,8 +181,9 @@ def _offload_group_buffers_too(component: torch.nn.Module) -> int:
                 buffer.data = group.cpu_param_dict[buffer]
 
         group._offload_to_memory = offload_parameters_and_buffers
-        group._h3_returns_buffers = True
+        _GROUPS_RETURNING_BUFFERS.add(group)
         changed += 1
+    marker.record.groups_changed += changed
     return changed
 
 
@@ -152,7 +196,7 @@ def refresh_low_memory_offload(pipe) -> int:
     """
     changed = 0
     for component in getattr(pipe, "components", {}).values():
-        if isinstance(component, torch.nn.Module) and getattr(component, "_h3_stream_offload", False):
+        if isinstance(component, torch.nn.Module) and get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK) is not None:
             changed += _offload_group_buffers_too(component)
     return changed
 
@@ -205,7 +249,7 @@ def enable_low_memory_offload(
         use_stream = device.type == "cuda"
     if use_stream and device.type != "cuda":
         raise ValueError(f"use_stream=True needs a CUDA device, got {device}.")
-    block_level = ("transformer", "transformer_ref")
+    block_level = PARTITIONS
     leaf_level = ("text_encoder",)
     placements: Dict[str, str] = {}
     previous_hook = None
@@ -214,11 +258,11 @@ def enable_low_memory_offload(
     settings = f"stream={use_stream}, low_cpu_mem_usage={low_cpu_mem_usage}"
     from diffusers.hooks.group_offloading import _is_group_offload_enabled
 
-    already = getattr(pipe, "_diffusers_h3_placement", None) or {}
+    already = placement_of(pipe)
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if _is_group_offload_enabled(component) or getattr(component, "_h3_streams_from_disk", None):
+        if _is_group_offload_enabled(component) or get_h3_hook(component, H3_STREAM_FROM_DISK_HOOK) is not None:
             # placed before: a text encoder streamed from disk (offload files or its own checkpoint files)
             placements[name] = already.get(name, "group offload (applied before)")
             continue

@@ -1,12 +1,11 @@
 """What a pipeline call does differently when its transformer runs under context parallelism.
 
 Every rank runs the whole pipeline (as diffusers' context-parallel docs prescribe), but only the DiT forward is worth
-sharing: the text encoder runs on rank 0 and its output is broadcast, the token refiner runs once per request, every
-rank must start from the same noise (checked), the video decode splits its tiles over the ranks, and only rank 0
-writes files.
+sharing: the text encoder runs on rank 0 and its output is broadcast, every rank must start from the same noise
+(checked), the video decode splits its tiles over the ranks, and only rank 0 writes files (the token refiner runs once
+per request on every path: hooks/refine_once.py).
 """
 
-import contextlib
 import hashlib
 from typing import Any, Callable, Optional, Tuple
 
@@ -81,35 +80,3 @@ def run_on_main_rank(fn: Callable[[], Tuple[torch.Tensor, ...]], group, device: 
     count = [len(outputs) if outputs is not None else None]
     dist.broadcast_object_list(count, group_src=0, group=group)
     return tuple(_broadcast_tensor(outputs[i] if outputs is not None else None, group, device) for i in range(count[0]))
-
-
-@contextlib.contextmanager
-def refine_text_once(transformer):
-    """Within the block, the token refiner (timestep-free) reuses its output for an identical input, so that it runs
-    once per request instead of once per denoising step. Exact: the cached output is what it would recompute."""
-    refiner = getattr(transformer, "token_refiner", None)
-    if refiner is None:
-        yield
-        return
-    cache = {}
-    original_forward = refiner.forward
-
-    def forward(hidden_states):
-        cached = cache.get("entry")
-        if cached is not None and cached[0].shape == hidden_states.shape and torch.equal(cached[0], hidden_states):
-            return cached[1]
-        output = original_forward(hidden_states)
-        cache["entry"] = (hidden_states.detach().clone(), output)
-        cache["runs"] = cache.get("runs", 0) + 1
-        return output
-
-    # Hooks (group offload, diffusers' hook registry) may already have replaced `forward` on the instance.
-    had_instance_forward = "forward" in refiner.__dict__
-    refiner.forward = forward
-    try:
-        yield cache
-    finally:
-        if had_instance_forward:
-            refiner.forward = original_forward
-        else:
-            del refiner.forward

@@ -8,8 +8,9 @@ the plan lives here and the split is done in place on whatever layer type sits a
   keeps `heads / tp_degree` heads (`attn.heads` becomes the local count; the per-head `norm_q` / `norm_k` are shared
   by all heads and stay replicated);
 * row parallel: `to_out[0]` and the FFN down projection take their input columns; the partial outputs are reduced
-  ONCE per attention and once per FFN, by a forward hook on the attention / FFN module (so that loading or unloading
-  a LoRA, which replaces the linears, keeps the reduction);
+  ONCE per attention and once per FFN, by a hook (`H3_TENSOR_PARALLEL_REDUCE_HOOK`, in its diffusers `HookRegistry`)
+  on the attention / FFN module (so that loading or unloading a LoRA, which replaces the linears, keeps the
+  reduction); the transformer's own `H3_TENSOR_PARALLEL_HOOK` holds the `TensorParallelRecord`;
 * everything else (embedders, AdaLN modulation, norms, output heads) is replicated. Audio and text rows share the
   block stack, so the same split serves every modality. The token refiner is split the same way as the blocks: its
   weights are a block's worth each, and it is the only other place with heads.
@@ -25,6 +26,7 @@ bitwise the same output run to run and on every rank, unlike a ring/tree all-red
 on the backend. The cost is `tp_degree` partial-sized buffers per reduction instead of one.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,31 +36,44 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._hooks import (
+    H3_TENSOR_PARALLEL_HOOK,
+    H3_TENSOR_PARALLEL_REDUCE_HOOK,
+    H3Hook,
+    h3_record,
+    register_h3_hook,
+    transformers_of,
+)
 from .context_parallel import context_parallel_state
 
 
-_STATE_ATTRIBUTE = "_diffusers_h3_tensor_parallel"
-_HOOKS_ATTRIBUTE = "_diffusers_h3_tensor_parallel_hooks"
+@dataclasses.dataclass
+class TensorParallelRecord:
+    """What `enable_tensor_parallel` set up on a transformer (`tensor_parallel_state` returns it as a dict)."""
+
+    tp_degree: int
+    rank: int
+    reduction: str
+    reduce_dtype: str
+    heads_per_rank: int
+    token_refiner: str
+    split_layers: int
+    parameter_bytes_per_rank: int
+    split_bytes_per_rank: int
+    replicated_bytes: int
+    unsplit_model_bytes: int  # before the split (dense layers: exactly `replicated + tp_degree * split`)
+    loaded_from: Optional[str] = None  # the folder `load_transformer_tensor_parallel` read this rank's slices from
+
+    def as_dict(self) -> Dict[str, Any]:
+        state = dataclasses.asdict(self)
+        if state["loaded_from"] is None:
+            del state["loaded_from"]
+        return state
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The plan: which linear is split how
 # ----------------------------------------------------------------------------------------------------------------------
-def _transformers_of(pipe_or_transformer) -> List[nn.Module]:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if isinstance(pipe_or_transformer, MiniMaxH3Transformer3DModel):
-        return [pipe_or_transformer]
-    models = [getattr(pipe_or_transformer, n, None) for n in ("transformer", "transformer_ref")]
-    models = [m for m in models if m is not None]
-    if not models:
-        raise TypeError(
-            f"enable_tensor_parallel expects a MiniMaxH3Transformer3DModel or a pipeline with a `transformer`, got "
-            f"{type(pipe_or_transformer).__name__}."
-        )
-    return models
-
-
 def _packed_halves(feed_forward: nn.Module) -> int:
     """2 when the up projection packs `[up | gate]` (SwiGLU / GEGLU: `chunk(2, dim=-1)` in the activation), else 1."""
     from diffusers.models.activations import GEGLU, SwiGLU
@@ -203,15 +218,16 @@ def ordered_sum_reduce(partial: torch.Tensor, group=None, reduce_dtype: Optional
     return total.to(device=partial.device, dtype=partial.dtype)
 
 
-class _RowParallelReduce:
-    """Forward hook of an attention / FFN module: reduce the row-parallel partial output, then add the bias once."""
+class _RowParallelReduce(H3Hook):
+    """Hook of an attention / FFN module: reduce the row-parallel partial output, then add the bias once."""
 
     def __init__(self, group, reduce_dtype: Optional[torch.dtype], bias: Optional[torch.Tensor]):
+        super().__init__()
         self.group = group
         self.reduce_dtype = reduce_dtype
         self.bias = bias
 
-    def __call__(self, module, inputs, output):
+    def post_forward(self, module, output):
         output = ordered_sum_reduce(output, self.group, self.reduce_dtype)
         if self.bias is not None:
             output = output + self.bias.to(device=output.device, dtype=output.dtype)
@@ -225,7 +241,26 @@ def _refuse_lora_after_tensor_parallel(*args, **kwargs):
     )
 
 
-def _check_not_context_parallel(model, args):
+class _TensorParallelHook(H3Hook):
+    """On the transformer: holds the `TensorParallelRecord` and refuses a forward once context parallelism is also on.
+    While registered, LoRA loading on the model is refused (its factors must be split with the layers)."""
+
+    def initialize_hook(self, module):
+        module.load_lora_adapter = _refuse_lora_after_tensor_parallel
+        module.add_adapter = _refuse_lora_after_tensor_parallel
+        return module
+
+    def deinitalize_hook(self, module):
+        for name in ("load_lora_adapter", "add_adapter"):
+            module.__dict__.pop(name, None)
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        _check_not_context_parallel(module)
+        return args, kwargs
+
+
+def _check_not_context_parallel(model):
     if context_parallel_state(model) is not None:
         raise RuntimeError(
             "Tensor and context parallelism are both enabled on this transformer; combining them (TP inside a node, "
@@ -289,35 +324,26 @@ def _apply_tensor_parallel(model, rank: int, tp_degree: int, group, reduce_dtype
         attn = model.get_submodule(path)
         attn.heads //= tp_degree
         attn.inner_dim //= tp_degree
-    hooks = []
     owners = [(p, f"{p}.to_out.0") for p in plan["attention"]] + [(p, f"{p}.net.2") for p in plan["feed_forward"]]
     for owner, row in owners:
         reduce = _RowParallelReduce(group, reduce_dtype, row_biases[row])
-        hooks.append(model.get_submodule(owner).register_forward_hook(reduce))
-    hooks.append(model.register_forward_pre_hook(_check_not_context_parallel))
-    model.load_lora_adapter = _refuse_lora_after_tensor_parallel
-    model.add_adapter = _refuse_lora_after_tensor_parallel
+        register_h3_hook(model.get_submodule(owner), reduce, H3_TENSOR_PARALLEL_REDUCE_HOOK, root=model)
     per_rank = _bytes_of(model)
     sharded = sum(_bytes_of(model.get_submodule(p)) for p in split_paths)
-    setattr(model, _HOOKS_ATTRIBUTE, hooks)
-    setattr(
-        model,
-        _STATE_ATTRIBUTE,
-        {
-            "tp_degree": tp_degree,
-            "rank": rank,
-            "reduction": "all-gather of the partial outputs, added in rank order 0, 1, ..., tp_degree - 1",
-            "reduce_dtype": str(reduce_dtype or "partial dtype").replace("torch.", ""),
-            "heads_per_rank": model.config.num_attention_heads // tp_degree,
-            "token_refiner": "split like the blocks",
-            "split_layers": len(split_paths),
-            "parameter_bytes_per_rank": per_rank,
-            "split_bytes_per_rank": sharded,
-            "replicated_bytes": per_rank - sharded,
-            # Before the split (dense layers: exactly `replicated + tp_degree * split`).
-            "unsplit_model_bytes": unsplit_bytes if split else per_rank + (tp_degree - 1) * sharded,
-        },
+    record = TensorParallelRecord(
+        tp_degree=tp_degree,
+        rank=rank,
+        reduction="all-gather of the partial outputs, added in rank order 0, 1, ..., tp_degree - 1",
+        reduce_dtype=str(reduce_dtype or "partial dtype").replace("torch.", ""),
+        heads_per_rank=model.config.num_attention_heads // tp_degree,
+        token_refiner="split like the blocks",
+        split_layers=len(split_paths),
+        parameter_bytes_per_rank=per_rank,
+        split_bytes_per_rank=sharded,
+        replicated_bytes=per_rank - sharded,
+        unsplit_model_bytes=unsplit_bytes if split else per_rank + (tp_degree - 1) * sharded,
     )
+    register_h3_hook(model, _TensorParallelHook(record), H3_TENSOR_PARALLEL_HOOK)
 
 
 def enable_tensor_parallel(
@@ -344,7 +370,7 @@ def enable_tensor_parallel(
     """
     if not isinstance(tp_degree, int) or tp_degree < 2:
         raise ValueError(f"tp_degree must be an integer >= 2, got {tp_degree!r}.")
-    models = _transformers_of(pipe_or_transformer)
+    models = transformers_of(pipe_or_transformer, "enable_tensor_parallel")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "enable_tensor_parallel needs one process per rank and a process group: launch with `torchrun "
@@ -364,9 +390,9 @@ def enable_tensor_parallel(
         )
     for model in models:
         _check_degree(model, tp_degree)
-        if getattr(model, _STATE_ATTRIBUTE, None) is not None:
+        if h3_record(model, H3_TENSOR_PARALLEL_HOOK) is not None:
             raise RuntimeError(f"{type(model).__name__} is already tensor parallel; enable it once per model.")
-        _check_not_context_parallel(model, ())
+        _check_not_context_parallel(model)
         plan = tensor_parallel_plan(model)
         for path, chunks in plan["column"].items():
             _check_layer(path, model.get_submodule(path), 0, tp_degree, chunks)
@@ -382,7 +408,8 @@ def enable_tensor_parallel(
 def tensor_parallel_state(model: nn.Module) -> Optional[Dict[str, Any]]:
     """What `enable_tensor_parallel` set up on `model` (degree, rank, reduction, parameter bytes of this rank), or
     `None`."""
-    return getattr(model, _STATE_ATTRIBUTE, None)
+    record = h3_record(model, H3_TENSOR_PARALLEL_HOOK)
+    return None if record is None else record.as_dict()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -490,5 +517,5 @@ def load_transformer_tensor_parallel(
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.eval().requires_grad_(False)
     _apply_tensor_parallel(model, rank, tp_degree, process_group, reduce_dtype, split=False)
-    getattr(model, _STATE_ATTRIBUTE)["loaded_from"] = folder
+    h3_record(model, H3_TENSOR_PARALLEL_HOOK).loaded_from = folder
     return model

@@ -61,13 +61,16 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
+from .._hooks import moves_weights, partitions_of
 from .._model_card import pipeline_model_card, save_with_card
-from ..attention_processors.layout import use_packed_layout
 from ..hooks.cache import start_cache_request
+from ..hooks.refine_once import refine_text_once
+from ..hooks.v100_mode import v100_mode_of
+from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
-from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
+from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
 from .loading import load_pipeline
@@ -268,16 +271,20 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
 
     def enable_fast_vae_decode(self, **options):
-        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`."""
+        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`.
+        Returns the pipeline."""
         from ..hooks.fast_vae_decode import enable_fast_vae_decode
 
-        return enable_fast_vae_decode(self.vae, **options)
+        return enable_fast_vae_decode(self, **options)
 
     def enable_v100_mode(self, **options):
-        """Run a bf16-trained H3 in fp16 safely on Volta GPUs; see `diffusers_h3.enable_v100_mode`."""
+        """Run a bf16-trained H3 in fp16 safely on Volta GPUs, on every loaded partition; see
+        `diffusers_h3.enable_v100_mode`. Returns the pipeline (`v100_mode_of(pipe.transformer)`: the record)."""
         from ..hooks.v100_mode import enable_v100_mode
 
-        return {name: enable_v100_mode(model, **options) for name, model in self._partitions()}
+        for _, model in self._partitions():
+            enable_v100_mode(model, **options)
+        return self
 
     def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
                             fullgraph: bool = False):
@@ -311,13 +318,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may
         sit on different GPUs (`device_map="balanced"`, or the text encoder on a second GPU); tensors follow them."""
         param = next(module.parameters(), None)
-        offloaded = hasattr(module, "_hf_hook") or hasattr(module, "_diffusers_hook")
+        offloaded = hasattr(module, "_hf_hook") or moves_weights(module)
         if param is None or offloaded or param.device.type == "meta":
             return self._execution_device
         return param.device
 
     def _partitions(self):
-        return [(n, getattr(self, n)) for n in PARTITIONS if getattr(self, n, None) is not None]
+        return partitions_of(self)
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks
@@ -1157,7 +1164,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         if lora:
             report["lora"] = lora
         for name, model in self._partitions():
-            mode = getattr(model, "_h3_v100_mode", None)
+            mode = v100_mode_of(model)
             if mode is not None:
                 report[f"{name}_v100_mode"] = mode.describe_path()
         return report

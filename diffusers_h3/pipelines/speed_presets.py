@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
+from .._hooks import partitions_of
 from .._utils import cuda_capability, has_fp8_tensor_cores
 from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET
 from ..attention_processors import (
@@ -388,6 +389,11 @@ def _apply_to_transformer(
     )
 
 
+# A pipeline is no module and has no hook registry: the preset's pipeline-wide record (every partition, the decode)
+# is kept on the pipeline object under this attribute; the parts it enables hold their own records in their hooks.
+_RECORD_ATTRIBUTE = "_h3_speed_preset"
+
+
 def enable_speed_preset(
     pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None, fullgraph: bool = False
 ) -> SpeedPresetRecord:
@@ -412,10 +418,9 @@ def enable_speed_preset(
     Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
     """
     check_speed_preset(preset)
-    partitions = getattr(pipe, "_partitions", None)
-    if not callable(partitions):
+    if isinstance(pipe, torch.nn.Module) or not callable(getattr(pipe, "_device_of", None)):
         raise TypeError(f"enable_speed_preset expects a MiniMaxH3Pipeline, got {type(pipe).__name__}")
-    models = list(partitions())
+    models = partitions_of(pipe)
     if not models:
         raise ValueError("enable_speed_preset: the pipeline holds no transformer partition to speed up")
     # Check every partition and the VAE before changing any (one clear error, nothing half-applied).
@@ -442,7 +447,7 @@ def enable_speed_preset(
         record.decode, record.decode_compile = vae_plan.decode, vae_plan.decode_compile
     logger.info(f"speed preset {preset!r}: video decode {record.decode}; decoder compile {record.decode_compile}; "
                 f"export {record.export}")  # fmt: skip
-    pipe._h3_speed_preset = record
+    setattr(pipe, _RECORD_ATTRIBUTE, record)
     return record
 
 
@@ -485,8 +490,13 @@ def enable_speed_preset_on_transformer(
 
 def speed_preset_report(pipe) -> Optional[Dict[str, Any]]:
     """The recorded speed preset of ``pipe`` (``None`` when none was applied)."""
-    record = getattr(pipe, "_h3_speed_preset", None)
+    record = speed_preset_record(pipe)
     return record.describe() if record is not None else None
+
+
+def speed_preset_record(pipe) -> Optional[SpeedPresetRecord]:
+    """The :class:`SpeedPresetRecord` of the last :func:`enable_speed_preset` on ``pipe``, or ``None``."""
+    return getattr(pipe, _RECORD_ATTRIBUTE, None)
 
 
 __all__: List[str] = [

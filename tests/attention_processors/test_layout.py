@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffusers_h3.attention_processors.layout import (
+from diffusers_h3.layout import (
     LayoutSegment,
     PackedLayout,
     current_packed_layout,

@@ -79,8 +79,7 @@ def test_options_are_validated_with_one_clear_line():
 
 def test_pipeline_like_objects_install_on_every_partition(model):  # noqa: F811
     class Pipe:
-        def _partitions(self):
-            return [("transformer", model)]
+        transformer = model
 
     _reset(model)
     summary = enable_low_precision_attention(Pipe(), precision="int8")

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import TilePlanCache, build_tile_plan
+from diffusers_h3.layout import LayoutSegment, PackedLayout
 
 
 def _ref2va_layout():

@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.kernels.attention.vsa_select import select_tiles, topk_for_sparsity  # noqa: E402
+from diffusers_h3.layout import LayoutSegment, PackedLayout  # noqa: E402
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

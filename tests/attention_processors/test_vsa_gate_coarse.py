@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 
 from diffusers_h3.attention_processors import vsa as vsa_module  # noqa: E402
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
+from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG  # noqa: E402
 
 

@@ -14,7 +14,6 @@ from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor  # noqa: E402
 
 from diffusers_h3.attention_processors import low_precision as low_precision_module  # noqa: E402
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import (  # noqa: E402
     MiniMaxH3VSAProcessor,
@@ -23,6 +22,7 @@ from diffusers_h3.attention_processors.vsa import (  # noqa: E402
     enable_vsa,
     vsa_attention,
 )
+from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
 
 

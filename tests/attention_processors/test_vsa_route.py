@@ -1,12 +1,14 @@
-"""The VSA route of a transformer call, prepared by enable_vsa's hooks before the blocks run (so that compiled blocks
-read plain state, tests/pipelines/test_compile_fullgraph.py), and only while one call runs on the transformer."""
+"""The VSA route of a transformer call, prepared by enable_vsa's registry hook before the blocks run (so that compiled
+blocks read plain state, tests/pipelines/test_compile_fullgraph.py), and only while one call runs on the transformer."""
 
 import math
 
+import pytest
 import torch
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout
-from diffusers_h3.attention_processors.vsa import _ROUTE_HOOKS, disable_vsa, enable_vsa
+from diffusers_h3._hooks import H3_VSA_ROUTE_HOOK, get_h3_hook
+from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
+from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout
 from diffusers_h3.testing.tiny import tiny_transformer
 
 
@@ -26,29 +28,55 @@ def _routes(model):
 def test_routes_are_prepared_per_call_and_only_for_one_call_at_a_time():
     model = tiny_transformer()
     enable_vsa(model, sparsity=0.5, dense_first_steps=1, dense_layers=(1,))
-    hooks = getattr(model, _ROUTE_HOOKS)
+    hook = get_h3_hook(model, H3_VSA_ROUTE_HOOK)
+    assert hook is not None and not model._forward_pre_hooks and not model._forward_hooks  # a registry hook only
+    original = hook.fn_ref.original_forward
     x = torch.zeros(1, 3)
-    with use_packed_layout(_layout(step=1)):
-        hooks.before(model, (), {"hidden_states": x})
-    (mode0, plan0), (mode1, plan1) = _routes(model)
-    assert mode0 == "sparse" and plan0.num_video_tiles == 2 and plan0.seq_len == 5 + math.prod(GRID)
-    assert (mode1, plan1) == ("dense", None)  # a dense layer
-    with use_packed_layout(_layout(step=1)):
-        hooks.before(model, (), {"hidden_states": x})  # a second call while the first runs (another thread)
-    assert _routes(model) == [None, None]  # both read their own thread's layout in the blocks
-    hooks.after(model, (), {}, None)
-    hooks.after(model, (), {}, None)
-    assert _routes(model) == [None, None]
-    with use_packed_layout(_layout(step=0)):  # a dense first step
-        hooks.before(model, (), {"hidden_states": x})
-    assert _routes(model) == [("dense", None), ("dense", None)]
-    hooks.after(model, (), {}, None)
-    with use_packed_layout(_layout(step=2)):  # the plan is shared by the blocks and across steps
-        hooks.before(model, (), {"hidden_states": x})
-        plan_a = _routes(model)[0][1]
-        hooks.after(model, (), {}, None)
-        hooks.before(model, (), {"hidden_states": x})
-        assert _routes(model)[0][1] is plan_a
-        hooks.after(model, (), {}, None)
+    seen = []
+
+    def blocks(*args, **kwargs):  # stands in for the blocks: what they read while the call runs
+        seen.append(_routes(model))
+        return "out"
+
+    hook.fn_ref.original_forward = blocks
+    try:
+        with use_packed_layout(_layout(step=1)):
+            assert hook.new_forward(model, hidden_states=x) == "out"
+        (mode0, plan0), (mode1, plan1) = seen[-1]
+        assert mode0 == "sparse" and plan0.num_video_tiles == 2 and plan0.seq_len == 5 + math.prod(GRID)
+        assert (mode1, plan1) == ("dense", None)  # a dense layer
+        assert _routes(model) == [None, None]  # forgotten after the call
+
+        def outer(*args, **kwargs):  # a second call starts while the first runs (another thread)
+            hook.fn_ref.original_forward = blocks
+            hook.new_forward(model, hidden_states=x)
+            seen.append(_routes(model))
+            return "out"
+
+        hook.fn_ref.original_forward = outer
+        with use_packed_layout(_layout(step=1)):
+            hook.new_forward(model, hidden_states=x)
+        assert seen[-2] == [None, None] and seen[-1] == [None, None]  # both read their own thread's layout
+
+        hook.fn_ref.original_forward = blocks
+        with use_packed_layout(_layout(step=0)):  # a dense first step
+            hook.new_forward(model, hidden_states=x)
+        assert seen[-1] == [("dense", None), ("dense", None)]
+        with use_packed_layout(_layout(step=2)):  # the plan is shared by the blocks and across steps
+            hook.new_forward(model, hidden_states=x)
+            hook.new_forward(model, hidden_states=x)
+        assert seen[-1][0][1] is seen[-2][0][1]
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("a block failed")
+
+        hook.fn_ref.original_forward = failing
+        with use_packed_layout(_layout(step=2)), pytest.raises(RuntimeError, match="a block failed"):
+            hook.new_forward(model, hidden_states=x)
+        assert _routes(model) == [None, None]  # no stale route after a failed call
+        assert hook._running == 0
+    finally:
+        hook.fn_ref.original_forward = original
     disable_vsa(model)
-    assert not hasattr(model, _ROUTE_HOOKS) and not model._forward_pre_hooks and not model._forward_hooks
+    assert get_h3_hook(model, H3_VSA_ROUTE_HOOK) is None
+    assert not model._forward_pre_hooks and not model._forward_hooks

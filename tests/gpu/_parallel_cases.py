@@ -61,7 +61,7 @@ def tiny_model(device, seed=0):
 
 
 def tiny_inputs(device):
-    from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
+    from diffusers_h3.layout import LayoutSegment, PackedLayout
     from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
     inputs = tiny_transformer_inputs(seed=1, seq_text=TEXT_ROWS, seq_audio=AUDIO_ROWS, grid=GRID)
@@ -79,7 +79,7 @@ def tiny_inputs(device):
 
 def forward_outputs(model, inputs, layout):
     """The video and audio outputs of one forward, flattened into one fp32 CPU vector."""
-    from diffusers_h3.attention_processors.layout import use_packed_layout
+    from diffusers_h3.layout import use_packed_layout
 
     with torch.no_grad(), use_packed_layout(layout):
         out = model(**inputs, return_dict=False)

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
 from diffusers_h3.kernels.attention import (
     TuningOptions,
@@ -20,6 +19,7 @@ from diffusers_h3.kernels.attention.bsa_sm90 import block_sparse_attention_sm90
 from diffusers_h3.kernels.attention.vsa_pool import tile_pool_reference
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index_reference
 from diffusers_h3.kernels.numerics import quantize_fp8_per_block, quantize_fp8_per_token
+from diffusers_h3.layout import LayoutSegment, PackedLayout
 
 
 pytestmark = [

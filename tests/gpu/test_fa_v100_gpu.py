@@ -130,7 +130,7 @@ def test_processor_kernel_path_matches_diffusers_processor():
 def test_v100_mode_on_gpu_uses_kernel_and_stays_close_to_fp32():
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    from diffusers_h3.hooks.v100_mode import enable_v100_mode
+    from diffusers_h3.hooks.v100_mode import enable_v100_mode, v100_mode_of
 
     torch.manual_seed(0)
     model = MiniMaxH3Transformer3DModel(
@@ -143,7 +143,7 @@ def test_v100_mode_on_gpu_uses_kernel_and_stays_close_to_fp32():
     inputs = {k: v.cuda() for k, v in inputs.items()}
     with torch.no_grad():
         ref = model(**inputs).sample
-        mode = enable_v100_mode(model, allow_non_volta=True)
+        mode = v100_mode_of(enable_v100_mode(model, allow_non_volta=True))
         got = model(**inputs).sample
     assert torch.isfinite(got).all()
     assert _rel_l2(got, ref) < 2e-2

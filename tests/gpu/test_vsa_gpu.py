@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
 from diffusers_h3.attention_processors.vsa import vsa_attention
 from diffusers_h3.kernels.attention import block_sparse_attention
@@ -17,6 +16,7 @@ from diffusers_h3.kernels.attention.vsa_pool import (
     tile_quantize_fp8_reference,
 )
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index, mask_to_index_reference
+from diffusers_h3.layout import LayoutSegment, PackedLayout
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

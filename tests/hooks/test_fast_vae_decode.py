@@ -7,7 +7,7 @@ import torch
 
 import diffusers_h3
 from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
-from diffusers_h3.hooks.fast_vae_decode import DEFAULT_TILES_PER_BATCH, describe_vae_decode
+from diffusers_h3.hooks.fast_vae_decode import DEFAULT_TILES_PER_BATCH, describe_vae_decode, fast_vae_decode_state
 from diffusers_h3.testing.tiny import tiny_vae
 
 
@@ -86,7 +86,7 @@ def test_disable_restores_the_native_decode_and_report():
     vae = _random_vae(seed=4)
     z = _latents((1, 4, 7, 6, 5), seed=5)
     assert describe_vae_decode(vae).startswith("diffusers native tiled decode")
-    state = enable_fast_vae_decode(vae)
+    state = fast_vae_decode_state(enable_fast_vae_decode(vae))
     assert state.tiles_per_batch == DEFAULT_TILES_PER_BATCH and "last decode: none yet" in describe_vae_decode(vae)
     _, fast_calls = _decode(vae, z)
     disable_fast_vae_decode(vae)
@@ -154,7 +154,7 @@ def test_compiled_batched_decode_on_gpu_matches_native():
     vae = _random_vae(seed=10).cuda()
     z = _latents((1, 4, 9, 6, 9), seed=11).cuda()
     native, _ = _decode(vae, z)
-    state = enable_fast_vae_decode(vae, batch_tiles=8, compile=True)
+    state = fast_vae_decode_state(enable_fast_vae_decode(vae, batch_tiles=8, compile=True))
     fast, calls = _decode(vae, z)
     again, _ = _decode(vae, z)
     assert calls.calls == 2 and state.compile_seconds is not None and state.compile_seconds > 0
@@ -175,7 +175,7 @@ def test_fp8_decoder_linears_are_the_fp8_quantization_of_the_decoder():
     expected, _ = _decode(by_hand, z)
 
     vae = _random_vae()
-    state = enable_fast_vae_decode(vae, batch_tiles=True, fp8_linears=True)
+    state = fast_vae_decode_state(enable_fast_vae_decode(vae, batch_tiles=True, fp8_linears=True))
     got, counter = _decode(vae, z)
     assert counter.calls == 1 and state.fp8_linears
     kinds = {name: type(m).__name__ for name, m in vae.decoder.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -10,8 +10,15 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 import diffusers_h3._utils as h3_utils
+from diffusers_h3._hooks import H3_V100_MODE_HOOK, hooked_modules
 from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
-from diffusers_h3.hooks.v100_mode import NonFiniteActivationError, enable_v100_mode, pow2_row_scale
+from diffusers_h3.hooks.v100_mode import (
+    NonFiniteActivationError,
+    disable_v100_mode,
+    enable_v100_mode,
+    pow2_row_scale,
+    v100_mode_of,
+)
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
 
@@ -64,7 +71,7 @@ def test_v100_mode_finite_where_plain_half_overflows():
     plain_video, plain_audio = _run(plain, inputs)
     assert not (torch.isfinite(plain_video).all() and torch.isfinite(plain_audio).all())
 
-    mode = enable_v100_mode(model)
+    mode = v100_mode_of(enable_v100_mode(model))
     video, audio = _run(model, inputs)
     assert torch.isfinite(video).all() and torch.isfinite(audio).all()
     assert _rel(video, ref_video) < 2e-2 and _rel(audio, ref_audio) < 2e-2
@@ -141,7 +148,7 @@ def test_weight_beyond_fp16_is_named_and_can_stay_fp32():
         model.transformer_blocks[0].ff.net[0].proj.weight[3, 3] = 1e6
     with pytest.raises(ValueError, match=r"transformer_blocks\.0\.ff\.net\.0\.proj\.weight.*fp32_modules"):
         enable_v100_mode(copy.deepcopy(model))
-    mode = enable_v100_mode(model, fp32_modules=["transformer_blocks.0.ff"])
+    mode = v100_mode_of(enable_v100_mode(model, fp32_modules=["transformer_blocks.0.ff"]))
     assert model.transformer_blocks[0].ff.net[0].proj.weight.dtype == torch.float32
     assert "transformer_blocks.0.ff" in mode.fp32_modules
     video, _ = _run(model, _inputs())
@@ -150,12 +157,13 @@ def test_weight_beyond_fp16_is_named_and_can_stay_fp32():
 
 def test_remove_and_double_enable():
     model = _model(seed=7, hot=False)
-    mode = enable_v100_mode(model)
+    mode = v100_mode_of(enable_v100_mode(model))
     with pytest.raises(RuntimeError, match="already enabled"):
         enable_v100_mode(model)
     mode.remove()
     assert not model.transformer_blocks[0].attn.to_q._forward_pre_hooks
-    enable_v100_mode(model).remove()
+    disable_v100_mode(enable_v100_mode(model))
+    assert v100_mode_of(model) is None and not hooked_modules(model, H3_V100_MODE_HOOK)
 
 
 def test_bad_arguments():
@@ -203,8 +211,9 @@ def test_pipeline_enable_v100_mode_end_to_end():
     pipe = tiny.tiny_pipeline(seed=0)
     call = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
     ref = pipe(**call, generator=torch.Generator().manual_seed(0))
-    modes = pipe.enable_v100_mode()
-    assert modes and all("V100 mode" in m.describe_path() for m in modes.values())
+    assert pipe.enable_v100_mode() is pipe
+    modes = [v100_mode_of(model) for _, model in pipe._partitions()]
+    assert modes and all("V100 mode" in m.describe_path() for m in modes)
     got = pipe(**call, generator=torch.Generator().manual_seed(0))
     for field in ("frames", "audio"):
         a, b = getattr(ref, field), getattr(got, field)

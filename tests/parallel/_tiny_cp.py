@@ -35,7 +35,7 @@ VSA_GRID = (3, 5, 6)  # 2x2x4 tiles: partial in every axis, 12 video tiles so th
 
 def vsa_inputs(seq_text: int = 5, seq_audio: int = 4, grid=VSA_GRID, seed: int = 1):
     """Forward kwargs on a larger video grid plus the matching `PackedLayout` ([text | audio | video])."""
-    from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
+    from diffusers_h3.layout import LayoutSegment, PackedLayout
 
     inputs = tiny_transformer_inputs(seed=seed, seq_text=seq_text, seq_audio=seq_audio, grid=grid)
     n_video = grid[0] * grid[1] * grid[2]
@@ -65,7 +65,7 @@ def add_random_gates(model, seed: int = 0):
 
 
 def forward_with_layout(model, inputs, layout):
-    from diffusers_h3.attention_processors.layout import use_packed_layout
+    from diffusers_h3.layout import use_packed_layout
 
     with use_packed_layout(layout):
         return forward(model, inputs)

@@ -176,7 +176,7 @@ def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path,
     monkeypatch.setattr(loader, "_load_text_encoder_alone", lambda *a: order.append("text_encoder") or real_te(*a))
 
     def pipe_after(cls, *args, **kwargs):
-        assert getattr(kwargs["text_encoder"], "_h3_streams_from_disk", None), "the text encoder is not streamed yet"
+        assert mb.streams_from_disk(kwargs["text_encoder"]), "the text encoder is not streamed yet"
         order.append("pipeline")
         return real_pipe(cls, *args, **kwargs)
 

@@ -234,7 +234,8 @@ def test_groups_diffusers_rebuilds_get_the_buffer_fix_again():
     refresh before each request gives those the fix too, and only components the recipe set up are touched."""
     from types import SimpleNamespace
 
-    from diffusers_h3.parallel.placement import refresh_low_memory_offload
+    from diffusers_h3._hooks import H3_OFFLOAD_BUFFERS_HOOK, register_h3_hook
+    from diffusers_h3.parallel.placement import OffloadBuffersHook, refresh_low_memory_offload
 
     block = torch.nn.Linear(4, 4)
     block.register_buffer("packed", torch.arange(4.0))
@@ -243,7 +244,7 @@ def test_groups_diffusers_rebuilds_get_the_buffer_fix_again():
     other = torch.nn.Sequential(torch.nn.Linear(4, 4))
     other[0].register_buffer("packed", torch.arange(4.0))
     _stream_group(other[0])  # group-offloaded by the user, not by enable_low_memory_offload
-    model._h3_stream_offload = True
+    register_h3_hook(model, OffloadBuffersHook(), H3_OFFLOAD_BUFFERS_HOOK)  # what enable_low_memory_offload leaves
     pipe = SimpleNamespace(components={"transformer": model, "other": other, "scheduler": object()})
     assert refresh_low_memory_offload(pipe) == 1
     assert refresh_low_memory_offload(pipe) == 0

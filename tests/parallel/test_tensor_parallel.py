@@ -56,7 +56,9 @@ def _v100_mode(model):
 
 def _v100_facts(model):
     """What shows that V100 mode is on the model: fp16 GEMM weights, its hooks, the FA-V100 processor's last path."""
-    mode = model._h3_v100_mode
+    from diffusers_h3.hooks.v100_mode import v100_mode_of
+
+    mode = v100_mode_of(model)
     return {
         "to_q_dtype": model.transformer_blocks[0].attn.to_q.weight.dtype,
         "down_dtype": model.transformer_blocks[0].ff.net[2].weight.dtype,

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
+from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs  # noqa: E402
 

@@ -8,6 +8,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 
 import diffusers_h3
 from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
+from diffusers_h3._hooks import H3_FAST_VAE_DECODE_HOOK, get_h3_hook
 from diffusers_h3.testing.tiny import tiny_pipeline
 
 
@@ -131,11 +132,11 @@ def test_preset_logs_what_it_turned_on(caplog):
 def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
     pipe = _pipe()
     pipe.enable_speed_preset("fastest", compile=False)
-    assert "_h3_fast_decode" in pipe.vae.__dict__
+    assert get_h3_hook(pipe.vae, H3_FAST_VAE_DECODE_HOOK) is not None
     assert diffusers_h3.describe(pipe)["speed_preset"]["decode"].startswith("batched tiles")
     exact = _pipe()
     exact.enable_speed_preset("exact", compile=False)
-    assert "_h3_fast_decode" not in exact.vae.__dict__
+    assert get_h3_hook(exact.vae, H3_FAST_VAE_DECODE_HOOK) is None
     assert diffusers_h3.describe(exact)["speed_preset"]["decode"] == "diffusers' tiled decode"
 
 

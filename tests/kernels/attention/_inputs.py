@@ -2,8 +2,8 @@
 
 import torch
 
-from diffusers_h3.attention_processors.layout import LayoutSegment, PackedLayout
 from diffusers_h3.attention_processors.tiling import build_tile_plan
+from diffusers_h3.layout import LayoutSegment, PackedLayout
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

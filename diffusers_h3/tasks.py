@@ -103,6 +103,8 @@ class TaskSpec:
         build_layout (`Callable`): `(text_token_tags, conditions, condition_latents, audio_condition_latents,
             geometry: LatentGeometry) -> (packed, layout)`: diffusers' packed-sequence tensors and the matching `PackedLayout`
             (a builder of `diffusers_h3/packing.py`).
+        canvas_aspect (`Callable[[dict], tuple[int, int]]`, *optional*): The `(width, height)` aspect a request
+            without `height`/`width` gets its canvas from (default: the training aspect, 16:9).
     """
 
     name: str
@@ -114,10 +116,22 @@ class TaskSpec:
     present: Callable[..., Tuple[List[int], List[int], Dict[str, torch.Tensor]]]
     encode_conditions: Callable[..., Tuple[List[torch.Tensor], List[torch.Tensor]]]
     build_layout: Callable[..., Tuple[tuple, PackedLayout]]
+    canvas_aspect: Optional[Callable[[Mapping[str, Any]], Tuple[int, int]]] = None
 
     def __post_init__(self):
         if self.partition not in PARTITIONS:
             raise ValueError(f"Task {self.name!r}: `partition` must be one of {PARTITIONS}, got {self.partition!r}.")
+
+    def resolve_canvas(
+        self, inputs: Mapping[str, Any], height: Optional[int], width: Optional[int], multiple: int,
+        canvas_rule: Tuple[int, int],
+    ) -> Tuple[int, int]:  # fmt: skip
+        """The request's canvas: `height` x `width` when given, else the canvas rule applied to the task's aspect
+        (`canvas_aspect(inputs)`, e.g. the first keyframe's; the training aspect 16:9 without one)."""
+        if height is not None:
+            return height, width
+        aspect = self.canvas_aspect(inputs) if self.canvas_aspect is not None else DEFAULT_ASPECT
+        return resolve_canvas_size(*aspect, multiple, *canvas_rule)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,13 +191,18 @@ def _check_keyframes(inputs: Mapping[str, Any]) -> None:
             raise ValueError(f"`image` / `last_image` must be PIL images, got {type(frame).__name__}.")
 
 
+def _keyframe_aspect(inputs: Mapping[str, Any]) -> Tuple[int, int]:
+    """The first keyframe's `(width, height)`: an fl2va canvas takes its aspect."""
+    return next(frame for frame in (inputs.get("image"), inputs.get("last_image")) if frame is not None).size
+
+
 def _prepare_keyframes(pipe, inputs, height, width, num_frames) -> TaskConditions:
     """Put keyframes on the canvas: the first is stretched (LANCZOS), a follower cover-cropped with H3's rounding."""
     image, last_image = inputs.get("image"), inputs.get("last_image")
     keyframes = [frame for frame in (image, last_image) if frame is not None]
     anchors = tuple(a for a, frame in (("first", image), ("last", last_image)) if frame is not None)
     if height is None:
-        height, width = resolve_canvas_size(*keyframes[0].size, pipe.canvas_multiple, *pipe._canvas_rule)
+        height, width = resolve_canvas_size(*_keyframe_aspect(inputs), pipe.canvas_multiple, *pipe._canvas_rule)
     fitted = []
     for index, frame in enumerate(keyframes):
         if frame.size == (width, height):
@@ -391,6 +410,7 @@ TASKS: Dict[str, TaskSpec] = {
             present=_present_keyframes,
             encode_conditions=_encode_keyframes,
             build_layout=_text_and_keyframes_layout,
+            canvas_aspect=_keyframe_aspect,
         ),
         TaskSpec(
             name="ref2va",

@@ -139,3 +139,12 @@ def test_limits_come_from_the_pipeline_config():
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="min_duration_s <= max_duration_s"):
         _config(min_duration_s=3.0, max_duration_s=2.0)
+
+
+def test_limits_survive_save_and_load(tmp_path):
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    tiny_pipeline(max_duration_s=2.0).save_pretrained(tmp_path)
+    loaded = MiniMaxH3Pipeline.from_pretrained(tmp_path)
+    assert (loaded.config.min_duration_s, loaded.config.max_duration_s) == (TINY_DURATION_LIMITS["min_duration_s"], 2.0)
+    assert RequestConfig.from_folder(tmp_path) == dataclasses.replace(loaded.request_config(), missing_text_components=())

@@ -60,7 +60,7 @@ from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, refine_text_once, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
-from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
+from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
 from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
@@ -342,6 +342,26 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             return self._execution_device
         return param.device
 
+    def task_components(self) -> TaskComponents:
+        """What the task steps (`TaskSpec.prepare_conditions` / `present` / `encode_conditions`) use of this
+        pipeline."""
+        vae, audio_vae = self.vae, self.audio_vae
+        return TaskComponents(
+            tokenizer=self.tokenizer,
+            processor=self.processor,
+            vae=vae,
+            audio_vae=audio_vae,
+            image_processor=self.image_processor,
+            canvas_multiple=self.canvas_multiple,
+            canvas_rule=self._canvas_rule,
+            reference_image_short_edge=int(self.config.reference_image_short_edge),
+            vae_frames_per_chunk=self.vae_frames_per_chunk if vae is not None else None,
+            vae_latents_per_chunk=self.vae_latents_per_chunk if vae is not None else None,
+            audio_sampling_rate=self.audio_sampling_rate if audio_vae is not None else None,
+            device_of=self._device_of,
+            encode_visual_condition=self._encode_visual_condition,
+        )
+
     def _partitions(self):
         return [(n, getattr(self, n)) for n in PARTITIONS if getattr(self, n, None) is not None]
 
@@ -500,6 +520,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         self._check_text_encoder_loaded("load it (e.g. on another machine) to encode prompts")
+        components = self.task_components()
         if conditions is None:
             if not isinstance(prompt, str):
                 raise ValueError(
@@ -509,8 +530,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             self._check_canvas(height, width)
             num_frames = self._align_num_frames(num_frames)
             spec.check_conditions(conditioning)
-            conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
-        token_ids, token_tags, vision_inputs = spec.present(self, prompt, conditions)
+            conditions = spec.prepare_conditions(components, conditioning, height, width, num_frames)
+        token_ids, token_tags, vision_inputs = spec.present(components, prompt, conditions)
         prompt_embeds = self.encode_presentation(token_ids, vision_inputs, device=device)
         return prompt_embeds, torch.tensor(token_tags, dtype=torch.long)
 
@@ -738,7 +759,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             check_same_generator(clip.generator, cp_group)
 
         # 2. Put the conditioning media on H3's rates and resolutions, on the request's canvas.
-        conditions = spec.prepare_conditions(self, conditioning, request.height, request.width, request.num_frames)
+        components = self.task_components()
+        conditions = spec.prepare_conditions(components, conditioning, request.height, request.width, request.num_frames)
 
         # 3. Encode the prompt, presented with its conditioning (labels, vision blocks), with the text encoder.
         if clip.prompt_embeds is None:
@@ -751,7 +773,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             prompt_embeds, text_token_tags = clip.prompt_embeds.to(device), clip.text_token_tags.long().cpu()
 
         # 4. Encode the conditioning media with the VAEs.
-        condition_latents, audio_condition_latents = spec.encode_conditions(self, conditions)
+        condition_latents, audio_condition_latents = spec.encode_conditions(components, conditions)
 
         # 5. Build the packed layout: rows, rotary grid (fp64), tags, and the PackedLayout for processors.
         geometry = request.geometry

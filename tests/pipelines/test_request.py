@@ -67,7 +67,7 @@ def test_request_resolves_task_and_canvas():
     assert (request.task, request.height, request.width) == ("t2va", 768, 1344)
     keyframe = PIL.Image.new("RGB", (300, 600))
     request = _build(height=None, width=None, last_image=keyframe)
-    conditions = get_task("fl2va").prepare_conditions(pipe, request.conditioning, None, None, request.num_frames)
+    conditions = get_task("fl2va").prepare_conditions(pipe.task_components(), request.conditioning, None, None, request.num_frames)
     assert request.task == "fl2va" and (request.height, request.width) == (conditions.height, conditions.width)
     assert request.height > request.width
     assert request.conditioning["last_image"] is keyframe and request.conditioning["image"] is None

@@ -689,7 +689,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 them: ≤ 9 images, ≤ 3 videos, ≤ 3 audios, ≤ 12 in total, not audio only.
             height, width (`int`, *optional*): Canvas in pixels, multiples of 32, aspect 1:4…4:1. Defaults:
                 768×1344 (t2va/ref2va), the first keyframe's aspect at a 768 short edge (fl2va).
-            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5; 5–15 s after rounding.
+            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5; after rounding within the
+                config's `min_duration_s`–`max_duration_s` (5–15 s for the released model).
             num_inference_steps (`int`, *optional*, defaults to 50): Sigma grid points (terminal 0 included), i.e.
                 `num_inference_steps - 1` transformer forwards. A step-distillation LoRA may set its own default.
             sigmas, audio_sigmas (`list[float]`, *optional*): Explicit schedules (strictly decreasing, ending at 0),

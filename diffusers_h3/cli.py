@@ -382,45 +382,27 @@ def _check_model_option(args) -> None:
 
 
 def _check_request(args, task: str, conditioning) -> None:
-    """The pipeline's own request checks (sizes, aspect, frames, conditioning) on the checkpoint's geometry, read
-    from its configs (the VAE is built on the meta device: no weights)."""
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
-
-    from diffusers_h3.pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
+    """The pipeline's own request checks (sizes, aspect, frames, conditioning): the `H3Request` the pipeline would
+    build, on the checkpoint's configs read from its folder (no weights)."""
+    from diffusers_h3.pipelines.request import H3Request, RequestConfig
     from diffusers_h3.tasks import partition_for_task
 
     partition = partition_for_task(task)
     folder = args.model_path
-
-    def config_of(component):
-        if folder is None:  # the tiny demo checkpoint
-            from diffusers_h3.testing import tiny
-
-            return dict(tiny.TINY_VAE_CONFIG if component == "vae" else tiny.TINY_TRANSFORMER_CONFIG)
-        file = folder / component / "config.json"
-        return json.loads(file.read_text()) if file.is_file() else {}  # {}: the class defaults, the released model
-
     if folder is not None and not (folder / partition).is_dir() and (folder / "vae").is_dir():
         raise UsageError(
             f"--model {args.model}: has no {partition}/ folder, which {task} runs on",
             "pass a checkpoint that holds it" + (" or drop --reference" if task == "ref2va" else ""),
         )
-    with init_empty_weights():
-        vae = AutoencoderKLMiniMaxH3.from_config(config_of("vae"))
-    patch_size = config_of(partition).get("patch_size") or _default_patch_size(MiniMaxH3Transformer3DModel)
-    names = ("canvas_multiple", "patch_size", "vae_frames_per_chunk", "vae_latents_per_chunk", "_partitions",
-             "check_inputs", "_check_prompt", "_check_prompt_embeds", "_check_canvas", "_align_num_frames",
-             "_callback_tensor_inputs")  # fmt: skip
-    members = {name: getattr(MiniMaxH3Pipeline, name) for name in names}
-    # The CLI always loads the text encoder, so the "no text encoder loaded" check has nothing to say here.
-    members["_check_text_encoder_loaded"] = lambda self, alternative: None
-    geometry_cls = type("RequestGeometry", (), members)
-    geometry = geometry_cls()
-    geometry.vae, geometry.vae_spatial_compression_ratio = vae, vae.spatial_compression_ratio
-    setattr(geometry, partition, argparse.Namespace(config=argparse.Namespace(patch_size=list(patch_size))))
+    if folder is None:  # the tiny demo checkpoint
+        from diffusers_h3.testing import tiny
+
+        config = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {partition: tiny.TINY_TRANSFORMER_CONFIG})
+    else:
+        config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
-        geometry.check_inputs(task, args.prompt, args.height, args.width, args.frames, conditioning, "np", None, None, None)
+        H3Request.build(config, args.prompt, height=args.height, width=args.width, num_frames=args.frames,
+                        task=task, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
 
@@ -462,12 +444,6 @@ def _check_prompt_length(args) -> None:
     if num_tokens > limit:
         raise UsageError(f"--prompt is {num_tokens} tokens, more than the text encoder reads ({limit} tokens, its "
                          "max_position_embeddings)", f"shorten the prompt to at most {limit} tokens")  # fmt: skip
-
-
-def _default_patch_size(model_cls):
-    import inspect
-
-    return inspect.signature(model_cls.__init__).parameters["patch_size"].default
 
 
 def _check_memory(args) -> None:

@@ -12,8 +12,9 @@ The pipeline, the loader (which partition to load), the LoRA loader and presets 
 belongs to) and the CLI read this table. A new task is one `TaskSpec` here plus one layout builder in
 `diffusers_h3/packing.py`.
 
-The spec's steps take the pipeline as their first argument and use only its components (tokenizer, processor, VAEs)
-and small helpers; this module never imports the pipeline, so the loaders below the pipeline can read the table.
+The spec's steps take a `TaskComponents` as their first argument: the few components (tokenizer, processor, VAEs) and
+settings they use, not the whole pipeline (`MiniMaxH3Pipeline.task_components()` builds it); this module never imports
+the pipeline, so the loaders below the pipeline can read the table.
 """
 
 from __future__ import annotations
@@ -83,6 +84,40 @@ class TaskConditions:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskComponents:
+    r"""
+    What a task's steps use of a pipeline, and nothing else.
+
+    Args:
+        tokenizer, processor: The text encoder's tokenizer and Qwen3-VL processor (`None` without a text encoder).
+        vae, audio_vae: The video and audio VAEs.
+        image_processor: The pipeline's `VaeImageProcessor` (resizing, PIL/numpy conversion).
+        canvas_multiple (`int`), canvas_rule (`tuple[int, int]`): What canvases are multiples of, and the default
+            canvas rule `(short_edge, max_pixels)`.
+        reference_image_short_edge (`int`): Short edge image references are encoded at.
+        vae_frames_per_chunk (`int`), vae_latents_per_chunk (`int`): The video VAE's temporal chunking.
+        audio_sampling_rate (`int`): The audio VAE's sample rate.
+        device_of (`Callable[[nn.Module], torch.device]`): Where a component computes.
+        encode_visual_condition (`Callable[[torch.Tensor], torch.Tensor]`): Pixels → normalized VAE latents of a
+            keyframe or visual reference.
+    """
+
+    tokenizer: Any
+    processor: Any
+    vae: Any
+    audio_vae: Any
+    image_processor: Any
+    canvas_multiple: int
+    canvas_rule: Tuple[int, int]
+    reference_image_short_edge: int
+    vae_frames_per_chunk: Optional[int]
+    vae_latents_per_chunk: Optional[int]
+    audio_sampling_rate: Optional[int]
+    device_of: Callable[[torch.nn.Module], torch.device]
+    encode_visual_condition: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskSpec:
     r"""
     What one task is: where it runs, which adapters belong to it and how its conditioning enters the model.
@@ -94,15 +129,17 @@ class TaskSpec:
         conditioning_inputs (`tuple[str]`): The `__call__` arguments that carry its conditioning; a request passing
             any of them (and no other task's) is routed to this task.
         check_conditions (`Callable[[dict], None]`): Validates those arguments before any model runs.
-        prepare_conditions (`Callable`): `(pipe, inputs, height, width, num_frames) -> TaskConditions`: resolves the
+        prepare_conditions (`Callable`): `(components, inputs, height, width, num_frames) -> TaskConditions`: resolves the
             canvas and puts the conditioning media on H3's rates and resolutions.
-        present (`Callable`): `(pipe, prompt, conditions) -> (token_ids, token_tags, vision_inputs)`: how the
+        present (`Callable`): `(components, prompt, conditions) -> (token_ids, token_tags, vision_inputs)`: how the
             conditions and the prompt are presented to the text encoder.
-        encode_conditions (`Callable`): `(pipe, conditions) -> (condition_latents, audio_condition_latents)`: VAE
+        encode_conditions (`Callable`): `(components, conditions) -> (condition_latents, audio_condition_latents)`: VAE
             latents of the conditioning media, in packed order.
         build_layout (`Callable`): `(text_token_tags, conditions, condition_latents, audio_condition_latents,
             geometry: LatentGeometry) -> (packed, layout)`: diffusers' packed-sequence tensors and the matching `PackedLayout`
             (a builder of `diffusers_h3/packing.py`).
+        canvas_aspect (`Callable[[dict], tuple[int, int]]`, *optional*): The `(width, height)` aspect a request
+            without `height`/`width` gets its canvas from (default: the training aspect, 16:9).
     """
 
     name: str
@@ -114,18 +151,30 @@ class TaskSpec:
     present: Callable[..., Tuple[List[int], List[int], Dict[str, torch.Tensor]]]
     encode_conditions: Callable[..., Tuple[List[torch.Tensor], List[torch.Tensor]]]
     build_layout: Callable[..., Tuple[tuple, PackedLayout]]
+    canvas_aspect: Optional[Callable[[Mapping[str, Any]], Tuple[int, int]]] = None
 
     def __post_init__(self):
         if self.partition not in PARTITIONS:
             raise ValueError(f"Task {self.name!r}: `partition` must be one of {PARTITIONS}, got {self.partition!r}.")
 
+    def resolve_canvas(
+        self, inputs: Mapping[str, Any], height: Optional[int], width: Optional[int], multiple: int,
+        canvas_rule: Tuple[int, int],
+    ) -> Tuple[int, int]:  # fmt: skip
+        """The request's canvas: `height` x `width` when given, else the canvas rule applied to the task's aspect
+        (`canvas_aspect(inputs)`, e.g. the first keyframe's; the training aspect 16:9 without one)."""
+        if height is not None:
+            return height, width
+        aspect = self.canvas_aspect(inputs) if self.canvas_aspect is not None else DEFAULT_ASPECT
+        return resolve_canvas_size(*aspect, multiple, *canvas_rule)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared helpers
 # ---------------------------------------------------------------------------------------------------------------------
-def _default_canvas(pipe, height: Optional[int], width: Optional[int]) -> Tuple[int, int]:
+def _default_canvas(components, height: Optional[int], width: Optional[int]) -> Tuple[int, int]:
     if height is None:
-        height, width = resolve_canvas_size(*DEFAULT_ASPECT, pipe.canvas_multiple, *pipe._canvas_rule)
+        height, width = resolve_canvas_size(*DEFAULT_ASPECT, components.canvas_multiple, *components.canvas_rule)
     return height, width
 
 
@@ -138,12 +187,12 @@ def _vision_block(tokenizer, pad_token: str, num_tokens: int) -> List[int]:
     return [convert("<|vision_start|>")] + [convert(pad_token)] * num_tokens + [convert("<|vision_end|>")]
 
 
-def _present_prompt_only(pipe, prompt: str, conditions: TaskConditions):
-    prompt_ids = _tokens(pipe.tokenizer, prompt)
+def _present_prompt_only(components, prompt: str, conditions: TaskConditions):
+    prompt_ids = _tokens(components.tokenizer, prompt)
     return prompt_ids, [MINIMAX_H3_TEXT_TAG] * len(prompt_ids), {}
 
 
-def _no_condition_latents(pipe, conditions: TaskConditions):
+def _no_condition_latents(components, conditions: TaskConditions):
     return [], []
 
 
@@ -163,8 +212,8 @@ def _text_and_keyframes_layout(text_token_tags, conditions, condition_latents, a
 # ---------------------------------------------------------------------------------------------------------------------
 # t2va
 # ---------------------------------------------------------------------------------------------------------------------
-def _prepare_text_only(pipe, inputs, height, width, num_frames) -> TaskConditions:
-    return TaskConditions(*_default_canvas(pipe, height, width))
+def _prepare_text_only(components, inputs, height, width, num_frames) -> TaskConditions:
+    return TaskConditions(*_default_canvas(components, height, width))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,19 +226,24 @@ def _check_keyframes(inputs: Mapping[str, Any]) -> None:
             raise ValueError(f"`image` / `last_image` must be PIL images, got {type(frame).__name__}.")
 
 
-def _prepare_keyframes(pipe, inputs, height, width, num_frames) -> TaskConditions:
+def _keyframe_aspect(inputs: Mapping[str, Any]) -> Tuple[int, int]:
+    """The first keyframe's `(width, height)`: an fl2va canvas takes its aspect."""
+    return next(frame for frame in (inputs.get("image"), inputs.get("last_image")) if frame is not None).size
+
+
+def _prepare_keyframes(components, inputs, height, width, num_frames) -> TaskConditions:
     """Put keyframes on the canvas: the first is stretched (LANCZOS), a follower cover-cropped with H3's rounding."""
     image, last_image = inputs.get("image"), inputs.get("last_image")
     keyframes = [frame for frame in (image, last_image) if frame is not None]
     anchors = tuple(a for a, frame in (("first", image), ("last", last_image)) if frame is not None)
     if height is None:
-        height, width = resolve_canvas_size(*keyframes[0].size, pipe.canvas_multiple, *pipe._canvas_rule)
+        height, width = resolve_canvas_size(*_keyframe_aspect(inputs), components.canvas_multiple, *components.canvas_rule)
     fitted = []
     for index, frame in enumerate(keyframes):
         if frame.size == (width, height):
             fitted.append(frame)
         elif index == 0:
-            fitted.append(pipe.image_processor.resize(frame, height=height, width=width))
+            fitted.append(components.image_processor.resize(frame, height=height, width=width))
         else:
             scale = max(width / frame.size[0], height / frame.size[1])
             size = (max(width, round(frame.size[0] * scale)), max(height, round(frame.size[1] * scale)))
@@ -198,14 +252,14 @@ def _prepare_keyframes(pipe, inputs, height, width, num_frames) -> TaskCondition
     return TaskConditions(height, width, fitted, anchors)
 
 
-def _present_keyframes(pipe, prompt: str, conditions: TaskConditions):
+def _present_keyframes(components, prompt: str, conditions: TaskConditions):
     """`"<Picture i>: "` + vision block per keyframe, then the prompt; vision rows tagged video."""
-    tokenizer, keyframes = pipe.tokenizer, conditions.media
+    tokenizer, keyframes = components.tokenizer, conditions.media
     vision_inputs, token_ids, token_tags = {}, [], []
     if keyframes:
-        vision = pipe.processor.image_processor(images=keyframes, return_tensors="pt")
+        vision = components.processor.image_processor(images=keyframes, return_tensors="pt")
         vision_inputs = {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
-        merge = pipe.processor.image_processor.merge_size**2
+        merge = components.processor.image_processor.merge_size**2
         for index, grid in enumerate(vision["image_grid_thw"]):
             label = _tokens(tokenizer, f"<Picture {index + 1}>: ")
             block = _vision_block(tokenizer, "<|image_pad|>", int(grid.prod()) // merge)
@@ -215,10 +269,10 @@ def _present_keyframes(pipe, prompt: str, conditions: TaskConditions):
     return token_ids + prompt_ids, token_tags + [MINIMAX_H3_TEXT_TAG] * len(prompt_ids), vision_inputs
 
 
-def _encode_keyframes(pipe, conditions: TaskConditions):
-    vae_device = pipe._device_of(pipe.vae)
+def _encode_keyframes(components, conditions: TaskConditions):
+    vae_device = components.device_of(components.vae)
     condition_latents = [
-        pipe._encode_visual_condition(torch.from_numpy(np.array(frame)).to(vae_device).permute(2, 0, 1)[None, :, None])
+        components.encode_visual_condition(torch.from_numpy(np.array(frame)).to(vae_device).permute(2, 0, 1)[None, :, None])
         for frame in conditions.media
     ]
     return condition_latents, []
@@ -250,36 +304,36 @@ def _check_references(inputs: Mapping[str, Any]) -> None:
         raise ValueError("Audio references cannot be used on their own: add at least one image or video reference.")
 
 
-def _normalize_image_reference(pipe, image) -> MiniMaxH3ImageReference:
+def _normalize_image_reference(components, image) -> MiniMaxH3ImageReference:
     """An image reference as RGB PIL at the reference short edge, on the canvas multiple (as diffusers does)."""
-    multiple = pipe.canvas_multiple
+    multiple = components.canvas_multiple
     if isinstance(image, torch.Tensor):
         if image.dtype == torch.uint8:
             image = image.float() / 255.0
-        image = pipe.image_processor.pt_to_numpy(image[None])[0]
+        image = components.image_processor.pt_to_numpy(image[None])[0]
     if isinstance(image, np.ndarray):
         if image.ndim != 3 or image.shape[2] != 3:
             raise ValueError(f"A reference image must be (height, width, 3) RGB, got {tuple(image.shape)}.")
         if image.dtype == np.uint8:
             image = image.astype(np.float32) / 255.0
-        image = pipe.image_processor.numpy_to_pil(image)[0]
+        image = components.image_processor.numpy_to_pil(image)[0]
     width, height = image.size
     if width <= 0 or height <= 0 or width > 4 * height or height > 4 * width:
         raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
-    scale = pipe.config.reference_image_short_edge / min(width, height)
+    scale = components.reference_image_short_edge / min(width, height)
     target = (
         max(multiple, round(width * scale / multiple) * multiple),
         max(multiple, round(height * scale / multiple) * multiple),
     )
     if image.size != target:
-        image = pipe.image_processor.resize(image, height=target[1], width=target[0])
+        image = components.image_processor.resize(image, height=target[1], width=target[0])
     return MiniMaxH3ImageReference(image=image)
 
 
-def _prepare_references(pipe, inputs, height, width, num_frames) -> TaskConditions:
+def _prepare_references(components, inputs, height, width, num_frames) -> TaskConditions:
     """Images to a 2048 short edge, videos to 24 fps on their own canvas, soundtracks to 32 kHz (as diffusers)."""
-    height, width = _default_canvas(pipe, height, width)
-    sampling_rate = pipe.audio_sampling_rate
+    height, width = _default_canvas(components, height, width)
+    sampling_rate = components.audio_sampling_rate
     normalized = []
     for entry in inputs["references"]:
         waveform = None
@@ -289,10 +343,10 @@ def _prepare_references(pipe, inputs, height, width, num_frames) -> TaskConditio
                 entry.audio, rate, sampling_rate, max_duration=num_frames / MINIMAX_H3_FPS
             )
         if entry.kind == "image":
-            normalized.append(_normalize_image_reference(pipe, entry.image))
+            normalized.append(_normalize_image_reference(components, entry.image))
         elif entry.kind == "video":
             frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(
-                entry.frames, float(entry.fps), num_frames, pipe.canvas_multiple, *pipe._canvas_rule,
+                entry.frames, float(entry.fps), num_frames, components.canvas_multiple, *components.canvas_rule,
                 float(MINIMAX_H3_FPS),
             )  # fmt: skip
             normalized.append(
@@ -308,14 +362,14 @@ def _prepare_references(pipe, inputs, height, width, num_frames) -> TaskConditio
     return TaskConditions(height, width, normalized)
 
 
-def _present_references(pipe, prompt: str, conditions: TaskConditions):
+def _present_references(components, prompt: str, conditions: TaskConditions):
     """Labels + vision blocks per reference in request order (diffusers' ref2va presentation), then the prompt."""
     presenter = MiniMaxH3Ref2VATextEncoderStep(video_sample_fps=VIDEO_REFERENCE_SAMPLE_FPS)
     vision_inputs, image_counts, video_counts, video_timestamps = presenter._gather_vision_features(
-        pipe.processor, conditions.media, MINIMAX_H3_FPS
+        components.processor, conditions.media, MINIMAX_H3_FPS
     )
     token_ids, token_tags = presenter._build_presentation(
-        pipe.tokenizer,
+        components.tokenizer,
         prompt,
         conditions.media,
         image_counts,
@@ -327,10 +381,10 @@ def _present_references(pipe, prompt: str, conditions: TaskConditions):
     return token_ids, token_tags, vision_inputs
 
 
-def _encode_references(pipe, conditions: TaskConditions):
+def _encode_references(components, conditions: TaskConditions):
     """VAE-encode image/video references (sampled posterior) and soundtracks (posterior mean), in packed order."""
-    vae, audio_vae = pipe.vae, pipe.audio_vae
-    device, audio_device = pipe._device_of(vae), pipe._device_of(audio_vae)
+    vae, audio_vae = components.vae, components.audio_vae
+    device, audio_device = components.device_of(vae), components.device_of(audio_vae)
     audio_mean = torch.tensor(audio_vae.config.latents_mean).view(1, 1, -1)
     audio_std = torch.tensor(audio_vae.config.latents_std).view(1, 1, -1)
     channels = audio_vae.config.latent_channels
@@ -338,13 +392,13 @@ def _encode_references(pipe, conditions: TaskConditions):
     for reference in conditions.media:
         if reference.kind == "image":
             pixels = torch.from_numpy(np.array(reference.image)).to(device).permute(2, 0, 1)[None, :, None]
-            condition_latents.append(pipe._encode_visual_condition(pixels))
+            condition_latents.append(components.encode_visual_condition(pixels))
         elif reference.kind == "video":
             # Snap *down* to 17n+5 so the VAE encodes without padding.
-            per_chunk, kept = pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk
+            per_chunk, kept = components.vae_frames_per_chunk, components.vae_latents_per_chunk
             count = max(1, (reference.frames.shape[0] - kept) // per_chunk) * per_chunk + kept
             pixels = torch.from_numpy(reference.frames[:count].copy()).to(device).permute(3, 0, 1, 2)[None]
-            condition_latents.append(pipe._encode_visual_condition(pixels))
+            condition_latents.append(components.encode_visual_condition(pixels))
         if reference.has_audio:
             posterior = audio_vae.encode(reference.audio.to(audio_device)[:, None], return_dict=False)[0]
             latents = posterior.mode().float().cpu().transpose(1, 2)
@@ -391,6 +445,7 @@ TASKS: Dict[str, TaskSpec] = {
             present=_present_keyframes,
             encode_conditions=_encode_keyframes,
             build_layout=_text_and_keyframes_layout,
+            canvas_aspect=_keyframe_aspect,
         ),
         TaskSpec(
             name="ref2va",

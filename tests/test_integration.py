@@ -11,7 +11,7 @@ from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
 import diffusers_h3
 from diffusers_h3._integration import _is_h3_folder, install_diffusion_pipeline_dispatch
 from diffusers_h3.pipelines.loading import NotAnH3CheckpointError, classify_checkpoint
-from diffusers_h3.testing.tiny import save_hub_layout, tiny_components
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, save_hub_layout, tiny_components
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_dispatch_is_installed_once():
     assert DiffusionPipeline.from_pretrained.__func__ is installed
 
 
-RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 
 
 def _latents(pipe):
@@ -113,7 +113,7 @@ def test_transformer_save_pretrained_keeps_diffusers_signature(components):
 
 def test_serialization_with_variants_reaches_the_transformer(components, tmp_path):
     """On the model of diffusers' `test_serialization_with_variants` / `test_loading_with_variants`."""
-    pipe = diffusers_h3.MiniMaxH3Pipeline(**components)
+    pipe = diffusers_h3.MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS)
     pipe.save_pretrained(tmp_path, variant="fp16", safe_serialization=False)
     index = json.loads((tmp_path / "model_index.json").read_text())
     for name, component in pipe.components.items():

@@ -14,7 +14,7 @@ from diffusers.utils import logging
 import diffusers_h3
 from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.loaders.lora_presets import LoraDistillationPreset, warn_schedule_differences
-from diffusers_h3.testing.tiny import save_hub_layout, tiny_components
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, save_hub_layout, tiny_components
 
 
 @pytest.fixture
@@ -103,11 +103,12 @@ def test_loading_bar_follows_diffusers_switch(hub_folder, progress_bars, capsys)
 
 def test_denoising_bar_follows_set_progress_bar_config(capsys):
     components = tiny_components(seed=0, text_encoder_layers=2, with_transformer_ref=False)
-    pipe = MiniMaxH3Pipeline(**{**components, "text_encoder": None, "tokenizer": None, "processor": None})
+    pipe = MiniMaxH3Pipeline(**{**components, "text_encoder": None, "tokenizer": None, "processor": None},
+                             **TINY_DURATION_LIMITS)
     call = {
         "prompt_embeds": torch.zeros(1, 3, pipe.transformer.config.text_dim),
         "text_token_tags": torch.ones(3, dtype=torch.long),
-        "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent",
+        "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent",
     }  # fmt: skip
     pipe(**call)
     assert "1/1" in capsys.readouterr().err

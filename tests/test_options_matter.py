@@ -9,7 +9,7 @@ import torch
 from diffusers_h3.testing.tiny import tiny_pipeline
 
 
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3, "output_type": "latent"}
+RUN = {"height": 32, "width": 32, "num_frames": 22, "num_inference_steps": 3, "output_type": "latent"}
 
 
 def _call(pipe, **kwargs):

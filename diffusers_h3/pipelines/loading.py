@@ -31,6 +31,13 @@ from .._checkpoint_files import safetensors_problem
 from ..tasks import PARTITIONS, partitions_for_task
 
 
+# The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
+PIPELINE_CONFIG_KEYS = (
+    "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "min_duration_s",
+    "max_duration_s",
+)  # fmt: skip
+
+
 logger = logging.get_logger(__name__)
 
 OUR_CLASS = "MiniMaxH3Pipeline"
@@ -306,7 +313,7 @@ def _load_hub_layout(cls, directory: Path, index: Dict[str, Any], task: Optional
     device_map = kwargs.pop("device_map", None)
     _check_device_map(device_map)
     passed = {k: kwargs.pop(k) for k in list(kwargs) if k in index or k in PARTITIONS}
-    init_extra = {k: kwargs.pop(k) for k in list(kwargs) if k == "text_encoder_layer"}
+    init_extra = {k: kwargs.pop(k) for k in list(kwargs) if k in PIPELINE_CONFIG_KEYS}
     if kwargs:
         raise TypeError(f"unexpected keyword arguments for MiniMaxH3Pipeline.from_pretrained: {sorted(kwargs)}")
     wanted = partitions_for_task(task)

@@ -24,7 +24,6 @@ the denoising loop, which steps the shared schedulers, takes turns under the pip
 from __future__ import annotations
 
 import contextvars
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -40,20 +39,12 @@ from diffusers import (
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep, patchify_video_latents
 from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_CHANNELS,
     MINIMAX_H3_FPS,
-    MINIMAX_H3_MAX_ASPECT_RATIO,
-    MINIMAX_H3_MIN_ASPECT_RATIO,
-    MINIMAX_H3_TEXT_TAG,
-    MINIMAX_H3_VIDEO_TAG,
-    align_num_frames,
-    audio_latent_num_frames,
-    video_latent_num_frames,
 )
 from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3Reference
 from diffusers.utils import BaseOutput, logging
@@ -72,14 +63,27 @@ from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
-from ..tasks import PARTITIONS, LatentGeometry, TaskConditions, get_task, select_task
+from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
 from .loading import load_pipeline
+from .request import (
+    DEFAULT_CANVAS_MAX_PIXELS,
+    DEFAULT_CANVAS_SHORT_EDGE,
+    DEFAULT_MAX_DURATION_S,
+    DEFAULT_MIN_DURATION_S,
+    H3Clip,
+    H3Request,
+    RequestConfig,
+    align_frames,
+    check_canvas,
+    check_inputs,
+    check_prompt,
+    check_text_encoder_loaded,
+    latent_geometry,
+)
 
 
 logger = logging.get_logger(__name__)
 
-OUTPUT_TYPES = ("np", "pil", "pt", "latent")
-MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0
 KEYFRAME_ENCODE_SEED = 42
 KEYFRAME_NOISE_AUG = 0.999
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -102,6 +106,21 @@ class MiniMaxH3PipelineOutput(BaseOutput):
     frames: Union[np.ndarray, torch.Tensor, List[List[PIL.Image.Image]]]
     audio: Union[np.ndarray, torch.Tensor]
     sampling_rate: int
+
+
+@dataclass
+class DenoiseState:
+    """One clip's packed sequence and latent rows, as `_generate` hands them to the denoising loop."""
+
+    transformer: MiniMaxH3Transformer3DModel
+    device: torch.device
+    structure: Dict[str, torch.Tensor]
+    layout: Any
+    n_cond_video: int
+    n_cond_audio: int
+    latents: torch.Tensor
+    audio_latents: torch.Tensor
+    prompt_embeds: torch.Tensor
 
 
 def _stack_outputs(outputs, output_type):
@@ -153,6 +172,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         canvas_short_edge (`int`, defaults to 768), canvas_max_pixels (`int`, defaults to 768 * 1344): The default
             canvas rule (generated video and video references), as the released checkpoint was trained.
         reference_image_short_edge (`int`, defaults to 2048): Short edge image references are encoded at.
+        min_duration_s (`float`, defaults to 5.0), max_duration_s (`float`, defaults to 15.0): The clip lengths (after
+            17n+5 alignment, at 24 fps) requests may ask for: what the released checkpoint was trained for. Small test
+            pipelines allow shorter clips.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
@@ -172,9 +194,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         transformer: Optional[MiniMaxH3Transformer3DModel] = None,
         transformer_ref: Optional[MiniMaxH3Transformer3DModel] = None,
         text_encoder_layer: int = 50,
-        canvas_short_edge: int = 768,
-        canvas_max_pixels: int = 768 * 1344,
+        canvas_short_edge: int = DEFAULT_CANVAS_SHORT_EDGE,
+        canvas_max_pixels: int = DEFAULT_CANVAS_MAX_PIXELS,
         reference_image_short_edge: int = 2048,
+        min_duration_s: float = DEFAULT_MIN_DURATION_S,
+        max_duration_s: float = DEFAULT_MAX_DURATION_S,
     ):
         super().__init__()
         self.register_modules(
@@ -193,6 +217,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             canvas_short_edge=canvas_short_edge,
             canvas_max_pixels=canvas_max_pixels,
             reference_image_short_edge=reference_image_short_edge,
+            min_duration_s=min_duration_s,
+            max_duration_s=max_duration_s,
         )
         self.vae_spatial_compression_ratio = vae.spatial_compression_ratio if vae is not None else 16
         self.image_processor = VaeImageProcessor(vae_scale_factor=16)
@@ -323,12 +349,36 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             return self._execution_device
         return param.device
 
+    def task_components(self) -> TaskComponents:
+        """What the task steps (`TaskSpec.prepare_conditions` / `present` / `encode_conditions`) use of this
+        pipeline."""
+        vae, audio_vae = self.vae, self.audio_vae
+        return TaskComponents(
+            tokenizer=self.tokenizer,
+            processor=self.processor,
+            vae=vae,
+            audio_vae=audio_vae,
+            image_processor=self.image_processor,
+            canvas_multiple=self.canvas_multiple,
+            canvas_rule=self._canvas_rule,
+            reference_image_short_edge=int(self.config.reference_image_short_edge),
+            vae_frames_per_chunk=self.vae_frames_per_chunk if vae is not None else None,
+            vae_latents_per_chunk=self.vae_latents_per_chunk if vae is not None else None,
+            audio_sampling_rate=self.audio_sampling_rate if audio_vae is not None else None,
+            device_of=self._device_of,
+            encode_visual_condition=self._encode_visual_condition,
+        )
+
     def _partitions(self):
         return partitions_of(self)
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks
     # ------------------------------------------------------------------------------------------------------------
+
+    def request_config(self) -> RequestConfig:
+        """What checking and building a request reads from this pipeline: its configs and loaded components."""
+        return RequestConfig.from_pipeline(self)
 
     def check_inputs(
         self,
@@ -348,150 +398,21 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """Validate a request before any model runs; returns the aligned frame count.
 
         `task` is a task name or `TaskSpec`; `conditioning` maps the conditioning inputs (`image`, `last_image`,
-        `references`) to their values, which the task's spec checks.
+        `references`) to their values, which the task's spec checks. `__call__` checks through `H3Request.build`.
         """
-        spec = get_task(task) if isinstance(task, str) else task
-        if prompt is not None and prompt_embeds is not None:
-            raise ValueError(
-                "Pass either `prompt` or `prompt_embeds` (with `text_token_tags`), not both: the embeddings already "
-                "hold the encoded prompt."
-            )
-        if prompt_embeds is None and text_token_tags is not None:
-            raise ValueError("`text_token_tags` belongs to `prompt_embeds`: pass both, as `encode_prompt` returns.")
-        if prompt_embeds is not None:
-            self._check_prompt_embeds(spec, prompt_embeds, text_token_tags)
-        else:
-            self._check_prompt(prompt)
-            self._check_text_encoder_loaded("pass `prompt_embeds` and `text_token_tags` from `encode_prompt` instead")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        partition = spec.partition
-        if getattr(self, partition, None) is None:
-            loaded = [name for name, _ in self._partitions()] or ["none"]
-            raise ValueError(
-                f"Task {spec.name!r} runs on the `{partition}` partition, but this pipeline holds {', '.join(loaded)}. "
-                f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={spec.name!r})` or pass `{partition}=...`."
-            )
-        self._check_canvas(height, width)
-        aligned = self._align_num_frames(num_frames)
-        spec.check_conditions(conditioning)
-        if callback_on_step_end_tensor_inputs is not None:
-            unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
-            if unknown:
-                raise ValueError(
-                    f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {self._callback_tensor_inputs}."
-                )
-        if audio_sigmas is not None and sigmas is None:
-            raise ValueError("`audio_sigmas` needs `sigmas` too (both schedules must have the same number of steps).")
-        if sigmas is not None and audio_sigmas is not None and len(sigmas) != len(audio_sigmas):
-            raise ValueError(
-                f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
-            )
-        return aligned
-
-    def _check_prompt(self, prompt) -> None:
-        if prompt is None:
-            raise ValueError(
-                "`prompt` must be a string (or a list of strings), got None: pass a prompt, or `prompt_embeds` and "
-                "`text_token_tags` from `encode_prompt`."
-            )
-        prompts = prompt if isinstance(prompt, (list, tuple)) else [prompt]
-        if not prompts:
-            raise ValueError("`prompt` is an empty list: pass a non-empty string or a list of them.")
-        for i, text in enumerate(prompts):
-            where = f"`prompt[{i}]`" if isinstance(prompt, (list, tuple)) else "`prompt`"
-            if not isinstance(text, str):
-                raise ValueError(f"{where} must be a string (or `prompt` a list of strings), got {type(text).__name__}.")
-            if not text.strip():
-                raise ValueError(
-                    f"{where} is empty: MiniMax-H3 needs a text description of the clip (any language), e.g. "
-                    "'A red fox runs through fresh snow'."
-                )
+        return check_inputs(
+            self.request_config(), task, prompt, height, width, num_frames, conditioning, output_type,
+            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas, prompt_embeds, text_token_tags,
+        )  # fmt: skip
 
     def _check_text_encoder_loaded(self, alternative: str) -> None:
-        missing = [name for name in ("text_encoder", "tokenizer", "processor") if getattr(self, name, None) is None]
-        if missing:
-            raise ValueError(
-                f"This pipeline was loaded without {', '.join(f'`{name}`' for name in missing)}, so it cannot encode "
-                f"a prompt: {alternative}."
-            )
-
-    def _check_prompt_embeds(self, spec, prompt_embeds, text_token_tags) -> None:
-        """`prompt_embeds` `(batch, num_tokens, text_dim)` and its `text_token_tags` `(num_tokens,)` as `encode_prompt`
-        returns them (a batch stacks prompts encoded to the same length), encoded for this request's task."""
-        if not isinstance(prompt_embeds, torch.Tensor) or prompt_embeds.ndim != 3 or 0 in prompt_embeds.shape[:2]:
-            is_tensor = isinstance(prompt_embeds, torch.Tensor)
-            got = tuple(prompt_embeds.shape) if is_tensor else type(prompt_embeds).__name__
-            raise ValueError(
-                f"`prompt_embeds` must be a (batch, num_tokens, text_dim) tensor as `encode_prompt` returns it, got "
-                f"{got}."
-            )
-        transformer = getattr(self, spec.partition, None)
-        text_dim = transformer.config.text_dim if transformer is not None else prompt_embeds.shape[2]
-        if prompt_embeds.shape[2] != text_dim:
-            raise ValueError(
-                f"`prompt_embeds` has width {prompt_embeds.shape[2]} but the `{spec.partition}` reads {text_dim}: "
-                "encode the prompt with this checkpoint's text encoder (`encode_prompt`)."
-            )
-        num_tokens = prompt_embeds.shape[1]
-        if (
-            not isinstance(text_token_tags, torch.Tensor)
-            or text_token_tags.shape != (num_tokens,)
-            or text_token_tags.is_floating_point()
-        ):
-            got = tuple(text_token_tags.shape) if isinstance(text_token_tags, torch.Tensor) else text_token_tags
-            raise ValueError(
-                f"`prompt_embeds` needs its `text_token_tags`: an integer tensor of shape ({num_tokens},) as "
-                f"`encode_prompt` returns with it, got {got}."
-            )
-        tags = set(text_token_tags.tolist())
-        if not tags <= {MINIMAX_H3_TEXT_TAG, MINIMAX_H3_VIDEO_TAG}:
-            raise ValueError(
-                f"`text_token_tags` holds {sorted(tags)}; a prompt's rows are tagged text ({MINIMAX_H3_TEXT_TAG}) or "
-                f"vision ({MINIMAX_H3_VIDEO_TAG}): pass the tags `encode_prompt` returned."
-            )
-        has_vision = MINIMAX_H3_VIDEO_TAG in tags
-        if has_vision != bool(spec.conditioning_inputs):
-            encoded_for = "a conditioned task (fl2va / ref2va)" if has_vision else "t2va (no conditioning)"
-            raise ValueError(
-                f"`prompt_embeds` were encoded for {encoded_for} but this request is {spec.name}: encode them with "
-                "the same `image` / `last_image` / `references` (and canvas) you pass to the pipeline."
-            )
+        check_text_encoder_loaded(self.request_config(), alternative)
 
     def _check_canvas(self, height, width) -> None:
-        if (height is None) != (width is None):
-            raise ValueError("`height` and `width` have to be passed together, or neither of them.")
-        if height is not None:
-            multiple = self.canvas_multiple
-            if height <= 0 or width <= 0 or height % multiple or width % multiple:
-                raise ValueError(
-                    f"`height` and `width` must be positive multiples of {multiple}, got height={height}, "
-                    f"width={width}; for example height={max(multiple, round(height / multiple) * multiple)}, "
-                    f"width={max(multiple, round(width / multiple) * multiple)}."
-                )
-            ratio = width / height
-            if not MINIMAX_H3_MIN_ASPECT_RATIO <= ratio <= MINIMAX_H3_MAX_ASPECT_RATIO:
-                raise ValueError(
-                    f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1 (width:height), got height={height}, "
-                    f"width={width} ({ratio:.3g}:1)."
-                )
+        check_canvas(self.request_config(), height, width)
 
     def _align_num_frames(self, num_frames) -> int:
-        if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
-            raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
-        aligned = align_num_frames(num_frames, self.vae_frames_per_chunk, self.vae_latents_per_chunk)
-        duration = aligned / MINIMAX_H3_FPS
-        if not MIN_DURATION_S <= duration <= MAX_DURATION_S:
-            low = math.ceil(MIN_DURATION_S * MINIMAX_H3_FPS)
-            high = int(MAX_DURATION_S * MINIMAX_H3_FPS)
-            raise ValueError(
-                f"MiniMax-H3 generates {MIN_DURATION_S:g}–{MAX_DURATION_S:g} s at {MINIMAX_H3_FPS} fps; `num_frames`="
-                f"{num_frames} rounds up to {aligned} frames (17n+5) = {duration:.2f} s. Pass a frame count between "
-                f"{low} and {high} whose 17n+5 alignment stays within {high} frames, e.g. 124 (5.2 s) or 345 (14.4 s)."
-            )
-        if aligned != num_frames:
-            logger.warning(f"`num_frames` has to be of the form 17n+5 for the video VAE; rounding {num_frames} up to {aligned}.")
-        return aligned
+        return align_frames(self.request_config(), num_frames)
 
     # ------------------------------------------------------------------------------------------------------------
     # Text encoder
@@ -606,17 +527,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         self._check_text_encoder_loaded("load it (e.g. on another machine) to encode prompts")
+        components = self.task_components()
         if conditions is None:
             if not isinstance(prompt, str):
                 raise ValueError(
                     f"`encode_prompt` encodes one prompt, got {type(prompt).__name__}: call it once per prompt."
                 )
-            self._check_prompt(prompt)
+            check_prompt(prompt)
             self._check_canvas(height, width)
             num_frames = self._align_num_frames(num_frames)
             spec.check_conditions(conditioning)
-            conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
-        token_ids, token_tags, vision_inputs = spec.present(self, prompt, conditions)
+            conditions = spec.prepare_conditions(components, conditioning, height, width, num_frames)
+        token_ids, token_tags, vision_inputs = spec.present(components, prompt, conditions)
         prompt_embeds = self.encode_presentation(token_ids, vision_inputs, device=device)
         return prompt_embeds, torch.tensor(token_tags, dtype=torch.long)
 
@@ -655,14 +577,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     # ------------------------------------------------------------------------------------------------------------
 
     def _latent_geometry(self, num_frames: int, height: int, width: int) -> LatentGeometry:
-        ratio = self.vae_spatial_compression_ratio
-        return LatentGeometry(
-            num_latent_frames=video_latent_num_frames(num_frames, self.vae_frames_per_chunk, self.vae_latents_per_chunk),
-            latent_height=height // ratio,
-            latent_width=width // ratio,
-            num_audio_latents=audio_latent_num_frames(num_frames),
-            patch_size=self.patch_size,
-        )
+        return latent_geometry(self.request_config(), num_frames, height, width)
 
     def _prepare_packed_sequence(self, spec, text_token_tags, conditions, condition_latents, audio_condition_latents,
                                  geometry, device):  # fmt: skip
@@ -781,7 +696,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 them: ≤ 9 images, ≤ 3 videos, ≤ 3 audios, ≤ 12 in total, not audio only.
             height, width (`int`, *optional*): Canvas in pixels, multiples of 32, aspect 1:4…4:1. Defaults:
                 768×1344 (t2va/ref2va), the first keyframe's aspect at a 768 short edge (fl2va).
-            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5; 5–15 s after rounding.
+            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5; after rounding within the
+                config's `min_duration_s`–`max_duration_s` (5–15 s for the released model).
             num_inference_steps (`int`, *optional*, defaults to 50): Sigma grid points (terminal 0 included), i.e.
                 `num_inference_steps - 1` transformer forwards. A step-distillation LoRA may set its own default.
             sigmas, audio_sigmas (`list[float]`, *optional*): Explicit schedules (strictly decreasing, ending at 0),
@@ -816,46 +732,23 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             (frames `(batch, ...)`, audio `(batch, 2, samples)`; for `"latent"`, audio `(2 * batch, C, n)`).
         """
         # 1. Route the task and check the request before any model runs.
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
-            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
         num_inference_steps, flow_shift, audio_flow_shift = self._resolve_lora_schedule(
             num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=spec.name
         )
-        if num_inference_steps is None:
-            num_inference_steps = 50
-        num_frames = self.check_inputs(
-            spec, prompt, height, width, num_frames, conditioning, output_type,
-            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas, prompt_embeds, text_token_tags,
+        request = H3Request.build(
+            self.request_config(), prompt, image, last_image, references, height, width, num_frames,
+            num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, num_videos_per_prompt, generator,
+            latents, audio_latents, prompt_embeds, text_token_tags, output_type, attention_kwargs,
+            callback_on_step_end, callback_on_step_end_tensor_inputs, task=spec,
         )  # fmt: skip
-        count = num_videos_per_prompt
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"`num_videos_per_prompt` must be a positive int, got {num_videos_per_prompt!r}.")
-        # Per request: the prompt to encode, or the given embeddings (one row of `prompt_embeds`) and their tags.
-        if prompt_embeds is None:
-            encoded = [(text, None, None) for text in ([prompt] if isinstance(prompt, str) else prompt)]
-        else:
-            encoded = [(None, row[None], text_token_tags) for row in prompt_embeds]
-        encoded = [request for request in encoded for _ in range(num_videos_per_prompt)]
-        requests = self._split_batch(len(encoded), generator, latents, audio_latents)
         # A LoRA loaded or unloaded since enable_low_memory_offload made diffusers rebuild the offload groups.
         refresh_low_memory_offload(self)
 
-        # H3 packs one request into one sequence: a batch runs one request after another, stacked like diffusers.
-        outputs = []
-        for (text, request_embeds, request_tags), (request_generator, request_latents, request_audio_latents) in zip(
-            encoded, requests
-        ):
-            outputs.append(
-                self._generate(
-                    spec, text, request_embeds, request_tags, conditioning, height, width, num_frames,
-                    num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, request_generator,
-                    request_latents, request_audio_latents, output_type, attention_kwargs, callback_on_step_end,
-                    callback_on_step_end_tensor_inputs,
-                )  # fmt: skip
-            )
+        # H3 packs one request into one sequence: a batch runs one clip after another, stacked like diffusers.
+        outputs = [self._generate(request, clip) for clip in request.clips]
         frames, audio = _stack_outputs(outputs, output_type)
         self.maybe_free_model_hooks()
 
@@ -863,77 +756,44 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             return (frames, audio, self.audio_sampling_rate)
         return MiniMaxH3PipelineOutput(frames=frames, audio=audio, sampling_rate=self.audio_sampling_rate)
 
-    def _split_batch(self, batch_size, generator, latents, audio_latents):
-        """`(generator, latents, audio_latents)` per request; one shared generator advances from request to request."""
-        if isinstance(generator, (list, tuple)):
-            if len(generator) != batch_size:
-                raise ValueError(
-                    f"`generator` is a list of {len(generator)} generators but the batch has {batch_size} clips "
-                    "(prompts x num_videos_per_prompt): pass one generator per clip, or a single generator."
-                )
-            generators = list(generator)
-        else:
-            generators = [generator] * batch_size
-        if batch_size == 1:
-            return [(generators[0], latents, audio_latents)]
-        if latents is not None and latents.shape[0] != batch_size:
-            raise ValueError(
-                f"`latents` has batch {latents.shape[0]} but the batch has {batch_size} clips: pass "
-                f"({batch_size}, C, latent_frames, h, w)."
-            )
-        if audio_latents is not None and audio_latents.shape[0] != 2 * batch_size:
-            raise ValueError(
-                f"`audio_latents` has {audio_latents.shape[0]} items but {batch_size} stereo clips need "
-                f"{2 * batch_size} (a left/right pair per clip): pass ({2 * batch_size}, C, num_latents)."
-            )
-        return [
-            (
-                generators[i],
-                latents[i : i + 1] if latents is not None else None,
-                audio_latents[2 * i : 2 * i + 2] if audio_latents is not None else None,
-            )
-            for i in range(batch_size)
-        ]
-
-    def _generate(
-        self, spec, prompt, prompt_embeds, text_token_tags, conditioning, height, width, num_frames,
-        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, generator, latents, audio_latents,
-        output_type, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
-    ):  # fmt: skip
-        """One request (one prompt, one clip), already checked: returns `(frames, audio)` with a batch axis of 1."""
+    def _generate(self, request: H3Request, clip: H3Clip):
+        """One clip of a checked request: returns `(frames, audio)` with a batch axis of 1."""
+        spec, conditioning = request.spec, request.conditioning
         transformer = getattr(self, spec.partition)
         device = self._device_of(transformer)  # where the denoising loop runs; other components may sit elsewhere
         # Under context parallelism every rank runs this call: same noise (checked), one prompt encode (rank 0).
         cp_group = self._context_parallel_group = context_parallel_group(transformer)
         if cp_group is not None:
-            check_same_generator(generator, cp_group)
+            check_same_generator(clip.generator, cp_group)
 
-        # 2. Resolve the canvas and put the conditioning media on H3's rates and resolutions.
-        conditions = spec.prepare_conditions(self, conditioning, height, width, num_frames)
+        # 2. Put the conditioning media on H3's rates and resolutions, on the request's canvas.
+        components = self.task_components()
+        conditions = spec.prepare_conditions(components, conditioning, request.height, request.width, request.num_frames)
 
         # 3. Encode the prompt, presented with its conditioning (labels, vision blocks), with the text encoder.
-        if prompt_embeds is None:
+        if clip.prompt_embeds is None:
 
             def encode():
-                return self.encode_prompt(prompt, **conditioning, device=device, conditions=conditions)
+                return self.encode_prompt(clip.prompt, **conditioning, device=device, conditions=conditions)
 
             prompt_embeds, text_token_tags = run_on_main_rank(encode, cp_group, device)
         else:
-            prompt_embeds, text_token_tags = prompt_embeds.to(device), text_token_tags.long().cpu()
+            prompt_embeds, text_token_tags = clip.prompt_embeds.to(device), clip.text_token_tags.long().cpu()
 
         # 4. Encode the conditioning media with the VAEs.
-        condition_latents, audio_condition_latents = spec.encode_conditions(self, conditions)
+        condition_latents, audio_condition_latents = spec.encode_conditions(components, conditions)
 
         # 5. Build the packed layout: rows, rotary grid (fp64), tags, and the PackedLayout for processors.
-        geometry = self._latent_geometry(num_frames, conditions.height, conditions.width)
+        geometry = request.geometry
         structure, layout, n_cond_video, n_cond_audio = self._prepare_packed_sequence(
             spec, text_token_tags, conditions, condition_latents, audio_condition_latents, geometry, device
         )
 
         # 6. Prepare the latent rows: noised conditioning rows, then video noise; reference audio, then audio noise.
         latents, audio_latents = self.prepare_latents(
-            geometry, condition_latents, audio_condition_latents, generator, device, latents, audio_latents
-        )
+            geometry, condition_latents, audio_condition_latents, clip.generator, device, clip.latents,
+            clip.audio_latents,
+        )  # fmt: skip
         video_indices, audio_indices = structure["video_indices"], structure["audio_indices"]
         if latents.shape[0] != video_indices.numel() or audio_latents.shape[0] != audio_indices.numel():
             raise ValueError(
@@ -942,19 +802,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 f"(1, C, {geometry.num_latent_frames}, {geometry.latent_height}, {geometry.latent_width}) and "
                 f"(2, C, {geometry.num_audio_latents})."
             )
+        state = DenoiseState(transformer, device, structure, layout, n_cond_video, n_cond_audio, latents, audio_latents,
+                             prompt_embeds)  # fmt: skip
 
         # 7-8 step the shared schedulers (and read `interrupt`): concurrent calls take turns here.
         with self.denoise_lock:
-            latents, audio_latents = self._denoise(
-                transformer, spec, structure, layout, n_cond_video, n_cond_audio, latents, audio_latents,
-                prompt_embeds, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device,
-                attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs,
-            )  # fmt: skip
+            latents, audio_latents = self._denoise(request, state)
 
         # 9. Unpack the generated rows into latents.
         video_latents, audio_latents = self._unpack_latents(latents, audio_latents, n_cond_video, n_cond_audio, geometry)
 
         # 10. Decode video (ImageNet-normalized RGB → [0, 1]) and audio (stereo = 2 mono items).
+        output_type = request.output_type
         if output_type == "latent":
             return video_latents, audio_latents
         frames = self._decode_video(video_latents, output_type, self._device_of(self.vae))
@@ -963,18 +822,19 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             audio = audio.cpu().numpy()
         return frames, audio
 
-    def _denoise(
-        self, transformer, spec, structure, layout, n_cond_video, n_cond_audio, latents, audio_latents, prompt_embeds,
-        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device, attention_kwargs,
-        callback_on_step_end, callback_on_step_end_tensor_inputs,
-    ):  # fmt: skip
-        """Steps 7-8 of `__call__`; the caller holds `denoise_lock`."""
+    def _denoise(self, request: H3Request, state: "DenoiseState"):
+        """Steps 7-8 of `__call__` for one clip; the caller holds `denoise_lock`. Returns the denoised rows."""
         self._interrupt = False
+        transformer, device, structure, layout = state.transformer, state.device, state.structure, state.layout
+        n_cond_video, n_cond_audio = state.n_cond_video, state.n_cond_audio
+        latents, audio_latents, prompt_embeds = state.latents, state.audio_latents, state.prompt_embeds
+        attention_kwargs, callback_on_step_end = request.attention_kwargs, request.callback_on_step_end
         video_indices, audio_indices = structure["video_indices"], structure["audio_indices"]
         # 7. Schedules and the per-step row-timestep plan (conditioning rows pinned at 0.999, reference audio at 1).
         timesteps, audio_timesteps = self._set_schedules(
-            num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device
-        )
+            request.num_inference_steps, request.sigmas, request.audio_sigmas, request.flow_shift,
+            request.audio_flow_shift, device,
+        )  # fmt: skip
         self._num_timesteps = len(timesteps)
         start_cache_request(transformer, len(timesteps))  # no step-cache state carries over between requests
         rows = (video_indices.cpu(), audio_indices.cpu(), n_cond_video, n_cond_audio, structure["text_indices"].numel())
@@ -1017,7 +877,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 )[0]  # fmt: skip
                 if callback_on_step_end is not None:
                     local = {"latents": latents, "audio_latents": audio_latents, "prompt_embeds": prompt_embeds}
-                    tensors = {k: local[k] for k in callback_on_step_end_tensor_inputs}
+                    tensors = {k: local[k] for k in request.callback_on_step_end_tensor_inputs}
                     outputs = callback_on_step_end(self, i, t, tensors) or {}
                     latents = outputs.get("latents", latents)
                     audio_latents = outputs.get("audio_latents", audio_latents)

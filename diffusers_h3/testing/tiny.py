@@ -50,6 +50,12 @@ TINY_VAE_CONFIG = {
     "decoder_num_register_tokens": 1,
 }
 
+# The tiny pipeline's clip lengths (its config's `min_duration_s` / `max_duration_s`): from one VAE chunk (22 frames,
+# 0.9 s at 24 fps) so that end-to-end tests run short clips; the released model's are 5-15 s.
+TINY_DURATION_LIMITS = {"min_duration_s": 0.5, "max_duration_s": 15.0}
+# The shortest clip the tiny pipeline generates: one VAE chunk (17 + 5 frames).
+TINY_NUM_FRAMES = 22
+
 TINY_AUDIO_VAE_CONFIG = {"encoder_dim": 4, "latent_dim": 16, "latent_channels": 8, "num_attention_heads": 2, "decoder_dim": 128}
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -209,12 +215,14 @@ def tiny_components(
 
 
 def tiny_pipeline(seed: int = 0, text_encoder_layers: int = 51, **kwargs):
-    """A `MiniMaxH3Pipeline` over :func:`tiny_components`."""
+    """A `MiniMaxH3Pipeline` over :func:`tiny_components`, allowing short clips (:data:`TINY_DURATION_LIMITS`, e.g.
+    `num_frames=22`) unless `min_duration_s` / `max_duration_s` are passed."""
     from ..pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 
     text_encoder_layer = kwargs.pop("text_encoder_layer", min(50, text_encoder_layers - 1))
+    limits = {name: kwargs.pop(name, value) for name, value in TINY_DURATION_LIMITS.items()}
     components = tiny_components(seed=seed, text_encoder_layers=text_encoder_layers, **kwargs)
-    return MiniMaxH3Pipeline(**components, text_encoder_layer=text_encoder_layer)
+    return MiniMaxH3Pipeline(**components, text_encoder_layer=text_encoder_layer, **limits)
 
 
 def save_hub_layout(components: Dict[str, object], directory: Union[str, os.PathLike], repo_id: str = HUB_REPO_ID) -> Path:

@@ -15,7 +15,7 @@ from diffusers_h3.attention_processors.vsa import MiniMaxH3VSAProcessor  # noqa:
 from diffusers_h3.testing.tiny import tiny_pipeline  # noqa: E402
 
 
-CALL = {"prompt": "a cat", "height": 64, "width": 64, "num_frames": 124, "num_inference_steps": 3, "output_type": "latent"}
+CALL = {"prompt": "a cat", "height": 64, "width": 64, "num_frames": 22, "num_inference_steps": 3, "output_type": "latent"}
 
 
 @pytest.fixture(scope="module")

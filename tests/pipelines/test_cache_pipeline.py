@@ -9,11 +9,11 @@ import torch
 import diffusers_h3
 from diffusers_h3 import W8A16Config
 from diffusers_h3.hooks.cache import cache_config
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
 # 5 sigma points = 4 transformer forwards; latents only (the cache acts on the denoiser, the decoders are not needed).
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 5, "output_type": "latent"}
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 5, "output_type": "latent"}
 
 
 def _pipe(cache=None):

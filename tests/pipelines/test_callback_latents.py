@@ -7,10 +7,10 @@ import pytest
 import torch
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
-CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124}
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES}
 SIGMAS = [1.0, 0.8, 0.55, 0.3, 0.0]
 AUDIO_SIGMAS = [1.0, 0.7, 0.5, 0.2, 0.0]
 CHANGE_AT = 1  # the callback of step 1 (after the second scheduler step: the state is at SIGMAS[2])
@@ -24,7 +24,7 @@ def pipe():
 @pytest.fixture(scope="module")
 def noise():
     g = torch.Generator().manual_seed(7)
-    return torch.randn(1, 4, 37, 2, 2, generator=g), torch.randn(2, 8, 207, generator=g)
+    return torch.randn(1, 4, 7, 2, 2, generator=g), torch.randn(2, 8, 37, generator=g)
 
 
 def _change_video(x):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from diffusers_h3.pipelines import pipeline_minimax_h3
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 REQUESTS = [("a fox in snow", 0), ("a drummer under neon lights", 1), ("rain on a window", 2), ("waves", 3)]
 
 

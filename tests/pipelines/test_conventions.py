@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from diffusers_h3 import MiniMaxH3Pipeline
-from diffusers_h3.testing.tiny import tiny_components, tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, tiny_components, tiny_pipeline
 
 
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 
 
 def _call(pipe, prompt="a fox in snow", seed=0, **kwargs):
@@ -55,10 +55,10 @@ def test_save_load_round_trip_with_optional_component_absent(pipe, base, tmp_pat
 def test_optional_components_can_be_passed_and_left_out():
     components = tiny_components(seed=7, with_transformer_ref=False)
     assert "transformer_ref" in MiniMaxH3Pipeline._optional_components
-    t2va_only = MiniMaxH3Pipeline(**components)
+    t2va_only = MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS)
     assert t2va_only.transformer_ref is None
     with pytest.raises(ValueError, match="runs on the `transformer` partition"):
-        MiniMaxH3Pipeline(**dict(components, transformer=None))(prompt="x", **RUN)
+        MiniMaxH3Pipeline(**dict(components, transformer=None), **TINY_DURATION_LIMITS)(prompt="x", **RUN)
 
 
 def test_components_reuse_gives_the_same_outputs(pipe, base):
@@ -66,7 +66,7 @@ def test_components_reuse_gives_the_same_outputs(pipe, base):
     assert {"text_encoder", "tokenizer", "processor", "vae", "audio_vae", "scheduler", "audio_scheduler"} <= set(
         components
     )
-    rebuilt = MiniMaxH3Pipeline(**components)
+    rebuilt = MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS)
     assert rebuilt.transformer is pipe.transformer
     _assert_equal(_call(rebuilt), base)
 
@@ -182,7 +182,7 @@ def test_num_videos_per_prompt_stacks_like_diffusers(pipe):
     # ... and decoded: one prompt, two videos, stacked like diffusers' numpy output.
     decoded = pipe(prompt="a", num_videos_per_prompt=2, **{**RUN, "output_type": "np"},
                    generator=[torch.Generator().manual_seed(s) for s in range(2)])  # fmt: skip
-    assert decoded.frames.shape == (2, 124, 32, 32, 3) and decoded.audio.shape[:2] == (2, 2)
+    assert decoded.frames.shape == (2, TINY_NUM_FRAMES, 32, 32, 3) and decoded.audio.shape[:2] == (2, 2)
 
 
 # -- LoRA -------------------------------------------------------------------------------------------------------------

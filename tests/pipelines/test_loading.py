@@ -9,10 +9,16 @@ from diffusers import DiffusionPipeline
 import diffusers_h3
 from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.pipelines.loading import NotAnH3CheckpointError
-from diffusers_h3.testing.tiny import HUB_REPO_ID, save_hub_layout, tiny_components
+from diffusers_h3.testing.tiny import (
+    HUB_REPO_ID,
+    TINY_DURATION_LIMITS,
+    TINY_NUM_FRAMES,
+    save_hub_layout,
+    tiny_components,
+)
 
 
-RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 
 
 def _latents(pipe, seed=0):
@@ -32,7 +38,7 @@ def hub_dir(tmp_path_factory, components):
 @pytest.fixture(scope="module")
 def own_dir(tmp_path_factory, components):
     directory = tmp_path_factory.mktemp("own") / "pipe"
-    MiniMaxH3Pipeline(**components).save_pretrained(directory)
+    MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS).save_pretrained(directory)
     return directory
 
 
@@ -52,7 +58,7 @@ def test_save_pretrained_round_trip(own_dir, components):
         saved, reloaded_state = components[name].state_dict(), getattr(loaded, name).state_dict()
         assert saved.keys() == reloaded_state.keys()
         assert all(torch.equal(saved[k], reloaded_state[k]) for k in saved), f"{name} weights changed"
-    original = _latents(MiniMaxH3Pipeline(**components))
+    original = _latents(MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS))
     reloaded = _latents(loaded)
     # Weights are bit-identical; CPU GEMMs may round differently for differently aligned (mmapped) buffers.
     assert torch.allclose(original.frames, reloaded.frames, atol=1e-5, rtol=0)
@@ -81,6 +87,15 @@ def test_hub_layout_resolves_subfolders_locally_and_per_task(hub_dir, components
     assert ref.transformer is None and ref.transformer_ref is not None
     both = MiniMaxH3Pipeline.from_pretrained(hub_dir)
     assert both.transformer is not None and both.transformer_ref is not None
+
+
+def test_hub_layout_takes_the_pipeline_config_as_keyword_arguments(hub_dir, monkeypatch):
+    """The hub layout stores no pipeline config: the defaults (5-15 s), or what `from_pretrained` is given."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    default = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="t2va")
+    assert (default.config.min_duration_s, default.config.max_duration_s) == (5.0, 15.0)
+    short = MiniMaxH3Pipeline.from_pretrained(hub_dir, task="t2va", **TINY_DURATION_LIMITS)
+    assert short.request_config().min_duration_s == TINY_DURATION_LIMITS["min_duration_s"]
 
 
 @pytest.mark.parametrize("layout", ["own", "hub"])
@@ -185,7 +200,8 @@ def test_pipeline_quantization_config_covers_the_text_encoder(layout, own_dir, h
 
     directory = own_dir if layout == "own" else hub_dir
     config = PipelineQuantizationConfig(quant_mapping={"transformer": W8A16Config(), "text_encoder": W8A16Config()})
-    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", quantization_config=config)
+    limits = TINY_DURATION_LIMITS if layout == "hub" else {}  # the hub layout stores no pipeline config
+    pipe = MiniMaxH3Pipeline.from_pretrained(directory, task="t2va", quantization_config=config, **limits)
     for name in ("transformer", "text_encoder"):
         quantized = [m for m in getattr(pipe, name).modules() if isinstance(m, QuantizedLinear)]
         assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized), name

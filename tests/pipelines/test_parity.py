@@ -7,7 +7,7 @@ and generator seed — never an earlier output of our own.
 import numpy as np
 import pytest
 import torch
-from diffusers import MiniMaxH3Blocks
+from diffusers import MiniMaxH3Blocks, MiniMaxH3ModularPipeline
 from PIL import Image
 
 from diffusers_h3 import (
@@ -16,12 +16,21 @@ from diffusers_h3 import (
     MiniMaxH3Pipeline,
     MiniMaxH3VideoReference,
 )
-from diffusers_h3.testing.tiny import tiny_components
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, tiny_components
 
 from ..conftest import SMALL_CANVAS
 
 
-COMMON = {"num_frames": 124, "num_inference_steps": 3, "output_type": "np"}
+COMMON = {"num_frames": TINY_NUM_FRAMES, "num_inference_steps": 3, "output_type": "np"}
+
+
+@pytest.fixture(autouse=True)
+def short_clips(monkeypatch):
+    """Both pipelines allow the tiny pipeline's short clips: ours through its config, the reference (whose limits
+    are fixed properties) for the duration of the test."""
+    for name, value in (("min_duration", TINY_DURATION_LIMITS["min_duration_s"]),
+                        ("max_duration", TINY_DURATION_LIMITS["max_duration_s"])):  # fmt: skip
+        monkeypatch.setattr(MiniMaxH3ModularPipeline, name, property(lambda self, value=value: value))
 
 
 def _random_image(width, height, seed):
@@ -36,7 +45,7 @@ def _run_both(task, seed, **inputs):
     reference.register_to_config(**SMALL_CANVAS)
     expected = reference(**inputs, **COMMON, generator=torch.Generator().manual_seed(seed), output=["videos", "audio"])
 
-    pipe = MiniMaxH3Pipeline(**components, **SMALL_CANVAS)
+    pipe = MiniMaxH3Pipeline(**components, **SMALL_CANVAS, **TINY_DURATION_LIMITS)
     ours = pipe(**inputs, **COMMON, generator=torch.Generator().manual_seed(seed))
     return expected, ours
 

@@ -6,10 +6,10 @@ import torch
 from PIL import Image
 
 from diffusers_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, current_packed_layout
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
-BASE = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2}
+BASE = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def _image(w=40, h=36):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"num_frames": 100}, r"5–15 s.*rounds up to 107"),
+        ({"num_frames": 5}, r"0\.5–15 s.*rounds up to 5 frames"),  # the tiny pipeline's limits (real: test_request)
         ({"num_frames": 346}, r"rounds up to 362"),
         ({"num_frames": 0}, "positive int"),
         ({"height": 32, "width": 160}, "aspect ratios from 1:4 to 4:1"),
@@ -43,7 +43,7 @@ def _image(w=40, h=36):
         ({"prompt": ["a", 3]}, r"`prompt\[1\]` must be a string"),
         ({"num_videos_per_prompt": 0}, "`num_videos_per_prompt` must be a positive int"),
         ({"prompt": ["a", "b"], "generator": [torch.Generator()]}, "one generator per clip"),
-        ({"prompt": ["a", "b"], "latents": torch.randn(1, 4, 37, 2, 2)}, "the batch has 2 clips"),
+        ({"prompt": ["a", "b"], "latents": torch.randn(1, 4, 7, 2, 2)}, "the batch has 2 clips"),
         ({"output_type": "gif"}, "`output_type` must be one of"),
         ({"callback_on_step_end_tensor_inputs": ["noise"]}, "callback_on_step_end_tensor_inputs"),
         ({"audio_sigmas": [1.0, 0.0]}, "`audio_sigmas` needs `sigmas`"),
@@ -148,8 +148,8 @@ def test_layout_is_published_during_transformer_calls(pipe):
     kinds = [(s.kind, s.role) for s in layout.segments]
     assert kinds == [("text", "prompt"), ("video", "keyframe"), ("audio", "target"), ("video", "target")]
     target = layout.select("video", "target")[0]
-    assert target.grid == (37, 1, 1)  # 124 = 17*7+5 frames -> 5*7+2 latent frames; 32x32 px -> 1x1 patches
-    assert layout.select("audio", "target")[0].length == 2 * 207
+    assert target.grid == (7, 1, 1)  # 22 = 17*1+5 frames -> 5*1+2 latent frames; 32x32 px -> 1x1 patches
+    assert layout.select("audio", "target")[0].length == 2 * 37
 
 
 def test_callback_can_read_and_replace_tensors_and_interrupt(pipe):
@@ -174,14 +174,14 @@ def test_callback_can_read_and_replace_tensors_and_interrupt(pipe):
 def test_output_types(pipe, output_type):
     out = pipe(**BASE, output_type=output_type, generator=torch.Generator().manual_seed(0))
     if output_type == "np":
-        assert out.frames.shape == (1, 124, 32, 32, 3) and isinstance(out.audio, np.ndarray)
-        assert out.audio.shape == (1, 2, 207 * 800)
+        assert out.frames.shape == (1, 22, 32, 32, 3) and isinstance(out.audio, np.ndarray)
+        assert out.audio.shape == (1, 2, 37 * 800)
     elif output_type == "pt":
-        assert out.frames.shape == (1, 124, 3, 32, 32) and out.audio.shape == (1, 2, 207 * 800)
+        assert out.frames.shape == (1, 22, 3, 32, 32) and out.audio.shape == (1, 2, 37 * 800)
     elif output_type == "pil":
-        assert len(out.frames) == 1 and len(out.frames[0]) == 124 and isinstance(out.frames[0][0], Image.Image)
+        assert len(out.frames) == 1 and len(out.frames[0]) == 22 and isinstance(out.frames[0][0], Image.Image)
     else:
-        assert out.frames.shape == (1, 4, 37, 2, 2) and out.audio.shape == (2, 8, 207)
+        assert out.frames.shape == (1, 4, 7, 2, 2) and out.audio.shape == (2, 8, 37)
     assert out.sampling_rate == 32000
 
 

@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 
 from diffusers_h3 import MiniMaxH3Pipeline
-from diffusers_h3.testing.tiny import tiny_components
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, tiny_components
 
 
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 NO_TEXT_ENCODER = {"text_encoder": None, "tokenizer": None, "processor": None}
 
 
@@ -23,7 +23,7 @@ def components():
 
 @pytest.fixture(scope="module")
 def pipe(components):
-    return MiniMaxH3Pipeline(**components, text_encoder_layer=2)
+    return MiniMaxH3Pipeline(**components, text_encoder_layer=2, **TINY_DURATION_LIMITS)
 
 
 def _keyframe(seed, w=40, h=36):
@@ -70,7 +70,7 @@ def test_stacked_prompt_embeds_run_one_request_per_row(pipe):
 
 def test_pipeline_loaded_without_text_encoder_generates_from_embeds(pipe, components, tmp_path):
     # Encode with a pipeline that holds only the text side (no DiT) ...
-    encoder_only = MiniMaxH3Pipeline(**{**components, "transformer": None}, text_encoder_layer=2)
+    encoder_only = MiniMaxH3Pipeline(**{**components, "transformer": None}, text_encoder_layer=2, **TINY_DURATION_LIMITS)
     embeds, tags = encoder_only.encode_prompt("rain on a window")
     # ... and generate with one loaded without its text encoder, as diffusers pipelines allow.
     pipe.save_pretrained(tmp_path)

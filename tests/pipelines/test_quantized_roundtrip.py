@@ -10,10 +10,10 @@ import torch
 from diffusers.quantizers import PipelineQuantizationConfig
 
 from diffusers_h3 import MiniMaxH3Pipeline, QuantizedLinear, W8A16Config, W8A16Linear, quantize
-from diffusers_h3.testing.tiny import save_hub_layout, tiny_components
+from diffusers_h3.testing.tiny import TINY_DURATION_LIMITS, TINY_NUM_FRAMES, save_hub_layout, tiny_components
 
 
-RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"prompt": "x", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 QUANTIZED = ("transformer", "text_encoder")
 
 
@@ -33,16 +33,16 @@ def saved(tmp_path_factory):
     save_hub_layout(components, root / "dense")
     for name in QUANTIZED:
         quantize(components[name], W8A16Config())
-    MiniMaxH3Pipeline(**components, text_encoder_layer=1).save_pretrained(root / "own")
+    MiniMaxH3Pipeline(**components, text_encoder_layer=1, **TINY_DURATION_LIMITS).save_pretrained(root / "own")
     save_hub_layout(components, root / "hub")
-    reference = _latents(MiniMaxH3Pipeline(**components, text_encoder_layer=1))
+    reference = _latents(MiniMaxH3Pipeline(**components, text_encoder_layer=1, **TINY_DURATION_LIMITS))
     return {"own": root / "own", "hub": root / "hub", "dense": root / "dense"}, components, reference
 
 
 def _load(directory, **kwargs):
     # the hub layout's index does not carry the pipeline's own options
     hub = (directory / "modular_model_index.json").is_file()
-    return MiniMaxH3Pipeline.from_pretrained(directory, **kwargs, **({"text_encoder_layer": 1} if hub else {}))
+    return MiniMaxH3Pipeline.from_pretrained(directory, **kwargs, **({"text_encoder_layer": 1, **TINY_DURATION_LIMITS} if hub else {}))
 
 
 @pytest.mark.parametrize("layout", ["own", "hub"])

@@ -9,10 +9,10 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 import diffusers_h3
 from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
 from diffusers_h3._hooks import H3_FAST_VAE_DECODE_HOOK, get_h3_hook
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
-CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2,
+CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2,
         "output_type": "latent"}
 
 

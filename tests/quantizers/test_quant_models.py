@@ -19,7 +19,13 @@ from diffusers_h3.quantizers import (
     quantize,
     register_quantizers,
 )
-from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_components, tiny_transformer
+from diffusers_h3.testing.tiny import (
+    TINY_DURATION_LIMITS,
+    TINY_NUM_FRAMES,
+    TINY_TRANSFORMER_CONFIG,
+    tiny_components,
+    tiny_transformer,
+)
 
 from ._helpers import CONFIGS, LAYERS, MODEL_TOL, rel, run_transformer
 
@@ -146,7 +152,7 @@ def test_full_size_h3_weight_memory_targets(monkeypatch):
     assert mem["w8a16"]["quantized_layers"] == 50 * 7 + 2 * 6
 
 
-RUN = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 2, "output_type": "latent"}
+RUN = {"prompt": "a cat", "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +160,7 @@ def pipe_dir(tmp_path_factory):
     from diffusers_h3 import MiniMaxH3Pipeline
 
     components = tiny_components(seed=3, with_transformer_ref=False)
-    pipe = MiniMaxH3Pipeline(**components, text_encoder_layer=50)
+    pipe = MiniMaxH3Pipeline(**components, text_encoder_layer=50, **TINY_DURATION_LIMITS)
     path = tmp_path_factory.mktemp("pipe")
     pipe.save_pretrained(path)
     return path

@@ -176,7 +176,7 @@ def chunk_decoder(vae) -> Callable[[torch.Tensor], torch.Tensor]:
     whole-clip fast decode batches the tiles of all chunks together; at 768x1344 both decode the 28 tiles of one
     chunk per call (`DEFAULT_TILES_PER_BATCH` 32, balanced batches), so the calls are the same shape.
     """
-    state: Optional[FastVAEDecodeState] = getattr(vae, "_h3_fast_decode", None)
+    state = fast_vae_decode_state(vae)
     if state is None:
         return vae._decode_clip
     totals = {"chunks": 0, "tiles": 0, "calls": 0}

@@ -145,3 +145,21 @@ def test_misuse_is_one_clear_error(outputs, tmp_path):
     with pytest.raises(ValueError, match=r"`crf` must be from 0 to 51, got 60"):
         pipe.decode_to_video(latent.frames, latent.audio, tmp_path / "a.mp4", crf=60)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_streamed_decode_takes_the_fast_decode_when_enabled(outputs):
+    """With `enable_fast_vae_decode` the chunks come from batched tile decodes (its record says so) and equal the
+    whole-clip fast decode's frames; without it, diffusers' own tile loop."""
+    from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
+    from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
+
+    pipe, latent, _ = outputs
+    enable_fast_vae_decode(pipe, batch_tiles=True, compile=False)
+    try:
+        whole = pipe._decode_video(latent.frames, "np", torch.device("cpu"))
+        chunks = list(pipe._decode_video_chunks(latent.frames, torch.device("cpu")))
+        assert "decoded chunk by chunk" in fast_vae_decode_state(pipe.vae).last_run
+        assert np.array_equal(np.concatenate(chunks), _frames_to_uint8(whole[0]))
+    finally:
+        disable_fast_vae_decode(pipe)
+    assert fast_vae_decode_state(pipe.vae) is None

@@ -265,10 +265,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def enable_vsa(self, config=None, **options):
         """Install video sparse attention on the loaded transformer partition(s); see `diffusers_h3.enable_vsa`
-        (`config` is a `diffusers_h3.VSAConfig`, `options` its fields)."""
+        (`config` is a `diffusers_h3.VSAConfig`, `options` its fields). Returns the pipeline
+        (`diffusers_h3.vsa_state(pipe.transformer)`: what was installed)."""
         from ..attention_processors.vsa import enable_vsa
 
-        return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
+        return enable_vsa(self, config, **options)
 
     def enable_fast_vae_decode(self, **options):
         """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`.

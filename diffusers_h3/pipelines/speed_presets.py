@@ -42,6 +42,7 @@ from ..attention_processors import (
     enable_flashinfer_attention,
     enable_low_precision_attention,
     enable_vsa,
+    flashinfer_attention_state,
 )
 from ..hooks.fast_vae_decode import FP8_LINEARS_NOTE, decoder_is_fp8, disable_fast_vae_decode, enable_fast_vae_decode
 from ..kernels.attention.flashinfer_dense import (
@@ -349,7 +350,7 @@ def _apply_to_transformer(
         else:
             record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
         if flashinfer == "on":
-            resolved = enable_flashinfer_attention(model)["transformer"]["backend"]
+            resolved = flashinfer_attention_state(enable_flashinfer_attention(model))["backend"]
             record.attention[name] = f"dense bf16, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
         elif flashinfer == "not installed":
             record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"

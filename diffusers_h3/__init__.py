@@ -47,7 +47,7 @@ from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.memory_budget import load_for_memory_budget
-from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset
+from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset, speed_preset_record
 from .quantizers import (
     FP8Config,
     FP8Linear,
@@ -93,6 +93,7 @@ __all__ = [
     "enable_v100_mode",
     "disable_v100_mode",
     "enable_speed_preset",
+    "speed_preset_record",
     "SPEED_PRESETS",
     "load_for_memory_budget",
     "V100Mode",

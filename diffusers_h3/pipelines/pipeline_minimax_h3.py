@@ -290,7 +290,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
                             fullgraph: bool = False):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
-        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md."""
+        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the pipeline
+        (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
         from .speed_presets import enable_speed_preset
 
         return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph)

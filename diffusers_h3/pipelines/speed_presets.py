@@ -397,7 +397,7 @@ _RECORD_ATTRIBUTE = "_h3_speed_preset"
 
 def enable_speed_preset(
     pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None, fullgraph: bool = False
-) -> SpeedPresetRecord:
+):
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
 
@@ -416,7 +416,8 @@ def enable_speed_preset(
             fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
             (every kernel is a custom op), so this only changes what happens if one appears.
 
-    Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
+    Returns the pipeline. What was turned on is the :class:`SpeedPresetRecord` read with
+    :func:`speed_preset_record` (``diffusers_h3.describe(pipe)`` reports it as ``speed_preset``).
     """
     check_speed_preset(preset)
     if isinstance(pipe, torch.nn.Module) or not callable(getattr(pipe, "_device_of", None)):
@@ -449,7 +450,7 @@ def enable_speed_preset(
     logger.info(f"speed preset {preset!r}: video decode {record.decode}; decoder compile {record.decode_compile}; "
                 f"export {record.export}")  # fmt: skip
     setattr(pipe, _RECORD_ATTRIBUTE, record)
-    return record
+    return pipe
 
 
 def enable_speed_preset_on_transformer(
@@ -473,7 +474,8 @@ def enable_speed_preset_on_transformer(
         flashinfer (`bool`, *optional*): as for :func:`enable_speed_preset`.
         fullgraph (`bool`, defaults to `False`): as for :func:`enable_speed_preset`.
 
-    Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved).
+    Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved). Unlike :func:`enable_speed_preset`,
+    not the target: a model keeps state only in registry hooks, and this record has no hook of its own to live in.
     """
     check_speed_preset(preset)
     weight = next(transformer.parameters(), None)
@@ -511,5 +513,6 @@ __all__: List[str] = [
     "gemm_format",
     "plan_flashinfer",
     "plan_vae_decode",
+    "speed_preset_record",
     "speed_preset_report",
 ]

@@ -50,7 +50,8 @@ def test_unknown_preset_lists_presets():
 
 def test_exact_is_bitwise_the_native_output(native_frames):
     pipe = _pipe()
-    record = diffusers_h3.enable_speed_preset(pipe, "exact", compile=False)
+    assert diffusers_h3.enable_speed_preset(pipe, "exact", compile=False) is pipe
+    record = diffusers_h3.speed_preset_record(pipe)
     assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
     assert not _quantized(pipe)
     report = diffusers_h3.describe(pipe)["speed_preset"]

@@ -23,11 +23,15 @@ from .attention_processors import (
     MiniMaxH3VSAProcessor,
     VSAConfig,
     add_gate_compress,
+    disable_flashinfer_attention,
     disable_low_precision_attention,
     disable_vsa,
     enable_flashinfer_attention,
     enable_low_precision_attention,
     enable_vsa,
+    flashinfer_attention_state,
+    low_precision_attention_state,
+    vsa_state,
 )
 from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
 from .hooks.v100_mode import NonFiniteActivationError, V100Mode, disable_v100_mode, enable_v100_mode
@@ -43,7 +47,7 @@ from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.memory_budget import load_for_memory_budget
-from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset
+from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset, speed_preset_record
 from .quantizers import (
     FP8Config,
     FP8Linear,
@@ -75,16 +79,21 @@ __all__ = [
     "describe",
     "enable_vsa",
     "disable_vsa",
+    "vsa_state",
     "VSAConfig",
     "add_gate_compress",
     "enable_low_precision_attention",
     "disable_low_precision_attention",
+    "low_precision_attention_state",
     "enable_flashinfer_attention",
+    "disable_flashinfer_attention",
+    "flashinfer_attention_state",
     "enable_fast_vae_decode",
     "disable_fast_vae_decode",
     "enable_v100_mode",
     "disable_v100_mode",
     "enable_speed_preset",
+    "speed_preset_record",
     "SPEED_PRESETS",
     "load_for_memory_budget",
     "V100Mode",

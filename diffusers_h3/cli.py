@@ -666,7 +666,9 @@ def _apply_fast_paths(pipe, args) -> None:
             model.enable_cache(args.cache_config)
     if getattr(args, "speed", None):  # after the cache hooks: the preset compiles the blocks last
         flashinfer = {"on": True, "off": False}.get(getattr(args, "flashinfer", None))  # None: automatic
-        record = pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer)
+        from diffusers_h3.pipelines.speed_presets import speed_preset_record
+
+        record = speed_preset_record(pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer))
         print(f"speed preset {args.speed}: {record.describe()}", file=sys.stderr)
     elif args.compile:
         for _, model in pipe._partitions():

@@ -3,14 +3,28 @@ packed-layout side channel they read is ``diffusers_h3.layout``."""
 
 from .base import MiniMaxH3AttnProcessorBase
 from .fa_v100 import MiniMaxH3FAV100Processor
-from .flashinfer import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
+from .flashinfer import (
+    MiniMaxH3FlashInferProcessor,
+    disable_flashinfer_attention,
+    enable_flashinfer_attention,
+    flashinfer_attention_state,
+)
 from .low_precision import (
     MiniMaxH3LowPrecisionAttnProcessor,
     disable_low_precision_attention,
     enable_low_precision_attention,
+    low_precision_attention_state,
 )
 from .tiling import TilePlan, build_tile_plan
-from .vsa import MiniMaxH3VSAProcessor, VSAConfig, add_gate_compress, disable_vsa, enable_vsa, vsa_attention
+from .vsa import (
+    MiniMaxH3VSAProcessor,
+    VSAConfig,
+    add_gate_compress,
+    disable_vsa,
+    enable_vsa,
+    vsa_attention,
+    vsa_state,
+)
 
 
 __all__ = [
@@ -23,10 +37,14 @@ __all__ = [
     "TilePlan",
     "build_tile_plan",
     "add_gate_compress",
+    "disable_flashinfer_attention",
     "disable_low_precision_attention",
     "disable_vsa",
     "enable_flashinfer_attention",
     "enable_low_precision_attention",
     "enable_vsa",
+    "flashinfer_attention_state",
+    "low_precision_attention_state",
     "vsa_attention",
+    "vsa_state",
 ]

@@ -26,7 +26,7 @@ from ..kernels.attention.flashinfer_dense import (
     resolve_backend,
 )
 from .base import MiniMaxH3AttnProcessorBase
-from .low_precision import _models, transformer_blocks
+from .low_precision import _models, block_processors, restore_default_processors, transformer_blocks
 
 
 PRECISIONS = ("bf16", "fp8")
@@ -46,7 +46,8 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
     :func:`enable_flashinfer_attention` when asked for ``"auto"``); ``precision``: ``"bf16"`` (16-bit Q/K/V as they
     come, exact) or ``"fp8"`` (FA3's FP8 kernel; ``smooth_k`` subtracts the per-head key mean first)."""
 
-    def __init__(self, backend: str = "fa3", precision: str = "bf16", smooth_k: bool = True):
+    def __init__(self, backend: str = "fa3", precision: str = "bf16", smooth_k: bool = True, *,
+                 kernel_source: Optional[str] = None):
         super().__init__()
         if backend not in ("fa2", "fa3"):
             raise ValueError(f"MiniMaxH3FlashInferProcessor backend must be 'fa2' or 'fa3', got {backend!r}")
@@ -54,6 +55,7 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
         self.backend = backend
         self.precision = precision
         self.smooth_k = bool(smooth_k)
+        self.kernel_source = kernel_source  # where FlashInfer's kernels come from, as checked when installed
 
     def core(self, query, key, value, attention_mask=None, **extras):
         if extras:
@@ -68,32 +70,47 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
         return out
 
 
-def enable_flashinfer_attention(
-    pipe_or_transformer, backend: str = "auto", precision: str = "bf16"
-) -> Dict[str, Dict[str, Any]]:
+def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto", precision: str = "bf16"):
     """Install one :class:`MiniMaxH3FlashInferProcessor` per transformer block of a pipeline's transformer
     partition(s) or of one transformer (the token refiner keeps its processor).
 
     Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be built
     (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and every model is on a CUDA GPU of SM80+ (``"fa3"`` needs
-    SM90, as does ``precision="fp8"``). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns per
-    partition the block count, the resolved backend and the processor's ``describe_path`` line.
+    SM90, as does ``precision="fp8"``). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns the
+    argument; what was installed (the block count, the resolved backend, the precision, where the kernels come from
+    and the processor's ``describe_path`` line) is read from the processors with :func:`flashinfer_attention_state`.
+    Undo with :func:`disable_flashinfer_attention`.
     """
     _check_precision(precision)
     kernels = check_flashinfer_kernels()
     plans = []
-    for name, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):
+    for _, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):
         blocks = transformer_blocks(model, "enable_flashinfer_attention")
         tensors = itertools.chain(blocks[0].parameters(), blocks[0].buffers()) if len(blocks) else iter(())
         device = next(tensors, torch.empty(0)).device  # quantized layers keep their weights in buffers
         resolved = resolve_backend(backend, cuda_capability(device))
         _check_precision(precision, resolved)
-        plans.append((name, blocks, resolved))
-    summary = {}
-    for name, blocks, resolved in plans:
-        processors = [MiniMaxH3FlashInferProcessor(resolved, precision) for _ in blocks]
-        for block, processor in zip(blocks, processors):
-            block.attn.set_processor(processor)
-        summary[name] = {"blocks": len(blocks), "backend": resolved, "precision": precision, "kernels": kernels,
-                         "path": processors[0].describe_path() if processors else "no blocks"}  # fmt: skip
-    return summary
+        plans.append((blocks, resolved))
+    for blocks, resolved in plans:
+        for block in blocks:
+            block.attn.set_processor(MiniMaxH3FlashInferProcessor(resolved, precision, kernel_source=kernels))
+    return pipe_or_transformer
+
+
+def flashinfer_attention_state(transformer) -> Optional[Dict[str, Any]]:
+    """What :func:`enable_flashinfer_attention` installed on ``transformer``, read from its blocks'
+    :class:`MiniMaxH3FlashInferProcessor` instances (``None`` when no block has one): ``blocks`` (with one), the
+    resolved ``backend``, ``precision``, ``kernels`` (where FlashInfer's kernels come from, as checked when installed)
+    and ``path`` (the first processor's ``describe_path()``: after a call, the kernel it ran)."""
+    processors = block_processors(transformer, MiniMaxH3FlashInferProcessor, "flashinfer_attention_state")
+    if not processors:
+        return None
+    first = processors[0]
+    return {"blocks": len(processors), "backend": first.backend, "precision": first.precision,
+            "kernels": first.kernel_source, "path": first.describe_path()}  # fmt: skip
+
+
+def disable_flashinfer_attention(pipe_or_transformer):
+    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions
+    or of one transformer). Returns the argument."""
+    return restore_default_processors(pipe_or_transformer, "disable_flashinfer_attention")

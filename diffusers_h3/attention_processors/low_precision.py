@@ -16,7 +16,7 @@ transformer block; the VSA processor delegates its dense calls to the same core.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
@@ -255,30 +255,61 @@ def enable_low_precision_attention(
     strict: bool = False,
     backend: str = "auto",
     kernel: str = "auto",
-) -> Dict[str, Dict[str, Any]]:
+):
     """Install one :class:`MiniMaxH3LowPrecisionAttnProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor). Returns per partition the number of
-    blocks, the precision and one ``describe_path`` line."""
+    partition(s) or of one transformer (the token refiner keeps its processor). Returns the argument; what was
+    installed (number of blocks, the precision and options, one ``describe_path`` line) is read from the processors
+    with :func:`low_precision_attention_state`. Undo with :func:`disable_low_precision_attention`."""
     checked = {"pv_precision": pv_precision, "fp4_p": fp4_p, "strict": strict, "backend": backend, "kernel": kernel}
     check_low_precision_options(precision, **checked)
     options = {"smooth_k": smooth_k, **checked}
-    summary = {}
-    for name, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
-        blocks = transformer_blocks(model, "enable_low_precision_attention")
-        processors = []
-        for block in blocks:
+    for _, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
+        for block in transformer_blocks(model, "enable_low_precision_attention"):
             processor = MiniMaxH3LowPrecisionAttnProcessor(precision, **options)
             if strict:
                 processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
             block.attn.set_processor(processor)
-            processors.append(processor)
-        summary[name] = {"blocks": len(blocks), "precision": precision,
-                         "path": processors[0].describe_path() if processors else "no blocks"}
-    return summary
+    return pipe_or_transformer
 
 
-def disable_low_precision_attention(pipe_or_transformer) -> None:
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block."""
-    for _, model in _models(pipe_or_transformer, "disable_low_precision_attention"):
-        for block in transformer_blocks(model, "disable_low_precision_attention"):
+def block_processors(transformer, cls: type, who: str) -> List[Any]:
+    """The attention processors of ``transformer``'s blocks that are exactly ``cls`` (not a subclass), in block order."""
+    processors = (getattr(block.attn, "processor", None) for block in transformer_blocks(transformer, who))
+    return [p for p in processors if type(p) is cls]
+
+
+def low_precision_attention_state(transformer) -> Optional[Dict[str, Any]]:
+    """What :func:`enable_low_precision_attention` installed on ``transformer``, read from its blocks'
+    :class:`MiniMaxH3LowPrecisionAttnProcessor` instances (``None`` when no block has one): ``blocks`` (with one),
+    ``precision``, the options (``smooth_k``, ``pv_precision``, ``fp4_p``, ``strict``, ``backend``, ``kernel``) and
+    ``path`` (the first processor's ``describe_path()``: after a call, the kernel it ran)."""
+    processors = block_processors(transformer, MiniMaxH3LowPrecisionAttnProcessor, "low_precision_attention_state")
+    if not processors:
+        return None
+    first = processors[0]
+    return {
+        "blocks": len(processors),
+        "precision": first.precision,
+        "smooth_k": first.smooth_k,
+        "pv_precision": first.pv_precision,
+        "fp4_p": first.fp4_p,
+        "strict": first.strict,
+        "backend": first.backend,
+        "kernel": first.kernel,
+        "path": first.describe_path(),
+    }
+
+
+def disable_low_precision_attention(pipe_or_transformer):
+    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions
+    or of one transformer). Returns the argument."""
+    return restore_default_processors(pipe_or_transformer, "disable_low_precision_attention")
+
+
+def restore_default_processors(pipe_or_transformer, who: str):
+    """Diffusers' default ``MiniMaxH3AttnProcessor`` on every transformer block (of a pipeline's partitions or of one
+    transformer); returns the argument (``who``: the ``disable_*`` named in errors)."""
+    for _, model in _models(pipe_or_transformer, who):
+        for block in transformer_blocks(model, who):
             block.attn.set_processor(MiniMaxH3AttnProcessor())
+    return pipe_or_transformer

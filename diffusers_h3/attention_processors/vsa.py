@@ -34,7 +34,6 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._hooks import H3_VSA_ROUTE_HOOK, H3Hook, register_h3_hook, remove_h3_hook
 from .._utils import warn_once
@@ -56,8 +55,10 @@ from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
     _kernel_available,
+    _models,
     check_low_precision_options,
     precision_label,
+    restore_default_processors,
     transformer_blocks,
 )
 from .tiling import TilePlan, TilePlanCache
@@ -468,45 +469,67 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
 # -- installation helpers --------------------------------------------------------------------------------------------
 
 
-def enable_vsa(transformer, config: Optional[VSAConfig] = None, **options) -> Dict[str, Any]:
-    """Install one :class:`MiniMaxH3VSAProcessor` per transformer block (the token refiner keeps its processor).
+def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **options):
+    """Install one :class:`MiniMaxH3VSAProcessor` per transformer block of a pipeline's transformer partition(s) or of
+    one transformer (the token refiner keeps its processor).
 
     ``config`` is a :class:`VSAConfig`; keyword ``options`` (its fields: ``sparsity=``, ``precision=``, ...) replace
     single fields. Dense low-precision attention alone is :func:`~.low_precision.enable_low_precision_attention`.
-    Returns a summary: number of blocks, which are dense, the precision and one ``describe_path`` line.
+    ``dense_layers`` is checked against every model before any processor changes. Returns the argument;
+    what was installed (number of blocks, which are dense, the precision, one ``describe_path`` line) is read from the
+    processors with :func:`vsa_state`. Undo with :func:`disable_vsa`.
     """
     config = VSAConfig.from_options(config, **options)
-    blocks = transformer_blocks(transformer, "enable_vsa")
-    bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
-    if bad:
-        raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
-    processors = []
-    plans = TilePlanCache()  # one plan object per layout for every block (one compiled version serves them all)
-    for i, block in enumerate(blocks):
-        processor = MiniMaxH3VSAProcessor(config, layer_index=i)
-        processor._plans = plans
-        if config.strict:
-            processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
-        block.attn.set_processor(processor)
-        processors.append(processor)
-    _install_route_hooks(transformer)
-    gated = sum(getattr(b.attn, "to_gate_compress", None) is not None for b in blocks)
+    plans = []
+    for _, model in _models(pipe_or_transformer, "enable_vsa"):
+        blocks = transformer_blocks(model, "enable_vsa")
+        bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
+        plans.append((model, blocks))
+    for model, blocks in plans:
+        tiles = TilePlanCache()  # one plan object per layout for every block (one compiled version serves them all)
+        for i, block in enumerate(blocks):
+            processor = MiniMaxH3VSAProcessor(config, layer_index=i)
+            processor._plans = tiles
+            if config.strict:
+                processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
+            block.attn.set_processor(processor)
+        _install_route_hooks(model)
+    return pipe_or_transformer
+
+
+def vsa_state(transformer) -> Optional[Dict[str, Any]]:
+    """What :func:`enable_vsa` installed on ``transformer``, read from its blocks' :class:`MiniMaxH3VSAProcessor`
+    instances (``None`` when no block has one): ``blocks`` (with a VSA processor), ``sparse_blocks``, ``dense_layers``,
+    ``dense_first_steps``, ``gated_blocks`` (with a ``to_gate_compress``), ``precision``, ``sparsity``, ``tile`` and
+    ``path`` (the first processor's ``describe_path()``: after a call, the kernels it ran)."""
+    found = [(block, getattr(block.attn, "processor", None)) for block in transformer_blocks(transformer, "vsa_state")]
+    found = [(block, p) for block, p in found if isinstance(p, MiniMaxH3VSAProcessor)]
+    if not found:
+        return None
+    processors = [p for _, p in found]
+    config = processors[0].config
     return {
-        "blocks": len(blocks),
+        "blocks": len(processors),
         "sparse_blocks": sum(not p.layer_dense for p in processors),
         "dense_layers": list(config.dense_layers),
         "dense_first_steps": config.dense_first_steps,
-        "gated_blocks": gated,
+        "gated_blocks": sum(getattr(block.attn, "to_gate_compress", None) is not None for block, _ in found),
         "precision": config.precision,
-        "path": processors[0].describe_path() if processors else "no blocks",
+        "sparsity": config.sparsity,
+        "tile": tuple(config.tile),
+        "path": processors[0].describe_path(),
     }
 
 
-def disable_vsa(transformer) -> None:
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block."""
-    for block in transformer_blocks(transformer, "disable_vsa"):
-        block.attn.set_processor(MiniMaxH3AttnProcessor())
-    _remove_route_hooks(transformer)
+def disable_vsa(pipe_or_transformer):
+    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions or
+    of one transformer) and remove the route hook :func:`enable_vsa` registered. Returns the argument."""
+    restore_default_processors(pipe_or_transformer, "disable_vsa")
+    for _, model in _models(pipe_or_transformer, "disable_vsa"):
+        _remove_route_hooks(model)
+    return pipe_or_transformer
 
 
 # -- the route of a transformer call, prepared outside the (compiled) blocks ----------------------------------------

@@ -291,10 +291,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def enable_vsa(self, config=None, **options):
         """Install video sparse attention on the loaded transformer partition(s); see `diffusers_h3.enable_vsa`
-        (`config` is a `diffusers_h3.VSAConfig`, `options` its fields)."""
+        (`config` is a `diffusers_h3.VSAConfig`, `options` its fields). Returns the pipeline
+        (`diffusers_h3.vsa_state(pipe.transformer)`: what was installed)."""
         from ..attention_processors.vsa import enable_vsa
 
-        return {name: enable_vsa(model, config, **options) for name, model in self._partitions()}
+        return enable_vsa(self, config, **options)
 
     def enable_fast_vae_decode(self, **options):
         """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`.
@@ -315,7 +316,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
                             fullgraph: bool = False):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
-        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md."""
+        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the pipeline
+        (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
         from .speed_presets import enable_speed_preset
 
         return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph)

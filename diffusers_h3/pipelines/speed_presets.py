@@ -42,6 +42,7 @@ from ..attention_processors import (
     enable_flashinfer_attention,
     enable_low_precision_attention,
     enable_vsa,
+    flashinfer_attention_state,
 )
 from ..hooks.fast_vae_decode import FP8_LINEARS_NOTE, decoder_is_fp8, disable_fast_vae_decode, enable_fast_vae_decode
 from ..kernels.attention.flashinfer_dense import (
@@ -349,7 +350,7 @@ def _apply_to_transformer(
         else:
             record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
         if flashinfer == "on":
-            resolved = enable_flashinfer_attention(model)["transformer"]["backend"]
+            resolved = flashinfer_attention_state(enable_flashinfer_attention(model))["backend"]
             record.attention[name] = f"dense bf16, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
         elif flashinfer == "not installed":
             record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"
@@ -396,7 +397,7 @@ _RECORD_ATTRIBUTE = "_h3_speed_preset"
 
 def enable_speed_preset(
     pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None, fullgraph: bool = False
-) -> SpeedPresetRecord:
+):
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
 
@@ -415,7 +416,8 @@ def enable_speed_preset(
             fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
             (every kernel is a custom op), so this only changes what happens if one appears.
 
-    Returns the :class:`SpeedPresetRecord` that ``diffusers_h3.describe(pipe)`` reports as ``speed_preset``.
+    Returns the pipeline. What was turned on is the :class:`SpeedPresetRecord` read with
+    :func:`speed_preset_record` (``diffusers_h3.describe(pipe)`` reports it as ``speed_preset``).
     """
     check_speed_preset(preset)
     if isinstance(pipe, torch.nn.Module) or not callable(getattr(pipe, "_device_of", None)):
@@ -448,7 +450,7 @@ def enable_speed_preset(
     logger.info(f"speed preset {preset!r}: video decode {record.decode}; decoder compile {record.decode_compile}; "
                 f"export {record.export}")  # fmt: skip
     setattr(pipe, _RECORD_ATTRIBUTE, record)
-    return record
+    return pipe
 
 
 def enable_speed_preset_on_transformer(
@@ -472,7 +474,8 @@ def enable_speed_preset_on_transformer(
         flashinfer (`bool`, *optional*): as for :func:`enable_speed_preset`.
         fullgraph (`bool`, defaults to `False`): as for :func:`enable_speed_preset`.
 
-    Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved).
+    Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved). Unlike :func:`enable_speed_preset`,
+    not the target: a model keeps state only in registry hooks, and this record has no hook of its own to live in.
     """
     check_speed_preset(preset)
     weight = next(transformer.parameters(), None)
@@ -510,5 +513,6 @@ __all__: List[str] = [
     "gemm_format",
     "plan_flashinfer",
     "plan_vae_decode",
+    "speed_preset_record",
     "speed_preset_report",
 ]

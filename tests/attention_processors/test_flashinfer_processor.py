@@ -12,7 +12,12 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3
-from diffusers_h3.attention_processors import MiniMaxH3FlashInferProcessor, enable_flashinfer_attention
+from diffusers_h3.attention_processors import (
+    MiniMaxH3FlashInferProcessor,
+    disable_flashinfer_attention,
+    enable_flashinfer_attention,
+    flashinfer_attention_state,
+)
 from diffusers_h3.kernels.attention.flashinfer_dense import resolve_backend
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
@@ -191,6 +196,9 @@ def test_fp8_needs_fa3_and_known_precisions(monkeypatch, flashinfer_stand_in):
     assert [type(b.attn.processor) for b in model.transformer_blocks] == before
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_stand_in)
     monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
-    summary = enable_flashinfer_attention(model, precision="fp8")["transformer"]
+    assert enable_flashinfer_attention(model, precision="fp8") is model
+    summary = flashinfer_attention_state(model)
     assert summary["backend"] == "fa3" and summary["precision"] == "fp8"
     assert all(b.attn.processor.precision == "fp8" for b in model.transformer_blocks)
+    assert disable_flashinfer_attention(model) is model and flashinfer_attention_state(model) is None
+    assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)

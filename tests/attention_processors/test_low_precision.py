@@ -17,6 +17,7 @@ from diffusers_h3.attention_processors import (  # noqa: E402
     disable_low_precision_attention,
     enable_low_precision_attention,
     enable_vsa,
+    low_precision_attention_state,
 )
 from diffusers_h3.attention_processors._projections import project_output, project_qkv  # noqa: E402
 from diffusers_h3.kernels.attention import fp8_attention  # noqa: E402
@@ -30,8 +31,8 @@ def test_equals_vsa_sparsity_zero_bitwise(model, precision):  # noqa: F811
     ref = _run(model)
     enable_vsa(model, sparsity=0.0, precision=precision)
     via_vsa = _run(model)
-    summary = enable_low_precision_attention(model, precision=precision)
-    assert summary["transformer"]["blocks"] == 2
+    assert enable_low_precision_attention(model, precision=precision) is model
+    assert low_precision_attention_state(model)["blocks"] == 2
     assert all(isinstance(b.attn.processor, MiniMaxH3LowPrecisionAttnProcessor) for b in model.transformer_blocks)
     assert not isinstance(model.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3LowPrecisionAttnProcessor)
     got = _run(model)
@@ -82,8 +83,10 @@ def test_pipeline_like_objects_install_on_every_partition(model):  # noqa: F811
         transformer = model
 
     _reset(model)
-    summary = enable_low_precision_attention(Pipe(), precision="int8")
-    assert list(summary) == ["transformer"] and summary["transformer"]["precision"] == "int8"
+    pipe = Pipe()
+    assert enable_low_precision_attention(pipe, precision="int8") is pipe
+    assert low_precision_attention_state(model)["precision"] == "int8"
     assert isinstance(model.transformer_blocks[1].attn.processor, MiniMaxH3LowPrecisionAttnProcessor)
-    disable_low_precision_attention(Pipe())
+    assert disable_low_precision_attention(pipe) is pipe
+    assert low_precision_attention_state(model) is None
     assert type(model.transformer_blocks[1].attn.processor) is MiniMaxH3AttnProcessor

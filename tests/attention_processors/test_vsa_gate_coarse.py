@@ -112,8 +112,8 @@ def gated_attention():
         "transformer_blocks.0.attn.to_gate_compress.bias": torch.randn(heads * d, generator=g),
     }
     assert vsa_module.add_gate_compress(model, state) == (0,)
-    summary = vsa_module.enable_vsa(model, sparsity=SPARSITY, tile=TILE, backend="torch")
-    assert summary["gated_blocks"] == 1
+    vsa_module.enable_vsa(model, sparsity=SPARSITY, tile=TILE, backend="torch")
+    assert vsa_module.vsa_state(model)["gated_blocks"] == 1
     attn = model.transformer_blocks[0].attn
     with torch.no_grad():
         attn.norm_q.weight.copy_(torch.rand(d, generator=g) * 4 + 1)  # peaky tile scores: coarse rows differ

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from diffusers_h3.attention_processors.vsa import MiniMaxH3VSAProcessor  # noqa: E402
+from diffusers_h3.attention_processors.vsa import MiniMaxH3VSAProcessor, vsa_state  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_pipeline  # noqa: E402
 
 
@@ -29,11 +29,11 @@ def _run(pipe):
 
 def test_pipeline_runs_with_vsa(pipe):
     ref = _run(pipe)
-    summary = pipe.enable_vsa(sparsity=0.0)
+    assert pipe.enable_vsa(sparsity=0.0) is pipe
     assert all(isinstance(b.attn.processor, MiniMaxH3VSAProcessor) for b in pipe.transformer.transformer_blocks)
     # The token refiner keeps its dense processor.
     assert not isinstance(pipe.transformer.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3VSAProcessor)
-    assert summary
+    assert vsa_state(pipe.transformer)["blocks"] == len(pipe.transformer.transformer_blocks)
     dense = _run(pipe)
     assert torch.equal(dense.frames, ref.frames) and torch.equal(dense.audio, ref.audio)
 

@@ -21,6 +21,7 @@ from diffusers_h3.attention_processors.vsa import (  # noqa: E402
     disable_vsa,
     enable_vsa,
     vsa_attention,
+    vsa_state,
 )
 from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
@@ -110,8 +111,9 @@ def test_sparsity_zero_equals_default_processor(model):
 def test_all_tiles_selected_equals_dense(model):
     _reset(model)
     ref = _run(model)
-    summary = enable_vsa(model, sparsity=0.001, tile=(2, 2, 4))  # keeps every video tile
-    assert summary["sparse_blocks"] == 2 and "VSA" in summary["path"]
+    assert enable_vsa(model, sparsity=0.001, tile=(2, 2, 4)) is model  # keeps every video tile
+    state = vsa_state(model)
+    assert state["sparse_blocks"] == 2 and "VSA" in state["path"]
     out = _run(model)
     assert rel_l2(out[0], ref[0]) < 1e-5 and rel_l2(out[1], ref[1]) < 1e-5
     _reset(model)
@@ -190,8 +192,8 @@ def test_gate_compress_zero_is_pure_sparse_and_trained_gate_adds_coarse(model):
     pure = _run(model)[0]
     keys = [f"transformer_blocks.{i}.attn.to_gate_compress.weight" for i in range(2)]
     assert add_gate_compress(model, keys) == (0, 1)
-    summary = enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
-    assert summary["gated_blocks"] == 2
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    assert vsa_state(model)["gated_blocks"] == 2
     assert torch.equal(_run(model)[0], pure)  # zero gates: exactly pure sparse
     state = {f"transformer_blocks.{i}.attn.to_gate_compress.weight": torch.randn(64, 32, device=DEVICE) * 0.5
              for i in range(2)}
@@ -343,8 +345,8 @@ def test_enable_vsa_takes_a_config(model):
     _reset(model)
     enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
     by_keywords = _run(model)[0]
-    summary = enable_vsa(model, VSAConfig(sparsity=0.75, tile=(2, 2, 4)))
-    assert summary["sparse_blocks"] == 2
+    enable_vsa(model, VSAConfig(sparsity=0.75, tile=(2, 2, 4)))
+    assert vsa_state(model)["sparse_blocks"] == 2
     assert torch.equal(_run(model)[0], by_keywords)
     enable_vsa(model, VSAConfig(sparsity=0.75), tile=(2, 2, 4))  # keywords replace fields of the config
     assert model.transformer_blocks[0].attn.processor.config.tile == (2, 2, 4)

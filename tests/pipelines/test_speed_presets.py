@@ -9,6 +9,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnPr
 import diffusers_h3
 from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
 from diffusers_h3._hooks import H3_FAST_VAE_DECODE_HOOK, get_h3_hook
+from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
@@ -49,7 +50,8 @@ def test_unknown_preset_lists_presets():
 
 def test_exact_is_bitwise_the_native_output(native_frames):
     pipe = _pipe()
-    record = diffusers_h3.enable_speed_preset(pipe, "exact", compile=False)
+    assert diffusers_h3.enable_speed_preset(pipe, "exact", compile=False) is pipe
+    record = diffusers_h3.speed_preset_record(pipe)
     assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
     assert not _quantized(pipe)
     report = diffusers_h3.describe(pipe)["speed_preset"]
@@ -329,12 +331,13 @@ def test_presets_record_their_decode_and_export(preset):
     pipe.enable_speed_preset(preset, compile=True)
     report = diffusers_h3.describe(pipe)["speed_preset"]
     if preset == "exact":
-        assert report["decode"] == "diffusers' tiled decode" and "_h3_fast_decode" not in pipe.vae.__dict__
+        assert report["decode"] == "diffusers' tiled decode" and fast_vae_decode_state(pipe.vae) is None
         assert report["decode_compile"].startswith("off: 'exact' runs diffusers' eager decode")
     else:
         assert report["decode"].startswith("batched tiles (enable_fast_vae_decode)")
         assert report["decode_compile"] == "off: the VAE decoder is compiled on CUDA only (device cpu)"
-        assert pipe.vae._h3_fast_decode.compile is False and pipe.vae._h3_fast_decode.fp8_linears is False
+        state = fast_vae_decode_state(pipe.vae)
+        assert state.compile is False and state.fp8_linears is False
     assert ("no FP8 tensor cores on cpu" in report["decode"]) is (preset == "fastest")
     export = report["export"]
     assert {key: export[key] for key in ("crf", "preset", "pix_fmt")} == EXPORT_SETTINGS[preset]
@@ -347,6 +350,6 @@ def test_fast_after_an_fp8_decoder_keeps_it_and_exact_refuses_it():
     with pytest.raises(ValueError, match=r"'exact' runs diffusers' own video decode.*already FP8"):
         pipe.enable_speed_preset("exact", compile=False)
     assert getattr(pipe, "_h3_speed_preset", None) is None and not _quantized(pipe)  # nothing changed
-    assert "_h3_fast_decode" in pipe.vae.__dict__
+    assert fast_vae_decode_state(pipe.vae) is not None
     pipe.enable_speed_preset("fast", compile=False)
-    assert pipe.vae._h3_fast_decode.fp8_linears and "already quantized: kept" in pipe._h3_speed_preset.decode
+    assert fast_vae_decode_state(pipe.vae).fp8_linears and "already quantized: kept" in pipe._h3_speed_preset.decode

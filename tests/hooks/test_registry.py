@@ -34,10 +34,10 @@ from diffusers_h3.hooks.cache import CacheStatsHook, cache_config, cache_stats
 from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 from diffusers_h3.hooks.refine_once import RefineTextOnceHook, refine_text_once
 from diffusers_h3.hooks.v100_mode import v100_mode_of
-from diffusers_h3.testing.tiny import tiny_pipeline, tiny_transformer, tiny_transformer_inputs
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline, tiny_transformer, tiny_transformer_inputs
 
 
-RUN = {"height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3}
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 3}
 # Not modules (no hook registry): pipeline-wide records kept on the pipeline object.
 PIPELINE_ATTRIBUTES_ALLOWED = {"_h3_speed_preset", "_diffusers_h3_placement", "_h3_lora_presets"}
 

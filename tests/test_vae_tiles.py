@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusers_h3._vae_tiles import iter_decoded_chunks, trimmed_tail_frames
-from diffusers_h3.hooks.fast_vae_decode import chunk_decoder, enable_fast_vae_decode
+from diffusers_h3.hooks.fast_vae_decode import chunk_decoder, enable_fast_vae_decode, fast_vae_decode_state
 from diffusers_h3.testing.tiny import tiny_vae
 
 
@@ -83,4 +83,5 @@ def test_batched_chunk_decode_equals_the_batched_whole_decode():
         streamed = torch.cat(list(iter_decoded_chunks(vae, z, chunk_decoder(vae))), dim=2)
     assert streamed.shape == whole.shape
     assert ((streamed - whole).norm() / whole.norm()).item() < 1e-6
-    assert "decoded chunk by chunk" in vae._h3_fast_decode.last_run and "(3 chunks" in vae._h3_fast_decode.last_run
+    last_run = fast_vae_decode_state(vae).last_run
+    assert "decoded chunk by chunk" in last_run and "(3 chunks" in last_run

@@ -762,8 +762,9 @@ def cmd_generate(args) -> int:
     if path is None:  # a context-parallel rank other than 0
         return 0
     export = pipe._h3_last_export
-    print(f"wrote {path}: {export['num_frames']} frames at 24 fps + stereo audio at {output.sampling_rate} Hz "
-          f"({seconds:.1f} s); video {export['decode']}; crf {export['crf']}, preset {export['preset']}, "
+    print(f"wrote {path}: {export['num_frames']} frames at 24 fps ({export['num_frames'] / 24:.2f} s of video) + stereo "
+          f"audio at {output.sampling_rate} Hz, generated and written in {seconds:.1f} s; video {export['decode']}; "
+          f"crf {export['crf']}, preset {export['preset']}, "
           f"{export['pix_fmt']}")  # fmt: skip
     print("paths:")
     _print_paths(pipe)

@@ -39,7 +39,7 @@ from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline, tiny_trans
 
 RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 3}
 # Not modules (no hook registry): pipeline-wide records kept on the pipeline object.
-PIPELINE_ATTRIBUTES_ALLOWED = {"_h3_speed_preset", "_diffusers_h3_placement", "_h3_lora_presets"}
+PIPELINE_ATTRIBUTES_ALLOWED = {"_h3_speed_preset", "_diffusers_h3_placement", "_h3_lora_presets", "_h3_last_export"}
 
 
 def _call(pipe, output_type="latent"):

@@ -38,7 +38,12 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from .._hooks import H3_VSA_ROUTE_HOOK, H3Hook, register_h3_hook, remove_h3_hook
 from .._utils import warn_once
 from ..kernels._triton_utils import kernel_op, ran_choice, record_run
-from ..kernels.attention.router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention
+from ..kernels.attention.router import (
+    KernelChoice,
+    TuningOptions,
+    block_sparse_attention,
+    tuning_op_fields,
+)
 from ..kernels.attention.v_fp8 import quantize_v_fp8_channel_major
 from ..kernels.attention.vsa_pool import tile_pool, tile_quantize_fp8, valid_slots
 from ..kernels.attention.vsa_select import select_tiles, topk_for_sparsity
@@ -186,13 +191,9 @@ def vsa_attention(
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
-    tuning = tuning if tuning is not None else DEFAULT_TUNING
-    if not isinstance(tuning, TuningOptions):
-        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
     out, out_coarse = vsa_attention_op(
         query, key, value, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles, plan.num_video_tiles,
-        float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, tuning.kernel,
-        tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate, tuning.two_tiles,
+        float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, *tuning_op_fields(tuning),
     )
     out_coarse = out_coarse if compress else None
     return (out, out_coarse, ran_choice("vsa_attention")) if return_choice else (out, out_coarse)

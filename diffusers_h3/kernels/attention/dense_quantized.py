@@ -29,7 +29,14 @@ from ..numerics import (
     quantize_fp8_per_token,
 )
 from .bsa_triton import block_sparse_attention_reference
-from .router import DEFAULT_TUNING, KernelChoice, TuningOptions, block_sparse_attention, sm90_available_for
+from .router import (
+    DEFAULT_TUNING,
+    KernelChoice,
+    TuningOptions,
+    block_sparse_attention,
+    sm90_available_for,
+    tuning_op_fields,
+)
 from .v_fp8 import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
 
@@ -104,12 +111,8 @@ def fp8_attention(
     ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`. Quantization
     and attention run in the custom op ``diffusers_h3::fp8_attention`` (one node under ``torch.compile``).
     """
-    tuning = tuning if tuning is not None else DEFAULT_TUNING
-    if not isinstance(tuning, TuningOptions):
-        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
     out = fp8_attention_op(
-        q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, tuning.kernel, tuning.block_m, tuning.num_warps,
-        tuning.num_stages, tuning.tma, tuning.rotate, tuning.two_tiles,
+        q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, *tuning_op_fields(tuning)
     )
     return (out, ran_choice("fp8_attention")) if return_choice else out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -96,6 +96,16 @@ class TuningOptions:
 
 
 DEFAULT_TUNING = TuningOptions()
+
+
+def tuning_op_fields(tuning: Optional[TuningOptions]) -> Tuple[Any, ...]:
+    """``tuning`` (``None``: the defaults) as the custom ops take it: its fields in declaration order, which the ops
+    pass back to ``TuningOptions(...)``."""
+    tuning = tuning if tuning is not None else DEFAULT_TUNING
+    if not isinstance(tuning, TuningOptions):
+        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    return (tuning.kernel, tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate,
+            tuning.two_tiles)  # fmt: skip
 
 
 def sm90_input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v_scale=None, p_fp4=None,
@@ -231,15 +241,12 @@ def block_sparse_attention(
     with ``out`` the result is copied there), and with ``return_choice`` also the :class:`KernelChoice` that ran. The work runs in
     the custom op ``diffusers_h3::block_sparse_attention`` (one node under ``torch.compile``).
     """
-    tuning = tuning if tuning is not None else DEFAULT_TUNING
-    if not isinstance(tuning, TuningOptions):
-        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    fields = tuning_op_fields(tuning)
     if out is not None and out_dtype is None:
         out_dtype = out.dtype  # the kernels write ``out``'s precision
     result = block_sparse_attention_op(
         q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale, v_scale, dense, out_dtype,
-        p_fp4, backend, tuning.kernel, tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate,
-        tuning.two_tiles,
+        p_fp4, backend, *fields,
     )
     if out is not None:
         if out.shape != result.shape or out.stride(-1) != 1:

@@ -13,7 +13,7 @@
 #               flashinfer_forward: the full forward with and without FlashInfer's kernels under the presets
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
-#   --workers   pytest-xdist workers for the GPU tests, sharing the GPU (default 1; 6 runs the suite in ~6 min on an H200)
+#   --workers   pytest-xdist workers for the GPU tests, sharing the GPU (default 1; docs/benchmarking.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -30,9 +30,15 @@ from _common import result_header, write_json
 TEXT_ROWS, NUM_FRAMES, HEIGHT, WIDTH = 512, 124, 768, 1344
 
 
-def build_inputs(device, layers, text_rows=TEXT_ROWS):
-    """Transformer kwargs and the PackedLayout of a 768x1344x124 t2va request, via diffusers' layout builder
-    (``text_rows`` prompt rows: 512 gives 38,222 packed rows)."""
+# fl2va at the same size: two 768x1344 keyframes. Each becomes 1,008 vision tokens (+ start/end) in the Qwen3-VL
+# prompt, tagged video, and one 24x42 conditioning block of the packed sequence: 42,284 rows with a 512-token prompt.
+FL2VA_TEXT_ROWS, FL2VA_IMAGE_TOKENS = 2558, 1008
+
+
+def build_inputs(device, layers, text_rows=None, task="t2va"):
+    """Transformer kwargs and the PackedLayout of a 768x1344x124 request, via diffusers' layout builder: ``t2va``
+    (``text_rows`` prompt rows, default 512: 38,222 packed rows) or ``fl2va`` (first and last keyframes; default 2,558
+    prompt rows, the vision tokens of each keyframe tagged video: 42,284 packed rows)."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
         audio_latent_num_frames,
@@ -41,14 +47,22 @@ def build_inputs(device, layers, text_rows=TEXT_ROWS):
 
     from diffusers_h3.packing import t2va_fl2va_layout
 
+    if task not in ("t2va", "fl2va"):
+        raise ValueError(f"task {task!r}: choose t2va or fl2va")
+    anchors = ("first", "last") if task == "fl2va" else ()
+    if text_rows is None:
+        text_rows = FL2VA_TEXT_ROWS if task == "fl2va" else TEXT_ROWS
     latent_frames = video_latent_num_frames(NUM_FRAMES, 17, 5)
     latent_h, latent_w = HEIGHT // 16, WIDTH // 16
     audio_latents = audio_latent_num_frames(NUM_FRAMES)
     tags = torch.ones(text_rows, dtype=torch.long)
+    for index in range(len(anchors)):  # each keyframe's vision block in the prompt (after a short preamble)
+        start = 16 + index * (FL2VA_IMAGE_TOKENS + 2) + 1
+        tags[start : start + FL2VA_IMAGE_TOKENS] = 0
     position_ids, token_tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        tags, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2, 2, 0, ()
+        tags, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2, 2, 0, anchors
     )
-    layout = t2va_fl2va_layout(text_rows, 0, latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2)
+    layout = t2va_fl2va_layout(text_rows, len(anchors), latent_frames, latent_h, latent_w, audio_latents, (1, 2, 2), 2)
     g = torch.Generator(device=device).manual_seed(0)
     kwargs = {
         "hidden_states": torch.randn(1, video_idx.numel(), 96, device=device, generator=g),

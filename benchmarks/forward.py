@@ -79,6 +79,25 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
         shape = {"layers": layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,
                  "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128, "tiny": False}  # fmt: skip
         return model, kwargs, layout, shape
+    return build_tiny(device, layers)
+
+
+def build_fl2va_inputs(device: torch.device, layers: Optional[int], tiny: bool):
+    """``(forward kwargs, PackedLayout, rows)`` of the fl2va forward: end_to_end.py's 768x1344x124 fl2va inputs
+    (42,284 rows), or with ``tiny`` the tiny pipeline's first forward of a 64x96 fl2va call."""
+    if not tiny:
+        from end_to_end import build_inputs
+
+        kwargs, layout = build_inputs(device, layers or 50, task="fl2va")
+        return kwargs, layout, int(layout.seq_len)
+    _, kwargs, layout, shape = build_tiny(device, layers, task="fl2va")
+    return kwargs, layout, shape["rows"]
+
+
+def build_tiny(device: torch.device, layers: Optional[int], task: str = "t2va"):
+    """The tiny pipeline's transformer and the kwargs / layout of its first forward in a 64x96x124 ``task`` call."""
+    import numpy as np
+    from PIL import Image
 
     from diffusers_h3.layout import current_packed_layout
     from diffusers_h3.testing.tiny import tiny_pipeline, tiny_transformer
@@ -97,10 +116,16 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
             captured["layout"] = current_packed_layout()
 
     handle = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    images = {}
+    if task == "fl2va":
+        rng = np.random.default_rng(0)
+        size = (TINY_SHAPE["height"], TINY_SHAPE["width"], 3)
+        images = {"image": Image.fromarray(rng.integers(0, 256, size, dtype=np.uint8)),
+                  "last_image": Image.fromarray(rng.integers(0, 256, size, dtype=np.uint8))}  # fmt: skip
     try:
         pipe(prompt="a street drummer under neon lights", height=TINY_SHAPE["height"], width=TINY_SHAPE["width"],
              num_frames=TINY_SHAPE["frames"], num_inference_steps=2, output_type="latent",
-             generator=torch.Generator().manual_seed(0))  # fmt: skip
+             generator=torch.Generator().manual_seed(0), **images)  # fmt: skip
     finally:
         handle.remove()
     model = pipe.transformer.to(device).eval().requires_grad_(False)
@@ -195,11 +220,19 @@ def model_paths(model) -> Dict[str, Any]:
 # Cases
 
 
-def set_up(case: str, model, device: torch.device, fullgraph: bool = False) -> Dict[str, Any]:
-    """Turn ``case`` on; returns what it turned on (``fullgraph``: compile the blocks with fullgraph=True)."""
+def set_up(
+    case: str, model, device: torch.device, fullgraph: bool = False, automatic_dynamic: bool = False
+) -> Dict[str, Any]:
+    """Turn ``case`` on; returns what it turned on (``fullgraph``: compile the blocks with fullgraph=True;
+    ``automatic_dynamic``: recompile them with torch.compile's default ``dynamic=None`` instead of the presets'
+    ``dynamic=False``)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer, exact_attention_backend
+    from diffusers_h3.pipelines.speed_presets import (
+        compile_blocks,
+        enable_speed_preset_on_transformer,
+        exact_attention_backend,
+    )
 
     preset = PRESET_OF[case]
     if preset is None:
@@ -216,8 +249,10 @@ def set_up(case: str, model, device: torch.device, fullgraph: bool = False) -> D
     # "exact" is measured with cuDNN (what it runs without flashinfer-python), "exact_flashinfer" with FlashInfer's FA3.
     # "fast_flashinfer_fp8" is the "fast" preset with flashinfer=True (FA3's FP8 attention in place of INT8).
     flashinfer = {"exact": False, "exact_flashinfer": True, "fast_flashinfer_fp8": True}.get(case)
-    return enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer,
-                                              fullgraph=fullgraph).describe()
+    record = enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer, fullgraph=fullgraph)
+    if automatic_dynamic and device.type == "cuda":
+        record.compile["transformer"] = compile_blocks(model, preset, fullgraph=fullgraph, dynamic=None)
+    return record.describe()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -242,7 +277,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no compile (smoke test)")
     parser.add_argument("--fullgraph", action="store_true",
                         help="compile the presets' blocks with compile_repeated_blocks(fullgraph=True)")
+    parser.add_argument("--tasks", default="t2va",
+                        help="comma list of inputs each case runs, in this order, in the same process: t2va (38,222 "
+                             "rows), fl2va (42,284 rows: two keyframes); the fl2va records are named CASE_fl2va")
+    parser.add_argument("--automatic-dynamic", action="store_true",
+                        help="compile the presets' blocks with torch.compile's default dynamic=None (a second shape "
+                             "recompiles with dynamic shapes) instead of the presets' dynamic=False (an experiment)")
     args = parser.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not tasks or set(tasks) - {"t2va", "fl2va"}:
+        raise SystemExit(f"--tasks {args.tasks!r}: a comma list of t2va, fl2va")
 
     wanted = [c for c in args.cases.split(",") if c]
     profiled = [c for c in args.profile.split(",") if c]
@@ -264,58 +308,74 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     started = time.perf_counter()
     torch.manual_seed(0)
     model, kwargs, layout, shape = build(device, args.layers, args.tiny)
+    inputs = {"t2va": (kwargs, layout)}
+    if "fl2va" in tasks:
+        fl2va_kwargs, fl2va_layout, fl2va_rows = build_fl2va_inputs(device, args.layers, args.tiny)
+        inputs["fl2va"] = (fl2va_kwargs, fl2va_layout)
+        shape["fl2va_rows"] = fl2va_rows
     build_s = time.perf_counter() - started
     print(
         f"built the model and inputs in {build_s:.1f} s ({shape['rows']} rows, {shape['layers']} blocks)", flush=True
     )
 
-    def run():
-        with torch.inference_mode(), use_packed_layout(layout):
-            return model(**kwargs)
+    def runner(task):
+        task_kwargs, task_layout = inputs[task]
+
+        def run():
+            with torch.inference_mode(), use_packed_layout(task_layout):
+                return model(**task_kwargs)
+
+        return run
 
     results: Dict[str, Dict[str, Any]] = {}
     notes: Dict[str, str] = {}
-    reference: Optional[List[torch.Tensor]] = None
+    references: Dict[str, List[torch.Tensor]] = {}
     for case in run_cases:
-        case_start = time.perf_counter()
-        try:
-            turned_on = set_up(case, model, device, args.fullgraph)
-            record, out = measure(run, device, args.warmup, args.reps)
-            video, audio = out[0], out[1]
-            if case == "native":
-                reference = [video.float().clone(), audio.float().clone()]
-            record["rel_l2"] = rel_l2(video, reference[0]) if reference is not None else None
-            record["rel_l2_audio"] = rel_l2(audio, reference[1]) if reference is not None else None
-            del out, video, audio
-            record["preset"] = turned_on
-            record["paths"] = model_paths(model)
-            if case in profiled:
-                record["profile"] = profile_forward(run, device)
-                record["profile"]["kernel_ms_over_ms"] = round(record["profile"]["kernel_ms"] / record["ms"], 3)
-        except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
-            record = {"ms": None, "rel_l2": None, "rel_l2_audio": None, "peak_gib": None}
-            notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
-            print(f"{case:8s} {notes[case]}", flush=True)
-            traceback.print_exc()
-        record["case_s"] = round(time.perf_counter() - case_start, 1)
-        results[case] = record
-        if record["ms"] is not None:
-            print(f"{case:8s} {record['ms']:10.1f} ms  first call {record['first_call_s']} s  rel_l2 "
-                  f"{record['rel_l2']}  peak {record['peak_gib']} GiB  dynamo {record['dynamo']}  "
-                  f"[{time.perf_counter() - started:.0f} s total]", flush=True)  # fmt: skip
-            if "profile" in record:
-                summary = {c: f"{v['ms']:.0f} ms {v['pct']}%" for c, v in record["profile"]["categories"].items()}
-                print(f"{case:8s} profile {summary}", flush=True)
-        write_report(
-            args, results, notes, shape, build_s
-        )  # after every case: a time limit cannot lose the finished ones
+        turned_on = None
+        for task in tasks:  # the same compiled blocks meet each task's shapes in turn, as in one process's requests
+            name = case if task == "t2va" else f"{case}_{task}"
+            case_start = time.perf_counter()
+            run = runner(task)
+            try:
+                if turned_on is None:
+                    turned_on = set_up(case, model, device, args.fullgraph, args.automatic_dynamic)
+                record, out = measure(run, device, args.warmup, args.reps)
+                video, audio = out[0], out[1]
+                if case == "native":
+                    references[task] = [video.float().clone(), audio.float().clone()]
+                reference = references.get(task)
+                record["rel_l2"] = rel_l2(video, reference[0]) if reference is not None else None
+                record["rel_l2_audio"] = rel_l2(audio, reference[1]) if reference is not None else None
+                del out, video, audio
+                record["task"], record["rows"] = task, int(inputs[task][1].seq_len)
+                record["preset"] = turned_on
+                record["paths"] = model_paths(model)
+                if case in profiled:
+                    record["profile"] = profile_forward(run, device)
+                    record["profile"]["kernel_ms_over_ms"] = round(record["profile"]["kernel_ms"] / record["ms"], 3)
+            except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
+                record = {"ms": None, "rel_l2": None, "rel_l2_audio": None, "peak_gib": None}
+                notes[name] = f"failed: {type(error).__name__}: {str(error)[:400]}"
+                print(f"{name:8s} {notes[name]}", flush=True)
+                traceback.print_exc()
+            record["case_s"] = round(time.perf_counter() - case_start, 1)
+            results[name] = record
+            if record["ms"] is not None:
+                print(f"{name:8s} {record['ms']:10.1f} ms  first call {record['first_call_s']} s  rel_l2 "
+                      f"{record['rel_l2']}  peak {record['peak_gib']} GiB  dynamo {record['dynamo']}  "
+                      f"[{time.perf_counter() - started:.0f} s total]", flush=True)  # fmt: skip
+                if "profile" in record:
+                    summary = {c: f"{v['ms']:.0f} ms {v['pct']}%" for c, v in record["profile"]["categories"].items()}
+                    print(f"{name:8s} profile {summary}", flush=True)
+            write_report(args, results, notes, shape, build_s)  # after every case: a time limit loses nothing done
     write_report(args, results, notes, shape, build_s)
 
 
 def write_report(args, results, notes, shape, build_s) -> None:
-    base = results.get("native", {}).get("ms")
-    for case in results.values():
-        case["baseline"] = "native"
+    for name, case in results.items():
+        baseline = "native" if case.get("task", "t2va") == "t2va" else f"native_{case['task']}"
+        base = results.get(baseline, {}).get("ms")
+        case["baseline"] = baseline
         case["ratio"] = round(base / case["ms"], 3) if base and case.get("ms") else None
     report = {
         **result_header("forward", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
@@ -325,7 +385,9 @@ def write_report(args, results, notes, shape, build_s) -> None:
         "protocol": f"in one process, in the order native, exact, fast, fastest (presets applied in place); per "
                     f"case torch._dynamo.reset() before a preset, {args.warmup} untimed forwards (the first compiles: "
                     f"first_call_s), then the median of {args.reps} timed forwards (CUDA events; perf_counter on a CPU)"
-                    f"; blocks compiled with fullgraph={args.fullgraph}",
+                    f"; blocks compiled with fullgraph={args.fullgraph}, "
+                    f"dynamic={'None (torch default)' if args.automatic_dynamic else 'False (the presets)'}; inputs "
+                    f"per case in the order {args.tasks} without a Dynamo reset between them",
         "build_s": round(build_s, 1),
         "cases": results,
         "notes": notes,

@@ -201,11 +201,15 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
 
 
 class StageTimer:
-    """CUDA-synchronized wall times of the pipeline's stages, by wrapping its stage methods and hooking the DiT."""
+    """CUDA-synchronized wall times of the pipeline's stages, by wrapping its stage methods and hooking the DiT, and
+    the peak GPU memory (allocated and reserved) of each stage: the allocator's peak is read and reset at every stage
+    boundary, the time between stages counted as ``other``. Keeps the last prompt embeddings (``prompt_embeds``)."""
 
     def __init__(self, pipe, device):
         self.pipe, self.device = pipe, device
         self.stages, self.forwards = {}, []
+        self.peaks: dict = {}  # stage -> [peak allocated GiB, peak reserved GiB]
+        self.prompt_embeds = None
         self._start = None
         self._handles = []
 
@@ -213,15 +217,29 @@ class StageTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def mark(self, stage):
+        """Attribute the allocator's peak since the last mark to ``stage`` and start a new interval."""
+        if self.device.type != "cuda":
+            return
+        allocated = torch.cuda.max_memory_allocated(self.device) / 2**30
+        reserved = torch.cuda.max_memory_reserved(self.device) / 2**30
+        old = self.peaks.get(stage, [0.0, 0.0])
+        self.peaks[stage] = [max(old[0], allocated), max(old[1], reserved)]
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def _wrap(self, attr, stage):
         original = getattr(self.pipe, attr)
 
         def timed(*args, **kwargs):
             self._sync()
+            self.mark("other")
             start = time.perf_counter()
             out = original(*args, **kwargs)
             self._sync()
+            self.mark(stage)
             self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - start) * 1000
+            if stage == "text_encode":
+                self.prompt_embeds = out[0].detach().float().cpu()
             return out
 
         setattr(self.pipe, attr, timed)
@@ -234,10 +252,12 @@ class StageTimer:
 
         def before(module, args, kwargs):
             self._sync()
+            self.mark("other")
             self._start = time.perf_counter()
 
         def after(module, args, kwargs, output):
             self._sync()
+            self.mark("forwards")
             self.forwards.append((time.perf_counter() - self._start) * 1000)
 
         transformer = self.pipe.transformer
@@ -292,11 +312,13 @@ def warm_up(pipe, case, tiny, decode):
     pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(forwards))
 
 
-def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"):
+def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot", reference_embeds=None):
     """One request of ``case``; returns its record (ms, stages, forwards, peak). ``export="streamed"`` writes the MP4
     with ``pipe.decode_to_video`` (each decoded chunk encoded while the next decodes, as the CLI does): the video
     decode and the mux are then one stage, ``video_decode+mux``, and ``mux_after_last_chunk_ms`` is the time from the
-    last chunk handed to the writer to the finished file."""
+    last chunk handed to the writer to the finished file. ``peak_gib`` / ``peak_reserved_gib``: the request's GPU peaks
+    (weights included), ``stage_peak_gib``: ``[allocated, reserved]`` per stage; ``prompt_embeds_rel_l2``: the prompt
+    embeddings against ``reference_embeds`` (the first case's, bf16 text encoder)."""
     from diffusers_h3 import export_to_video
     from diffusers_h3.pipelines import export as export_module
 
@@ -332,6 +354,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
             else:
                 export_to_video(out.frames[0], path, audio=out.audio[0], sampling_rate=out.sampling_rate)
             end = time.perf_counter()
+            timer.mark("video_decode+mux" if streamed else "mux")
     finally:
         export_module.VideoWriter.write_frames = write_frames
     if streamed:  # decode_to_video decodes the audio first (timed by its own stage), then the video into the writer
@@ -349,6 +372,10 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
     stages.update({k: timer.stages[k] for k in (("audio_decode", "video_decode+mux") if streamed else
                                                 ("video_decode", "audio_decode", "mux"))})  # fmt: skip
     stages["other"] = measured_ms + missing * forward_ms - sum(stages.values())  # packing, scheduler steps, ...
+    embeds_rel = None
+    if reference_embeds is not None and timer.prompt_embeds is not None:
+        embeds_rel = float((timer.prompt_embeds - reference_embeds).norm() / reference_embeds.norm())
+    peaks = timer.peaks
     return {
         "ms": round(measured_ms + missing * forward_ms, 1),
         "stages": {k: round(v, 1) for k, v in stages.items()},
@@ -359,7 +386,11 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
         "extrapolated": missing > 0,
         "sigma_points": sigma_points,
         "resident_gib": round(resident, 2) if resident is not None else None,
-        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "peak_gib": round(max(v[0] for v in peaks.values()), 2) if peaks else None,
+        "peak_reserved_gib": round(max(v[1] for v in peaks.values()), 2) if peaks else None,
+        "stage_peak_gib": {k: [round(v[0], 2), round(v[1], 2)] for k, v in peaks.items()},
+        "prompt_embeds_rel_l2": embeds_rel,
+        "prompt_embeds": timer.prompt_embeds,  # popped by main: the reference of the next cases
         "export": export,
         "video_chunks_written": len(chunk_ready),
         "mux_after_last_chunk_ms": round((end - chunk_ready[-1]) * 1000, 1) if chunk_ready else None,
@@ -379,6 +410,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU smoke test)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny when no GPU)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    parser.add_argument("--gpu-cap-gib", type=float, default=None, metavar="G",
+                        help="hold the caching allocator to G GiB (apply_gpu_cap) for the fast / fastest cases, from "
+                             "their preset on (the bf16 cases need more)")
     parser.add_argument("--export", choices=("one-shot", "streamed"), default="one-shot",
                         help="one-shot: output_type='np' then export_to_video; streamed: output_type='latent' then "
                              "pipe.decode_to_video, the MP4 written while the video decodes (what the CLI runs)")  # fmt: skip
@@ -405,6 +439,7 @@ def main(argv=None):
     print(f"built the pipeline in {build_s:.1f} s", flush=True)
 
     results, notes, applied, decoders_warm = {}, {}, None, False
+    reference_embeds = {}  # task -> prompt embeddings of its first case (bf16 text encoder before any preset)
     out_dir = tempfile.mkdtemp(prefix="h3_request_")
     for case in run:
         preset, flashinfer = CASE_SETUP[case][1], CASE_FLASHINFER.get(case)
@@ -414,13 +449,22 @@ def main(argv=None):
                 diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile, flashinfer=flashinfer)
                 applied = (preset, flashinfer)
                 decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
+                if args.gpu_cap_gib is not None and preset != "exact" and device.type == "cuda":
+                    from diffusers_h3.parallel.memory_budget import apply_gpu_cap
+
+                    torch.cuda.empty_cache()  # the bf16 weights the preset quantized away
+                    apply_gpu_cap(args.gpu_cap_gib, device)
             case_start = time.perf_counter()
             if not args.no_warmup:
                 warm_up(pipe, case, args.tiny, decode=not decoders_warm)
                 decoders_warm = True
             warmup_s = time.perf_counter() - case_start
+            task = CASE_SETUP[case][0]
             record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny,
-                             export=args.export)  # fmt: skip
+                             export=args.export, reference_embeds=reference_embeds.get(task))  # fmt: skip
+            embeds = record.pop("prompt_embeds", None)
+            if task not in reference_embeds and embeds is not None and preset in (None, "exact"):
+                reference_embeds[task] = embeds
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
             results[case] = {"ms": None, "stages": None, "peak_gib": None}
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
@@ -428,6 +472,7 @@ def main(argv=None):
             traceback.print_exc()
         else:
             record["preset"] = preset
+            record["gpu_cap_gib"] = args.gpu_cap_gib if args.gpu_cap_gib is not None and preset not in (None, "exact") else None
             record["warmup_s"] = round(warmup_s, 1)
             record["speed_preset"] = diffusers_h3.describe(pipe).get("speed_preset")
             results[case] = record

@@ -107,6 +107,28 @@ def test_tiny_run_records_every_case(tmp_path):
     assert cases["native"]["profile"]["categories"]["attention"]["ms"] > 0  # aten::_scaled_dot_product_*
 
 
+def test_tiny_fl2va_inputs_run_after_t2va_in_the_same_process(tmp_path):
+    out = tmp_path / "forward_fl2va.json"
+    run = _run("--tiny", "--reps", "1", "--warmup", "1", "--cases", "native,fastest", "--tasks", "t2va,fl2va",
+               "--out", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    cases = data["cases"]
+    assert list(cases) == ["native", "native_fl2va", "fastest", "fastest_fl2va"] and data["notes"] == {}
+    assert data["shape"]["fl2va_rows"] > data["shape"]["rows"]  # the keyframes' prompt tokens and condition rows
+    assert cases["fastest"]["task"] == "t2va" and cases["fastest_fl2va"]["task"] == "fl2va"
+    assert cases["fastest_fl2va"]["rows"] == data["shape"]["fl2va_rows"]
+    assert cases["native_fl2va"]["rel_l2"] == 0.0 and cases["fastest_fl2va"]["baseline"] == "native_fl2va"
+    assert 0 < cases["fastest_fl2va"]["rel_l2"] < 0.1
+    assert "t2va, fl2va" in data["protocol"] or "t2va,fl2va" in data["protocol"]
+
+
+def test_bad_tasks_are_refused(tmp_path):
+    run = _run("--tiny", "--tasks", "t2va,i2v", "--out", str(tmp_path / "f.json"))
+    assert run.returncode != 0 and "--tasks 't2va,i2v'" in run.stderr
+    assert not (tmp_path / "f.json").exists()
+
+
 def test_new_graph_breaks_counts_only_the_breaks_of_a_case(monkeypatch):
     forward = _forward_module(monkeypatch)
     before = {"Unsupported: foo": 2}

@@ -23,15 +23,20 @@ def test_unknown_case_is_refused_before_building(tmp_path):
 def test_tiny_request_records_every_stage(tmp_path):
     out = tmp_path / "request_h200.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_native", "--forwards", "1", "--no-warmup",
-         "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_native,t2va_fast", "--forwards", "1",
+         "--no-warmup", "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["suite"] == "request" and data["shape"]["tiny"] is True
-    assert set(data["cases"]) == {"t2va_native"}
+    assert set(data["cases"]) == {"t2va_native", "t2va_fast"} and data["notes"] == {}
+    # The fast preset quantizes the text encoder (W8A16): its prompt embeddings move from the first case's, a little.
+    assert data["cases"]["t2va_native"]["prompt_embeds_rel_l2"] is None  # it is the reference
+    assert 0 < data["cases"]["t2va_fast"]["prompt_embeds_rel_l2"] < 0.05
+    assert "W8A16Config" in data["cases"]["t2va_fast"]["speed_preset"]["weights"]["text_encoder"]
     case = data["cases"]["t2va_native"]
+    assert case["stage_peak_gib"] == {} and case["peak_reserved_gib"] is None  # CPU: no CUDA memory statistics
     assert list(case["stages"]) == ["text_encode", "forwards", "video_decode", "audio_decode", "mux", "other"]
     assert all(case["stages"][s] > 0 for s in ("text_encode", "forwards", "video_decode", "audio_decode", "mux"))
     # 50 sigma points = 49 forwards; one timed, the rest extrapolated at the median forward.
@@ -47,7 +52,7 @@ def test_tiny_request_records_every_stage(tmp_path):
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     stages = plot.stage_table(tmp_path)
-    (name, seconds, total, extrapolated), = stages["rows"]
+    (name, seconds, total, extrapolated), _ = stages["rows"]
     assert name == "t2va_native" and extrapolated is True and total == pytest.approx(case["ms"] / 1000)
     assert seconds == {k: pytest.approx(v / 1000) for k, v in case["stages"].items()}
     plot.main(["--results", str(tmp_path), "--out", str(tmp_path / "summary.png")])

@@ -314,13 +314,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         return self
 
     def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
-                            fullgraph: bool = False):
+                            fullgraph: bool = False, quantize_text_encoder: Optional[bool] = None):
         """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
-        partition(s); see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the pipeline
-        (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
+        partition(s) and the text encoder; see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the
+        pipeline (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
         from .speed_presets import enable_speed_preset
 
-        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph)
+        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph,
+                                   quantize_text_encoder=quantize_text_encoder)
 
     def enable_memory_budget(
         self,

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from diffusers.utils import logging
 
-from .._hooks import partitions_of
+from .._hooks import moves_weights, partitions_of
 from .._utils import cuda_capability, has_fp8_tensor_cores
 from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET
 from ..attention_processors import (
@@ -94,20 +94,23 @@ EXPORT_SETTINGS: Dict[str, Dict[str, Any]] = {
 COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {"exact": {"emulate_precision_casts": True}, "fast": {}, "fastest": {}}
 
 
-def compile_blocks(model: torch.nn.Module, preset: str, fullgraph: bool = False) -> str:
+def compile_blocks(model: torch.nn.Module, preset: str, fullgraph: bool = False, dynamic: Optional[bool] = False) -> str:
     """Regional ``torch.compile`` of ``model``'s repeated blocks with ``preset``'s inductor options; returns the line
     ``describe`` shows.
 
     The kernels are custom ops (``diffusers_h3::*``) and the VSA route is prepared outside the blocks, so the presets'
     blocks trace without a graph break (tests/pipelines/test_compile_fullgraph.py); ``fullgraph=True`` makes any
-    break an error instead of a split graph."""
+    break an error instead of a split graph. ``dynamic=False`` (the presets): every new packed length (another task,
+    resolution or duration; the first step's fewer timesteps) compiles its own static graph, instead of torch's
+    default of recompiling the second shape met with symbolic sizes, whose kernels no longer specialise on the length
+    (docs/speed.md, "Compilation")."""
     options = COMPILE_OPTIONS[check_speed_preset(preset)]
+    kwargs: Dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic}
     if options:
-        model.compile_repeated_blocks(fullgraph=fullgraph, options=dict(options))
-    else:
-        model.compile_repeated_blocks(fullgraph=fullgraph)
+        kwargs["options"] = dict(options)
+    model.compile_repeated_blocks(**kwargs)
     extra = "".join(f", {key}={value}" for key, value in options.items())
-    return f"regional torch.compile (compile_repeated_blocks, fullgraph={fullgraph}{extra})"
+    return f"regional torch.compile (compile_repeated_blocks, fullgraph={fullgraph}, dynamic={dynamic}{extra})"
 
 
 def check_speed_preset(preset: Any) -> str:
@@ -323,6 +326,46 @@ def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.
     return config, label
 
 
+def _plan_text_encoder(
+    text_encoder: Optional[torch.nn.Module], preset: str, quantize_text_encoder: Optional[bool]
+) -> Tuple[Optional[Any], Optional[str]]:
+    """``(config to quantize the text encoder with or None, what its weights will be)``; ``(None, None)`` without a
+    text encoder. ``"fast"`` / ``"fastest"`` quantize a resident bf16 text encoder to weight-only INT8 (W8A16) unless
+    ``quantize_text_encoder=False``: half its memory, so that the preset's whole request fits an 80 GB GPU
+    (docs/speed.md, "Memory"); ``"exact"`` never touches it. Raises before anything changes when asked for what
+    cannot be done."""
+    if quantize_text_encoder is not None and not isinstance(quantize_text_encoder, bool):
+        raise TypeError(f"quantize_text_encoder must be None (automatic), True or False, got {quantize_text_encoder!r}")
+    if preset == "exact" and quantize_text_encoder:
+        raise ValueError("quantize_text_encoder=True: the 'exact' preset runs the text encoder as loaded; drop the "
+                         "argument, or use preset='fast' / 'fastest' (they quantize it to W8A16)")  # fmt: skip
+    if text_encoder is None:
+        return None, None
+    loaded = _quantized_method(text_encoder)
+    if loaded is not None:
+        kept = "" if preset != "exact" else " (quantized before the preset: not exact)"
+        return None, f"{loaded} as loaded [already quantized: kept]{kept}"
+    dtype = str(next(text_encoder.parameters()).dtype).replace("torch.", "")
+    if preset == "exact":
+        return None, f"{dtype} (not quantized)"
+    if quantize_text_encoder is False:
+        return None, f"{dtype} (not quantized: quantize_text_encoder=False)"
+    if hasattr(text_encoder, "_hf_hook") or moves_weights(text_encoder):
+        if quantize_text_encoder:
+            raise ValueError(
+                "quantize_text_encoder=True: the text encoder is offloaded (its weights move between devices), so it "
+                "cannot be quantized in place; load it quantized instead (W8A16Config as quantization_config, or a "
+                "memory recipe: docs/memory.md)"
+            )
+        return None, f"{dtype}, offloaded (not quantized: an offloaded text encoder is not quantized in place)"
+    if _has_lora(text_encoder):
+        raise ValueError(
+            f"speed preset {preset!r} quantizes the text encoder in place, but it has LoRA adapters loaded: apply the "
+            "preset before loading them, or pass quantize_text_encoder=False"
+        )
+    return W8A16Config(), "weight-only INT8 with 16-bit GEMMs (W8A16Config): half the bf16 memory"
+
+
 def _apply_to_transformer(
     record: SpeedPresetRecord,
     name: str,
@@ -396,7 +439,12 @@ _RECORD_ATTRIBUTE = "_h3_speed_preset"
 
 
 def enable_speed_preset(
-    pipe, preset: str, compile: bool = True, flashinfer: Optional[bool] = None, fullgraph: bool = False
+    pipe,
+    preset: str,
+    compile: bool = True,
+    flashinfer: Optional[bool] = None,
+    fullgraph: bool = False,
+    quantize_text_encoder: Optional[bool] = None,
 ):
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
@@ -415,6 +463,12 @@ def enable_speed_preset(
         fullgraph (`bool`, defaults to `False`): compile each block as one graph (``compile_repeated_blocks(
             fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
             (every kernel is a custom op), so this only changes what happens if one appears.
+        quantize_text_encoder (`bool`, *optional*): ``"fast"`` / ``"fastest"`` quantize a bf16 text encoder that
+            sits on its device to weight-only INT8 (``W8A16Config``) by default (`None`): half its memory (the 32B
+            Qwen3-VL's 50 layers from ~50 to ~25 GiB), which is what lets the preset's whole request stay under 75 GiB
+            on one GPU; the prompt embeddings move by the error docs/speed.md states. `False` keeps it as loaded;
+            `True` requires it (an error for an offloaded text encoder, or with ``"exact"``, which never changes it).
+            A text encoder loaded quantized is kept.
 
     Returns the pipeline. What was turned on is the :class:`SpeedPresetRecord` read with
     :func:`speed_preset_record` (``diffusers_h3.describe(pipe)`` reports it as ``speed_preset``).
@@ -430,6 +484,8 @@ def enable_speed_preset(
     for name, model in models:
         device = pipe._device_of(model)
         plans[name] = (device, *_plan_weights(name, model, preset, device), plan_flashinfer(flashinfer, device, preset))
+    text_encoder = getattr(pipe, "text_encoder", None)
+    text_encoder_config, text_encoder_weights = _plan_text_encoder(text_encoder, preset, quantize_text_encoder)
     vae = getattr(pipe, "vae", None)
     vae_plan = None if vae is None else plan_vae_decode(preset, pipe._device_of(vae), compile, decoder_is_fp8(vae))
 
@@ -437,6 +493,11 @@ def enable_speed_preset(
                                export={**EXPORT_SETTINGS[preset], "source": EXPORT_SOURCE})  # fmt: skip
     for name, model in models:
         _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph)
+    if text_encoder_config is not None:
+        quantize(text_encoder, text_encoder_config)
+    if text_encoder_weights is not None:
+        record.weights["text_encoder"] = text_encoder_weights
+        logger.info(f"speed preset {preset!r} on text_encoder: weights {text_encoder_weights}")
     # The batched-tile decode reorders the decoder's GEMMs (bf16 rounding may differ from diffusers' tile loop), so
     # the exact preset keeps diffusers' decode.
     if vae_plan is None:

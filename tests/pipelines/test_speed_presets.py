@@ -353,3 +353,77 @@ def test_fast_after_an_fp8_decoder_keeps_it_and_exact_refuses_it():
     assert fast_vae_decode_state(pipe.vae) is not None
     pipe.enable_speed_preset("fast", compile=False)
     assert fast_vae_decode_state(pipe.vae).fp8_linears and "already quantized: kept" in pipe._h3_speed_preset.decode
+
+
+# -- the text encoder ------------------------------------------------------------------------------------------------
+
+
+def _text_encoder_quantized(pipe):
+    return [m for m in pipe.text_encoder.modules() if isinstance(m, QuantizedLinear)]
+
+
+def _prompt_embeds(pipe):
+    embeds, _ = pipe.encode_prompt("a street drummer under neon lights")
+    return embeds.float()
+
+
+@pytest.mark.parametrize("preset", ["fast", "fastest"])
+def test_fast_presets_quantize_the_text_encoder_to_w8a16(preset):
+    pipe = _pipe()
+    reference = _prompt_embeds(pipe)
+    pipe.enable_speed_preset(preset, compile=False)
+    quantized = _text_encoder_quantized(pipe)
+    assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized)
+    decoder_linears = [name for name, m in pipe.text_encoder.named_modules()
+                       if ".layers." in name and isinstance(m, (torch.nn.Linear, QuantizedLinear))]  # fmt: skip
+    assert decoder_linears and all(
+        isinstance(pipe.text_encoder.get_submodule(name), QuantizedLinear) for name in decoder_linears
+    )
+    assert "W8A16Config" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
+    embeds = _prompt_embeds(pipe)
+    rel = ((embeds - reference).norm() / reference.norm()).item()
+    assert 0 < rel < 0.02, f"prompt embeddings moved by rel-L2 {rel} (0: the text encoder was not quantized)"
+
+
+def test_quantize_text_encoder_false_keeps_it_as_loaded():
+    pipe = _pipe()
+    reference = _prompt_embeds(pipe)
+    pipe.enable_speed_preset("fastest", compile=False, quantize_text_encoder=False)
+    assert _quantized(pipe) and not _text_encoder_quantized(pipe)
+    assert "quantize_text_encoder=False" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
+    assert torch.equal(_prompt_embeds(pipe), reference)
+
+
+def test_exact_leaves_the_text_encoder_and_refuses_to_quantize_it():
+    pipe = _pipe()
+    with pytest.raises(ValueError, match=r"quantize_text_encoder=True: the 'exact' preset runs the text encoder as"):
+        pipe.enable_speed_preset("exact", compile=False, quantize_text_encoder=True)
+    assert getattr(pipe, "_h3_speed_preset", None) is None
+    pipe.enable_speed_preset("exact", compile=False)
+    assert not _text_encoder_quantized(pipe)
+    assert "not quantized" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
+    with pytest.raises(TypeError, match=r"quantize_text_encoder must be None \(automatic\), True or False"):
+        pipe.enable_speed_preset("fast", compile=False, quantize_text_encoder="yes")
+    assert not _quantized(pipe)  # nothing changed by the refused call
+
+
+def test_a_text_encoder_loaded_quantized_is_kept():
+    pipe = _pipe()
+    diffusers_h3.quantize(pipe.text_encoder, diffusers_h3.W8A16Config())
+    layers = _text_encoder_quantized(pipe)
+    pipe.enable_speed_preset("fast", compile=False)
+    assert _text_encoder_quantized(pipe) == layers
+    assert "already quantized: kept" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
+
+
+def test_an_offloaded_text_encoder_is_left_as_placed():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    pipe = _pipe()
+    add_hook_to_module(pipe.text_encoder, ModelHook())  # what enable_model_cpu_offload leaves on a component
+    with pytest.raises(ValueError, match=r"the text encoder is offloaded .* cannot be quantized in place"):
+        pipe.enable_speed_preset("fast", compile=False, quantize_text_encoder=True)
+    assert not _quantized(pipe)
+    pipe.enable_speed_preset("fast", compile=False)
+    assert not _text_encoder_quantized(pipe)
+    assert "offloaded (not quantized" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]

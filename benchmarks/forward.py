@@ -221,11 +221,10 @@ def model_paths(model) -> Dict[str, Any]:
 
 
 def set_up(
-    case: str, model, device: torch.device, fullgraph: bool = False, automatic_dynamic: bool = False
+    case: str, model, device: torch.device, fullgraph: bool = False, static_shapes: bool = False
 ) -> Dict[str, Any]:
     """Turn ``case`` on; returns what it turned on (``fullgraph``: compile the blocks with fullgraph=True;
-    ``automatic_dynamic``: recompile them with torch.compile's default ``dynamic=None`` instead of the presets'
-    ``dynamic=False``)."""
+    ``static_shapes``: recompile them with ``dynamic=False``, a static graph per packed length)."""
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
     from diffusers_h3.pipelines.speed_presets import (
@@ -250,8 +249,8 @@ def set_up(
     # "fast_flashinfer_fp8" is the "fast" preset with flashinfer=True (FA3's FP8 attention in place of INT8).
     flashinfer = {"exact": False, "exact_flashinfer": True, "fast_flashinfer_fp8": True}.get(case)
     record = enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer, fullgraph=fullgraph)
-    if automatic_dynamic and device.type == "cuda":
-        record.compile["transformer"] = compile_blocks(model, preset, fullgraph=fullgraph, dynamic=None)
+    if static_shapes and device.type == "cuda":
+        record.compile["transformer"] = compile_blocks(model, preset, fullgraph=fullgraph, dynamic=False)
     return record.describe()
 
 
@@ -280,9 +279,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tasks", default="t2va",
                         help="comma list of inputs each case runs, in this order, in the same process: t2va (38,222 "
                              "rows), fl2va (42,284 rows: two keyframes); the fl2va records are named CASE_fl2va")
-    parser.add_argument("--automatic-dynamic", action="store_true",
-                        help="compile the presets' blocks with torch.compile's default dynamic=None (a second shape "
-                             "recompiles with dynamic shapes) instead of the presets' dynamic=False (an experiment)")
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="compile the presets' blocks with dynamic=False (a static graph per packed length) instead "
+                             "of torch.compile's default the presets keep (an experiment: docs/speed.md, Compilation)")
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks or set(tasks) - {"t2va", "fl2va"}:
@@ -338,7 +337,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run = runner(task)
             try:
                 if turned_on is None:
-                    turned_on = set_up(case, model, device, args.fullgraph, args.automatic_dynamic)
+                    turned_on = set_up(case, model, device, args.fullgraph, args.static_shapes)
                 record, out = measure(run, device, args.warmup, args.reps)
                 video, audio = out[0], out[1]
                 if case == "native":
@@ -386,7 +385,8 @@ def write_report(args, results, notes, shape, build_s) -> None:
                     f"case torch._dynamo.reset() before a preset, {args.warmup} untimed forwards (the first compiles: "
                     f"first_call_s), then the median of {args.reps} timed forwards (CUDA events; perf_counter on a CPU)"
                     f"; blocks compiled with fullgraph={args.fullgraph}, "
-                    f"dynamic={'None (torch default)' if args.automatic_dynamic else 'False (the presets)'}; inputs "
+                    f"dynamic={'False (--static-shapes)' if args.static_shapes else 'None (torch default, the presets)'}"
+                    f"; inputs "
                     f"per case in the order {args.tasks} without a Dynamo reset between them",
         "build_s": round(build_s, 1),
         "cases": results,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -502,6 +503,7 @@ def write_report(args, results, notes, build_s, device):
                     "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
                     "stages.forwards add the missing ones at the median forward ('extrapolated': true)",
         "build_s": round(build_s, 1),
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",  # expandable_segments changes reserved
         "cases": results,
         "notes": notes,
     }  # fmt: skip

@@ -94,23 +94,27 @@ EXPORT_SETTINGS: Dict[str, Dict[str, Any]] = {
 COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {"exact": {"emulate_precision_casts": True}, "fast": {}, "fastest": {}}
 
 
-def compile_blocks(model: torch.nn.Module, preset: str, fullgraph: bool = False, dynamic: Optional[bool] = False) -> str:
+def compile_blocks(
+    model: torch.nn.Module, preset: str, fullgraph: bool = False, dynamic: Optional[bool] = None
+) -> str:
     """Regional ``torch.compile`` of ``model``'s repeated blocks with ``preset``'s inductor options; returns the line
     ``describe`` shows.
 
     The kernels are custom ops (``diffusers_h3::*``) and the VSA route is prepared outside the blocks, so the presets'
     blocks trace without a graph break (tests/pipelines/test_compile_fullgraph.py); ``fullgraph=True`` makes any
-    break an error instead of a split graph. ``dynamic=False`` (the presets): every new packed length (another task,
-    resolution or duration; the first step's fewer timesteps) compiles its own static graph, instead of torch's
-    default of recompiling the second shape met with symbolic sizes, whose kernels no longer specialise on the length
-    (docs/speed.md, "Compilation")."""
+    break an error instead of a split graph. ``dynamic``: torch.compile's; the presets keep its default (``None``: the
+    second packed length met recompiles once with symbolic sizes, later lengths reuse that graph), which ran the
+    fl2va forward after a t2va one as fast as static graphs (docs/speed.md, "Compilation")."""
     options = COMPILE_OPTIONS[check_speed_preset(preset)]
-    kwargs: Dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic}
+    kwargs: Dict[str, Any] = {"fullgraph": fullgraph}
+    if dynamic is not None:
+        kwargs["dynamic"] = dynamic
     if options:
         kwargs["options"] = dict(options)
     model.compile_repeated_blocks(**kwargs)
     extra = "".join(f", {key}={value}" for key, value in options.items())
-    return f"regional torch.compile (compile_repeated_blocks, fullgraph={fullgraph}, dynamic={dynamic}{extra})"
+    extra += "" if dynamic is None else f", dynamic={dynamic}"
+    return f"regional torch.compile (compile_repeated_blocks, fullgraph={fullgraph}{extra})"
 
 
 def check_speed_preset(preset: Any) -> str:
@@ -344,7 +348,7 @@ def _plan_text_encoder(
     loaded = _quantized_method(text_encoder)
     if loaded is not None:
         kept = "" if preset != "exact" else " (quantized before the preset: not exact)"
-        return None, f"{loaded} as loaded [already quantized: kept]{kept}"
+        return None, f"{loaded} [already quantized: kept]{kept}"
     dtype = str(next(text_encoder.parameters()).dtype).replace("torch.", "")
     if preset == "exact":
         return None, f"{dtype} (not quantized)"

@@ -79,8 +79,12 @@ def test_fp8_activation_quant_gpu(mk):
     q, s = fp8_quantize_per_token(x, backend="triton")
     qr, sr = fp8_quantize_per_token_reference(x)
     torch.testing.assert_close(s, sr, rtol=2e-7, atol=0)
-    differ = (q.float() != qr.float()).float().mean().item()
-    assert differ < 1e-3
+    # The kernel multiplies by the reciprocal scale where the reference divides: a value on a rounding tie may land on
+    # the neighbouring E4M3 code. Allowed: a few such codes (0.1 %, at least one in a small tensor), one code apart.
+    codes, reference_codes = q.view(torch.uint8).int(), qr.view(torch.uint8).int()
+    differ = codes != reference_codes
+    assert int(differ.sum()) <= max(1, int(1e-3 * q.numel())), int(differ.sum())
+    assert int((codes - reference_codes).abs().max()) <= 1
 
 
 def test_fp8_scaled_mm_gpu():

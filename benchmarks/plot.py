@@ -50,7 +50,7 @@ def summary_table(results_dir=RESULTS) -> Dict[str, dict]:
 
 REQUEST_FILE = "request_h200.json"
 STAGE_COLORS = {"text_encode": "#264653", "condition_encode": "#8ab17d", "forwards": "#2a9d8f",
-                "video_decode": "#e9c46a", "audio_decode": "#f4a261", "mux": "#e76f51",
+                "video_decode": "#e9c46a", "audio_decode": "#f4a261", "mux": "#e76f51", "video_decode+mux": "#e9a04a",
                 "other": "#bbbbbb"}  # fmt: skip
 
 

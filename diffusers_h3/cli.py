@@ -599,6 +599,11 @@ def _load_pipeline(args):
         quant_mapping[partition_for_task(task)] = _quant_config(gemm_format(_device(args)))
     if getattr(args, "quantize_text_encoder", None):
         quant_mapping["text_encoder"] = _quant_config(args.quantize_text_encoder)
+    elif getattr(args, "speed", None) in ("fast", "fastest"):
+        # The preset's text-encoder format, quantized while loading: the bf16 text encoder never sits on the GPU.
+        from diffusers_h3.pipelines.speed_presets import TEXT_ENCODER_FORMAT
+
+        quant_mapping["text_encoder"] = _quant_config(TEXT_ENCODER_FORMAT)
     if quant_mapping:  # quantized while loading: the bf16 weights never sit on the GPU whole
         from diffusers.quantizers import PipelineQuantizationConfig
 

@@ -177,3 +177,22 @@ def test_cli_flashinfer_choice_reaches_the_preset(speed, choice, expected, monke
     # exact: FlashInfer unless off; fast: FA3 FP8 only when on (automatic names it as the faster, less exact option).
     assert attention.startswith("dense bf16, FlashInfer") == (speed == "exact" and choice != "off")
     assert ("FP8 (single_prefill)" in attention) == (speed == "fast" and choice == "on")
+
+
+def test_cli_fast_presets_load_the_text_encoder_quantized(tmp_path, monkeypatch):
+    """--speed fast / fastest quantize the text encoder while loading (W8A16, the preset's format): on an 80 GB GPU
+    the bf16 text encoder must never sit next to the DiT; without --speed it loads as stored."""
+    from diffusers_h3 import QuantizedLinear, cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    parser = cli.build_parser()
+
+    def text_encoder_methods(*flags):
+        args = parser.parse_args(["generate", "--prompt", "a cat", "--out", str(tmp_path / "o.mp4"), "--device", "cpu",
+                                  *flags])  # fmt: skip
+        pipe = cli._load_pipeline(args)
+        return {m.quant_method for m in pipe.text_encoder.modules() if isinstance(m, QuantizedLinear)}
+
+    assert text_encoder_methods("--speed", "fastest") == {"h3_w8a16"}
+    assert text_encoder_methods() == set()
+    assert text_encoder_methods("--speed", "fast", "--quantize-text-encoder", "nvfp4") == {"h3_nvfp4"}

@@ -51,12 +51,14 @@ from ..kernels.attention.flashinfer_dense import (
     import_flashinfer,
     resolve_backend,
 )
-from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, quantize
+from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, get_format, quantize
 
 
 logger = logging.get_logger(__name__)
 
 SPEED_PRESETS = ("exact", "fast", "fastest")
+# The weight format "fast" / "fastest" give the text encoder (weight-only INT8: half the memory, any GPU).
+TEXT_ENCODER_FORMAT = "w8a16"
 # Sparsity of the "fastest" preset (the operating point of docs/attention.md and benchmarks/results).
 FASTEST_SPARSITY = 0.8
 # INT8 Q/K: same kernels and speed as FP8 Q/K on Ampere/Hopper, less Q/K rounding error (docs/attention.md).
@@ -367,7 +369,8 @@ def _plan_text_encoder(
             f"speed preset {preset!r} quantizes the text encoder in place, but it has LoRA adapters loaded: apply the "
             "preset before loading them, or pass quantize_text_encoder=False"
         )
-    return W8A16Config(), "weight-only INT8 with 16-bit GEMMs (W8A16Config): half the bf16 memory"
+    config = get_format(TEXT_ENCODER_FORMAT).config_cls()
+    return config, f"weight-only INT8 with 16-bit GEMMs ({type(config).__name__}): half the bf16 memory"
 
 
 def _apply_to_transformer(

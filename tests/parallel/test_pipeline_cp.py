@@ -4,10 +4,13 @@ import pytest
 import torch
 
 from diffusers_h3.parallel._launch import launch
-from diffusers_h3.testing.tiny import tiny_pipeline
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
+# 124 frames: several VAE temporal chunks, so that the parallel decode has tiles to split over the ranks.
 RUN = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3, "output_type": "pt"}
+# Where only the placement is under test, the short tiny clip.
+SHORT_RUN = {**RUN, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2}
 
 
 def _counting(module, calls, name):
@@ -73,7 +76,7 @@ def _rank_placed_pipeline(text_encoder):
     pipe = tiny_pipeline(seed=2)
     placements = place_for_context_parallel(pipe, "cpu", text_encoder=text_encoder)
     enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
-    out = pipe(**RUN, generator=torch.Generator().manual_seed(0))
+    out = pipe(**SHORT_RUN, generator=torch.Generator().manual_seed(0))
     hooked = getattr(pipe.text_encoder, "_diffusers_hook", None) is not None
     return {"frames": out.frames, "audio": out.audio, "placements": placements, "text_encoder_hooked": hooked}
 
@@ -83,7 +86,7 @@ def test_context_parallel_placement_keeps_the_text_encoder_on_rank_0_only():
 
     with pytest.raises(ValueError, match="text_encoder must be one of"):
         place_for_context_parallel(tiny_pipeline(seed=2), "cpu", text_encoder="sharded")
-    expected = tiny_pipeline(seed=2)(**RUN, generator=torch.Generator().manual_seed(0))
+    expected = tiny_pipeline(seed=2)(**SHORT_RUN, generator=torch.Generator().manual_seed(0))
     for results in (launch(_rank_placed_pipeline, 2, args=("offload",), timeout_s=400),
                     launch(_rank_placed_pipeline, 2, args=("resident",), timeout_s=400)):  # fmt: skip
         for rank, result in enumerate(results):

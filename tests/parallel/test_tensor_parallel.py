@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffusers_h3.parallel._launch import launch
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES
 
 from ._tiny_cp import cp_inputs, cp_transformer, forward
 
@@ -211,7 +212,7 @@ def _rank_tensor_parallel(world_size, extras):
     return results
 
 
-LIGHT4_CALL = {"prompt": "a fox in the snow", "height": 32, "width": 64, "num_frames": 124, "output_type": "latent"}
+LIGHT4_CALL = {"prompt": "a fox in the snow", "height": 32, "width": 64, "num_frames": TINY_NUM_FRAMES, "output_type": "latent"}
 
 
 def _light4_file(tmp_path):

@@ -76,7 +76,23 @@ def main(variant, q_dtype, v_fp8, dense_or_block_n):
     print(json.dumps({"ptx": kernel.asm["ptx"], "ptxas_rc": code, "ptxas": report}))
 
 
+def serve():
+    """One variant per stdin line (its four arguments, space-separated), one JSON line back per variant: the tests keep
+    one such process per worker instead of paying an interpreter start and the imports for every variant."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            main(*line.split())
+        except Exception:  # noqa: BLE001 - reported to the test that asked, the next variant still compiles
+            print(json.dumps({"error": traceback.format_exc()}))
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(*sys.argv[1:])
 
 

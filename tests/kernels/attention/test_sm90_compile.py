@@ -6,6 +6,7 @@ on an H200 (``tests/gpu/test_bsa_sm90_gpu.py``). Each variant compiles in a fres
 ``TRITON_INTERPRET`` (``tests/_compile_sm90.py``).
 """
 
+import atexit
 import json
 import os
 import re
@@ -25,14 +26,30 @@ pytestmark = pytest.mark.skipif(not HAS_GLUON, reason="needs Triton with Gluon")
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compile_sm90.py")
 
 
-def _compile(*args):
+_SERVER = []  # one helper process per test worker, started by the first variant
+
+
+def _server():
+    if _SERVER and _SERVER[0].poll() is None:
+        return _SERVER[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(HELPER))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(HELPER)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, HELPER, *map(str, args)], capture_output=True, text=True, env=env,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    process = subprocess.Popen([sys.executable, HELPER, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    atexit.register(process.kill)
+    _SERVER[:] = [process]
+    return process
+
+
+def _compile(*args):
+    process = _server()
+    process.stdin.write(" ".join(map(str, args)) + "\n")
+    process.stdin.flush()
+    line = process.stdout.readline()
+    assert line, f"the compile helper exited: {process.stderr.read()[-3000:]}"
+    out = json.loads(line)
+    assert "error" not in out, out.get("error", "")[-3000:]
     assert out["ptxas_rc"] == 0, out["ptxas"][-2000:]
     return out["ptx"], out["ptxas"]
 

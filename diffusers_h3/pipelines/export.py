@@ -1,7 +1,7 @@
 """Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV.
 
-`export_to_video` writes a whole clip; `VideoWriter` encodes frames as they arrive, in a background thread, and muxes
-the audio at the end. Both take libx264's `crf`, `preset` and `pix_fmt` (defaults chosen by `benchmarks/export.py`,
+`export_to_video` writes a whole clip; `VideoWriter` encodes frames as they arrive, in a background thread, and the
+audio track in the same thread once it is written (written first, it is done before the last video chunk arrives). Both take libx264's `crf`, `preset` and `pix_fmt` (defaults chosen by `benchmarks/export.py`,
 see docs/pipeline.md). The clip is encoded into a hidden temporary file beside the target and renamed onto it only
 when encoding finished, so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never
 clobbers an existing one; an OS error (a full disk) is raised naming the target file and the cause.
@@ -103,6 +103,14 @@ MAX_QUEUED_CHUNKS = 2
 _END_OF_VIDEO = object()
 
 
+class _AudioTrack:
+    """The stereo track in the encoder's queue: encoded by the encoder thread as soon as it is known (before the last
+    video chunk when the caller has it early), so that closing the clip does not wait for the AAC encoder."""
+
+    def __init__(self, samples: torch.Tensor):
+        self.samples = samples
+
+
 def _check_rate(value, name: str) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)) or not value > 0:
         raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
@@ -134,7 +142,7 @@ def _encode_audio(container, stream, audio: torch.Tensor, sampling_rate: int) ->
 
 class VideoWriter:
     """Write an MP4 clip whose frames arrive in chunks: each chunk is encoded in a background thread while the caller
-    produces the next one, and the audio is muxed at the end.
+    produces the next one; the audio track is encoded in the same thread once it is written.
 
     ```py
     with VideoWriter("clip.mp4", fps=24, sampling_rate=32000) as writer:
@@ -195,22 +203,21 @@ class VideoWriter:
                 self._open(*video.shape[1:3])
             elif video.shape[1:3] != self._size:
                 raise ValueError(f"every chunk must have the first chunk's size {self._size}, got {video.shape[1:3]}.")
-            while True:  # the queue is bounded: wait for room, but not on an encoder that has failed
-                self._raise_encoder_error()
-                try:
-                    self._chunks.put(video, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            self._queue(video)
             self.num_frames += len(video)
 
     def write_audio(self, audio: Union[np.ndarray, torch.Tensor]) -> None:
-        """Set the stereo track (`(2, samples)` or `(1, 2, samples)` in [-1, 1]); it is encoded when the clip closes."""
+        """Set the stereo track (`(2, samples)` or `(1, 2, samples)` in [-1, 1]), once; the encoder thread encodes it
+        as soon as the streams exist, so written before the video's last chunk it costs nothing at `close`."""
         self._check_open()
         if self.sampling_rate is None:
             raise ValueError("this VideoWriter has no audio stream: pass `sampling_rate` when creating it.")
+        if self._audio is not None:
+            raise ValueError("the audio track was already written: call `write_audio` once per clip.")
         with self._aborting_on_error():
             self._audio = _audio_to_tensor(audio)
+            if self._size is not None:  # the streams exist: queue it behind the chunks already written
+                self._queue(_AudioTrack(self._audio))
 
     def close(self) -> str:
         """Finish the video, mux the audio and move the file onto `path`; returns `path`."""
@@ -225,8 +232,6 @@ class VideoWriter:
             self._chunks.put(_END_OF_VIDEO)
             self._encoder.join()
             self._raise_encoder_error()
-            if self._audio is not None:
-                _encode_audio(self._container, self._audio_stream, self._audio, self.sampling_rate)
             self._container.close()
             os.replace(self._temporary, self.path)
             self._state = "closed"
@@ -280,6 +285,8 @@ class VideoWriter:
             self._audio_stream.codec_context.time_base = Fraction(1, self.sampling_rate)
         self._encoder = threading.Thread(target=self._encode_chunks, name="h3-video-encoder", daemon=True)
         self._encoder.start()
+        if self._audio is not None:  # written before the first frames: encoded first
+            self._queue(_AudioTrack(self._audio))
 
     def _encode_chunks(self) -> None:
         """The encoder thread: encode queued chunks until the end marker, then flush the encoder."""
@@ -295,6 +302,9 @@ class VideoWriter:
                     for packet in self._video_stream.encode(None):
                         self._container.mux(packet)
                     return
+                if isinstance(chunk, _AudioTrack):
+                    _encode_audio(self._container, self._audio_stream, chunk.samples, self.sampling_rate)
+                    continue
                 for array in chunk:
                     if self._stop.is_set():
                         return
@@ -302,6 +312,17 @@ class VideoWriter:
                         self._container.mux(packet)
         except BaseException as error:  # handed to the caller's thread, which raises it
             self._encoder_error = error
+
+    def _queue(self, item) -> None:
+        """Hand ``item`` to the encoder thread; the queue is bounded: wait for room, but not on an encoder that has
+        failed."""
+        while True:
+            self._raise_encoder_error()
+            try:
+                self._chunks.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def _raise_encoder_error(self) -> None:
         if self._encoder_error is not None:

@@ -956,7 +956,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         pipe.decode_to_video(out.frames, out.audio, "clip.mp4")
         ```
 
-        The audio is decoded first and muxed at the end, so the file is finished soon after the last video chunk
+        The audio is decoded and encoded first, so the file is finished soon after the last video chunk
         decodes (`benchmarks/results/export_cpu.json`). The frames are those of `pipe(..., output_type="np")` exported
         with `export_to_video` and the same options, bitwise before encoding. Atomic: the file at `path` is either the
         complete clip or left as it was, also when the decode fails half way. Under context parallelism every rank

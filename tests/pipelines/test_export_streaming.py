@@ -3,6 +3,7 @@ atomic on an error or Ctrl-C inside the block and on an encoder failure, and mis
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -104,6 +105,12 @@ def test_misuse_is_one_line(tmp_path):
             writer.write_frames(FRAMES)
     with pytest.raises(ValueError, match=r"^this VideoWriter has no audio stream: pass `sampling_rate`"):
         VideoWriter(tmp_path / "c.mp4").write_audio(AUDIO)
+    with pytest.raises(ValueError, match=r"^the audio track was already written: call `write_audio` once per clip\.$"):
+        with VideoWriter(tmp_path / "e.mp4", sampling_rate=RATE) as writer:
+            writer.write_audio(AUDIO)
+            writer.write_frames(FRAMES)
+            writer.write_audio(AUDIO)
+    assert not (tmp_path / "e.mp4").exists()
     with pytest.raises(ValueError, match=r"^every chunk must have the first chunk's size \(32, 48\), got \(32, 32\)\.$"):
         with VideoWriter(tmp_path / "d.mp4") as writer:
             writer.write_frames(FRAMES)
@@ -113,3 +120,36 @@ def test_misuse_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^`preset` 'slowest' is not an x264 preset"):
         VideoWriter(tmp_path / "f.mp4", preset="slowest")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("audio_first", [True, False])
+def test_the_audio_is_encoded_in_the_writer_thread_before_the_close(tmp_path, monkeypatch, audio_first):
+    """Written before the video (as `decode_to_video` does), the AAC encode runs in the encoder thread ahead of the
+    frames, so `close` waits only for the last chunk; written after the frames, it still runs there, in order."""
+    events = []
+    encode_audio = export._encode_audio
+    monkeypatch.setattr(export, "_encode_audio", lambda *args: (events.append(("audio", threading.current_thread().name)),
+                                                                 encode_audio(*args))[1])  # fmt: skip
+    from_ndarray = av.VideoFrame.from_ndarray
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray",
+                        lambda *args, **kwargs: events.append(("frame", None)) or from_ndarray(*args, **kwargs))
+    writer = VideoWriter(tmp_path / "clip.mp4", fps=24, sampling_rate=RATE)
+    if audio_first:
+        writer.write_audio(AUDIO)
+    writer.write_frames(FRAMES)
+    if not audio_first:
+        writer.write_audio(AUDIO)
+    deadline = time.monotonic() + 60
+    while not any(kind == "audio" for kind, _ in events) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the encoder thread takes the track from the queue without waiting for the close
+    events.append(("close", None))
+    writer.close()
+    audio = [i for i, (kind, _) in enumerate(events) if kind == "audio"]
+    assert len(audio) == 1 and events[audio[0]][1] == "h3-video-encoder"
+    frames = [i for i, (kind, _) in enumerate(events) if kind == "frame"]
+    assert (audio[0] < frames[0]) if audio_first else (audio[0] > frames[-1])
+    assert audio[0] < events.index(("close", None))  # nothing left for the close but the flush
+    expected, expected_audio = _decoded(export_to_video(FRAMES, tmp_path / "one_shot.mp4", fps=24, audio=AUDIO,
+                                                        sampling_rate=RATE))  # fmt: skip
+    got, got_audio = _decoded(writer.path)
+    assert np.array_equal(got, expected) and got_audio == expected_audio

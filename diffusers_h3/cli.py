@@ -904,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")
     fast.add_argument("--speed", choices=("exact", "fast", "fastest"), default=None,
                       help="speed preset (docs/speed.md): exact = bf16, fastest exact attention, regional compile; "
-                           "fast = FP8 GEMMs + INT8 dense attention; fastest = fast + VSA 0.8")
+                           "fast = FP8 GEMMs + INT8 dense attention, text encoder W8A16 (loaded quantized); "
+                           "fastest = fast + VSA 0.8")
     fast.add_argument("--flashinfer", choices=("auto", "on", "off"), default=None,
                       help="with --speed exact: FlashInfer's FA3 attention (auto, the default: when flashinfer-python "
                            "is installed and the GPU is Hopper; on: required; off: cuDNN); with --speed fast: on runs "

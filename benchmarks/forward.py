@@ -60,7 +60,7 @@ CASES = ("native", "exact", "exact_flashinfer", "fast", "fast_flashinfer_fp8", "
 DEFAULT_CASES = ("native", "exact", "fast", "fastest")  # the *_flashinfer* cases need flashinfer-python
 PRESET_OF = {"native": None, "exact": "exact", "exact_flashinfer": "exact", "fast": "fast",
              "fast_flashinfer_fp8": "fast", "fastest": "fastest"}  # fmt: skip
-TINY_SHAPE = {"height": 64, "width": 96, "frames": 124}
+TINY_SHAPE = {"height": 64, "width": 96, "frames": 22}  # the tiny pipeline's shortest clip (TINY_NUM_FRAMES)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Model, inputs, measurement
@@ -69,7 +69,7 @@ TINY_SHAPE = {"height": 64, "width": 96, "frames": 124}
 def build(device: torch.device, layers: Optional[int], tiny: bool):
     """``(model, forward kwargs, PackedLayout, shape)``: end_to_end.py's full-width DiT (``layers`` blocks, default 50)
     and t2va inputs, or with ``tiny`` the tiny pipeline's transformer (its 2 blocks unless ``layers``) and the kwargs /
-    layout of its first forward in a 64x96x124 t2va call."""
+    layout of its first forward in a 64x96x22 t2va call."""
     if not tiny:
         layers = layers or 50
         from end_to_end import HEIGHT, NUM_FRAMES, TEXT_ROWS, WIDTH, build_inputs, build_model
@@ -84,7 +84,7 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
 
 def build_fl2va_inputs(device: torch.device, layers: Optional[int], tiny: bool):
     """``(forward kwargs, PackedLayout, rows)`` of the fl2va forward: end_to_end.py's 768x1344x124 fl2va inputs
-    (42,284 rows), or with ``tiny`` the tiny pipeline's first forward of a 64x96 fl2va call."""
+    (42,284 rows), or with ``tiny`` the tiny pipeline's first forward of a 64x96x22 fl2va call."""
     if not tiny:
         from end_to_end import build_inputs
 
@@ -95,7 +95,7 @@ def build_fl2va_inputs(device: torch.device, layers: Optional[int], tiny: bool):
 
 
 def build_tiny(device: torch.device, layers: Optional[int], task: str = "t2va"):
-    """The tiny pipeline's transformer and the kwargs / layout of its first forward in a 64x96x124 ``task`` call."""
+    """The tiny pipeline's transformer and the kwargs / layout of its first forward in a 64x96x22 ``task`` call."""
     import numpy as np
     from PIL import Image
 

@@ -58,13 +58,13 @@ from pathlib import Path
 import torch
 from request import (
     HEIGHT,
-    NUM_FRAMES,
     PROMPT_TOKENS,
     QWEN3_VL_32B_TEXT,
     TEXT_ENCODER_LAYER,
     WIDTH,
     StageTimer,
     build_pipeline,
+    num_frames,
     request_kwargs,
     stop_after,
 )
@@ -459,7 +459,8 @@ def write_low_ram_checkpoint(folder, device, tiny):
     parts = tiny_parts.tiny_components(seed=0, text_encoder_layers=TEXT_ENCODER_LAYER + 1, with_transformer_ref=False)
     parts.pop("transformer_ref")
     # model_index.json and the small components (byte-level tokenizer: no download); the models are replaced below
-    MiniMaxH3Pipeline(**parts, text_encoder_layer=TEXT_ENCODER_LAYER).save_pretrained(folder)
+    limits = tiny_parts.TINY_DURATION_LIMITS if tiny else {}  # the tiny smoke run generates the short tiny clip
+    MiniMaxH3Pipeline(**parts, text_encoder_layer=TEXT_ENCODER_LAYER, **limits).save_pretrained(folder)
     dit_config, te_config = NVFP4Config(), W8A16Config()
     if tiny:
         dit_model_config = dict(parts["transformer"].config)
@@ -938,7 +939,7 @@ def write_report(args, header, previous, results, notes, layers, device):
     report = {
         **header,
         "command": commands if len(commands) > 1 else commands[0],
-        "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": NUM_FRAMES,
+        "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": num_frames(args.tiny),
                   "prompt_tokens": PROMPT_TOKENS, "task": "t2va", "sigma_points": SIGMA_POINTS, "forwards": 1,
                   "output_type": "np", "tiny": args.tiny, "text_encoder": te_layers,
                   "transformer": "tiny" if args.tiny else "MiniMaxH3Transformer3DModel() defaults: 50 blocks, hidden "

@@ -163,7 +163,7 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
         components.pop("transformer_ref")
         for name in ("text_encoder", "transformer", "vae", "audio_vae"):
             components[name] = hook(name, components[name].to(device))
-        return MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER)
+        return MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER, **tiny_parts.TINY_DURATION_LIMITS)
 
     tokenizer = tiny_parts.tiny_tokenizer()  # byte-level: no download; token ids stay far below the real vocab
     ids = {token: 257 + i for i, token in enumerate(tiny_parts.VISION_TOKENS)}
@@ -283,13 +283,22 @@ def request_kwargs(case, tiny):
     height, width = (64, 96) if tiny else (HEIGHT, WIDTH)
     rng = np.random.default_rng(0)
     prompt = ("A street drummer plays under neon lights, the crowd claps along. " * 16)[:PROMPT_TOKENS]
-    kwargs = {"prompt": prompt, "height": height, "width": width, "num_frames": NUM_FRAMES,
+    kwargs = {"prompt": prompt, "height": height, "width": width, "num_frames": num_frames(tiny),
               "num_inference_steps": sigma_points, "flow_shift": flow_shift, "audio_flow_shift": audio_flow_shift,
               "output_type": "np"}  # fmt: skip
     if task == "fl2va":
         kwargs["image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
         kwargs["last_image"] = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
     return kwargs
+
+
+def num_frames(tiny: bool) -> int:
+    """Frames of a request: the released 124 (5.2 s), or the tiny pipeline's shortest clip for the CPU smoke runs."""
+    if tiny:
+        from diffusers_h3.testing.tiny import TINY_NUM_FRAMES
+
+        return TINY_NUM_FRAMES
+    return NUM_FRAMES
 
 
 def stop_after(forwards):
@@ -493,7 +502,7 @@ def write_report(args, results, notes, build_s, device):
         case.setdefault("rel_l2", None)  # random weights: numerical distance is measured by the forward suite
     report = {
         **result_header("request", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
-        "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": NUM_FRAMES,
+        "shape": {"height": 64 if args.tiny else HEIGHT, "width": 96 if args.tiny else WIDTH, "frames": num_frames(args.tiny),
                   "prompt_tokens": PROMPT_TOKENS, "tiny": args.tiny,
                   "text_encoder": "Qwen3-VL-32B config, decoder layers 0-50 built, 0-49 run (early exit at "
                                   "hidden_states[50]), vision tower built" if not args.tiny else "tiny",

@@ -187,12 +187,14 @@ def test_sparse_differs_and_dense_first_steps_and_layers(model):
 
 
 def test_gate_compress_zero_is_pure_sparse_and_trained_gate_adds_coarse(model):
+    # Gate semantics, through the torch references of the kernels (the Triton kernels run through the processor in
+    # test_vsa_core_matches_brute_force and the kernel tests; under the CPU interpreter they cost ~20 s here).
     _reset(model)
-    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), backend="torch")
     pure = _run(model)[0]
     keys = [f"transformer_blocks.{i}.attn.to_gate_compress.weight" for i in range(2)]
     assert add_gate_compress(model, keys) == (0, 1)
-    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), backend="torch")
     assert vsa_state(model)["gated_blocks"] == 2
     assert torch.equal(_run(model)[0], pure)  # zero gates: exactly pure sparse
     state = {f"transformer_blocks.{i}.attn.to_gate_compress.weight": torch.randn(64, 32, device=DEVICE) * 0.5
@@ -226,14 +228,17 @@ def test_gate_combination_matches_manual():
 
 
 def test_low_precision_paths_are_close_but_not_exact(model):
+    # The numerics of each precision, through the kernels' torch references (same numerics as the Triton kernels,
+    # tested against them in tests/kernels/; under the CPU interpreter these seven model runs cost ~50 s).
     _reset(model)
     ref = _run(model)[0]
     errors = {}
     for precision, sparsity in [("fp8", 0.0), ("fp8", 0.001), ("int8", 0.0), ("int8", 0.001), ("fp4", 0.001),
                                 ("fp4", 0.0)]:
-        enable_vsa(model, sparsity=sparsity, tile=(2, 2, 4), precision=precision)
+        enable_vsa(model, sparsity=sparsity, tile=(2, 2, 4), precision=precision, backend="torch")
         errors[precision, sparsity] = rel_l2(_run(model)[0], ref)
-    enable_vsa(model, sparsity=0.001, tile=(2, 4, 4), precision="fp8", pv_precision="fp8")  # FP8 P.V: >= 32 rows
+    enable_vsa(model, sparsity=0.001, tile=(2, 4, 4), precision="fp8", pv_precision="fp8",
+               backend="torch")  # FP8 P.V: >= 32 rows
     errors["fp8pv"] = rel_l2(_run(model)[0], ref)
     for key, err in errors.items():
         assert 1e-6 < err < (0.25 if "fp4" in key else 0.08), (key, err)
@@ -290,7 +295,7 @@ def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision
     monkeypatch.setattr(low_precision_module, "_qk_native", lambda precision, device: False)
     with pytest.raises(RuntimeError, match=f"{name} tensor cores.*strict=False"):
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision, strict=True)
-    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision)
+    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision=precision, backend="torch")  # the warning, not the kernel
     from diffusers_h3 import _utils
 
     _utils._WARNED.clear()
@@ -302,7 +307,7 @@ def test_8bit_without_tensor_cores_warns_or_raises(model, monkeypatch, precision
     monkeypatch.setattr(low_precision_module, "_fp8_native", lambda device: False)
     with pytest.raises(RuntimeError, match="strict=False"):
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8", strict=True)
-    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8")
+    enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), precision="fp8", backend="torch")
     from diffusers_h3 import _utils
 
     _utils._WARNED.clear()
@@ -343,9 +348,9 @@ def test_enable_vsa_takes_a_config(model):
     from diffusers_h3.attention_processors import VSAConfig
 
     _reset(model)
-    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4))
+    enable_vsa(model, sparsity=0.75, tile=(2, 2, 4), backend="torch")
     by_keywords = _run(model)[0]
-    enable_vsa(model, VSAConfig(sparsity=0.75, tile=(2, 2, 4)))
+    enable_vsa(model, VSAConfig(sparsity=0.75, tile=(2, 2, 4), backend="torch"))
     assert vsa_state(model)["sparse_blocks"] == 2
     assert torch.equal(_run(model)[0], by_keywords)
     enable_vsa(model, VSAConfig(sparsity=0.75), tile=(2, 2, 4))  # keywords replace fields of the config

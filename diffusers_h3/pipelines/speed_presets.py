@@ -346,6 +346,9 @@ def _plan_text_encoder(
         raise ValueError("quantize_text_encoder=True: the 'exact' preset runs the text encoder as loaded; drop the "
                          "argument, or use preset='fast' / 'fastest' (they quantize it to W8A16)")  # fmt: skip
     if text_encoder is None:
+        if quantize_text_encoder:
+            raise ValueError("quantize_text_encoder=True: the pipeline has no text encoder (loaded with "
+                             "text_encoder=None); drop the argument")  # fmt: skip
         return None, None
     loaded = _quantized_method(text_encoder)
     if loaded is not None:

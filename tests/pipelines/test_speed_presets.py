@@ -405,6 +405,13 @@ def test_exact_leaves_the_text_encoder_and_refuses_to_quantize_it():
     with pytest.raises(TypeError, match=r"quantize_text_encoder must be None \(automatic\), True or False"):
         pipe.enable_speed_preset("fast", compile=False, quantize_text_encoder="yes")
     assert not _quantized(pipe)  # nothing changed by the refused call
+    without = _pipe()
+    without.text_encoder = None
+    with pytest.raises(ValueError, match=r"quantize_text_encoder=True: the pipeline has no text encoder"):
+        without.enable_speed_preset("fast", compile=False, quantize_text_encoder=True)
+    assert not _quantized(without)
+    without.enable_speed_preset("fast", compile=False)  # automatic: nothing to quantize, nothing recorded for it
+    assert "text_encoder" not in diffusers_h3.describe(without)["speed_preset"]["weights"]
 
 
 def test_a_text_encoder_loaded_quantized_is_kept():

@@ -1,10 +1,10 @@
 """Write a generated clip as MP4: H.264 video + AAC stereo audio, through PyAV.
 
 `export_to_video` writes a whole clip; `VideoWriter` encodes frames as they arrive, in a background thread, and the
-audio track in the same thread once it is written (written first, it is done before the last video chunk arrives). Both take libx264's `crf`, `preset` and `pix_fmt` (defaults chosen by `benchmarks/export.py`,
-see docs/pipeline.md). The clip is encoded into a hidden temporary file beside the target and renamed onto it only
-when encoding finished, so an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never
-clobbers an existing one; an OS error (a full disk) is raised naming the target file and the cause.
+audio track in the same thread once it is written (written first, it is done before the last video chunk arrives).
+Both take libx264's `crf`, `preset` and `pix_fmt` (defaults chosen by `benchmarks/export.py`, see docs/pipeline.md).
+The clip is encoded into a hidden temporary file beside the target and renamed onto it only when encoding finished, so
+an interrupted or failed export (Ctrl-C included) never leaves a truncated MP4 and never clobbers an existing one; an OS error (a full disk) is raised naming the target file and the cause.
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ class VideoWriter:
                 self._queue(_AudioTrack(self._audio))
 
     def close(self) -> str:
-        """Finish the video, mux the audio and move the file onto `path`; returns `path`."""
+        """Finish the video (the audio track was encoded when it was written) and move the file onto `path`; returns
+        `path`."""
         self._check_open()
         with self._aborting_on_error():
             if self._size is None:
@@ -229,7 +230,7 @@ class VideoWriter:
                 raise ValueError(
                     "the clip declares an audio stream (`sampling_rate`) but `write_audio` was not called."
                 )
-            self._chunks.put(_END_OF_VIDEO)
+            self._queue(_END_OF_VIDEO)  # not a plain put: a failed encoder no longer empties a full queue
             self._encoder.join()
             self._raise_encoder_error()
             self._container.close()

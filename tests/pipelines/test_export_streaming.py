@@ -153,3 +153,39 @@ def test_the_audio_is_encoded_in_the_writer_thread_before_the_close(tmp_path, mo
                                                         sampling_rate=RATE))  # fmt: skip
     got, got_audio = _decoded(writer.path)
     assert np.array_equal(got, expected) and got_audio == expected_audio
+
+
+def test_close_raises_an_encoder_failure_even_with_a_full_queue(tmp_path, monkeypatch):
+    """The encoder fails while the bounded queue is full: `close` raises its error and removes the partial file
+    instead of waiting forever for room for the end marker."""
+    release = threading.Event()
+    from_ndarray = av.VideoFrame.from_ndarray
+
+    def failing_from_ndarray(*args, **kwargs):
+        release.wait(60)  # hold the encoder on its first frame while the caller fills the queue
+        raise RuntimeError("encoder failed")
+
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", failing_from_ndarray)
+    writer = VideoWriter(tmp_path / "clip.mp4", fps=24)
+    for _ in range(1 + export.MAX_QUEUED_CHUNKS):  # one in the encoder's hands, the queue full behind it
+        writer.write_frames(FRAMES[:2])
+    deadline = time.monotonic() + 60
+    while not writer._chunks.full() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer._chunks.full()
+    release.set()
+    raised = []
+
+    def close():
+        try:
+            writer.close()
+        except RuntimeError as error:
+            raised.append(str(error))
+
+    closing = threading.Thread(target=close, daemon=True)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive(), "close waited forever on the full queue"
+    assert raised == ["encoder failed"]
+    assert not (tmp_path / "clip.mp4").exists() and os.listdir(tmp_path) == []
+    monkeypatch.setattr(av.VideoFrame, "from_ndarray", from_ndarray)

@@ -60,7 +60,7 @@ CASES = ("native", "exact", "exact_flashinfer", "fast", "fast_flashinfer_fp8", "
 DEFAULT_CASES = ("native", "exact", "fast", "fastest")  # the *_flashinfer* cases need flashinfer-python
 PRESET_OF = {"native": None, "exact": "exact", "exact_flashinfer": "exact", "fast": "fast",
              "fast_flashinfer_fp8": "fast", "fastest": "fastest"}  # fmt: skip
-TINY_SHAPE = {"height": 64, "width": 96, "frames": 22}  # the tiny pipeline's shortest clip (TINY_NUM_FRAMES)
+TINY_SHAPE = {"height": 64, "width": 96}  # frames: the tiny pipeline's shortest clip (TINY_NUM_FRAMES)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Model, inputs, measurement
@@ -100,7 +100,7 @@ def build_tiny(device: torch.device, layers: Optional[int], task: str = "t2va"):
     from PIL import Image
 
     from diffusers_h3.layout import current_packed_layout
-    from diffusers_h3.testing.tiny import tiny_pipeline, tiny_transformer
+    from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline, tiny_transformer
 
     pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
     if layers is not None:
@@ -124,14 +124,14 @@ def build_tiny(device: torch.device, layers: Optional[int], task: str = "t2va"):
                   "last_image": Image.fromarray(rng.integers(0, 256, size, dtype=np.uint8))}  # fmt: skip
     try:
         pipe(prompt="a street drummer under neon lights", height=TINY_SHAPE["height"], width=TINY_SHAPE["width"],
-             num_frames=TINY_SHAPE["frames"], num_inference_steps=2, output_type="latent",
+             num_frames=TINY_NUM_FRAMES, num_inference_steps=2, output_type="latent",
              generator=torch.Generator().manual_seed(0), **images)  # fmt: skip
     finally:
         handle.remove()
     model = pipe.transformer.to(device).eval().requires_grad_(False)
     kwargs, layout = captured["kwargs"], captured["layout"]
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    shape = {"layers": len(model.transformer_blocks), "rows": int(layout.seq_len), **TINY_SHAPE, "tiny": True}
+    shape = {"layers": len(model.transformer_blocks), "rows": int(layout.seq_len), **TINY_SHAPE, "frames": TINY_NUM_FRAMES, "tiny": True}
     return model, kwargs, layout, shape
 
 

@@ -453,13 +453,14 @@ def main(argv=None):
     out_dir = tempfile.mkdtemp(prefix="h3_request_")
     for case in run:
         preset, flashinfer = CASE_SETUP[case][1], CASE_FLASHINFER.get(case)
+        capped = args.gpu_cap_gib is not None and preset in ("fast", "fastest") and device.type == "cuda"
         try:
             if preset is not None and (preset, flashinfer) != applied:
                 torch._dynamo.reset()  # compile the new preset's blocks from scratch (no stale guards or cache limit)
                 diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile, flashinfer=flashinfer)
                 applied = (preset, flashinfer)
                 decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
-                if args.gpu_cap_gib is not None and preset != "exact" and device.type == "cuda":
+                if capped:
                     from diffusers_h3.parallel.memory_budget import apply_gpu_cap
 
                     torch.cuda.empty_cache()  # the bf16 weights the preset quantized away
@@ -482,7 +483,7 @@ def main(argv=None):
             traceback.print_exc()
         else:
             record["preset"] = preset
-            record["gpu_cap_gib"] = args.gpu_cap_gib if args.gpu_cap_gib is not None and preset not in (None, "exact") else None
+            record["gpu_cap_gib"] = args.gpu_cap_gib if capped else None
             record["warmup_s"] = round(warmup_s, 1)
             record["speed_preset"] = diffusers_h3.describe(pipe).get("speed_preset")
             results[case] = record

@@ -1,11 +1,14 @@
 """Start N ranks on this machine, each a fresh interpreter, and collect what each returns.
 
-Used by the tests (gloo on CPU) and by the CLI (`--gpus N`, NCCL). Every rank is started with the `spawn` method:
-forking a process after torch has started its thread pools can deadlock. A rank that raises ends the whole job with
+Used by the tests (gloo on CPU) and by the CLI (`--gpus N`, NCCL). Ranks are never forked from the caller: forking a
+process after torch has started its thread pools can deadlock. They are spawned (the default), or forked from a
+`forkserver` process that has only imported the `preload` modules and never ran a torch op; the tests use the latter
+so that a launch does not import torch and diffusers again in every rank. A rank that raises ends the whole job with
 its traceback, and the job has a wall-clock limit, so a rank stuck in a collective never hangs the caller.
 """
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import socket
@@ -39,7 +42,11 @@ def _rank_entry(
     collective_timeout_s: float,
     result_dir: str,
     num_threads: Optional[int],
+    environ: Optional[dict] = None,
 ) -> None:
+    if environ is not None:  # a forked rank starts with the server's environment: take the caller's, as spawn does
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -93,6 +100,8 @@ def launch(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 120.0,
     num_threads: Optional[int] = 1,
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
 ) -> List[Any]:
     """Run `fn(*args)` in `world_size` fresh processes joined in one process group; return each rank's result.
 
@@ -107,6 +116,10 @@ def launch(
         collective_timeout_s: the process group's timeout, so that a collective missing a partner fails instead of
             waiting forever.
         num_threads: intra-op threads per rank (`None` keeps torch's default).
+        start_method: `"spawn"` (every rank a fresh interpreter) or `"forkserver"` (ranks forked from one server
+            process per caller, started on the first such launch; each rank gets the caller's environment of the
+            moment, as with spawn).
+        preload: modules the forkserver imports once before its first fork (ignored once the server runs).
 
     Raises:
         RankFailedError: a rank raised (the others are terminated); the message names the rank and has its traceback.
@@ -114,13 +127,18 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    if start_method == "forkserver" and preload:
+        multiprocessing.set_forkserver_preload(list(preload))
     with tempfile.TemporaryDirectory(prefix="diffusers_h3_ranks_") as result_dir:
         context = mp.start_processes(
             _rank_entry,
-            args=(fn, tuple(args), world_size, free_port(), backend, collective_timeout_s, result_dir, num_threads),
+            args=(fn, tuple(args), world_size, free_port(), backend, collective_timeout_s, result_dir, num_threads,
+                  dict(os.environ) if start_method == "forkserver" else None),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
         try:

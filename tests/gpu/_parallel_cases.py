@@ -333,15 +333,18 @@ def rank_fails_inside_forward(failing_rank, device_type="cuda"):
     return "unreachable"  # every rank ends: the failing one raises, the others are waiting in its collective
 
 
-def assert_failure_ends_the_job(device_type, backend, collective_timeout_s=30):
+def assert_failure_ends_the_job(device_type, backend, collective_timeout_s=30, launch=None):
     """Rank 1 raises inside a forward while rank 0 waits in a collective: the launch ends with one error naming rank
     1 and its message, well within the collective timeout after the failure (the waiting rank is ended, not left to
-    time out)."""
+    time out). `launch` defaults to the product's (spawned ranks)."""
     import re
 
     import pytest
 
-    from diffusers_h3.parallel._launch import RankFailedError, launch
+    from diffusers_h3.parallel._launch import RankFailedError
+    from diffusers_h3.parallel._launch import launch as spawn_launch
+
+    launch = launch or spawn_launch
 
     with pytest.raises(RankFailedError, match=f"(?s)rank 1 failed.*{FAILING_MESSAGE} on rank 1") as error:
         launch(rank_fails_inside_forward, 2, args=(1, device_type), backend=backend, timeout_s=240,

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from diffusers_h3.parallel._launch import launch
-
+from ._ranks import launch
 from ._tiny_cp import add_random_gates, cp_inputs, cp_transformer, forward, forward_with_layout, vsa_inputs
 
 
@@ -231,4 +230,4 @@ def test_plain_gloo_process_group_runs_every_parallel_path():
 def test_a_rank_failing_inside_a_forward_ends_the_job_with_its_error():
     from tests.gpu._parallel_cases import assert_failure_ends_the_job
 
-    assert_failure_ends_the_job("cpu", "cpu:gloo")
+    assert_failure_ends_the_job("cpu", "cpu:gloo", launch=launch)

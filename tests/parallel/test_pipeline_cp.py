@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from diffusers_h3.parallel._launch import launch
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
+
+from ._ranks import launch
 
 
 # 124 frames: several VAE temporal chunks, so that the parallel decode has tiles to split over the ranks.

@@ -6,9 +6,9 @@ a torch import per rank)."""
 import pytest
 import torch
 
-from diffusers_h3.parallel._launch import launch
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES
 
+from ._ranks import launch
 from ._tiny_cp import cp_inputs, cp_transformer, forward
 
 

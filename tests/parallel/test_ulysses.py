@@ -1,10 +1,12 @@
-"""`ulysses_attention` on 2 and 4 gloo ranks (each a fresh interpreter) against a one-process computation."""
+"""`ulysses_attention` on 2 and 4 gloo ranks (forked from a server that imported the package) against a one-process computation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_h3.parallel._launch import RankFailedError, launch
+from diffusers_h3.parallel._launch import RankFailedError
+
+from ._ranks import launch
 
 
 HEADS, HEAD_DIM, BATCH = 4, 8, 2

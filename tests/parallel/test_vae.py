@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from diffusers_h3.parallel._launch import launch
 from diffusers_h3.testing.tiny import tiny_vae
+
+from ._ranks import launch
 
 
 # Two temporal chunks of 2x3 spatial tiles (12 tile decodes), batch 1 and batch 2 with slicing.

@@ -1,0 +1,15 @@
+"""How the CPU tests start gloo ranks: forked from one server process per test worker that imported the package once.
+
+A spawned rank imports torch and diffusers again (about 8 s on the CI machine, and a test starts 2 or 4 ranks); a
+rank forked from the server starts in well under a second. The product (`--gpus N`) keeps spawning its ranks.
+"""
+
+from diffusers_h3.parallel._launch import launch as _launch
+
+
+# What every rank of these tests imports; the rank functions' own modules are imported on top, per launch.
+PRELOAD = ("diffusers_h3", "diffusers_h3.testing.tiny", "tests.parallel._tiny_cp")
+
+
+def launch(fn, world_size, args=(), **options):
+    return _launch(fn, world_size, args, start_method="forkserver", preload=PRELOAD, **options)

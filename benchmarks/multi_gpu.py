@@ -170,7 +170,9 @@ def main():
     from diffusers_h3.parallel.vae import parallel_vae_decode
 
     backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "cpu:gloo"
-    dist.init_process_group(backend)
+    own_group = not dist.is_initialized()  # a launcher (torchrun, accelerate, a notebook) may have made it already
+    if own_group:
+        dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     single = world_size == 1  # degree 1 on one GPU: the baselines (and the decode) alone, for later launches
     if single and (tp_cases or args.tp):
@@ -329,7 +331,8 @@ def main():
         }
         write_json(out_path, data)
         print(f"wrote {out_path}")
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

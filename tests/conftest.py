@@ -14,6 +14,20 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+@pytest.fixture(autouse=True)
+def _kernel_references_outside_kernel_tests(request, monkeypatch):
+    """On a CPU host the Triton kernels run through the interpreter, whose cost grows with every program launched.
+    Kernel tests (tests/kernels/) and tests marked `triton_interpreter` keep it; elsewhere `backend="auto"` takes the
+    kernels' torch references (same numerics), as it does on any CPU host without the interpreter."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    if request.node.get_closest_marker("triton_interpreter") or "kernels" in request.node.path.parts:
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 # Keep CPU runs deterministic and small.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

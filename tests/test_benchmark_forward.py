@@ -3,12 +3,11 @@ kernel classification sorts kernel names into the categories the fusion decision
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,11 +32,7 @@ def _common_module(monkeypatch):
 
 
 def _run(*args, timeout=120):
-    # The torch references of the kernels, as on a CPU-only machine (conftest turns the Triton interpreter on for
-    # in-process kernel tests; through it the tiny run takes a minute).
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env=env)  # fmt: skip
+    return run_script(SCRIPT, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize(

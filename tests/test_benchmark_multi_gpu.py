@@ -1,10 +1,9 @@
 """benchmarks/multi_gpu.py under torchrun on 2 gloo ranks with the tiny model (the full-size run needs several GPUs)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,10 +11,8 @@ SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
 
 
 def _torchrun(*args, timeout=300, ranks=2):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(SCRIPT), "--tiny",
-               "--device", "cpu", "--reps", "1", *args]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"})  # fmt: skip
+    """The script on `ranks` gloo ranks, as `torchrun --nproc-per-node RANKS` starts it."""
+    return run_script(SCRIPT, "--tiny", "--device", "cpu", "--reps", "1", *args, ranks=ranks, timeout=timeout)
 
 
 def test_every_case_on_two_gloo_ranks(tmp_path):

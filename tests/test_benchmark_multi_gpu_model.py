@@ -1,17 +1,15 @@
 """benchmarks/multi_gpu_model.py: the communication count, and the script's --tiny CPU smoke test."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "multi_gpu_model.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-# The suite's conftest interprets Triton on the CPU; the script's smoke test runs the pure-torch references instead.
-ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"}
 
 
 def test_communication_counts_what_each_all_to_all_moves():
@@ -33,12 +31,7 @@ def test_tiny_run_measures_and_predicts_every_degree(tmp_path):
     from plot import scaling_markdown, scaling_table
 
     out = tmp_path / "multi_gpu_model_h200.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--presets", "native,fastest", "--reps", "1", "--warmup", "1",
-         "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-        env=ENV,
-    )  # fmt: skip
+    run = run_script(SCRIPT, "--tiny", "--presets", "native,fastest", "--reps", "1", "--warmup", "1", "--out", out)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["measured"]["presets"]) == {"native", "fastest"} and not data["notes"]
@@ -62,8 +55,6 @@ def test_tiny_run_measures_and_predicts_every_degree(tmp_path):
 
 
 def test_unknown_preset_is_refused(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--presets", "turbo", "--out", str(tmp_path / "x")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env=ENV)  # fmt: skip
+    run = run_script(SCRIPT, "--tiny", "--presets", "turbo", "--out", tmp_path / "x")
     assert run.returncode != 0 and "unknown preset(s) ['turbo']" in run.stderr
 

@@ -1,11 +1,11 @@
 """benchmarks/placement.py runs end to end on the CPU with tiny components (the full-size run is for a GPU)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,8 +15,7 @@ STAGES = ["text_encode", "forwards", "video_decode", "audio_decode", "other"]
 
 def _run(tmp_path, *args):
     out = tmp_path / "placement_h200.json"
-    command = [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *args]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = run_script(SCRIPT, "--tiny", "--out", out, *args)
     return run, out
 
 

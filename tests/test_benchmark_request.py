@@ -2,11 +2,11 @@
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,19 +14,15 @@ SCRIPT = ROOT / "benchmarks" / "request.py"
 
 
 def test_unknown_case_is_refused_before_building(tmp_path):
-    command = [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_turbo", "--out", str(tmp_path / "r.json")]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = run_script(SCRIPT, "--tiny", "--cases", "t2va_turbo", "--out", tmp_path / "r.json")
     assert run.returncode != 0 and "unknown case(s) ['t2va_turbo']" in run.stderr
     assert not (tmp_path / "r.json").exists()
 
 
 def test_tiny_request_records_every_stage(tmp_path):
     out = tmp_path / "request_h200.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--cases", "t2va_native,t2va_fast", "--forwards", "1",
-         "--no-warmup", "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+    run = run_script(SCRIPT, "--tiny", "--cases", "t2va_native,t2va_fast", "--forwards", "1", "--no-warmup",
+                     "--out", out, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["suite"] == "request" and data["shape"]["tiny"] is True

@@ -1,9 +1,9 @@
 """benchmarks/vae.py runs every decode path on the CPU with tiny models (the full-size run is for a GPU)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests._scripts import run_script
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,17 +11,14 @@ SCRIPT = ROOT / "benchmarks" / "vae.py"
 
 
 def test_unknown_case_is_refused(tmp_path):
-    command = [sys.executable, str(SCRIPT), "--tiny", "--cases", "native,fp8", "--out", str(tmp_path / "v.json")]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = run_script(SCRIPT, "--tiny", "--cases", "native,fp8", "--out", tmp_path / "v.json")
     assert run.returncode != 0 and "--cases must include native" in run.stderr
     assert not (tmp_path / "v.json").exists()
 
 
 def test_tiny_run_records_every_case(tmp_path):
     out = tmp_path / "vae_h200.json"
-    command = [sys.executable, str(SCRIPT), "--tiny", "--reps", "1", "--dit-layers", "2", "--tiles-per-batch", "5",
-               "--out", str(out)]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = run_script(SCRIPT, "--tiny", "--reps", "1", "--dit-layers", "2", "--tiles-per-batch", "5", "--out", out)
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["suite"] == "vae" and data["shape"]["latents"] == [1, 4, 9, 6, 9]
@@ -42,8 +39,7 @@ def test_tiny_run_records_every_case(tmp_path):
 
 
 def test_fp8_case_must_come_last(tmp_path):
-    command = [sys.executable, str(SCRIPT), "--tiny", "--cases", "native,batched_tiles+compile+fp8,batched_tiles",
-               "--out", str(tmp_path / "v.json")]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = run_script(SCRIPT, "--tiny", "--cases", "native,batched_tiles+compile+fp8,batched_tiles",
+                     "--out", tmp_path / "v.json")  # fmt: skip
     assert run.returncode != 0 and "must come last" in run.stderr
 

@@ -371,6 +371,7 @@ def test_cli_flag_combinations_are_refused_before_loading(flags, expected, capsy
     assert not out.exists()
 
 
+@pytest.mark.triton_interpreter
 def test_int8_dense_attention_quantizes_q_k_to_int8_not_e4m3():
     from diffusers_h3.attention_processors import MiniMaxH3LowPrecisionAttnProcessor
     from diffusers_h3.kernels.attention import fp8_attention

@@ -75,7 +75,8 @@ def _rank_entry(
         os.replace(path + ".partial", path)
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # `fn` may have ended the group itself
+            dist.destroy_process_group()
 
 
 def _first_failure(result_dir: str):

@@ -43,6 +43,7 @@ def test_equals_vsa_sparsity_zero_bitwise(model, precision):  # noqa: F811
     _reset(model)
 
 
+@pytest.mark.triton_interpreter
 def test_fp8_core_is_projection_fp8_attention_output(model):  # noqa: F811
     attn = model.transformer_blocks[0].attn
     gen = torch.Generator().manual_seed(5)

@@ -66,6 +66,7 @@ def test_pv_precision_fp8_quantizes_v():
     assert rel_l2(pv8, oracle) < 0.15
 
 
+@pytest.mark.triton_interpreter
 def test_fp4_p_changes_the_p_emulation():
     q, k, v = _qkv(seed=2, offset=0.0)
     outs = {p: MiniMaxH3LowPrecisionAttnProcessor("fp4", fp4_p=p).core(q, k, v) for p in ("two_level", "single_level", None)}

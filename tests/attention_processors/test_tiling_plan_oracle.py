@@ -140,7 +140,7 @@ def test_topk_for_sparsity_hand_values(sparsity, n_video, topk):
 
 
 @pytest.mark.parametrize("grid, tile, per_axis, edges", CASES[:4])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_interpreter)])
 def test_selection_keeps_prefix_plus_topk_highest_video_tiles(grid, tile, per_axis, edges, backend):
     """Given the plan's tile counts, every video query tile keeps all prefix tiles and exactly its top-k video key
     tiles (by score; distinct scores so there are no ties); prefix query tiles keep everything."""

@@ -156,7 +156,7 @@ def _brute_force_vsa(q, k, v, layout, tile, sparsity):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton_interpreter)])
 def test_vsa_core_matches_brute_force(backend):
     layout = _layout()
     plan = build_tile_plan(layout, tile=(2, 2, 4), device=DEVICE)
@@ -358,6 +358,7 @@ def test_enable_vsa_takes_a_config(model):
     _reset(model)
 
 
+@pytest.mark.triton_interpreter
 def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
     """describe_path says what the router ran; with a (faked) Hopper GPU, inputs it cannot take still say Triton."""
     from diffusers_h3 import describe

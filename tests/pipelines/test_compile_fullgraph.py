@@ -60,6 +60,7 @@ PRESET_OPS = {
 }
 
 
+@pytest.mark.triton_interpreter  # the kernels' custom ops, as CUDA runs them
 @pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])
 def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
     import torch._dynamo
@@ -112,6 +113,7 @@ def test_presets_pass_fullgraph_to_compile_repeated_blocks():
         ("fp4", "diffusers_h3.block_sparse_attention.default"),
     ],
 )
+@pytest.mark.triton_interpreter
 def test_other_processors_compile_fullgraph(make, op, flashinfer_stand_in):
     """The FlashInfer processor (through the CPU stand-in of the library) and the emulated FP4 attention (P emulated
     in the Triton kernel) also trace as one graph per block."""

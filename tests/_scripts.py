@@ -36,14 +36,9 @@ def _rank_run_script(script, argv, cwd):
     return code, out.getvalue(), err.getvalue()
 
 
-def run_script(script, *args, ranks=1, cwd=ROOT, timeout=300, env=None):
+def run_script(script, *args, ranks=1, cwd=ROOT, timeout=300):
     """`subprocess.CompletedProcess` of `script args` on `ranks` processes (rank 0's output; a failing rank's exit
-    status wins). `env`: variables set for the run, on top of this process's environment."""
-    with contextlib.ExitStack() as stack:
-        for name, value in (env or {}).items():
-            previous = os.environ.get(name)
-            os.environ[name] = value
-            stack.callback(lambda n=name, p=previous: os.environ.__setitem__(n, p) if p is not None else os.environ.pop(n))
-        results = launch(_rank_run_script, ranks, args=(str(script), [str(a) for a in args], str(cwd)), timeout_s=timeout)
+    status wins), in this process's environment."""
+    results = launch(_rank_run_script, ranks, args=(str(script), [str(a) for a in args], str(cwd)), timeout_s=timeout)
     code = next((c for c, _, _ in results if c), 0)
     return subprocess.CompletedProcess([str(script), *map(str, args)], code, results[0][1], results[0][2])

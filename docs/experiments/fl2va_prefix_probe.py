@@ -26,6 +26,7 @@ from diffusers_h3 import use_packed_layout
 from diffusers_h3.attention_processors import enable_vsa, tiling
 from diffusers_h3.kernels.attention.vsa_select import topk_for_sparsity
 
+
 RULES = {"dense_prefix": (0.8, False), "dense_prefix_sp0.9": (0.9, False), "sparse_keyframes": (0.8, True),
          "sparse_keyframes_sp0.9": (0.9, True)}  # fmt: skip
 PRODUCT_PLAN = tiling.build_tile_plan

@@ -228,6 +228,7 @@ def set_up(
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
     from diffusers_h3.pipelines.speed_presets import (
+        attention_dtype,
         compile_blocks,
         enable_speed_preset_on_transformer,
         exact_attention_backend,
@@ -236,7 +237,7 @@ def set_up(
     preset = PRESET_OF[case]
     if preset is None:
         model.set_attn_processor(MiniMaxH3AttnProcessor())
-        backend = exact_attention_backend(device)  # "_native_cudnn" on CUDA SM80+; None keeps the default (CPU)
+        backend = exact_attention_backend(device, attention_dtype(model))  # cuDNN for bf16 on SM80+; None: default
         if backend is not None:
             model.set_attention_backend(backend)
         return {"preset": None, "attention": f"diffusers MiniMaxH3AttnProcessor, backend {backend or 'default'}",

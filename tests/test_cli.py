@@ -169,13 +169,14 @@ def test_cli_flashinfer_choice_reaches_the_preset(speed, choice, expected, monke
     for module in (speed_presets, flashinfer_processors):  # the CPU poses as a Hopper GPU
         monkeypatch.setattr(module, "cuda_capability", lambda device=None: (9, 0))
     pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    pipe.transformer.to(torch.bfloat16)  # FlashInfer runs bf16 / fp16 models only
     args = argparse.Namespace(lora=None, v100=False, vsa=None, attention_precision=None, cache=None, speed=speed,
                               flashinfer=choice, compile=False)  # fmt: skip
     cli._apply_fast_paths(pipe, args)
     attention = pipe._h3_speed_preset.describe()["attention"]["transformer"]
     assert expected in attention
     # exact: FlashInfer unless off; fast: FA3 FP8 only when on (automatic names it as the faster, less exact option).
-    assert attention.startswith("dense bf16, FlashInfer") == (speed == "exact" and choice != "off")
+    assert attention.startswith("dense bfloat16, FlashInfer") == (speed == "exact" and choice != "off")
     assert ("FP8 (single_prefill)" in attention) == (speed == "fast" and choice == "on")
 
 

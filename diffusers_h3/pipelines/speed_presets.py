@@ -133,14 +133,27 @@ def gemm_format(device: torch.device) -> str:
     return "fp8" if device.type == "cuda" and has_fp8_tensor_cores(device) else "w8a16"
 
 
-def exact_attention_backend(device: torch.device) -> Optional[str]:
-    """diffusers' attention backend for exact dense attention on ``device``: cuDNN's fused attention on CUDA SM80+
-    (the fastest exact kernel diffusers dispatches to on Hopper), ``None`` (keep the active backend) elsewhere."""
+# The dtypes the fused attention kernels (cuDNN, FlashInfer) run; a float32 model keeps SDPA's own choice.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def exact_attention_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """diffusers' attention backend for exact dense attention of a ``dtype`` model on ``device``: cuDNN's fused
+    attention on CUDA SM80+ for bf16 / fp16 (the fastest exact kernel diffusers dispatches to on Hopper; it has no
+    float32 kernel), ``None`` (keep the active backend) elsewhere."""
     device = torch.device(device)
     cap = cuda_capability(device) if device.type == "cuda" else None
-    if cap is not None and tuple(cap) >= (8, 0) and torch.backends.cudnn.is_available():
+    if dtype in HALF_DTYPES and cap is not None and tuple(cap) >= (8, 0) and torch.backends.cudnn.is_available():
         return "_native_cudnn"
     return None
+
+
+def attention_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model``'s attention runs in: its transformer blocks' (diffusers keeps a few other modules in
+    float32 whatever the model's dtype)."""
+    blocks = getattr(model, "transformer_blocks", None)
+    source = blocks if blocks is not None and len(blocks) else model
+    return next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
 
 
 def set_attention_backend_on_model(model: torch.nn.Module, backend: str) -> None:
@@ -159,7 +172,9 @@ def set_attention_backend_on_model(model: torch.nn.Module, backend: str) -> None
         _AttentionBackendRegistry.set_active_backend(previous)
 
 
-def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: str) -> str:
+def plan_flashinfer(
+    flashinfer: Optional[bool], device: torch.device, preset: str, dtype: torch.dtype = torch.bfloat16
+) -> str:
     """Whether ``preset`` runs a FlashInfer kernel on ``device``: ``"on"``, ``"off"``, ``"available"`` (``"fast"``:
     it could, when asked), or why the automatic choice could not take it (``"not installed"``, ``"no compiler"``);
     checked before anything changes.
@@ -167,7 +182,8 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
     ``"exact"``: ``flashinfer=None`` (the default) takes FA3 bf16 on a Hopper GPU (SM90, where it is faster than cuDNN
     at no cost in exactness, docs/speed.md) when flashinfer-python is importable. ``"fast"``: FA3's FP8 kernel only when
     asked (``flashinfer=True``, Hopper): it is faster than the INT8 attention but less exact (docs/speed.md), so automatic
-    keeps INT8. ``True``: required (one clear error when the package or the GPU cannot run it). ``False``: never.
+    keeps INT8. ``True``: required (one clear error when the package, the GPU or a float32 model cannot run it).
+    ``False``: never. ``dtype``: the transformer's attention dtype (FlashInfer has no float32 kernel).
     ``"fastest"`` runs video sparse attention, which no FlashInfer kernel runs, and refuses ``flashinfer=True``."""
     if flashinfer is not None and not isinstance(flashinfer, bool):
         raise TypeError(f"flashinfer must be None (automatic), True or False, got {flashinfer!r}")
@@ -180,6 +196,13 @@ def plan_flashinfer(flashinfer: Optional[bool], device: torch.device, preset: st
             )
         return "off"
     if flashinfer is False:
+        return "off"
+    if dtype not in HALF_DTYPES:
+        if flashinfer:
+            raise ValueError(
+                f"flashinfer=True: FlashInfer's attention kernels run bf16 / fp16 models, this transformer is {dtype}: "
+                "load it with torch_dtype=torch.bfloat16, or drop flashinfer=True"
+            )
         return "off"
     device = torch.device(device)
     capability = cuda_capability(device)
@@ -396,15 +419,17 @@ def _apply_to_transformer(
 
     if preset == "exact":
         disable_low_precision_attention(model)  # diffusers' default processor on every block
-        backend = exact_attention_backend(device)
+        dtype = attention_dtype(model)
+        dense = f"dense {str(dtype).replace('torch.', '')}"
+        backend = exact_attention_backend(device, dtype)
         if backend is not None:  # the token refiner keeps diffusers' processor, on this backend
             set_attention_backend_on_model(model, backend)
-            record.attention[name] = f"dense bf16, diffusers backend {backend!r}"
+            record.attention[name] = f"{dense}, diffusers backend {backend!r}"
         else:
-            record.attention[name] = "dense bf16, diffusers' active backend (SDPA)"
+            record.attention[name] = f"{dense}, diffusers' active backend (SDPA)"
         if flashinfer == "on":
             resolved = flashinfer_attention_state(enable_flashinfer_attention(model))["backend"]
-            record.attention[name] = f"dense bf16, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
+            record.attention[name] = f"{dense}, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
         elif flashinfer == "not installed":
             record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"
         elif flashinfer == "no compiler":
@@ -493,7 +518,8 @@ def enable_speed_preset(
     plans = {}
     for name, model in models:
         device = pipe._device_of(model)
-        plans[name] = (device, *_plan_weights(name, model, preset, device), plan_flashinfer(flashinfer, device, preset))
+        plans[name] = (device, *_plan_weights(name, model, preset, device),
+                       plan_flashinfer(flashinfer, device, preset, attention_dtype(model)))  # fmt: skip
     text_encoder = getattr(pipe, "text_encoder", None)
     text_encoder_config, text_encoder_weights = _plan_text_encoder(text_encoder, preset, quantize_text_encoder)
     vae = getattr(pipe, "vae", None)
@@ -554,7 +580,7 @@ def enable_speed_preset_on_transformer(
         weight = next(transformer.buffers(), None)
     device = weight.device if weight is not None else torch.device("cpu")
     config, weights = _plan_weights(name, transformer, preset, device)
-    uses_flashinfer = plan_flashinfer(flashinfer, device, preset)
+    uses_flashinfer = plan_flashinfer(flashinfer, device, preset, attention_dtype(transformer))
     record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [uses_flashinfer]),
                                decode="not applied (transformer only)")
     _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile,

@@ -56,7 +56,7 @@ def test_exact_is_bitwise_the_native_output(native_frames):
     assert not _quantized(pipe)
     report = diffusers_h3.describe(pipe)["speed_preset"]
     assert report == record.describe() and report["preset"] == "exact"
-    assert "not quantized" in report["weights"]["transformer"] and "dense bf16" in report["attention"]["transformer"]
+    assert "not quantized" in report["weights"]["transformer"] and "dense float32" in report["attention"]["transformer"]
     assert report["compile"]["transformer"] == "off (compile=False)"
     assert torch.equal(_run(pipe), native_frames)
 
@@ -282,6 +282,7 @@ def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_st
 
     _hopper(monkeypatch)
     pipe = _pipe()
+    pipe.transformer.to(torch.bfloat16)  # FlashInfer runs bf16 / fp16 models only
     pipe.enable_speed_preset("exact", compile=False, flashinfer=False)
     assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
     pipe.enable_speed_preset("exact", compile=False)
@@ -313,7 +314,7 @@ def test_exact_sets_the_backend_on_its_processors_only(monkeypatch):
 
     from diffusers_h3.pipelines import speed_presets
 
-    monkeypatch.setattr(speed_presets, "exact_attention_backend", lambda device: "_native_cudnn")
+    monkeypatch.setattr(speed_presets, "exact_attention_backend", lambda device, dtype: "_native_cudnn")
     before = _AttentionBackendRegistry.get_active_backend()[0]
     model = _tiny_bf16_transformer()
     record = speed_presets.enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=False)

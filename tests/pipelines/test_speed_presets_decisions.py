@@ -6,7 +6,12 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer, plan_flashinfer
+from diffusers_h3.pipelines.speed_presets import (
+    attention_dtype,
+    enable_speed_preset_on_transformer,
+    exact_attention_backend,
+    plan_flashinfer,
+)
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 6), (8, 9), (10, 0), (10, 3), (12, 0)])
@@ -17,6 +22,41 @@ def test_automatic_flashinfer_is_hopper_only(monkeypatch, flashinfer_stand_in, c
     assert plan_flashinfer(None, torch.device("cuda:0"), "exact") == ("on" if hopper else "off")
     assert plan_flashinfer(None, torch.device("cuda:0"), "fast") == ("available" if hopper else "off")
     assert plan_flashinfer(False, torch.device("cuda:0"), "exact") == "off"
+
+
+def _fake_hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, "_native_cudnn"), (torch.float16, "_native_cudnn"),
+                                             (torch.float32, None)])  # fmt: skip
+def test_exact_takes_cudnn_only_for_half_precision_models(monkeypatch, dtype, expected):
+    # cuDNN's fused attention has no float32 kernel: a float32 model on it ends its first forward in "No available
+    # kernel" (the demo checkpoint on a GPU with --speed exact did).
+    _fake_hopper(monkeypatch)
+    assert exact_attention_backend(torch.device("cuda:0"), dtype) == expected
+
+
+def test_flashinfer_is_never_chosen_for_a_float32_model(monkeypatch, flashinfer_stand_in):
+    _fake_hopper(monkeypatch)
+    cuda = torch.device("cuda:0")
+    assert plan_flashinfer(None, cuda, "exact", torch.bfloat16) == "on"
+    assert plan_flashinfer(None, cuda, "exact", torch.float32) == "off"
+    assert plan_flashinfer(None, cuda, "fast", torch.float32) == "off"
+    with pytest.raises(ValueError, match=r"run bf16 / fp16 models, this transformer is torch.float32: load it with "):
+        plan_flashinfer(True, cuda, "exact", torch.float32)
+
+
+def test_the_attention_dtype_is_the_blocks_and_the_exact_record_names_it():
+    model = _tiny_transformer().to(torch.bfloat16)
+    model.proj_in.float()  # diffusers keeps a few modules in float32 in a bf16 model
+    assert next(model.parameters()).dtype == torch.float32 and attention_dtype(model) == torch.bfloat16
+    record = enable_speed_preset_on_transformer(_tiny_transformer(), "exact", compile=False, flashinfer=False)
+    assert record.attention["transformer"].startswith("dense float32, ")
+    record = enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=False)
+    assert record.attention["transformer"].startswith("dense bfloat16, ")
 
 
 def _tiny_transformer():

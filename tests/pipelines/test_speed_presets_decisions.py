@@ -14,20 +14,19 @@ from diffusers_h3.pipelines.speed_presets import (
 )
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 6), (8, 9), (10, 0), (10, 3), (12, 0)])
-def test_automatic_flashinfer_is_hopper_only(monkeypatch, flashinfer_stand_in, capability):
+def _fake_gpu(monkeypatch, capability=(9, 0)):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 6), (8, 9), (10, 0), (10, 3), (12, 0)])
+def test_automatic_flashinfer_is_hopper_only(monkeypatch, flashinfer_stand_in, capability):
+    _fake_gpu(monkeypatch, capability)
     hopper = capability[0] == 9
     assert plan_flashinfer(None, torch.device("cuda:0"), "exact") == ("on" if hopper else "off")
     assert plan_flashinfer(None, torch.device("cuda:0"), "fast") == ("available" if hopper else "off")
     assert plan_flashinfer(False, torch.device("cuda:0"), "exact") == "off"
-
-
-def _fake_hopper(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
 
 
 @pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, "_native_cudnn"), (torch.float16, "_native_cudnn"),
@@ -35,12 +34,12 @@ def _fake_hopper(monkeypatch):
 def test_exact_takes_cudnn_only_for_half_precision_models(monkeypatch, dtype, expected):
     # cuDNN's fused attention has no float32 kernel: a float32 model on it ends its first forward in "No available
     # kernel" (the demo checkpoint on a GPU with --speed exact did).
-    _fake_hopper(monkeypatch)
+    _fake_gpu(monkeypatch)
     assert exact_attention_backend(torch.device("cuda:0"), dtype) == expected
 
 
 def test_flashinfer_is_never_chosen_for_a_float32_model(monkeypatch, flashinfer_stand_in):
-    _fake_hopper(monkeypatch)
+    _fake_gpu(monkeypatch)
     cuda = torch.device("cuda:0")
     assert plan_flashinfer(None, cuda, "exact", torch.bfloat16) == "on"
     assert plan_flashinfer(None, cuda, "exact", torch.float32) == "off"

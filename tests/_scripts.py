@@ -1,7 +1,7 @@
 """Run a benchmark script's command line in processes forked from the tests' forkserver (see tests/parallel/_ranks.py).
 
-A subprocess per run imports torch and diffusers again (about 8 s each, 2 or 3 processes under torchrun); a forked
-process starts from the server's imports. The script runs as `__main__` with its arguments, in its own process, as
+A subprocess per run imports torch and diffusers again (2 or 3 processes under torchrun; what this costs is in
+docs/testing.md); a forked process starts from the server's imports. The script runs as `__main__` with its arguments, in its own process, as
 `python SCRIPT ...` or `torchrun --nproc-per-node N SCRIPT ...` would run it (ranks: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR / MASTER_PORT set; the gloo process group already made); stdout, stderr and the exit status come back.
 """

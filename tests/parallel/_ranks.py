@@ -1,7 +1,7 @@
 """How the CPU tests start gloo ranks: forked from one server process per test worker that imported the package once.
 
-A spawned rank imports torch and diffusers again (about 8 s on the CI machine, and a test starts 2 or 4 ranks); a
-rank forked from the server starts in well under a second. The product (`--gpus N`) keeps spawning its ranks.
+A spawned rank imports torch and diffusers again, and a test starts 2 or 4 ranks (the cost is in docs/testing.md); a
+rank forked from the server starts from its imports. The product (`--gpus N`) keeps spawning its ranks.
 """
 
 import os

@@ -65,7 +65,9 @@ from request import (
     StageTimer,
     build_pipeline,
     num_frames,
+    peak_over_stages,
     request_kwargs,
+    rounded_stage_peaks,
     stop_after,
 )
 
@@ -279,10 +281,18 @@ def timed_request(pipe, device, tiny):
         non_torch = (total - free) - torch.cuda.memory_reserved(device)
     with StageTimer(pipe, device) as timer:
         start = time.perf_counter()
-        one_request(pipe, tiny)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        try:
+            one_request(pipe, tiny)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as error:
+            timer.mark("at_failure")  # what ran since the last stage boundary (the DiT forward, typically)
+            error.stage_peaks = dict(timer.peaks)  # read by the case's failure record
+            raise
         ms = (time.perf_counter() - start) * 1000
+        timer.mark("other")  # the tail after the last stage (numpy conversion)
+    # the timer resets the allocator's peak at every stage: the request's peak is the largest stage peak
+    peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
     if len(timer.forwards) != 1:
         raise RuntimeError(f"expected exactly one DiT forward, ran {len(timer.forwards)}")
     stages = {"text_encode": timer.stages.get("text_encode", 0.0), "forwards": sum(timer.forwards)}
@@ -302,8 +312,9 @@ def timed_request(pipe, device, tiny):
     if device.type == "cuda":
         record.update(
             resident_gib=_gib(resident),
-            peak_allocated_gib=_gib(torch.cuda.max_memory_allocated(device)),
-            peak_reserved_gib=_gib(torch.cuda.max_memory_reserved(device)),
+            peak_allocated_gib=round(peak_allocated, 2),
+            peak_reserved_gib=round(peak_reserved, 2),
+            stage_peak_gib=rounded_stage_peaks(timer.peaks),
             non_torch_gib=_gib(non_torch),
             resident_by_component_gib=resident_by_component,
             resident_by_component_after_gib=device_bytes_by_component(pipe, device),
@@ -889,8 +900,7 @@ def main():
             except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
                 results[case] = failed_record(recipe, caps[case], device)
                 if device.type == "cuda":  # how far it got (an allocation refused by the cap, typically)
-                    results[case]["peak_allocated_before_failure_gib"] = _gib(torch.cuda.max_memory_allocated(device))
-                    results[case]["peak_reserved_before_failure_gib"] = _gib(torch.cuda.max_memory_reserved(device))
+                    results[case].update(failure_peaks(error, device))
                 notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
                 print(f"{case:14s} {notes[case]}", flush=True)
                 traceback.print_exc()
@@ -923,6 +933,18 @@ def main():
     write_report(args, header, previous, results, notes, layers, device)
 
 
+def failure_peaks(error, device):
+    """How far a failed case got on the GPU: the largest stage peak of its timed request (``timed_request`` puts
+    them on the error), else the allocator's peak since the last reset (the warm-up's)."""
+    stage_peaks = getattr(error, "stage_peaks", None)
+    if stage_peaks:
+        allocated, reserved = peak_over_stages(stage_peaks)
+        return {"peak_allocated_before_failure_gib": round(allocated, 2),
+                "peak_reserved_before_failure_gib": round(reserved, 2), "stage_peak_gib": rounded_stage_peaks(stage_peaks)}
+    return {"peak_allocated_before_failure_gib": _gib(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_before_failure_gib": _gib(torch.cuda.max_memory_reserved(device))}  # fmt: skip
+
+
 def failed_record(recipe, cap_gib, device):
     return {"recipe_name": recipe, "recipe": RECIPE_LINES[recipe], "cap_gib": cap_gib if device.type == "cuda" else None, "ms": None,
             "stages": None, "forward_ms": None, "peak_allocated_gib": None, "peak_reserved_gib": None}  # fmt: skip
@@ -950,7 +972,7 @@ def write_report(args, header, previous, results, notes, layers, device):
                     "request, 1 timed request: request.py's t2va request (50 sigma points) interrupted after its "
                     "first forward (stop_after(1)), output_type='np' so the video and audio decode run (no MP4 mux); "
                     "CUDA-synchronized wall times per stage (forwards include the offload transfers they wait for); "
-                    "peak allocated / reserved over the timed request",
+                    "peak allocated / reserved over the timed request: the largest of its stages' peaks (stage_peak_gib)",
         "weights_note": "random weights built on the device in bf16 and quantized in place with the configs the "
                         "recipe passes to from_pretrained (quantize(module, config)), one model at a time so that no "
                         "two bf16 models coexist. Offload cases: W8A16 DiT and text encoder (not bf16: bf16 DiT + "

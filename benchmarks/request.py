@@ -201,6 +201,19 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     )  # fmt: skip
 
 
+def peak_over_stages(peaks):
+    """``(allocated, reserved)`` GiB: the largest of ``StageTimer.peaks`` (``(None, None)`` when empty, off CUDA).
+    Each mark resets the allocator's peak, so the allocator itself knows only the interval since the last mark."""
+    if not peaks:
+        return None, None
+    return max(v[0] for v in peaks.values()), max(v[1] for v in peaks.values())
+
+
+def rounded_stage_peaks(peaks):
+    """``StageTimer.peaks`` for the JSON: stage -> ``[allocated, reserved]`` GiB."""
+    return {k: [round(v[0], 2), round(v[1], 2)] for k, v in peaks.items()}
+
+
 class StageTimer:
     """CUDA-synchronized wall times of the pipeline's stages, by wrapping its stage methods and hooking the DiT, and
     the peak GPU memory (allocated and reserved) of each stage: the allocator's peak is read and reset at every stage
@@ -235,9 +248,11 @@ class StageTimer:
             self._sync()
             self.mark("other")
             start = time.perf_counter()
-            out = original(*args, **kwargs)
-            self._sync()
-            self.mark(stage)
+            try:
+                out = original(*args, **kwargs)
+                self._sync()
+            finally:  # a stage that fails (out of memory) still owns its peak
+                self.mark(stage)
             self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - start) * 1000
             if stage == "text_encode":
                 self.prompt_embeds = out[0].detach().float().cpu()
@@ -385,7 +400,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
     embeds_rel = None
     if reference_embeds is not None and timer.prompt_embeds is not None:
         embeds_rel = float((timer.prompt_embeds - reference_embeds).norm() / reference_embeds.norm())
-    peaks = timer.peaks
+    peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
     return {
         "ms": round(measured_ms + missing * forward_ms, 1),
         "stages": {k: round(v, 1) for k, v in stages.items()},
@@ -396,9 +411,9 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
         "extrapolated": missing > 0,
         "sigma_points": sigma_points,
         "resident_gib": round(resident, 2) if resident is not None else None,
-        "peak_gib": round(max(v[0] for v in peaks.values()), 2) if peaks else None,
-        "peak_reserved_gib": round(max(v[1] for v in peaks.values()), 2) if peaks else None,
-        "stage_peak_gib": {k: [round(v[0], 2), round(v[1], 2)] for k, v in peaks.items()},
+        "peak_gib": round(peak_allocated, 2) if peak_allocated is not None else None,
+        "peak_reserved_gib": round(peak_reserved, 2) if peak_reserved is not None else None,
+        "stage_peak_gib": rounded_stage_peaks(timer.peaks),
         "prompt_embeds_rel_l2": embeds_rel,
         "prompt_embeds": timer.prompt_embeds,  # popped by main: the reference of the next cases
         "export": export,

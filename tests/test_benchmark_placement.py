@@ -76,3 +76,110 @@ def test_tiny_resident_recipe_quantizes_like_the_recipe_and_merges(tmp_path):
     # the configs of single_gpu_resident_kwargs(): FP8 DiT (emulated on the CPU) and W8A16 text encoder
     assert "FP8Config" in case["weights"]["transformer"] and "emulation" in case["weights"]["transformer"]
     assert "W8A16Config" in case["weights"]["text_encoder"]
+
+
+class _FakeAllocator:
+    """The CUDA allocator's peak statistics, played on a CPU: ``use(gib)`` raises the peak until the next reset."""
+
+    def __init__(self):
+        self.allocated = self.reserved = 0.0
+
+    def use(self, gib):
+        self.allocated, self.reserved = max(self.allocated, gib), max(self.reserved, gib + 1.0)
+
+    def install(self, monkeypatch, module):
+        gib = 2**30
+        cuda = module.torch.cuda
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.allocated * gib)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: self.reserved * gib)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: self.__init__())
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: 0)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 0)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (80 * gib, 80 * gib))
+        monkeypatch.setattr(module, "host_memory", lambda: {"host_peak_rss_gib": 1.0})
+
+
+def _placement_module(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("benchmarks_placement", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _StagedPipe:
+    """A pipeline whose stages use the memory given (GiB), in the order the real request runs them."""
+
+    def __init__(self, allocator, text_encode, forward, video_decode, audio_decode, fail_in=None):
+        import torch
+
+        self.allocator, self.fail_in = allocator, fail_in
+        self.use = {"text_encode": text_encode, "video_decode": video_decode, "audio_decode": audio_decode}
+        self.transformer = torch.nn.Identity()
+        self.transformer.register_forward_pre_hook(lambda module, args: allocator.use(forward))
+        self.components = {"transformer": self.transformer}
+
+    def _stage(self, name):
+        self.allocator.use(self.use[name])
+        if name == self.fail_in:
+            raise MemoryError(f"out of memory in {name}")
+
+    def encode_prompt(self, *args, **kwargs):
+        import torch
+
+        self._stage("text_encode")
+        return torch.zeros(1, 2, 4), None  # prompt embeddings and mask, as the pipeline's
+
+    def _decode_video(self, *args, **kwargs):
+        self._stage("video_decode")
+
+    def _decode_audio(self, *args, **kwargs):
+        self._stage("audio_decode")
+
+    def _encode_visual_condition(self, *args, **kwargs):
+        pass
+
+    def __call__(self):
+        import torch
+
+        self.encode_prompt()
+        self.transformer(torch.zeros(1))
+        self._decode_video()
+        self._decode_audio()
+
+
+@pytest.mark.parametrize("stage_uses", [(13.7, 9.0, 5.0, 1.5), (2.0, 9.6, 4.0, 1.5), (2.0, 3.0, 7.4, 0.5)])
+def test_the_case_peak_is_the_largest_stage_peak(stage_uses, monkeypatch):
+    """StageTimer resets the allocator's peak at every stage: the record's peak must still be the whole request's
+    (a stage early in the request, e.g. the text encode, must not be lost to the last stage's smaller peak)."""
+    module = _placement_module(monkeypatch)
+    allocator = _FakeAllocator()
+    allocator.install(monkeypatch, module)
+    pipe = _StagedPipe(allocator, *stage_uses)
+    monkeypatch.setattr(module, "one_request", lambda pipe, tiny: pipe())
+    import torch
+
+    record = module.timed_request(pipe, torch.device("cuda"), tiny=True)
+    stage_peaks = record["stage_peak_gib"]
+    assert {"text_encode", "forwards", "video_decode", "audio_decode"} <= set(stage_peaks)
+    for stage, (allocated, reserved) in stage_peaks.items():
+        assert record["peak_allocated_gib"] >= allocated and record["peak_reserved_gib"] >= reserved, stage
+    assert record["peak_allocated_gib"] == max(stage_uses) and record["peak_reserved_gib"] == max(stage_uses) + 1.0
+
+
+def test_a_failing_case_records_the_peak_of_the_stage_that_failed(monkeypatch):
+    module = _placement_module(monkeypatch)
+    allocator = _FakeAllocator()
+    allocator.install(monkeypatch, module)
+    pipe = _StagedPipe(allocator, 2.0, 7.0, 7.4, 0.5, fail_in="video_decode")
+    monkeypatch.setattr(module, "one_request", lambda pipe, tiny: pipe())
+    import torch
+
+    with pytest.raises(MemoryError) as error:
+        module.timed_request(pipe, torch.device("cuda"), tiny=True)
+    allocator.__init__()  # the allocator's own peak no longer knows the request
+    peaks = module.failure_peaks(error.value, torch.device("cuda"))
+    assert peaks["peak_allocated_before_failure_gib"] == 7.4 and peaks["stage_peak_gib"]["video_decode"] == [7.4, 8.4]

@@ -27,6 +27,23 @@ from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET, chec
 logger = logging.get_logger(__name__)
 
 
+# Why a generated clip holds NaN or inf, for the one error that refuses to export it (a codec would fail on it later,
+# or write noise).
+NON_FINITE_CAUSES = (
+    "the generation diverged; likely causes: a non-finite or very large LoRA scale or LoRA weights, fp16 overflow (run "
+    "in bf16 or float32, or with pipe.enable_v100_mode() on a V100), or a step callback that returned non-finite "
+    "tensors"
+)
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """Refuse `values` (a clip's latents, frames or audio) if any is NaN or inf: one `ValueError` naming the likely
+    cause, before anything is written."""
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise ValueError(f"{what} hold {bad} NaN/inf values of {values.numel()}: {NON_FINITE_CAUSES}; nothing was written.")
+
+
 def _frames_to_uint8(frames) -> np.ndarray:
     """Accept pipeline output (`np`, `pt`, `pil`, with or without the batch axis) → uint8 `(F, H, W, 3)`."""
     if isinstance(frames, list) and frames and isinstance(frames[0], list):
@@ -58,7 +75,9 @@ def _frames_to_uint8(frames) -> np.ndarray:
         # torch for the passes over the whole clip: numpy's math in the array's own float dtype, on all cores.
         values = torch.from_numpy(np.ascontiguousarray(array))
         values = values if values.is_floating_point() else values.double()
-        low, high = values.aminmax()
+        low, high = values.aminmax()  # NaN propagates into both
+        if not bool(torch.isfinite(low) & torch.isfinite(high)):
+            check_finite(values, "the frames")
         if low < 0 or high > 1:
             raise ValueError("float frames must lie in [0, 1] (the pipeline's `np`/`pt` output).")
         array = values.mul(255.0).round_().to(torch.uint8).numpy()
@@ -75,6 +94,7 @@ def _audio_to_tensor(audio) -> torch.Tensor:
         tensor = tensor[0]
     if tensor.ndim != 2 or tensor.shape[0] != 2:
         raise ValueError(f"audio must be stereo (2, samples) or (1, 2, samples), got {tuple(tensor.shape)}.")
+    check_finite(tensor, "the audio")
     return tensor
 
 

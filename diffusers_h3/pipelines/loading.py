@@ -34,7 +34,7 @@ from ..tasks import PARTITIONS, partitions_for_task
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
 PIPELINE_CONFIG_KEYS = (
     "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "min_duration_s",
-    "max_duration_s",
+    "max_duration_s", "max_prompt_tokens",
 )  # fmt: skip
 
 

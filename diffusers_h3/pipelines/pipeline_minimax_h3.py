@@ -72,6 +72,7 @@ from .request import (
     DEFAULT_MIN_DURATION_S,
     H3Clip,
     H3Request,
+    DEFAULT_MAX_PROMPT_TOKENS,
     RequestConfig,
     align_frames,
     check_canvas,
@@ -80,6 +81,7 @@ from .request import (
     check_text_encoder_loaded,
     latent_geometry,
 )
+    check_prompt_tokens,
 
 
 logger = logging.get_logger(__name__)
@@ -88,6 +90,9 @@ KEYFRAME_ENCODE_SEED = 42
 KEYFRAME_NOISE_AUG = 0.999
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
+# A presentation of at least this many tokens shows a progress bar over the text encoder's decoder layers: a long prompt
+# or many vision tokens make the encode take long enough to look stalled.
+LONG_TEXT_ENCODE_TOKENS = 1024
 
 @dataclass
 class MiniMaxH3PipelineOutput(BaseOutput):
@@ -178,6 +183,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
+        max_prompt_tokens (`int`, defaults to 2048): The most tokens a prompt may have (also bounded by the text
+            encoder's `max_position_embeddings`); a longer one is refused before any model runs. The text rows join
+            the DiT's packed sequence, so this bounds what a prompt costs; override it with
+            `from_pretrained(..., max_prompt_tokens=N)`.
     # Without the text encoder (and its tokenizer / processor) the pipeline generates from `prompt_embeds`.
     _optional_components = ["transformer", "transformer_ref", "text_encoder", "tokenizer", "processor"]
     _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds"]
@@ -202,6 +211,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     ):
         super().__init__()
         self.register_modules(
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
             text_encoder=text_encoder,
             tokenizer=tokenizer,
             processor=processor,
@@ -222,6 +232,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         )
         self.vae_spatial_compression_ratio = vae.spatial_compression_ratio if vae is not None else 16
         self.image_processor = VaeImageProcessor(vae_scale_factor=16)
+            max_prompt_tokens=max_prompt_tokens,
         # The video VAE decodes ImageNet-normalized RGB which `__call__` reverts itself; no second denormalization.
         self.video_processor = VideoProcessor(vae_scale_factor=16, do_normalize=False)
         self._interrupt = False
@@ -439,7 +450,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         Numerically identical to reading `output_hidden_states=True` of the full model, but a forward hook on the
         decoder layer that produces that state stops the forward there: no later decoder layers and no LM head run.
-        Runs on the text encoder's device and returns the embeddings on `device` (default: the same).
+        Runs on the text encoder's device and returns the embeddings on `device` (default: the same). A presentation
+        of `LONG_TEXT_ENCODE_TOKENS` or more shows a progress bar over the decoder layers it runs.
         """
         text_encoder = self.text_encoder
         layer = int(self.config.text_encoder_layer)
@@ -473,7 +485,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             raise _StopAfterLayer
 
         token = _TEXT_ENCODER_CAPTURE.set(captured)
-        handle = self._language_layers()[layer - 1].register_forward_hook(stop_here)
+        layers = self._language_layers()
+        progress, handles = None, []
+        if len(token_ids) >= LONG_TEXT_ENCODE_TOKENS:
+            progress = self.progress_bar(total=layer)
+            progress.set_description(f"text encoder, {len(token_ids)} tokens")
+
+            def advance(module, args, output):
+                if _TEXT_ENCODER_CAPTURE.get() is captured:
+                    progress.update()
+
+            handles = [decoder_layer.register_forward_hook(advance) for decoder_layer in layers[:layer]]
+        handle = layers[layer - 1].register_forward_hook(stop_here)  # after `advance`: that one counts the last layer
         try:
             text_encoder.model(
                 input_ids=input_ids,
@@ -501,6 +524,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         height: Optional[int] = None,
         width: Optional[int] = None,
         num_frames: int = 124,
+            for progress_handle in handles:
+                progress_handle.remove()
+            if progress is not None:
+                progress.close()
         device: Optional[torch.device] = None,
         conditions: Optional[TaskConditions] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -552,6 +579,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     # Schedules
     # ------------------------------------------------------------------------------------------------------------
 
+            check_prompt_tokens(self.request_config(), prompt)
     def _set_schedules(self, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device):
         # Reset the shift every call so that one request's `flow_shift` never leaks into the next.
         self.scheduler.set_shift(flow_shift if flow_shift is not None else self.scheduler.config.shift)
@@ -975,7 +1003,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             The path written, or `None` on the context-parallel ranks that do not write.
         """
         from ..parallel.ranks import is_main_rank
-        from .export import VideoWriter, check_output_path, export_settings, export_to_video
+        from .export import VideoWriter, check_finite, check_output_path, export_settings, export_to_video
 
         settings = export_settings(self, crf=crf, preset=preset, pix_fmt=pix_fmt)
         path = check_output_path(path)
@@ -1025,6 +1053,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         }
         lora = self.lora_summary()
         if lora:
+        check_finite(latents, "the video latents")
+        check_finite(audio_latents, "the audio latents")
             report["lora"] = lora
         for name, model in self._partitions():
             mode = v100_mode_of(model)

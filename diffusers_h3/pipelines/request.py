@@ -13,6 +13,7 @@ reads it from a pipeline, `RequestConfig.from_folder(path, task)` from a checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -48,6 +49,10 @@ DEFAULT_MIN_DURATION_S, DEFAULT_MAX_DURATION_S = 5.0, 15.0
 # The default canvas rule (the released checkpoint's training canvas), the pipeline's config defaults.
 DEFAULT_CANVAS_SHORT_EDGE, DEFAULT_CANVAS_MAX_PIXELS = 768, 768 * 1344
 DEFAULT_NUM_INFERENCE_STEPS = 50
+# The most prompt tokens a request may encode (the pipeline config's `max_prompt_tokens`): the text rows join the DiT's
+# packed sequence and the text encoder's cost grows with them, so a runaway prompt (a pasted file) would run for hours.
+# Long descriptive prompts take a few hundred tokens; raise it with `from_pretrained(..., max_prompt_tokens=N)`.
+DEFAULT_MAX_PROMPT_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,11 @@ class RequestConfig:
         patch_size (`tuple[int, int, int]`): The transformer's patch size.
         canvas_short_edge (`int`), canvas_max_pixels (`int`): The pipeline's default canvas rule.
         min_duration_s (`float`), max_duration_s (`float`): The clip lengths the pipeline accepts, after alignment.
+        max_prompt_tokens (`int`): The most tokens a prompt may have: the pipeline's `max_prompt_tokens`, lowered to
+            the text encoder's `max_position_embeddings` where that is smaller.
+        count_prompt_tokens (`Callable[[str], int]`, *optional*): Counts a prompt's tokens (the pipeline's tokenizer,
+            as the prompt is presented); without it only prompts whose UTF-8 bytes fit are known to fit (the tokenizer
+            is byte-level: a token holds at least one byte) and longer ones are left to the caller.
         text_dims (`Mapping[str, int]`): The loaded DiT partitions and the prompt-embedding width each reads.
         missing_text_components (`tuple[str]`): Text-encoder components not loaded (then prompts cannot be encoded).
         callback_tensor_inputs (`tuple[str]`): What `callback_on_step_end` may read and replace.
@@ -77,6 +87,8 @@ class RequestConfig:
     text_dims: Mapping[str, int]
     missing_text_components: Tuple[str, ...] = ()
     callback_tensor_inputs: Tuple[str, ...] = CALLBACK_TENSOR_INPUTS
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    count_prompt_tokens: Optional[Callable[[str], int]] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "text_dims", types.MappingProxyType(dict(self.text_dims)))
@@ -98,10 +110,15 @@ class RequestConfig:
     def from_pipeline(cls, pipe) -> "RequestConfig":
         """The request config of a loaded `MiniMaxH3Pipeline` (its configs and which components it holds)."""
         config = pipe.config
+        # A pipeline loaded without its VAE (e.g. only to encode prompts) checks frames on the class defaults' geometry,
+        # the released model's, as it does the canvas.
+        geometry = _vae_geometry({}) if pipe.vae is None else (
+            pipe.vae_spatial_compression_ratio, pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk
+        )  # fmt: skip
         return cls(
-            vae_spatial_compression_ratio=pipe.vae_spatial_compression_ratio,
-            vae_frames_per_chunk=pipe.vae_frames_per_chunk,
-            vae_latents_per_chunk=pipe.vae_latents_per_chunk,
+            vae_spatial_compression_ratio=geometry[0],
+            vae_frames_per_chunk=geometry[1],
+            vae_latents_per_chunk=geometry[2],
             patch_size=tuple(pipe.patch_size),
             canvas_short_edge=int(config.canvas_short_edge),
             canvas_max_pixels=int(config.canvas_max_pixels),
@@ -110,6 +127,11 @@ class RequestConfig:
             text_dims={name: int(model.config.text_dim) for name, model in pipe._partitions()},
             missing_text_components=tuple(n for n in TEXT_ENCODER_COMPONENTS if getattr(pipe, n, None) is None),
             callback_tensor_inputs=tuple(pipe._callback_tensor_inputs),
+            max_prompt_tokens=prompt_token_limit(
+                config.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS),
+                None if pipe.text_encoder is None else pipe.text_encoder.config.to_dict(),
+            ),
+            count_prompt_tokens=None if pipe.tokenizer is None else functools.partial(count_tokens, pipe.tokenizer),
         )
 
     @classmethod
@@ -118,30 +140,33 @@ class RequestConfig:
         vae_config: Mapping[str, Any],
         partition_configs: Mapping[str, Mapping[str, Any]],
         pipeline_config: Optional[Mapping[str, Any]] = None,
+        text_encoder_config: Optional[Mapping[str, Any]] = None,
     ) -> "RequestConfig":
         """The request config of a checkpoint from its configs alone: the video VAE's `config.json`, the DiT
-        partitions' (`{"transformer": {...}}`; keys left out take the class defaults, the released model's) and the
-        pipeline's own (`model_index.json`: canvas rule, duration limits; defaults where absent). The VAE is built on
-        the meta device to read its derived geometry: no weights load. The text encoder counts as loaded."""
-        from accelerate import init_empty_weights
-        from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+        partitions' (`{"transformer": {...}}`; keys left out take the class defaults, the released model's), the
+        pipeline's own (`model_index.json`: canvas rule, duration limits, prompt bound; defaults where absent) and
+        the text encoder's (its `max_position_embeddings` bounds the prompt too). The VAE is built on the meta device
+        to read its derived geometry: no weights load. The text encoder counts as loaded."""
+        from diffusers import MiniMaxH3Transformer3DModel
 
-        with init_empty_weights():
-            vae = AutoencoderKLMiniMaxH3.from_config(dict(vae_config))
+        spatial, frames_per_chunk, latents_per_chunk = _vae_geometry(vae_config)
         defaults = _init_defaults(MiniMaxH3Transformer3DModel)
         partitions = {name: {**defaults, **dict(config)} for name, config in partition_configs.items()}
         first = next((partitions[name] for name in PARTITIONS if name in partitions), defaults)
         pipeline_config = dict(pipeline_config or {})
         return cls(
-            vae_spatial_compression_ratio=vae.spatial_compression_ratio,
-            vae_frames_per_chunk=vae.config.clip_length,
-            vae_latents_per_chunk=vae.tokens_chunk_size,
+            vae_spatial_compression_ratio=spatial,
+            vae_frames_per_chunk=frames_per_chunk,
+            vae_latents_per_chunk=latents_per_chunk,
             patch_size=tuple(first["patch_size"]),
             canvas_short_edge=int(pipeline_config.get("canvas_short_edge", DEFAULT_CANVAS_SHORT_EDGE)),
             canvas_max_pixels=int(pipeline_config.get("canvas_max_pixels", DEFAULT_CANVAS_MAX_PIXELS)),
             min_duration_s=float(pipeline_config.get("min_duration_s", DEFAULT_MIN_DURATION_S)),
             max_duration_s=float(pipeline_config.get("max_duration_s", DEFAULT_MAX_DURATION_S)),
             text_dims={name: int(config["text_dim"]) for name, config in partitions.items()},
+            max_prompt_tokens=prompt_token_limit(
+                pipeline_config.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS), text_encoder_config
+            ),
         )
 
     @classmethod
@@ -158,7 +183,19 @@ class RequestConfig:
         if partitions is None:
             partitions = [name for name in PARTITIONS if (folder / name).is_dir()]
         partition_configs = {name: _read_json(folder / name / "config.json") for name in partitions}
-        return cls.from_configs(_read_json(folder / "vae" / "config.json"), partition_configs, pipeline_config)
+        return cls.from_configs(_read_json(folder / "vae" / "config.json"), partition_configs, pipeline_config,
+                                _read_json(folder / "text_encoder" / "config.json"))  # fmt: skip
+
+
+def _vae_geometry(vae_config: Mapping[str, Any]) -> Tuple[int, int, int]:
+    """`(spatial compression, frames per chunk, latents per chunk)` of the video VAE `vae_config` describes (keys
+    left out take the class defaults), built on the meta device: no weights."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    with init_empty_weights():
+        vae = AutoencoderKLMiniMaxH3.from_config(dict(vae_config))
+    return vae.spatial_compression_ratio, vae.config.clip_length, vae.tokens_chunk_size
 
 
 def _read_json(path: Path) -> dict:
@@ -170,6 +207,39 @@ def _init_defaults(model_cls) -> dict:
 
     parameters = inspect.signature(model_cls.__init__).parameters.values()
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def prompt_token_limit(max_prompt_tokens, text_encoder_config: Optional[Mapping[str, Any]] = None) -> int:
+    """The pipeline's `max_prompt_tokens`, lowered to the text encoder's `max_position_embeddings` (from its config
+    dict, the text config of a Qwen3-VL one) where that is smaller."""
+    limit = int(max_prompt_tokens)
+    if limit < 1:
+        raise ValueError(f"`max_prompt_tokens` must be a positive int, got {max_prompt_tokens!r}.")
+    config = dict(text_encoder_config or {})
+    positions = (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
+    return min(limit, int(positions)) if positions else limit
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """The tokens of `text` as the tasks present a prompt (no special tokens, no chat template)."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_prompt_tokens(config: RequestConfig, prompt) -> None:
+    """Every prompt of `prompt` has at most `config.max_prompt_tokens` tokens (counted only when its UTF-8 bytes
+    exceed the bound; without `config.count_prompt_tokens` such a prompt is left to the caller)."""
+    limit = config.max_prompt_tokens
+    for i, text in enumerate(prompt if isinstance(prompt, (list, tuple)) else [prompt]):
+        if len(text.encode("utf-8", "surrogatepass")) <= limit or config.count_prompt_tokens is None:
+            continue
+        num_tokens = config.count_prompt_tokens(text)
+        if num_tokens > limit:
+            where = f"`prompt[{i}]`" if isinstance(prompt, (list, tuple)) else "`prompt`"
+            raise ValueError(
+                f"{where} has {num_tokens} tokens, more than this pipeline encodes ({limit}, its `max_prompt_tokens` "
+                f"or the text encoder's `max_position_embeddings`): shorten it, or load the pipeline with "
+                f"`max_prompt_tokens={num_tokens}` (a longer prompt costs text-encoder and attention time)."
+            )
 
 
 def check_prompt(prompt) -> None:
@@ -277,13 +347,14 @@ def align_frames(config: RequestConfig, num_frames) -> int:
     duration = aligned / MINIMAX_H3_FPS
     low_s, high_s = config.min_duration_s, config.max_duration_s
     if not low_s <= duration <= high_s:
-        low, high = math.ceil(low_s * MINIMAX_H3_FPS), int(high_s * MINIMAX_H3_FPS)
         first, last = frame_range(config)
+        # Counts above the aligned count below `first` round up to `first` or more.
+        lowest = max(1, first - config.vae_frames_per_chunk + 1)
         raise ValueError(
             f"MiniMax-H3 generates {low_s:g}–{high_s:g} s at {MINIMAX_H3_FPS} fps; `num_frames`="
-            f"{num_frames} rounds up to {aligned} frames (17n+5) = {duration:.2f} s. Pass a frame count between "
-            f"{low} and {high} whose 17n+5 alignment stays within {high} frames, e.g. {first} "
-            f"({first / MINIMAX_H3_FPS:.1f} s) or {last} ({last / MINIMAX_H3_FPS:.1f} s)."
+            f"{num_frames} rounds up to {aligned} frames (17n+5) = {duration:.2f} s. Pass {lowest} to {last} frames "
+            f"(they round up to {first}–{last}: {first / MINIMAX_H3_FPS:.1f}–{last / MINIMAX_H3_FPS:.1f} s), e.g. "
+            f"{first} ({first / MINIMAX_H3_FPS:.1f} s) or {last} ({last / MINIMAX_H3_FPS:.1f} s)."
         )
     if aligned != num_frames:
         logger.warning(f"`num_frames` has to be of the form 17n+5 for the video VAE; rounding {num_frames} up to {aligned}.")
@@ -320,6 +391,7 @@ def check_inputs(
     else:
         check_prompt(prompt)
         check_text_encoder_loaded(config, "pass `prompt_embeds` and `text_token_tags` from `encode_prompt` instead")
+        check_prompt_tokens(config, prompt)
     if output_type not in OUTPUT_TYPES:
         raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
     partition = spec.partition

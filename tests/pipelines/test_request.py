@@ -168,3 +168,78 @@ def test_tiny_end_to_end_tests_run_short_clips():
         and re.search(r"[\"']num_frames[\"']: 124\b|num_frames=124\b", path.read_text())
     ]
     assert not long_clips, f"tiny end-to-end runs at 124 frames: {long_clips}"
+
+
+@pytest.mark.parametrize("limits", [{}, TINY_DURATION_LIMITS, {"min_duration_s": 6.0, "max_duration_s": 10.0}])
+def test_frame_message_names_the_counts_accepted(limits):
+    """The refusal's "Pass A to B frames" is exactly the range `align_frames` accepts (it once said 120-360 where
+    108-345 are accepted)."""
+    config = _config(**limits)
+    with pytest.raises(ValueError) as refused:
+        _build(config, num_frames=1000)
+    low, high = map(int, re.search(r"Pass (\d+) to (\d+) frames", str(refused.value)).groups())
+
+    def accepted(num_frames):
+        try:
+            _build(config, num_frames=num_frames)
+            return True
+        except ValueError:
+            return False
+
+    assert accepted(low) and accepted(high) and not accepted(low - 1) and not accepted(high + 1), (low, high)
+    if not limits:
+        assert (low, high) == (108, 345)
+
+
+def test_prompt_bound_is_the_pipeline_setting_counted_in_tokens():
+    config = _config(max_prompt_tokens=8, count_prompt_tokens=lambda text: len(text.split()))
+    _build(config, prompt="one two three four five six seven eight")  # 8 tokens (39 bytes) fit
+    with pytest.raises(ValueError, match=r"`prompt\[1\]` has 9 tokens, more than this pipeline encodes \(8, .*"
+                                         r"`max_prompt_tokens=9`"):  # fmt: skip
+        _build(config, prompt=["a cat", "one two three four five six seven eight nine"])
+    # Without a tokenizer (configs alone) only what the bytes prove is checked: the CLI counts the rest itself.
+    _build(_config(max_prompt_tokens=8), prompt="one two three four five six seven eight nine")
+
+
+def test_prompt_bound_of_the_loaded_pipeline(tmp_path, monkeypatch):
+    """`max_prompt_tokens` is a pipeline config value (saved, overridable on loading); the default refuses a
+    100,000-byte prompt (the tiny tokenizer reads one token per byte) before any model runs, `encode_prompt` too."""
+    pipe = tiny_pipeline()
+    assert pipe.config.max_prompt_tokens == 2048 and pipe.request_config().max_prompt_tokens == 2048
+    for name in ("text_encoder", "transformer", "vae"):
+        monkeypatch.setattr(getattr(pipe, name), "forward", lambda *a, **k: pytest.fail("a model ran"))
+    with pytest.raises(ValueError, match="`prompt` has 100000 tokens, more than this pipeline encodes"):
+        pipe(prompt="a" * 100_000, num_frames=22, num_inference_steps=2)
+    with pytest.raises(ValueError, match="`prompt` has 2049 tokens"):
+        pipe.encode_prompt("a" * 2049)
+    monkeypatch.undo()
+    pipe.save_pretrained(tmp_path)
+    loaded = type(pipe).from_pretrained(tmp_path, max_prompt_tokens=4)
+    assert loaded.config.max_prompt_tokens == 4
+    with pytest.raises(ValueError, match="`prompt` has 5 tokens"):
+        loaded.encode_prompt("a cat")
+    # The text encoder's positions bound it too, where they are fewer.
+    loaded.text_encoder.config.text_config.max_position_embeddings = 3
+    assert loaded.request_config().max_prompt_tokens == 3
+
+
+def test_long_text_encodes_show_progress_per_decoder_layer(monkeypatch):
+    from diffusers_h3.pipelines import pipeline_minimax_h3
+
+    pipe = tiny_pipeline()
+    quiet = pipe.encode_prompt("a cat plays")[0]
+    bars = []
+    original = pipe.progress_bar
+
+    def progress_bar(*args, **kwargs):
+        bars.append(original(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(pipe, "progress_bar", progress_bar)
+    pipe.encode_prompt("a cat plays")
+    assert bars == []  # short: no bar
+    monkeypatch.setattr(pipeline_minimax_h3, "LONG_TEXT_ENCODE_TOKENS", 11)  # "a cat plays": 11 tokens
+    shown = pipe.encode_prompt("a cat plays")[0]
+    layer = pipe.config.text_encoder_layer
+    assert len(bars) == 1 and bars[0].total == layer and bars[0].n == layer, bars
+    assert torch.equal(shown, quiet)  # the bar's hooks change nothing

@@ -69,30 +69,30 @@ from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
     DEFAULT_CANVAS_SHORT_EDGE,
     DEFAULT_MAX_DURATION_S,
+    DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MIN_DURATION_S,
     H3Clip,
     H3Request,
-    DEFAULT_MAX_PROMPT_TOKENS,
     RequestConfig,
     align_frames,
     check_canvas,
     check_inputs,
     check_prompt,
+    check_prompt_tokens,
     check_text_encoder_loaded,
     latent_geometry,
 )
-    check_prompt_tokens,
 
 
 logger = logging.get_logger(__name__)
 
 KEYFRAME_ENCODE_SEED = 42
-KEYFRAME_NOISE_AUG = 0.999
-PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
 # A presentation of at least this many tokens shows a progress bar over the text encoder's decoder layers: a long prompt
 # or many vision tokens make the encode take long enough to look stalled.
 LONG_TEXT_ENCODE_TOKENS = 1024
+KEYFRAME_NOISE_AUG = 0.999
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
 
 @dataclass
 class MiniMaxH3PipelineOutput(BaseOutput):
@@ -180,13 +180,13 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         min_duration_s (`float`, defaults to 5.0), max_duration_s (`float`, defaults to 15.0): The clip lengths (after
             17n+5 alignment, at 24 fps) requests may ask for: what the released checkpoint was trained for. Small test
             pipelines allow shorter clips.
-    """
-
-    model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
         max_prompt_tokens (`int`, defaults to 2048): The most tokens a prompt may have (also bounded by the text
             encoder's `max_position_embeddings`); a longer one is refused before any model runs. The text rows join
             the DiT's packed sequence, so this bounds what a prompt costs; override it with
             `from_pretrained(..., max_prompt_tokens=N)`.
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
     # Without the text encoder (and its tokenizer / processor) the pipeline generates from `prompt_embeds`.
     _optional_components = ["transformer", "transformer_ref", "text_encoder", "tokenizer", "processor"]
     _callback_tensor_inputs = ["latents", "audio_latents", "prompt_embeds"]
@@ -208,10 +208,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         reference_image_short_edge: int = 2048,
         min_duration_s: float = DEFAULT_MIN_DURATION_S,
         max_duration_s: float = DEFAULT_MAX_DURATION_S,
+        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     ):
         super().__init__()
         self.register_modules(
-        max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
             text_encoder=text_encoder,
             tokenizer=tokenizer,
             processor=processor,
@@ -229,10 +229,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             reference_image_short_edge=reference_image_short_edge,
             min_duration_s=min_duration_s,
             max_duration_s=max_duration_s,
+            max_prompt_tokens=max_prompt_tokens,
         )
         self.vae_spatial_compression_ratio = vae.spatial_compression_ratio if vae is not None else 16
         self.image_processor = VaeImageProcessor(vae_scale_factor=16)
-            max_prompt_tokens=max_prompt_tokens,
         # The video VAE decodes ImageNet-normalized RGB which `__call__` reverts itself; no second denormalization.
         self.video_processor = VideoProcessor(vae_scale_factor=16, do_normalize=False)
         self._interrupt = False
@@ -509,6 +509,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             pass
         finally:
             handle.remove()
+            for progress_handle in handles:
+                progress_handle.remove()
+            if progress is not None:
+                progress.close()
             _TEXT_ENCODER_CAPTURE.reset(token)
         if "hidden_states" not in captured:
             raise RuntimeError(f"the text encoder finished without running decoder layer {layer - 1}")
@@ -524,10 +528,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         height: Optional[int] = None,
         width: Optional[int] = None,
         num_frames: int = 124,
-            for progress_handle in handles:
-                progress_handle.remove()
-            if progress is not None:
-                progress.close()
         device: Optional[torch.device] = None,
         conditions: Optional[TaskConditions] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -564,6 +564,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     f"`encode_prompt` encodes one prompt, got {type(prompt).__name__}: call it once per prompt."
                 )
             check_prompt(prompt)
+            check_prompt_tokens(self.request_config(), prompt)
             self._check_canvas(height, width)
             num_frames = self._align_num_frames(num_frames)
             spec.check_conditions(conditioning)
@@ -579,7 +580,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     # Schedules
     # ------------------------------------------------------------------------------------------------------------
 
-            check_prompt_tokens(self.request_config(), prompt)
     def _set_schedules(self, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device):
         # Reset the shift every call so that one request's `flow_shift` never leaks into the next.
         self.scheduler.set_shift(flow_shift if flow_shift is not None else self.scheduler.config.shift)
@@ -1017,6 +1017,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 "decode_to_video writes one clip: `audio_latents` must be its (2, C, n) left/right pair from "
                 f"output_type='latent', got {tuple(getattr(audio_latents, 'shape', ()))} — pass audio[2 * i : 2 * i + 2]."
             )
+        check_finite(latents, "the video latents")
+        check_finite(audio_latents, "the audio latents")
         audio = self._decode_audio(audio_latents, self._device_of(self.audio_vae))
         device = self._device_of(self.vae)
         if getattr(self, "_context_parallel_group", None) is not None:
@@ -1053,8 +1055,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         }
         lora = self.lora_summary()
         if lora:
-        check_finite(latents, "the video latents")
-        check_finite(audio_latents, "the audio latents")
             report["lora"] = lora
         for name, model in self._partitions():
             mode = v100_mode_of(model)

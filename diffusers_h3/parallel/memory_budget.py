@@ -22,6 +22,7 @@ pipeline (``diffusers_h3.pipelines.memory_budget.load_for_memory_budget`` also l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +40,20 @@ logger = logging.get_logger(__name__)
 
 GiB = 2**30
 RECIPE_TABLE_PATH = Path(__file__).with_name("memory_recipes.json")
+# What a budget read from the machine (``--memory auto``, ``gpu_gib=None`` / ``host_gib=None``) leaves to others.
+# Host: the OS, a desktop and a browser hold 4-8 GiB of a PC's memory; the budget is at most the memory less this
+# headroom (and never more than MemAvailable). GPU: PyTorch's allocator is not all a process holds there: the CUDA
+# context grows as kernels load lazily and libraries keep handles outside the allocator (0.68-0.75 GiB outside it
+# after a request on the H200, the context included: ``non_torch_gib`` in the placement results); the context
+# already exists when the free memory is read, so the margin covers the rest.
+HOST_HEADROOM_GIB = 4.0
+GPU_MARGIN_GIB = 0.5
+# A request predicted to take longer than this is pointed at a few-step LoRA (named below: the parallel layer does
+# not import the loaders; a test checks the names against ``diffusers_h3.loaders.lora_presets``).
+PRACTICAL_REQUEST_S = 600.0
+FEW_STEP_LORA_PRESET = "lightx2v-fl2v-turbo-4step-768p"
+FEW_STEP_LORA_FILE = "minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors"
+FEW_STEP_LORA_REPO = "lightx2v/Minimax-h3-Turbo"
 
 
 @dataclass(frozen=True)
@@ -65,12 +80,18 @@ RECIPES: Dict[str, RecipeSpec] = {
 
 
 class MemoryBudgetError(ValueError):
-    """No recipe fits the budget (raised before anything is loaded)."""
+    """No recipe fits the budget, or the budget cannot be read (raised before anything is loaded). ``what`` is the
+    problem and ``fix`` what to do, so that a command line can word the fix in its own options."""
+
+    def __init__(self, what: str, fix: str = ""):
+        super().__init__(f"{what}: {fix}" if fix else what)
+        self.what, self.fix = what, fix
 
 
 @dataclass(frozen=True)
 class MemoryRecipe:
-    """A recipe with what it needs and how fast it ran, read from the recipe table."""
+    """One measured entry of the recipe table: a recipe under the settings and GPU cap of one measured case, what it
+    needed and how fast it ran. ``reason`` says why :func:`select_recipe` chose it (empty when named directly)."""
 
     spec: RecipeSpec
     gpu_gib: float
@@ -79,17 +100,28 @@ class MemoryRecipe:
     case: str
     measured: bool
     basis: str
+    cap_gib: Optional[float] = None
+    settings: Dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    reason: str = ""
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def line(self) -> str:
-        """The one line that says which recipe runs and why it fits."""
-        measured = f"measured as {self.case}" if self.measured else f"NOT measured ({self.basis})"
+        """The one line that says which recipe runs and why: what it needs, the budget it was compared with and the
+        time it takes."""
+        if self.measured:
+            cap = f" under a {self.cap_gib:g} GiB cap" if self.cap_gib is not None else ""
+            measured = f"measured as {self.case}{cap}"
+        else:
+            measured = f"NOT measured ({self.basis})"
+        settings = f", {', '.join(f'{k}={v}' for k, v in self.settings.items())}" if self.settings else ""
         approx = f"; approximate: {self.spec.approximate}" if self.spec.approximate else ""
-        return (f"memory recipe {self.name!r}: needs {self.gpu_gib:.1f} GiB GPU / {self.host_gib:.1f} GiB host, "
-                f"~{self.request_s:.0f} s per t2va request on an H200 ({measured}){approx}")  # fmt: skip
+        reason = f"; {self.reason}" if self.reason else ""
+        return (f"memory recipe {self.name!r} ({measured}{settings}): needs {self.gpu_gib:.2f} GiB GPU / "
+                f"{self.host_gib:.2f} GiB host, {self.request_s:.0f} s per 50-step t2va request on an H200"
+                f"{reason}{approx}")  # fmt: skip
 
 
 # -- the table: derived from the measured JSON -----------------------------------------------------------------------
@@ -102,15 +134,25 @@ def _case_request_s(case: Dict[str, Any]) -> float:
     return (case["ms"] - case["stages"]["forwards"] + forwards * per_forward) / 1000
 
 
-def derive_recipe_table(results: Dict[str, Any], source: str = "benchmarks/results/placement_h200.json"):
+def derive_recipe_table(
+    results: Dict[str, Any],
+    source: str = "benchmarks/results/placement_h200.json",
+    predictions: Optional[Dict[str, Any]] = None,
+    predictions_source: str = "benchmarks/results/consumer_model.json",
+):
     """The recipe table (the content of ``memory_recipes.json``) from a placement result file.
 
-    For each recipe, its passing case with the smallest GPU need. GPU need: the peak reserved memory of the request
-    (the allocator's cap bounds it). Host need: the peak RSS of the case's process; for cases whose process built
-    their weights on the GPU instead of loading them (``host_includes_load`` false), at least the weights' size too,
-    since a load goes through host memory (labelled in ``basis``). Recipes with no passing case are left out.
+    One entry per passing case (a recipe measured under several caps or settings has several), in the order of
+    :data:`RECIPES`, then by GPU need. GPU need: the peak reserved memory of the request (the allocator's cap bounds
+    it). Host need: the peak RSS of the case's process; for cases whose process built their weights on the GPU
+    instead of loading them (``host_includes_load`` false), at least the weights' size too, since a load goes through
+    host memory (labelled in ``basis``). ``settings``: the case's recipe settings (e.g. activation chunking). Recipes
+    with no passing case are left out.
+
+    ``predictions`` (the consumer-GPU model's result, ``benchmarks/consumer_model.py``) adds the predicted request
+    times of the table's cases per GPU (:func:`predicted_request_times`), labelled as predictions.
     """
-    recipes = {}
+    entries = []
     for case_name, case in sorted(results.get("cases", {}).items()):
         recipe = case.get("recipe_name") or _legacy_recipe_name(case_name)
         if recipe not in RECIPES or case.get("ms") is None or case.get("peak_reserved_gib") is None:
@@ -122,13 +164,32 @@ def derive_recipe_table(results: Dict[str, Any], source: str = "benchmarks/resul
             host = max(host, weights)
             basis = ("host need: max(peak RSS of a process that built its weights on the GPU, the weights' size, "
                      "which a load moves through host memory)")  # fmt: skip
-        entry = {"recipe": recipe, "gpu_gib": round(case["peak_reserved_gib"], 2), "host_gib": round(host, 2),
-                 "request_s": round(_case_request_s(case), 1), "case": case_name, "measured": True, "basis": basis,
-                 "cap_gib": case.get("cap_gib")}  # fmt: skip
-        if recipe not in recipes or entry["gpu_gib"] < recipes[recipe]["gpu_gib"]:
-            recipes[recipe] = entry
-    return {"source": source, "device": results.get("device"), "commit": results.get("commit"),
-            "recipes": [recipes[name] for name in RECIPES if name in recipes]}  # fmt: skip
+        entries.append({"recipe": recipe, "case": case_name, "cap_gib": case.get("cap_gib"),
+                        "gpu_gib": round(case["peak_reserved_gib"], 2), "host_gib": round(host, 2),
+                        "request_s": round(_case_request_s(case), 1), "measured": True, "basis": basis,
+                        "settings": dict(case.get("settings") or {})})  # fmt: skip
+    order = list(RECIPES)
+    entries.sort(key=lambda e: (order.index(e["recipe"]), e["gpu_gib"], e["host_gib"], e["case"]))
+    table = {"source": source, "device": results.get("device"), "commit": results.get("commit"), "recipes": entries}
+    if predictions is not None:
+        table["predicted"] = predicted_request_times(predictions, predictions_source)
+    return table
+
+
+def predicted_request_times(predictions: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """The part of the consumer-GPU model's result the recipe table carries: per GPU (by its CUDA name), its compute
+    capability and SM count, and per measured case that fits it, the predicted seconds of a 50-step t2va request and
+    of a 4-step (LoRA) t2va request, at the model's slower NVMe rate."""
+    nvme = min(predictions["nvme_gb_s"])
+    gpus = {}
+    for gpu in predictions["gpus"]:
+        cases = {}
+        for row in predictions["predictions"]:
+            if row["gpu"] == gpu["name"] and row["nvme_gb_s"] == nvme and row["measured_memory"]:
+                cases[row["case"]] = {"t2va_s": row["t2va_50_s"], "t2va_4step_s": row["t2va_4step_s"]}
+        gpus[gpu["cuda_name"]] = {"capability": gpu["capability"], "sms": gpu["sms"], "cases": cases}
+    return {"label": "predicted from the measured H200 forward, the GPUs' published specs and the bytes each recipe "
+                     "moves; not measured on these GPUs", "source": source, "nvme_gb_s": nvme, "gpus": gpus}  # fmt: skip
 
 
 def _legacy_recipe_name(case_name: str) -> str:
@@ -137,13 +198,42 @@ def _legacy_recipe_name(case_name: str) -> str:
 
 
 def load_recipe_table(path: Union[str, Path, None] = None) -> Tuple[MemoryRecipe, ...]:
-    """The recipes of the table at ``path`` (default: the packaged ``memory_recipes.json``)."""
+    """The entries of the table at ``path`` (default: the packaged ``memory_recipes.json``), one per measured case."""
     data = json.loads(Path(path or RECIPE_TABLE_PATH).read_text())
     out = []
     for entry in data["recipes"]:
-        out.append(MemoryRecipe(RECIPES[entry["recipe"]], float(entry["gpu_gib"]), float(entry["host_gib"]),
-                                float(entry["request_s"]), entry["case"], bool(entry["measured"]), entry["basis"]))
+        out.append(MemoryRecipe(RECIPES[entry["recipe"]], gpu_gib=float(entry["gpu_gib"]),
+                                host_gib=float(entry["host_gib"]), request_s=float(entry["request_s"]),
+                                case=entry["case"], measured=bool(entry["measured"]), basis=entry["basis"],
+                                cap_gib=entry.get("cap_gib"), settings=dict(entry.get("settings") or {})))
     return tuple(out)  # fmt: skip
+
+
+def load_predictions(path: Union[str, Path, None] = None) -> Dict[str, Any]:
+    """The predicted request times the table at ``path`` carries (empty when it carries none)."""
+    return json.loads(Path(path or RECIPE_TABLE_PATH).read_text()).get("predicted") or {}
+
+
+def predicted_seconds(recipe: MemoryRecipe, gpu_name: Optional[str], capability=None, sms: Optional[int] = None,
+                      predictions: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+    """The predicted times of ``recipe``'s case on the GPU ``gpu_name`` (``{"t2va_s", "t2va_4step_s", "basis"}``),
+    or None. A GPU the model does not list is predicted from a listed one of the same compute capability, scaled by
+    their SM counts (the model's GPUs of one architecture run at similar clocks)."""
+    predictions = load_predictions() if predictions is None else predictions
+    gpus = predictions.get("gpus") or {}
+    if gpu_name in gpus and recipe.case in gpus[gpu_name]["cases"]:
+        return {**gpus[gpu_name]["cases"][recipe.case], "basis": f"predicted for the {gpu_name}, not measured"}
+    if capability is None or not sms:
+        return None
+    peers = [(name, g) for name, g in gpus.items()
+             if tuple(g["capability"]) == tuple(capability) and recipe.case in g["cases"]]  # fmt: skip
+    if not peers:
+        return None
+    name, peer = min(peers, key=lambda item: abs(item[1]["sms"] - sms))
+    scale = peer["sms"] / sms
+    times = {k: round(v * scale, 1) for k, v in peer["cases"][recipe.case].items()}
+    return {**times, "basis": f"predicted from the {name}'s prediction scaled by SM count ({peer['sms']} vs {sms}), "
+                              "not measured"}  # fmt: skip
 
 
 # -- budgets -------------------------------------------------------------------------------------------------------
@@ -172,44 +262,95 @@ def _cgroup_limit_bytes() -> Optional[int]:
         return None
 
 
-def visible_host_gib() -> float:
-    """Host memory this process can use: ``MemAvailable`` (or psutil's), lowered by a cgroup v2 limit."""
-    available = _meminfo_bytes("MemAvailable")
-    if available is None:
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The GPU and host memory (GiB) a recipe may use, how each number was found, and the GPU they were read on."""
+
+    gpu_gib: float
+    host_gib: float
+    gpu_basis: str = "given"
+    host_basis: str = "given"
+    gpu_name: Optional[str] = None
+    gpu_capability: Optional[Tuple[int, int]] = None
+    gpu_sms: Optional[int] = None
+
+
+def visible_host_gib(headroom_gib: float = HOST_HEADROOM_GIB) -> Tuple[float, str]:
+    """Host memory this process may use, and how it was found: ``MemAvailable``, at most ``MemTotal`` less
+    ``headroom_gib`` (left to the OS, a desktop, a browser), lowered by a cgroup v2 limit (psutil's figures where
+    there is no /proc/meminfo)."""
+    available, total = _meminfo_bytes("MemAvailable"), _meminfo_bytes("MemTotal")
+    if available is None or total is None:
         try:
             import psutil
 
-            available = psutil.virtual_memory().available
+            memory = psutil.virtual_memory()
+            available, total = memory.available, memory.total
         except ImportError:
-            raise MemoryBudgetError("cannot read the host memory (no /proc/meminfo, no psutil): pass host_gib") from None
+            raise MemoryBudgetError("cannot read the host memory (no /proc/meminfo, no psutil)",
+                                    "pass host_gib") from None  # fmt: skip
+    budget = min(available, total - headroom_gib * GiB)
+    basis = (f"the smaller of MemAvailable {available / GiB:.2f} GiB and MemTotal {total / GiB:.2f} GiB less "
+             f"{headroom_gib:g} GiB headroom")  # fmt: skip
     limit = _cgroup_limit_bytes()
-    return (min(available, limit) if limit is not None else available) / GiB
+    if limit is not None and limit < budget:
+        budget = limit
+        basis += f", lowered to the {limit / GiB:.2f} GiB left under the cgroup's memory.max"
+    return max(budget, 0) / GiB, basis
 
 
-def visible_gpu_gib(device: Union[str, torch.device, None] = None) -> float:
-    """Free memory of the CUDA ``device`` (``torch.cuda.mem_get_info``), plus what PyTorch already holds there."""
+def visible_gpu(device: Union[str, torch.device, None] = None, margin_gib: float = GPU_MARGIN_GIB) -> MemoryBudget:
+    """The GPU part of a budget read from the CUDA ``device``: its free memory (``torch.cuda.mem_get_info``) plus
+    what PyTorch already holds there, less ``margin_gib``; with the GPU's name, capability and SM count."""
     if not torch.cuda.is_available():
-        raise MemoryBudgetError("--memory auto / gpu_gib=None reads a CUDA GPU's memory, but no CUDA GPU is visible: "
-                                "pass the budget, e.g. --memory 16,32")  # fmt: skip
+        raise MemoryBudgetError("gpu_gib=None reads the free memory of a CUDA GPU, but no CUDA GPU is visible",
+                                "pass gpu_gib and host_gib, or run on a GPU host")  # fmt: skip
     device = torch.device(device if device is not None else "cuda")
     free, _ = torch.cuda.mem_get_info(device)
-    return (free + torch.cuda.memory_reserved(device)) / GiB
+    usable = free + torch.cuda.memory_reserved(device)
+    properties = torch.cuda.get_device_properties(device)
+    basis = f"{usable / GiB:.2f} GiB free on the {properties.name} less {margin_gib:g} GiB margin"
+    return MemoryBudget(gpu_gib=max(usable / GiB - margin_gib, 0), host_gib=math.nan, gpu_basis=basis,
+                        gpu_name=properties.name, gpu_capability=(properties.major, properties.minor),
+                        gpu_sms=properties.multi_processor_count)  # fmt: skip
 
 
-def parse_memory_option(text: str) -> Tuple[Optional[float], Optional[float]]:
-    """``"auto"`` -> ``(None, None)`` (read the machine); ``"16,32"`` -> ``(16.0, 32.0)`` GiB of GPU and host."""
-    text = text.strip().lower()
-    if text == "auto":
-        return None, None
-    parts = text.split(",")
-    try:
-        gpu, host = (float(p) for p in parts) if len(parts) == 2 else (math.nan, math.nan)
-    except ValueError:
-        gpu = host = math.nan
-    if not (gpu > 0 and host > 0 and math.isfinite(gpu) and math.isfinite(host)):
-        raise MemoryBudgetError(f"--memory {text!r}: give 'auto' or '<GPU GiB>,<host GiB>' with positive numbers, "
-                                "e.g. --memory 16,32")  # fmt: skip
-    return gpu, host
+def read_budget(gpu_gib: Optional[float] = None, host_gib: Optional[float] = None, device=None) -> MemoryBudget:
+    """The budget: the numbers given, the machine's (:func:`visible_gpu`, :func:`visible_host_gib`) where None. A
+    CUDA GPU that is visible is named even with a given GPU budget (its predicted request times)."""
+    for name, value in (("gpu_gib", gpu_gib), ("host_gib", host_gib)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise MemoryBudgetError(f"{name}={value!r} is not a budget", "give a positive number of GiB, or None to "
+                                    "read the machine's")  # fmt: skip
+    on_cuda = device is None or torch.device(device).type == "cuda"
+    if gpu_gib is None:
+        budget = visible_gpu(device)
+    elif on_cuda and torch.cuda.is_available():
+        budget = dataclasses.replace(visible_gpu(device), gpu_gib=float(gpu_gib), gpu_basis="given")
+    else:
+        budget = MemoryBudget(gpu_gib=float(gpu_gib), host_gib=math.nan)
+    if host_gib is None:
+        host, basis = visible_host_gib()
+        return dataclasses.replace(budget, host_gib=host, host_basis=basis)
+    return dataclasses.replace(budget, host_gib=float(host_gib), host_basis="given")
+
+
+def _few_step_hint(recipe: MemoryRecipe, budget: MemoryBudget, predictions=None) -> str:
+    """The request time of ``recipe`` on the budget's GPU, and when it is over :data:`PRACTICAL_REQUEST_S`, the
+    few-step LoRA that makes it practical."""
+    predicted = predicted_seconds(recipe, budget.gpu_name, budget.gpu_capability, budget.gpu_sms, predictions)
+    if predicted is not None:
+        seconds, few_steps = predicted["t2va_s"], predicted["t2va_4step_s"]
+        said = f"{seconds / 60:.0f} min per 50-step t2va ({predicted['basis']})"
+    else:
+        seconds, few_steps = recipe.request_s, None
+        said = ""
+    if seconds <= PRACTICAL_REQUEST_S:
+        return f"; {said}" if said else ""
+    lora = (f"the LightX2V 4-step LoRA ({FEW_STEP_LORA_FILE} from {FEW_STEP_LORA_REPO}, preset "
+            f"{FEW_STEP_LORA_PRESET!r}) runs 4 forwards instead of 49")  # fmt: skip
+    lora += f", about {few_steps / 60:.1f} min" if few_steps is not None else ""
+    return f"; {said or f'{seconds / 60:.0f} min per 50-step t2va'}: over {PRACTICAL_REQUEST_S / 60:.0f} min, {lora}"
 
 
 def select_recipe(
@@ -218,28 +359,34 @@ def select_recipe(
     *,
     device: Union[str, torch.device, None] = None,
     table: Optional[Tuple[MemoryRecipe, ...]] = None,
+    predictions: Optional[Dict[str, Any]] = None,
 ) -> MemoryRecipe:
-    """The fastest recipe whose measured needs fit ``gpu_gib`` of GPU memory and ``host_gib`` of host memory
-    (None: read them from the visible GPU and host). Raises :class:`MemoryBudgetError` (one line) when none fits."""
-    if gpu_gib is None:
-        gpu_gib = visible_gpu_gib(device)
-    if host_gib is None:
-        host_gib = visible_host_gib()
-    for name, value in (("gpu_gib", gpu_gib), ("host_gib", host_gib)):
-        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise MemoryBudgetError(f"{name}={value!r}: give a positive number of GiB")
+    """The fastest measured entry of the recipe table whose needs fit ``gpu_gib`` of GPU memory and ``host_gib`` of
+    host memory (ties: the one that needs the least GPU, then host memory). None reads the machine: the visible GPU's
+    free memory less :data:`GPU_MARGIN_GIB`, the host's available memory less :data:`HOST_HEADROOM_GIB`. The
+    recipe's ``reason`` (in its ``line()``) gives the numbers compared and, when its request is predicted to take
+    more than :data:`PRACTICAL_REQUEST_S` on this GPU, names the few-step LoRA. Raises :class:`MemoryBudgetError`
+    (one line) when none fits."""
+    budget = read_budget(gpu_gib, host_gib, device)
     table = load_recipe_table() if table is None else table
-    fitting = [r for r in table if r.gpu_gib <= gpu_gib and r.host_gib <= host_gib]
-    if fitting:
-        return min(fitting, key=lambda r: r.request_s)
-    least_gpu = min(table, key=lambda r: r.gpu_gib)
-    least_host = min(table, key=lambda r: r.host_gib)
-    raise MemoryBudgetError(
-        f"no placement recipe fits {gpu_gib:.1f} GiB of GPU memory and {host_gib:.1f} GiB of host memory: the "
-        f"smallest GPU need is {least_gpu.gpu_gib:.1f} GiB ({least_gpu.name!r}, with {least_gpu.host_gib:.1f} GiB "
-        f"host), the smallest host need {least_host.host_gib:.1f} GiB ({least_host.name!r}); free memory or use "
-        "several GPUs (docs/memory.md)"
-    )
+    fitting = [r for r in table if r.gpu_gib <= budget.gpu_gib and r.host_gib <= budget.host_gib]
+    gpu_said = f"{budget.gpu_gib:.2f} GiB of GPU memory" + ("" if budget.gpu_basis == "given" else
+                                                            f" ({budget.gpu_basis})")  # fmt: skip
+    host_said = f"{budget.host_gib:.2f} GiB of host memory" + ("" if budget.host_basis == "given" else
+                                                               f" ({budget.host_basis})")  # fmt: skip
+    if not fitting:
+        least_gpu = min(table, key=lambda r: (r.gpu_gib, r.host_gib))
+        least_host = min(table, key=lambda r: (r.host_gib, r.gpu_gib))
+        raise MemoryBudgetError(
+            f"no memory recipe fits {gpu_said} and {host_said}: the smallest GPU need is {least_gpu.gpu_gib:.2f} GiB "
+            f"({least_gpu.name!r} as {least_gpu.case}, with {least_gpu.host_gib:.2f} GiB host), the smallest host "
+            f"need {least_host.host_gib:.2f} GiB ({least_host.name!r} as {least_host.case})",
+            "free memory, or use several GPUs (docs/memory.md)",
+        )
+    best = min(fitting, key=lambda r: (r.request_s, r.gpu_gib, r.host_gib))
+    which = "the only table entry that fits" if len(fitting) == 1 else f"the fastest of {len(fitting)} that fit"
+    reason = f"chosen for {gpu_said} and {host_said}: {which}" + _few_step_hint(best, budget, predictions)
+    return dataclasses.replace(best, reason=reason)
 
 
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
@@ -321,15 +468,32 @@ def enable_memory_budget(
 
 
 def resolve_recipe(recipe, gpu_gib, host_gib, device) -> MemoryRecipe:
-    """``recipe`` as a :class:`MemoryRecipe`: selected for the budget when None, looked up by name when a string."""
+    """``recipe`` as a :class:`MemoryRecipe`: selected for the budget when None; when a string, the table entry of
+    that measured case, or of that recipe: the fastest of its entries that fits the budget given, else (no budget
+    given, or none fits) the one that needs the least GPU memory."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise MemoryBudgetError(f"device={str(device)!r}, but no CUDA GPU is visible",
+                                "run on a GPU host (the recipes place the model on a CUDA GPU)")  # fmt: skip
     if isinstance(recipe, MemoryRecipe):
         return recipe
     if recipe is None:
         return select_recipe(gpu_gib, host_gib, device=device)
-    by_name = {r.name: r for r in load_recipe_table()}
-    if recipe not in by_name:
-        raise MemoryBudgetError(f"recipe={recipe!r}: choose one of {sorted(by_name)} (or None to select by budget)")
-    return by_name[recipe]
+    table = load_recipe_table()
+    by_case = {r.case: r for r in table}
+    if recipe in by_case:
+        return by_case[recipe]
+    entries = [r for r in table if r.name == recipe]
+    if not entries:
+        names = sorted({r.name for r in table})
+        raise MemoryBudgetError(f"recipe={recipe!r} is not in the recipe table",
+                                f"choose one of {names} or a measured case {sorted(by_case)}, or None to select by "
+                                "budget")  # fmt: skip
+    if gpu_gib is not None and host_gib is not None:
+        try:
+            return select_recipe(gpu_gib, host_gib, device=device, table=tuple(entries))
+        except MemoryBudgetError:
+            pass
+    return min(entries, key=lambda r: (r.gpu_gib, r.host_gib))
 
 
 def place_for_recipe(pipe, recipe: MemoryRecipe, device, offload_folder=None) -> Dict[str, str]:

@@ -6,7 +6,17 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
+
+
+def read_safetensors_header(path: Path) -> Tuple[int, Dict[str, Any]]:
+    """``(offset of the data section, header)`` of a safetensors file: the header maps each tensor name to its
+    ``dtype``, ``shape`` and ``data_offsets`` (relative to the data section); ``__metadata__`` is dropped."""
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_size))
+    header.pop("__metadata__", None)
+    return 8 + header_size, header
 
 
 def safetensors_problem(path: Path) -> Optional[str]:

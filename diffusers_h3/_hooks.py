@@ -31,9 +31,12 @@ H3_CONTEXT_PARALLEL_HOOK = "diffusers_h3.context_parallel"  # on the transformer
 H3_TENSOR_PARALLEL_HOOK = "diffusers_h3.tensor_parallel"  # on the transformer: TP record, the TP-and-CP refusal
 H3_TENSOR_PARALLEL_REDUCE_HOOK = "diffusers_h3.tensor_parallel_reduce"  # on each attention / FFN module
 H3_OFFLOAD_BUFFERS_HOOK = "diffusers_h3.offload_buffers"  # on a group-offloaded component: its groups return buffers
-H3_CHECKPOINT_STREAM_HOOK = "diffusers_h3.checkpoint_stream"  # on each leaf streamed from its checkpoint files
+H3_CHECKPOINT_STREAM_HOOK = "diffusers_h3.checkpoint_stream"  # on each group streamed from its checkpoint files
+H3_CHECKPOINT_STREAM_MODEL_HOOK = "diffusers_h3.checkpoint_stream_model"  # on a streamed model: record and reader
+H3_FEED_FORWARD_CHUNKS_HOOK = "diffusers_h3.feed_forward_chunks"  # on each DiT block's feed-forward: rows in chunks
 H3_STREAM_FROM_DISK_HOOK = "diffusers_h3.stream_from_disk"  # on a text encoder streamed from disk: where from
 H3_VSA_ROUTE_HOOK = "diffusers_h3.vsa_route"  # on the transformer: VSA routes prepared before the (compiled) blocks
+H3_SINGLE_FILE_HOOK = "diffusers_h3.single_file"  # on a transformer loaded from one file: which file and format
 
 H3_HOOK_NAMES = (
     H3_FAST_VAE_DECODE_HOOK,
@@ -45,8 +48,11 @@ H3_HOOK_NAMES = (
     H3_TENSOR_PARALLEL_REDUCE_HOOK,
     H3_OFFLOAD_BUFFERS_HOOK,
     H3_CHECKPOINT_STREAM_HOOK,
+    H3_CHECKPOINT_STREAM_MODEL_HOOK,
+    H3_FEED_FORWARD_CHUNKS_HOOK,
     H3_STREAM_FROM_DISK_HOOK,
     H3_VSA_ROUTE_HOOK,
+    H3_SINGLE_FILE_HOOK,
 )
 
 
@@ -152,7 +158,12 @@ def transformers_of(pipe_or_transformer: Any, who: str) -> List[torch.nn.Module]
 
 
 # Hooks of ours that move weights (the others only compute differently or record what ran).
-_PLACEMENT_HOOKS = (H3_OFFLOAD_BUFFERS_HOOK, H3_CHECKPOINT_STREAM_HOOK, H3_STREAM_FROM_DISK_HOOK)
+_PLACEMENT_HOOKS = (
+    H3_OFFLOAD_BUFFERS_HOOK,
+    H3_CHECKPOINT_STREAM_HOOK,
+    H3_CHECKPOINT_STREAM_MODEL_HOOK,
+    H3_STREAM_FROM_DISK_HOOK,
+)
 
 
 def moves_weights(module: torch.nn.Module) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from .._hooks import (
+    H3_CHECKPOINT_STREAM_MODEL_HOOK,
     H3_OFFLOAD_BUFFERS_HOOK,
     H3_STREAM_FROM_DISK_HOOK,
     PARTITIONS,
@@ -262,8 +263,9 @@ def enable_low_memory_offload(
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        if _is_group_offload_enabled(component) or get_h3_hook(component, H3_STREAM_FROM_DISK_HOOK) is not None:
-            # placed before: a text encoder streamed from disk (offload files or its own checkpoint files)
+        streamed = get_h3_hook(component, H3_STREAM_FROM_DISK_HOOK) or get_h3_hook(component, H3_CHECKPOINT_STREAM_MODEL_HOOK)
+        if _is_group_offload_enabled(component) or streamed is not None:
+            # placed before: a component streamed from disk (offload files or its own checkpoint files)
             placements[name] = already.get(name, "group offload (applied before)")
             continue
         group_offloaded = name in block_level or name in leaf_level

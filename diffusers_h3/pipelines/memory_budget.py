@@ -170,6 +170,55 @@ def load_for_memory_budget(
         from ..parallel.placement import _record_placement
 
         _record_placement(pipe, text_encoder=text_encoder_stream_placement(where, checkpoint_folder))
+    if recipe.spec.transformer_placement == "offload" and recipe.spec.text_encoder_placement == "disk":
+        # A converted checkpoint holds the DiT as it runs: read it from its files at every forward instead of
+        # keeping it in host memory (and the video VAE once per stage), with the activations the recipe chunks.
+        stored = {name for name in partitions_for_task(task) if name not in plan}
+        stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
                          cap_gpu=False)  # fmt: skip
     return pipe
+
+
+# What a recipe's measured case ran with (``settings`` of its table entry); what is absent takes these defaults.
+DEFAULT_RECIPE_SETTINGS = {"read_ahead": 2, "ffn_chunk_rows": None, "stream_vae": True}
+
+
+def recipe_settings(recipe: MemoryRecipe) -> Dict[str, Any]:
+    """The streaming and activation settings of ``recipe`` (its table entry's ``settings`` over the defaults)."""
+    settings = dict(DEFAULT_RECIPE_SETTINGS)
+    settings.update(getattr(recipe, "settings", None) or {})
+    unknown = sorted(set(settings) - set(DEFAULT_RECIPE_SETTINGS))
+    if unknown:
+        raise MemoryBudgetError(f"memory recipe {recipe.name!r} has unknown settings {unknown}: this version knows "
+                                f"{sorted(DEFAULT_RECIPE_SETTINGS)}")  # fmt: skip
+    return settings
+
+
+def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[str, Any], partitions=()) -> Dict[str, str]:
+    """Stream ``partitions`` (DiT partitions stored in the format they run in) and, with ``settings["stream_vae"]``,
+    the video VAE from their files in ``directory`` (:func:`~diffusers_h3.parallel.checkpoint_streaming.
+    stream_from_checkpoint`; the VAE's groups stay on the device while a stage encodes or decodes); chunk the DiT's
+    feed-forward over ``settings["ffn_chunk_rows"]`` rows. Returns (and records) each component's placement."""
+    from ..hooks.feed_forward_chunks import FeedForwardChunking, enable_feed_forward_chunking
+    from ..parallel.checkpoint_streaming import StreamingConfig, stream_from_checkpoint, streaming_of
+    from ..parallel.placement import _record_placement
+
+    device = torch.device(device)
+    directory = Path(directory)
+    placements: Dict[str, str] = {}
+    names = [(name, False) for name in partitions] + ([("vae", True)] if settings["stream_vae"] else [])
+    for name, hold in names:
+        component = getattr(pipe, name, None)
+        if not isinstance(component, torch.nn.Module) or streaming_of(component) is not None:
+            continue
+        config = StreamingConfig(read_ahead=int(settings["read_ahead"]), hold=hold)
+        stream_from_checkpoint(component, directory / name, device, config)
+        placements[name] = streaming_of(component).describe()
+    rows = settings["ffn_chunk_rows"]
+    if rows:
+        enable_feed_forward_chunking(pipe, FeedForwardChunking(rows=int(rows)))
+        placements["feed_forward"] = f"chunked over {int(rows)} rows"
+    gc.collect()
+    _record_placement(pipe, **placements)
+    return placements

@@ -96,3 +96,170 @@ def test_streaming_to_the_gpu_reads_each_tensor_onto_it(tmp_path):
     assert got.device.type == "cuda" and torch.equal(got, _hidden(reference, ids))
     del got
     assert torch.cuda.memory_allocated() <= allocated  # the streamed tensors are released after the forward
+
+
+# -- the DiT and the VAE: groups, read-ahead, casts, refusals ---------------------------------------------------------
+
+
+def _saved_dit(folder, dtype=torch.float32, **overrides):
+    model = tiny.tiny_transformer(**overrides).to(dtype)
+    model.save_pretrained(folder, max_shard_size="40KB")  # several shards, as a converted checkpoint has
+    return model
+
+
+def _load_dit(folder, dtype=torch.float32):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return MiniMaxH3Transformer3DModel.from_pretrained(folder, torch_dtype=dtype).eval()
+
+
+def _resident_dit(folder, dtype=torch.float32):
+    """The in-memory reference, each tensor in memory of its own: loaded tensors can be views of the file's mapping
+    at any byte offset, and the CPU GEMM's rounding depends on the pointer's alignment (streamed tensors are
+    aligned)."""
+    model = _load_dit(folder, dtype)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        tensor.data = tensor.data.clone()
+    return model
+
+
+def _forward(model, seed=0):
+    with torch.no_grad():
+        return model(**tiny.tiny_transformer_inputs(seed=seed), return_dict=False)[0]
+
+
+def _record_of(model):
+    from diffusers_h3.parallel.checkpoint_streaming import streaming_of
+
+    return streaming_of(model)
+
+
+def test_streamed_dit_matches_the_resident_one_block_by_block(tmp_path):
+    from diffusers_h3.parallel.checkpoint_streaming import StreamingConfig
+
+    _saved_dit(tmp_path / "dit")
+    reference, streamed = _resident_dit(tmp_path / "dit"), _load_dit(tmp_path / "dit")
+    sizes = stream_from_checkpoint(streamed, tmp_path / "dit", "cpu", StreamingConfig(read_ahead=2),
+                                   resident_below_bytes=256)  # fmt: skip
+    blocks = streamed.transformer_blocks
+    hooked = {path for path, m in streamed.named_modules() if get_hook(m) is not None}
+    assert {f"transformer_blocks.{i}" for i in range(len(blocks))} <= hooked  # one group per block
+    assert not any(p.startswith("transformer_blocks.0.") for p in hooked)  # ...not per leaf inside it
+    record = _record_of(streamed)
+    for seed in (0, 1, 2):
+        before = dict(record.stats.as_dict())
+        assert torch.equal(_forward(streamed, seed), _forward(reference, seed))
+        assert all(p.numel() == 0 for p in blocks.parameters())  # released after each forward
+    # by the third forward the order is learned: every group read ahead once, nothing read for nothing
+    assert record.stats.group_loads - before["group_loads"] == record.groups
+    assert record.stats.misses == before["misses"] and record.stats.dropped_prefetches == before["dropped_prefetches"]
+    assert record.streamed_bytes_per_forward == sizes["streamed_bytes_per_forward"] > 0
+
+
+def get_hook(module):
+    registry = getattr(module, "_diffusers_hook", None)
+    return None if registry is None else registry.get_hook(STREAM_HOOK_NAME)
+
+
+def test_read_ahead_follows_the_order_the_groups_ran_in(tmp_path, monkeypatch):
+    """Before any forward the reader guesses definition order; afterwards it reads ahead in the order the groups
+    last ran, so a model that skips groups (an early exit, a cached refiner) has no misses from its second call on."""
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+
+    _saved_dit(tmp_path / "dit")
+    streamed = _load_dit(tmp_path / "dit")
+    stream_from_checkpoint(streamed, tmp_path / "dit", "cpu", cs.StreamingConfig(read_ahead=1), resident_below_bytes=256)
+    reads = []
+    original = cs._Streamer._read
+    monkeypatch.setattr(cs._Streamer, "_read", lambda self, group: reads.append(group.name) or original(self, group))
+    ran = []
+    for block in streamed.transformer_blocks:  # skip every other block: an order definition order does not predict
+        block.register_forward_pre_hook(lambda m, a, name=None: ran.append(m))
+    skipped = streamed.transformer_blocks[1]
+    original_forward = skipped.forward
+    skipped.forward = lambda hidden_states, *a, **k: hidden_states  # noqa: E731 - the group's hooks never run
+    stats = _record_of(streamed).stats
+    _forward(streamed)
+    first_misses = stats.misses
+    assert first_misses >= 1
+    before = (stats.misses, len(reads))
+    _forward(streamed)
+    assert stats.misses == before[0]  # every group read ahead, in the learned order
+    second = reads[before[1]:]
+    assert "transformer_blocks.1" not in second
+    skipped.forward = original_forward
+
+
+def test_streamed_tensors_arrive_in_the_models_dtype(tmp_path):
+    """Files in float32, model loaded in bfloat16: each streamed tensor is cast as it arrives, never used in the
+    stored precision."""
+    _saved_dit(tmp_path / "dit", dtype=torch.float32)
+    reference = _resident_dit(tmp_path / "dit", torch.bfloat16)
+    streamed = _load_dit(tmp_path / "dit", torch.bfloat16)
+    stream_from_checkpoint(streamed, tmp_path / "dit", "cpu", resident_below_bytes=256)
+    seen = []
+    linear = streamed.transformer_blocks[0].ff.net[2]
+    linear.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    inputs = {k: (v.to(torch.bfloat16) if v.is_floating_point() and k != "timestep" else v)
+              for k, v in tiny.tiny_transformer_inputs().items()}  # fmt: skip
+    with torch.no_grad():
+        got = streamed(**inputs, return_dict=False)[0]
+        expected = reference(**inputs, return_dict=False)[0]
+    assert seen == [torch.bfloat16]
+    assert torch.equal(got, expected)
+
+
+def test_a_shape_that_differs_from_the_files_is_refused_before_any_weight_is_released(tmp_path):
+    _saved_dit(tmp_path / "dit")
+    model = _load_dit(tmp_path / "dit")
+    block = model.transformer_blocks[1].ff.net[2]
+    block.weight = torch.nn.Parameter(torch.zeros(block.weight.shape[0], block.weight.shape[1] + 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match=r"transformer_blocks\.1\.ff\.net\.2\.weight is .* in the model but"):
+        stream_from_checkpoint(model, tmp_path / "dit", "cpu", resident_below_bytes=256)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert _record_of(model) is None and get_hook(model.transformer_blocks[0]) is None
+
+
+def test_reads_use_no_mapping_and_drop_the_page_cache(tmp_path, monkeypatch):
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+
+    _saved_dit(tmp_path / "dit")
+    calls = []
+    monkeypatch.setattr(cs.os, "posix_fadvise", lambda fd, start, n, advice: calls.append(advice))
+    for drop in (True, False):
+        calls.clear()
+        streamed = _load_dit(tmp_path / "dit")
+        stream_from_checkpoint(streamed, tmp_path / "dit", "cpu", cs.StreamingConfig(drop_page_cache=drop),
+                               resident_below_bytes=256)  # fmt: skip
+        mapped = []
+        streamed.transformer_blocks[0].register_forward_pre_hook(
+            lambda m, a: mapped.extend(line for line in open("/proc/self/maps") if str(tmp_path / "dit") in line))
+        _forward(streamed)
+        assert mapped == []  # pread into our buffers: no file page is mapped into the process
+        assert (calls and set(calls) == {cs.os.POSIX_FADV_DONTNEED}) if drop else not calls
+
+
+def test_held_groups_stay_until_released(tmp_path):
+    from diffusers_h3.parallel.checkpoint_streaming import StreamingConfig, release_streamed_weights
+
+    _saved_dit(tmp_path / "dit")
+    streamed = _load_dit(tmp_path / "dit")
+    stream_from_checkpoint(streamed, tmp_path / "dit", "cpu", StreamingConfig(hold=True), resident_below_bytes=256)
+    first = _forward(streamed)
+    record = _record_of(streamed)
+    assert record.stats.group_loads == record.groups
+    assert streamed.transformer_blocks[0].ff.net[2].weight.numel() > 0  # held after the forward
+    assert torch.equal(_forward(streamed), first) and record.stats.group_loads == record.groups  # not read again
+    release_streamed_weights(streamed)
+    assert streamed.transformer_blocks[0].ff.net[2].weight.numel() == 0
+    assert torch.equal(_forward(streamed), first) and record.stats.group_loads == 2 * record.groups
+
+
+def test_streaming_options_are_checked():
+    from diffusers_h3.parallel.checkpoint_streaming import StreamingConfig
+
+    for bad in ({"read_ahead": -1}, {"pinned_slots": 0}, {"slot_mib": 1.5}):
+        with pytest.raises(ValueError, match="StreamingConfig"):
+            StreamingConfig(**bad)

@@ -45,6 +45,7 @@ from .layout import (
 )
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
+from .loaders.single_file import TransformerFileError, load_transformer_file
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.memory_budget import load_for_memory_budget
 from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset, speed_preset_record
@@ -103,6 +104,8 @@ __all__ = [
     "LoraDistillationPreset",
     "KNOWN_PRESETS",
     "get_preset",
+    "load_transformer_file",
+    "TransformerFileError",
     "FP8Config",
     "NVFP4Config",
     "W8A16Config",

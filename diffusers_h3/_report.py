@@ -25,6 +25,7 @@ from ._hooks import (
 )
 from .hooks.cache import describe_cache
 from .hooks.fast_vae_decode import describe_vae_decode
+from .loaders.single_file import describe_transformer_file
 
 
 def _path_of(obj: Any) -> str:
@@ -75,6 +76,9 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     cache = describe_cache(model)
     if cache is not None:
         info["cache"] = cache
+    checkpoint_file = describe_transformer_file(model)
+    if checkpoint_file is not None:
+        info["checkpoint_file"] = checkpoint_file
     if hasattr(model, "tokens_chunk_size") and hasattr(model, "_stitch_tiles"):  # the MiniMax-H3 video VAE
         info["decode"] = describe_vae_decode(model)
     hooks = registered_hooks(model)

@@ -59,6 +59,7 @@ from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
+from ..loaders.single_file import check_saveable
 from ..packing import check_layout_matches_indices
 from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
@@ -257,7 +258,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def save_pretrained(self, save_directory, **kwargs):
         """diffusers' `save_pretrained` (and `push_to_hub=True`), plus a Hub model card (`README.md`) for the saved
         checkpoint when the folder has none: metadata (library, pipeline tag, base model, quantization and fused-LoRA
-        tags) and a usage snippet that loads exactly this checkpoint."""
+        tags) and a usage snippet that loads exactly this checkpoint. A partition holding GGUF layers (loaded from a
+        .gguf file) is refused in one line before anything is written."""
+        check_saveable(self)
         return save_with_card(DiffusionPipeline.save_pretrained, self, save_directory, pipeline_model_card, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------------

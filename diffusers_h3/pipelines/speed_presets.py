@@ -51,6 +51,7 @@ from ..kernels.attention.flashinfer_dense import (
     import_flashinfer,
     resolve_backend,
 )
+from ..loaders.single_file import transformer_file_record
 from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, get_format, quantize
 
 
@@ -324,6 +325,10 @@ def _determinism(preset: str, flashinfer_plans) -> str:
 def _plan_weights(name: str, model: torch.nn.Module, preset: str, device: torch.device) -> Tuple[Optional[Any], str]:
     """``(config to quantize with or None, what the weights will be)``; raises when the loaded weights cannot become
     what ``preset`` needs without quantizing twice."""
+    from_file = transformer_file_record(model)
+    if from_file is not None and from_file.quantized:  # a GGUF / fp8-scaled file: its weights are all there is
+        kept = f"{from_file.summary()} [the file's weights: kept]"
+        return None, kept + (" (exact attention on the file's quantized weights)" if preset == "exact" else "")
     loaded = _quantized_method(model)
     if preset == "exact":
         if loaded is not None:

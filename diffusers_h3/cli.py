@@ -42,8 +42,12 @@ REFERENCE_EXTENSIONS = {
 }  # fmt: skip
 # The names of `diffusers_h3.hooks.cache.CACHE_METHODS`, spelled out so that `--help` imports no diffusers (tested).
 CACHE_METHOD_CHOICES = ("first-block", "mag", "taylorseer")
-# The tiny demo checkpoint runs on a small canvas.
+# The tiny demo checkpoint's default canvas (its `DEMO_PIPELINE_CONFIG`), spelled out for `--help` (tested).
 DEMO_CANVAS = (64, 96)
+# --steps: the model is distilled for 50 steps; 1000 (20x that, 999 forwards) already takes hours on a real request, so
+# a larger count is a typo rather than a setting.
+MAX_STEPS = 1000
+STEPS_BOUNDS = f"from 2 to {MAX_STEPS} (20x the default 50: more is hours per clip for no gain)"
 # A hub repo id: `name` or `namespace/name` (huggingface_hub's characters).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _PYTHON_TO_FLAGS = (
@@ -67,19 +71,8 @@ class UsageError(Exception):
         super().__init__(f"{what.rstrip('.')} — {fix.rstrip('.')}")
 
 
-# Options whose value may start with "-" and is not one number (argparse would take "-1,-1" for an option).
-_DASH_VALUE_OPTIONS = ("--memory",)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse's usage errors as one line too (argparse already exits with 2)."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        for i in range(len(args) - 2, -1, -1):  # `--memory -1,-1` is read as `--memory=-1,-1`: its own check answers
-            if args[i] in _DASH_VALUE_OPTIONS and re.match(r"-[\d.]", args[i + 1]):
-                args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
-        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         self.exit(2, f"{PROG}: error: {message} — see `{self.prog} --help`\n")
@@ -266,6 +259,10 @@ def _check_encoding_options(args) -> None:
 
 
 def _check_flag_combinations(args) -> None:
+    if (args.height is None) != (args.width is None):
+        given, missing = ("--height", "--width") if args.width is None else ("--width", "--height")
+        raise UsageError(f"--height and --width have to be passed together, got {given} without {missing}",
+                         f"add {missing} or drop {given}")  # fmt: skip
     if args.dense_first_steps is not None and args.vsa is None:
         raise UsageError("--dense-first-steps only applies to video sparse attention", "add --vsa SPARSITY or drop it")
     if args.lora_scale is not None and args.lora is None:
@@ -393,9 +390,9 @@ def _check_model_option(args) -> None:
             _check_model_folder(args.model_path)
 
 
-def _check_request(args, task: str, conditioning) -> None:
+def _check_request(args, task: str, conditioning):
     """The pipeline's own request checks (sizes, aspect, frames, conditioning): the `H3Request` the pipeline would
-    build, on the checkpoint's configs read from its folder (no weights)."""
+    build, on the checkpoint's configs read from its folder (no weights). Returns that `RequestConfig`."""
     from diffusers_h3.pipelines.request import H3Request, RequestConfig
     from diffusers_h3.tasks import partition_for_task
 
@@ -409,7 +406,8 @@ def _check_request(args, task: str, conditioning) -> None:
     if folder is None:  # the tiny demo checkpoint
         from diffusers_h3.testing import tiny
 
-        config = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {partition: tiny.TINY_TRANSFORMER_CONFIG})
+        config = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {partition: tiny.TINY_TRANSFORMER_CONFIG},
+                                            tiny.DEMO_PIPELINE_CONFIG)  # fmt: skip
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
@@ -417,30 +415,17 @@ def _check_request(args, task: str, conditioning) -> None:
                         task=task, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
+    return config
 
 
-def _text_encoder_token_limit(folder: Optional[Path]) -> Optional[int]:
-    """The most tokens the checkpoint's text encoder reads (its `max_position_embeddings`), from its config; `None`
-    when the config does not say."""
-    if folder is None:  # the tiny demo's Qwen3-VL keeps the class default
-        from transformers import Qwen3VLTextConfig
-
-        return Qwen3VLTextConfig().max_position_embeddings
-    file = folder / "text_encoder" / "config.json"
-    if not file.is_file():
-        return None
-    config = json.loads(file.read_text())
-    return (config.get("text_config") or {}).get("max_position_embeddings") or config.get("max_position_embeddings")
-
-
-def _check_prompt_length(args) -> None:
-    """The prompt fits the text encoder: at most its `max_position_embeddings` tokens (`tokenizer(prompt,
-    add_special_tokens=False)`, no chat template: what the pipeline presents). The tokenizer is byte-level, so a
-    prompt of at most that many UTF-8 bytes fits without tokenizing."""
+def _check_prompt_length(args, config) -> None:
+    """The prompt fits what the checkpoint encodes: `config.max_prompt_tokens` (the pipeline's `max_prompt_tokens`,
+    lowered to the text encoder's `max_position_embeddings`), counted as the pipeline presents it (no chat template).
+    The tokenizer is byte-level, so a prompt of at most that many UTF-8 bytes fits without tokenizing."""
     if args.model is not None and args.model_path is None:  # a hub repo: its configs are not here before loading
         return
-    limit = _text_encoder_token_limit(args.model_path)
-    if limit is None or len(args.prompt.encode("utf-8")) <= limit:
+    limit = config.max_prompt_tokens
+    if len(args.prompt.encode("utf-8")) <= limit:
         return
     if args.model_path is None:
         from diffusers_h3.testing.tiny import tiny_tokenizer
@@ -452,58 +437,32 @@ def _check_prompt_length(args) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model_path / "tokenizer")
     else:
         return
-    num_tokens = len(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    from diffusers_h3.pipelines.request import count_tokens
+
+    num_tokens = count_tokens(tokenizer, args.prompt)
     if num_tokens > limit:
-        raise UsageError(f"--prompt is {num_tokens} tokens, more than the text encoder reads ({limit} tokens, its "
-                         "max_position_embeddings)", f"shorten the prompt to at most {limit} tokens")  # fmt: skip
+        raise UsageError(f"--prompt is {num_tokens} tokens, more than this checkpoint encodes ({limit} tokens: the "
+                         "pipeline's max_prompt_tokens or the text encoder's max_position_embeddings)",
+                         f"shorten the prompt to at most {limit} tokens")  # fmt: skip
 
 
-def _check_memory_option(args) -> None:
-    """`--memory auto|<GPU GiB>,<host GiB>` read into `args.memory_budget` (`(None, None)`: read the machine), and
-    the flags it cannot be combined with (no torch needed)."""
+def _check_memory(args) -> None:
+    """`--memory auto|<gpu>,<host>`: the recipe that fits, chosen (and printed on one line) before anything loads."""
     if getattr(args, "memory", None) is None:
         return
+    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, parse_memory_option, select_recipe
+
     others = [f for f, on in (("--low-memory", args.low_memory), ("--cpu-offload", args.cpu_offload),
                               ("--quantize", args.quantize), ("--quantize-text-encoder", args.quantize_text_encoder),
                               ("--gpus", args.gpus > 1)) if on]  # fmt: skip
     if others:
         raise UsageError(f"--memory picks the placement and weight formats itself, but {others[0]} asks for its own",
                          f"drop {others[0]} or --memory")  # fmt: skip
-    text = args.memory.strip().lower()
-    if text == "auto":
-        args.memory_budget = (None, None)
-        return
-    parts = text.split(",")
     try:
-        gpu, host = (float(p) for p in parts) if len(parts) == 2 else (math.nan, math.nan)
-    except ValueError:
-        gpu = host = math.nan
-    if not (gpu > 0 and host > 0 and math.isfinite(gpu) and math.isfinite(host)):
-        raise UsageError(f"--memory {args.memory}: not 'auto' nor '<GPU GiB>,<host GiB>' with two positive numbers",
-                         "pass e.g. --memory auto or --memory 16,32")  # fmt: skip
-    args.memory_budget = (gpu, host)
-
-
-def _check_memory(args) -> None:
-    """`--memory`: the recipe that fits, chosen (and printed on one line) before anything loads. The recipes place
-    the model on a CUDA GPU: without one, `--memory` is refused rather than run on the CPU."""
-    if getattr(args, "memory", None) is None:
-        return
-    import torch
-
-    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, select_recipe
-
-    if not torch.cuda.is_available():
-        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise UsageError(f"--memory {args.memory}: the memory recipes place the model on a CUDA GPU, and this host "
-                         f"has none ({build})", "drop --memory to run on the CPU (slowly), or run on a GPU host")  # fmt: skip
-    if not _device(args).startswith("cuda"):
-        raise UsageError(f"--memory places the model on a CUDA GPU, but --device {args.device} asks for another "
-                         "device", "drop --device or --memory")  # fmt: skip
-    try:
+        args.memory_budget = parse_memory_option(args.memory)
         args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args))
     except MemoryBudgetError as error:
-        raise UsageError(_as_flags(error.what), error.fix or "see docs/memory.md") from None
+        raise UsageError(str(error), "see docs/memory.md for what each budget runs") from None
     print(args.memory_recipe.line(), file=sys.stderr)
 
 
@@ -543,7 +502,6 @@ def check_arguments(args) -> None:
         return
     _check_prompt_text(args.prompt)
     _check_flag_combinations(args)
-    _check_memory_option(args)
     _check_out(args.out)
     _check_encoding_options(args)
     if args.lora is not None:
@@ -565,8 +523,6 @@ def check_generate(args):
     for flag, value in (("--model", args.model), ("--lora", args.lora)):
         if value is not None and _local_path(value, flag) is None:
             check_hub_reachable(value, flag, file="model_index.json" if flag == "--model" else None)
-    if args.model is None and args.height is None and args.width is None:
-        args.height, args.width = DEMO_CANVAS
     conditioning = {
         "image": _check_image(args.image, "--image") if args.image else None,
         "last_image": _check_image(args.last_image, "--last-image") if args.last_image else None,
@@ -588,8 +544,7 @@ def check_generate(args):
             "pass --model",
         )
     _check_choices(args)
-    _check_request(args, task, conditioning)
-    _check_prompt_length(args)
+    _check_prompt_length(args, _check_request(args, task, conditioning))
     args.task = task
     return conditioning
 
@@ -805,6 +760,9 @@ def cmd_generate(args) -> int:
                                     pix_fmt=args.pix_fmt)  # fmt: skip
     except OSError as error:  # a full disk: the target is left as it was, the error names it
         raise UsageError(f"--out {args.out}: {error}", "free some space or pick another --out") from error
+    except ValueError as error:  # NaN/inf latents or audio: refused before anything is written
+        raise UsageError(str(error), "check --lora / --lora-scale and --dtype (bf16 or fp32), or rerun with --debug "
+                         "for the traceback") from error  # fmt: skip
     seconds = time.perf_counter() - start
     if path is None:  # a context-parallel rank other than 0
         return 0
@@ -838,13 +796,16 @@ def cmd_describe(args) -> int:
 # The parser
 # ---------------------------------------------------------------------------------------------------------------------
 def _ranged(kind, minimum=None, below=None, what="value", bounds=None):
-    """An argparse type: `kind(value)` within [minimum, below) (`bounds`: how the message says the range)."""
+    """An argparse type: `kind(value)` within [minimum, below) (`bounds`: how the message says the range); a float
+    must be finite (NaN passes every comparison, inf every lower bound)."""
 
     def parse(value: str):
         try:
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if kind is float and not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number, got {value!r}")
         if (minimum is not None and number < minimum) or (below is not None and number >= below):
             raise argparse.ArgumentTypeError(
                 f"{what} must be {bounds or (f'at least {minimum}' if below is None else f'in [{minimum}, {below})')}, "
@@ -852,6 +813,7 @@ def _ranged(kind, minimum=None, below=None, what="value", bounds=None):
             )
         return number
 
+    parse.kind = kind  # what the option parses (the bad-input tests find the float options by it)
     return parse
 
 
@@ -894,11 +856,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "t2va/ref2va, the first keyframe's aspect at a 768 short edge for fl2va, height %d, width %d "
                           "on the tiny demo)" % DEMO_CANVAS)  # fmt: skip
     gen.add_argument("--width", type=int, default=None, help="canvas width in pixels (see --height)")
-    gen.add_argument("--frames", "--num-frames", dest="frames", type=int, default=124,
+    gen.add_argument("--frames", "--num-frames", dest="frames", type=_ranged(int, 1, what="--frames"), default=124,
                      help="frames at 24 fps, rounded up to 17n+5 (the VAE's chunks), 5-15 s after rounding: "
                           "108-345 frames, which round up to 124-345 (default: %(default)s = 5.2 s)")  # fmt: skip
-    gen.add_argument("--steps", type=_ranged(int, 2, what="--steps"), default=None,
-                     help="sigma grid points including the final 0 (STEPS-1 transformer forwards), at least 2 "
+    gen.add_argument("--steps", type=_ranged(int, 2, MAX_STEPS + 1, what="--steps", bounds=STEPS_BOUNDS), default=None,
+                     help=f"sigma grid points including the final 0 (STEPS-1 transformer forwards), {STEPS_BOUNDS} "
                           "(default: 50, or the schedule of a step-distillation LoRA)")  # fmt: skip
     gen.add_argument("--seed", type=_ranged(int, 0, 2**64, what="--seed", bounds="from 0 to 2**64-1"), default=0,
                      help="seed of the one CPU generator, 0 to 2**64-1 (default: %(default)s)")
@@ -935,7 +897,7 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
                       help="quantize the Qwen3-VL text encoder while loading (formats as --quantize)")
     fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
-    fast.add_argument("--lora-scale", type=float, default=None, help="with --lora: adapter weight (default: 1.0)")
+    fast.add_argument("--lora-scale", type=_ranged(float, what="--lora-scale"), default=None, help="with --lora: adapter weight (default: 1.0)")
     fast.add_argument("--lora-allow-unmatched", action="store_true",
                       help="with --lora: load the matching modules and skip LoRA keys that match none")
     fast.add_argument("--cache", choices=CACHE_METHOD_CHOICES, default=None,

@@ -1,6 +1,7 @@
 """Every user mistake of the CLI: one line `diffusers-h3: error: <what> — <fix>`, exit code 2, checked before any
 model loads, nothing written."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -64,9 +65,15 @@ BAD_INPUTS = {
     "height without width": (["--height", "64"], ["--height and --width have to be passed together"]),
     "aspect ratio": (["--height", "32", "--width", "256"], ["aspect ratios from 1:4 to 4:1 (width:height)",
                                                             "got --height 32 --width 256"]),
-    "too few frames": (["--frames", "50"], ["--frames 50", "17n+5"]),
+    "too few frames": (["--frames", "50"], ["--frames 50", "17n+5", "Pass 108 to 345 frames"]),
     "too many frames": (["--num-frames", "400"], ["--frames 400"]),
-    "steps": (["--steps", "1"], ["--steps must be at least 2"]),
+    "steps": (["--steps", "1"], ["--steps must be from 2 to 1000", "got 1"]),
+    "steps past the bound": (["--steps", "100000"], ["--steps must be from 2 to 1000", "20x the default", "got 100000"]),
+    "width without height": (["--width", "96"], ["--height and --width have to be passed together",
+                                                 "--width without --height"]),
+    "no frames": (["--frames", "0"], ["--frames must be at least 1, got 0"]),
+    "prompt of 100,000 characters": (["--prompt", "a" * 100_000], ["--prompt is 100000 tokens", "(2048 tokens",
+                                                                    "max_prompt_tokens", "at most 2048 tokens"]),
     "sparsity": (["--vsa", "1.5"], ["sparsity must be in [0.0, 1.0)"]),
     "unknown quantization": (["--quantize", "int3"], ["--quantize int3", "fp8"]),
     "dense first steps without vsa": (["--dense-first-steps", "2"], ["--dense-first-steps", "--vsa"]),
@@ -124,6 +131,39 @@ def test_bad_input_is_one_line_before_loading_and_writes_nothing(name, no_loadin
     _fails(argv, capsys, *expected)
     assert not out.exists() and not (tmp / "cache").exists()
     assert not (tmp / "clip.avi").exists() and not (tmp / "missing").exists()
+
+
+def _float_options():
+    """`(subcommand, flag, type)` of every option of every subcommand that parses a float."""
+    subcommands = cli.build_parser()._subparsers._group_actions[0].choices
+    return [(command, action.option_strings[-1], action.type) for command, parser in subcommands.items()
+            for action in parser._actions
+            if action.option_strings and (action.type is float or getattr(action.type, "kind", None) is float)]  # fmt: skip
+
+
+NON_FINITE = ("nan", "NaN", "inf", "-inf", "Infinity")
+
+
+def test_every_float_option_refuses_nan_and_inf():
+    options = _float_options()
+    flags = {flag for command, flag, _ in options if command == "generate"}
+    assert {"--vsa", "--lora-scale", "--cache-threshold"} <= flags, flags
+    for command, flag, parse in options:
+        for value in NON_FINITE:
+            with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number"):
+                parse(value)
+                pytest.fail(f"{command} {flag} {value} was accepted")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_float_options_with_nan_or_inf_are_one_line_before_loading(value, no_loading, capsys):
+    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
+    for command, flag, _ in _float_options():
+        if command == "generate":  # `--flag=-inf`: argparse reads a bare `-inf` as an option
+            _fails([*base, f"{flag}={value}"], capsys, f"argument {flag}", "must be a finite number", repr(value))
+    for memory in (f"{value},32", f"16,{value}"):  # --memory's two numbers
+        _fails([*base, f"--memory={memory}"], capsys, "--memory")
+    assert not (no_loading / "out.mp4").exists()
 
 
 def test_corrupt_files_are_named_with_the_reason(no_loading, capsys):
@@ -215,7 +255,7 @@ def test_every_flag_has_help():
     missing = [a.option_strings for a in actions(cli.build_parser()) if a.option_strings and not a.help]
     assert missing == []
     text = cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    assert "multiples of 32" in text and "default: 124" in text and "17n+5" in text and "at least 2" in text
+    assert "multiples of 32" in text and "default: 124" in text and "17n+5" in text and "from 2 to 1000" in text
 
 
 _HELP_WITHOUT_TORCH = """
@@ -257,7 +297,10 @@ for argv in (["--help"], ["--version"], ["generate", "--help"], ["generate", "--
 # Checks that read only the arguments answer before the package (and torch) is imported.
 for name, argv in (("empty-prompt", ["--prompt", " "]), ("unwritable-out", ["--prompt", "a cat", "--out", "/proc/x.mp4"]),
                    ("seed", ["--prompt", "a cat", "--seed", "-1"]), ("folder-image", ["--prompt", "a", "--image", "."]),
-                   ("crf", ["--prompt", "a cat", "--crf", "99"]), ("preset", ["--prompt", "a cat", "--preset", "x"])):
+                   ("crf", ["--prompt", "a cat", "--crf", "99"]), ("preset", ["--prompt", "a cat", "--preset", "x"]),
+                   ("height-alone", ["--prompt", "a cat", "--height", "64"]), ("no-frames", ["--prompt", "a", "--frames", "0"]),
+                   ("steps", ["--prompt", "a cat", "--steps", "100000"]), ("vsa-nan", ["--prompt", "a", "--vsa", "nan"]),
+                   ("lora-scale-inf", ["--prompt", "a cat", "--lora-scale", "inf"])):
     try:
         diffusers_h3_launcher.main(["generate", *argv])
     except SystemExit as stop:
@@ -281,7 +324,8 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
     out = result.stdout
     assert "EXIT --help 0" in out and "EXIT --version 0" in out and "EXIT --no-such-flag 2" in out, out
     assert "HEAVY []" in out, out
-    for name in ("empty-prompt", "unwritable-out", "seed", "folder-image", "crf", "preset"):
+    for name in ("empty-prompt", "unwritable-out", "seed", "folder-image", "crf", "preset", "height-alone", "no-frames",
+                 "steps", "vsa-nan", "lora-scale-inf"):
         assert f"EXIT {name} 2" in out, out
     assert "EXIT frames 2" in out and "LOADED True" in out, out
     assert "--prompt is empty" in result.stderr and "--frames 50" in result.stderr
@@ -393,9 +437,13 @@ def test_prompt_longer_than_the_text_encoder_reads_is_refused_before_loading(no_
     tiny_tokenizer().save_pretrained(model / "tokenizer")
     base = ["generate", "--out", str(no_loading / "out.mp4"), "--device", "cpu", "--model", str(model)]
     _fails([*base, "--prompt", "a cat playing the piano"], capsys, "--prompt is 23 tokens",
-           "(16 tokens, its max_position_embeddings)", "at most 16 tokens")  # fmt: skip
+           "(16 tokens: the pipeline's max_prompt_tokens or the text encoder's max_position_embeddings)",
+           "at most 16 tokens")  # fmt: skip
     with pytest.raises(AssertionError, match="a model was loaded"):  # 16 tokens fit: on to loading
         cli.main([*base, "--prompt", "a cat plays jazz"])
+    # The pipeline's own bound (model_index.json's max_prompt_tokens) when it is the smaller one.
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3Pipeline", "max_prompt_tokens": 8}))
+    _fails([*base, "--prompt", "a cat plays jazz"], capsys, "--prompt is 16 tokens", "(8 tokens", "at most 8 tokens")
 
 
 def test_frames_range_in_help_is_the_range_accepted(no_loading):
@@ -429,3 +477,24 @@ def test_ctrl_c_is_one_line_and_exit_130(no_loading, capsys, monkeypatch):
     assert isinstance(ended, SystemExit) and ended.code == 130, repr(ended)
     err = capsys.readouterr().err
     assert "diffusers-h3: interrupted" in err and "Traceback" not in err, err
+
+
+def test_nan_latents_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys):
+    """A generation that diverged (here: a step callback poisons the latents) ends in one line naming the likely
+    cause, not in a codec traceback after the model ran."""
+    import torch
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    original = MiniMaxH3Pipeline.__call__
+
+    def diverging(self, *args, **kwargs):
+        def poison(pipe, step, timestep, tensors):
+            return {"latents": torch.full_like(tensors["latents"], float("nan"))}
+
+        return original(self, *args, **kwargs, callback_on_step_end=poison)
+
+    monkeypatch.setattr(MiniMaxH3Pipeline, "__call__", diverging)
+    out = tmp_path / "out.mp4"
+    _fails(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu"], capsys,
+           "the video latents hold", "NaN/inf", "likely causes", "--lora-scale", after_loading=True)  # fmt: skip
+    assert not out.exists()

@@ -22,6 +22,12 @@ import torch
 HUB_REPO_ID = "MiniMaxAI/MiniMax-H3"
 # The embedded demo checkpoint holds the t2va / fl2va partition only.
 DEMO_PARTITIONS = ("transformer",)
+# The demo checkpoint's pipeline config: its default canvas is 64x96 (height x width), which the tiny model runs in
+# seconds on a CPU (the released rule, 768x1344, takes minutes and GBs of RAM here). Saved into the checkpoint, so
+# `MiniMaxH3Pipeline.from_pretrained(demo_checkpoint_dir())` defaults to it as `diffusers-h3 generate` does.
+DEMO_PIPELINE_CONFIG = {"canvas_short_edge": 64, "canvas_max_pixels": 64 * 96}
+# Part of the demo's cache folder name: a checkpoint built by an older version is rebuilt, not reused.
+DEMO_CHECKPOINT_VERSION = 2
 
 TINY_TRANSFORMER_CONFIG = {
     "num_attention_heads": 2,
@@ -216,13 +222,15 @@ def tiny_components(
 
 def tiny_pipeline(seed: int = 0, text_encoder_layers: int = 51, **kwargs):
     """A `MiniMaxH3Pipeline` over :func:`tiny_components`, allowing short clips (:data:`TINY_DURATION_LIMITS`, e.g.
-    `num_frames=22`) unless `min_duration_s` / `max_duration_s` are passed."""
+    `num_frames=22`) unless `min_duration_s` / `max_duration_s` are passed; other pipeline config values (e.g.
+    `canvas_short_edge`) are passed on to the pipeline, the rest to :func:`tiny_components`."""
+    from ..pipelines.loading import PIPELINE_CONFIG_KEYS
     from ..pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 
     text_encoder_layer = kwargs.pop("text_encoder_layer", min(50, text_encoder_layers - 1))
-    limits = {name: kwargs.pop(name, value) for name, value in TINY_DURATION_LIMITS.items()}
+    config = {**TINY_DURATION_LIMITS, **{name: kwargs.pop(name) for name in PIPELINE_CONFIG_KEYS if name in kwargs}}
     components = tiny_components(seed=seed, text_encoder_layers=text_encoder_layers, **kwargs)
-    return MiniMaxH3Pipeline(**components, text_encoder_layer=text_encoder_layer, **limits)
+    return MiniMaxH3Pipeline(**components, text_encoder_layer=text_encoder_layer, **config)
 
 
 def save_hub_layout(components: Dict[str, object], directory: Union[str, os.PathLike], repo_id: str = HUB_REPO_ID) -> Path:
@@ -294,14 +302,16 @@ def save_to_hub_cache(
 
 
 def demo_checkpoint_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
-    """The embedded tiny demo checkpoint, built offline into a cache folder on first use (our own save layout)."""
+    """The embedded tiny demo checkpoint, built offline into a cache folder on first use (our own save layout): a
+    folder that `MiniMaxH3Pipeline.from_pretrained` loads, whose default canvas is the demo's 64x96
+    (:data:`DEMO_PIPELINE_CONFIG`). Default folder: `$XDG_CACHE_HOME/diffusers_h3/tiny-demo-v<N>` (`~/.cache/...`)."""
     if cache_dir is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache_dir = Path(base) / "diffusers_h3" / "tiny-demo"
+        cache_dir = Path(base) / "diffusers_h3" / f"tiny-demo-v{DEMO_CHECKPOINT_VERSION}"
     cache_dir = Path(cache_dir)
     if (cache_dir / "model_index.json").exists():
         return cache_dir
-    pipe = tiny_pipeline(seed=0, with_transformer_ref="transformer_ref" in DEMO_PARTITIONS)
+    pipe = tiny_pipeline(seed=0, with_transformer_ref="transformer_ref" in DEMO_PARTITIONS, **DEMO_PIPELINE_CONFIG)
     tmp = cache_dir.with_name(cache_dir.name + ".tmp")
     pipe.save_pretrained(tmp)
     tmp.replace(cache_dir) if not cache_dir.exists() else None

@@ -767,11 +767,15 @@ def estimate_low_ram(results):
 
 
 def write_recipe_table(results_path, table_path):
-    """``diffusers_h3/parallel/memory_recipes.json`` from a placement result (estimates for unmeasured recipes)."""
+    """``diffusers_h3/parallel/memory_recipes.json`` from a placement result (estimates for unmeasured recipes) and the
+    consumer-GPU model's predictions (``benchmarks/consumer_model.py``; run it first when the placement result
+    changed)."""
     from diffusers_h3.parallel.memory_budget import derive_recipe_table
 
     results = json.loads(Path(results_path).read_text())
-    table = derive_recipe_table(results)
+    consumer = Path(__file__).resolve().parent / "results" / "consumer_model.json"  # predicted times per GPU
+    predictions = json.loads(consumer.read_text()) if consumer.exists() else None
+    table = derive_recipe_table(results, predictions=predictions)
     if not any(e["recipe"] == "low_ram" for e in table["recipes"]):
         estimate = estimate_low_ram(results)
         if estimate is not None:

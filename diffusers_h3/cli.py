@@ -71,8 +71,19 @@ class UsageError(Exception):
         super().__init__(f"{what.rstrip('.')} — {fix.rstrip('.')}")
 
 
+# Options whose value may start with "-" and is not one number (argparse would take "-1,-1" for an option).
+_DASH_VALUE_OPTIONS = ("--memory",)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's usage errors as one line too (argparse already exits with 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        for i in range(len(args) - 2, -1, -1):  # `--memory -1,-1` is read as `--memory=-1,-1`: its own check answers
+            if args[i] in _DASH_VALUE_OPTIONS and re.match(r"-[\d.]", args[i + 1]):
+                args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         self.exit(2, f"{PROG}: error: {message} — see `{self.prog} --help`\n")
@@ -446,23 +457,52 @@ def _check_prompt_length(args, config) -> None:
                          f"shorten the prompt to at most {limit} tokens")  # fmt: skip
 
 
-def _check_memory(args) -> None:
-    """`--memory auto|<gpu>,<host>`: the recipe that fits, chosen (and printed on one line) before anything loads."""
+def _check_memory_option(args) -> None:
+    """`--memory auto|<GPU GiB>,<host GiB>` read into `args.memory_budget` (`(None, None)`: read the machine), and
+    the flags it cannot be combined with (no torch needed)."""
     if getattr(args, "memory", None) is None:
         return
-    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, parse_memory_option, select_recipe
-
     others = [f for f, on in (("--low-memory", args.low_memory), ("--cpu-offload", args.cpu_offload),
                               ("--quantize", args.quantize), ("--quantize-text-encoder", args.quantize_text_encoder),
                               ("--gpus", args.gpus > 1)) if on]  # fmt: skip
     if others:
         raise UsageError(f"--memory picks the placement and weight formats itself, but {others[0]} asks for its own",
                          f"drop {others[0]} or --memory")  # fmt: skip
+    text = args.memory.strip().lower()
+    if text == "auto":
+        args.memory_budget = (None, None)
+        return
+    parts = text.split(",")
     try:
-        args.memory_budget = parse_memory_option(args.memory)
+        gpu, host = (float(p) for p in parts) if len(parts) == 2 else (math.nan, math.nan)
+    except ValueError:
+        gpu = host = math.nan
+    if not (gpu > 0 and host > 0 and math.isfinite(gpu) and math.isfinite(host)):
+        raise UsageError(f"--memory {args.memory}: not 'auto' nor '<GPU GiB>,<host GiB>' with two positive numbers",
+                         "pass e.g. --memory auto or --memory 16,32")  # fmt: skip
+    args.memory_budget = (gpu, host)
+
+
+def _check_memory(args) -> None:
+    """`--memory`: the recipe that fits, chosen (and printed on one line) before anything loads. The recipes place
+    the model on a CUDA GPU: without one, `--memory` is refused rather than run on the CPU."""
+    if getattr(args, "memory", None) is None:
+        return
+    import torch
+
+    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, select_recipe
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise UsageError(f"--memory {args.memory}: the memory recipes place the model on a CUDA GPU, and this host "
+                         f"has none ({build})", "drop --memory to run on the CPU (slowly), or run on a GPU host")  # fmt: skip
+    if not _device(args).startswith("cuda"):
+        raise UsageError(f"--memory places the model on a CUDA GPU, but --device {args.device} asks for another "
+                         "device", "drop --device or --memory")  # fmt: skip
+    try:
         args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args))
     except MemoryBudgetError as error:
-        raise UsageError(str(error), "see docs/memory.md for what each budget runs") from None
+        raise UsageError(_as_flags(error.what), error.fix or "see docs/memory.md") from None
     print(args.memory_recipe.line(), file=sys.stderr)
 
 
@@ -502,6 +542,7 @@ def check_arguments(args) -> None:
         return
     _check_prompt_text(args.prompt)
     _check_flag_combinations(args)
+    _check_memory_option(args)
     _check_out(args.out)
     _check_encoding_options(args)
     if args.lora is not None:

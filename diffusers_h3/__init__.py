@@ -43,10 +43,13 @@ from .layout import (
     require_packed_layout,
     use_packed_layout,
 )
+from .loaders.fasth3 import KNOWN_FASTH3_PRESETS, FastH3Preset, apply_fasth3_payload, split_fasth3_state_dict
+from .loaders.fasth3_vae import load_nvfp4_decoder
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .loaders.single_file import TransformerFileError, load_transformer_file
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
+from .pipelines.fasth3 import enable_fasth3_preset, load_fasth3_adapter
 from .pipelines.memory_budget import load_for_memory_budget
 from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset, speed_preset_record
 from .quantizers import (
@@ -106,6 +109,13 @@ __all__ = [
     "get_preset",
     "load_transformer_file",
     "TransformerFileError",
+    "FastH3Preset",
+    "KNOWN_FASTH3_PRESETS",
+    "enable_fasth3_preset",
+    "load_fasth3_adapter",
+    "apply_fasth3_payload",
+    "split_fasth3_state_dict",
+    "load_nvfp4_decoder",
     "FP8Config",
     "NVFP4Config",
     "W8A16Config",

@@ -148,11 +148,15 @@ def describe(pipe_or_model: Any = None) -> Dict[str, Any]:
     report["components"] = components
     # Pipeline-wide records (a pipeline is no module and has no hook registry): kept on the pipeline object.
     from .parallel.placement import placement_of
+    from .pipelines.fasth3 import fasth3_report
     from .pipelines.speed_presets import speed_preset_report
 
     speed_preset = speed_preset_report(pipe_or_model)  # recorded by enable_speed_preset
     if speed_preset is not None:
         report["speed_preset"] = speed_preset
+    fasth3 = fasth3_report(pipe_or_model)  # a FastH3 stack's preset, gates, payload, light VAE
+    if fasth3 is not None:
+        report["fasth3"] = fasth3
     placement = placement_of(pipe_or_model)  # recorded by the placement recipes
     if placement:
         report["placement"] = placement

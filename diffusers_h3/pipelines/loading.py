@@ -28,7 +28,9 @@ from diffusers.utils import logging
 from diffusers.utils.distributed_utils import is_torch_dist_rank_zero
 
 from .._checkpoint_files import safetensors_problem
+from ..loaders.fasth3 import CONTRACT_FILE
 from ..tasks import PARTITIONS, partitions_for_task
+from .fasth3 import apply_fasth3_stack, check_fasth3_stack
 
 
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
@@ -224,7 +226,9 @@ def resolve_repo(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) 
         )
     index = modular if modular is not None else root
     # The repo's card comes along: the model cards of what is saved from it take its license.
-    allow = list(INDEX_FILES) + ["README.md"] + [f"{folder}/*" for folder in _needed_subfolders(index, task)]
+    # A FastH3 stack's contract too (its trained schedule and VSA settings, pipelines/fasth3.py).
+    allow = list(INDEX_FILES) + ["README.md", CONTRACT_FILE]
+    allow += [f"{folder}/*" for folder in _needed_subfolders(index, task)]
     kwargs = {k: v for k, v in hub_kwargs.items() if k != "local_files_only"}
     return snapshot_download(repo_id, allow_patterns=allow, local_files_only=_offline(hub_kwargs), **kwargs)
 
@@ -493,11 +497,19 @@ def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], k
     _check_partitions_present(directory, index, task, kwargs)
     _check_transformers_weights(directory, index, kwargs)  # a truncated file first: the next check reads headers
     _check_quantized_components(directory, index, task, kwargs)
+    # A FastH3 stack (fastvideo_inference.json): its contract is checked now, its gates / decoder / preset after loading.
+    nvfp4_decoder = kwargs.pop("nvfp4_decoder", None)
+    fasth3 = check_fasth3_stack(directory)
+    if fasth3 is None and nvfp4_decoder is not None:
+        raise ValueError(f"nvfp4_decoder= is for FastH3 stacks, but {directory} has no fastvideo_inference.json; "
+                         "load the decoder with diffusers_h3.load_nvfp4_decoder(pipe.vae, path)")  # fmt: skip
     if kind == "hub":
-        return _load_hub_layout(cls, directory, index, task, kwargs)
-    for partition in PARTITIONS:
-        if partition not in wanted:
-            kwargs.setdefault(partition, None)
-    if "torch_dtype" in kwargs or "dtype" in kwargs:
-        kwargs["dtype"] = pop_dtype(kwargs)
-    return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+        pipe = _load_hub_layout(cls, directory, index, task, kwargs)
+    else:
+        for partition in PARTITIONS:
+            if partition not in wanted:
+                kwargs.setdefault(partition, None)
+        if "torch_dtype" in kwargs or "dtype" in kwargs:
+            kwargs["dtype"] = pop_dtype(kwargs)
+        pipe = _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+    return pipe if fasth3 is None else apply_fasth3_stack(pipe, directory, fasth3, nvfp4_decoder)

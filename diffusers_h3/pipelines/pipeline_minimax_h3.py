@@ -65,6 +65,7 @@ from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
+from .fasth3 import resolve_fasth3_schedule
 from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
@@ -771,6 +772,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
         num_inference_steps, flow_shift, audio_flow_shift = self._resolve_lora_schedule(
             num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=spec.name
+        )
+        # A FastH3 stack's preset runs its trained sigmas unless the call asks for another schedule.
+        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift = resolve_fasth3_schedule(
+            self, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, task=spec.name
         )
         request = H3Request.build(
             self.request_config(), prompt, image, last_image, references, height, width, num_frames,

@@ -1,0 +1,94 @@
+"""FastH3-shaped files for tests and benchmarks: a stack's contract, trained-looking gates, an exported NVFP4 decoder,
+a whole stack folder. The layouts are the published ones (docs/checkpoints.md, "FastH3 stacks"); the weights are
+random."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+
+from ..attention_processors import add_gate_compress
+from ..loaders.fasth3 import CONTRACT_FILE
+from ..loaders.fasth3_vae import DECODER_BLOCK_LINEAR, DEPLOY_FORMAT, evenly_spaced_blocks
+
+
+# The 4-step preview's fastvideo_inference.json (FastVideo/FastVideo-FastH3-4-step-Preview-v1-VSA-DataFree).
+FOUR_STEP_CONTRACT: Dict[str, Any] = {
+    "schema_version": "fasth3-inference-contract-v1",
+    "model_id": "FastVideo/FastVideo-FastH3-4-step-Preview-v1-VSA-DataFree",
+    "task": "t2av",
+    "guidance_scale": 1.0,
+    "transformer_forwards": 4,
+    "num_inference_steps": 5,
+    "dmd_denoising_steps": [999, 749, 500, 250],
+    "attention_backend": "VIDEO_SPARSE_ATTN_H3",
+    "vsa_tile_size": 64,
+    "vsa_sparsity": 0.9,
+}
+
+
+@torch.no_grad()
+def add_random_gates(transformer: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Give every block a ``to_gate_compress`` with random weights (a VSA-distilled DiT's layout)."""
+    add_gate_compress(transformer)
+    gen = torch.Generator().manual_seed(seed)
+    for block in transformer.transformer_blocks:
+        weight = block.attn.to_gate_compress.weight
+        weight.copy_((torch.randn(weight.shape, generator=gen) * std).to(weight.device, weight.dtype))
+
+
+@torch.no_grad()
+def nvfp4_decoder_export(vae: torch.nn.Module, student_layers: int, seed: Optional[int] = None, **metadata) -> Dict:
+    """FastVideo's deploy-format NVFP4 decoder (``decoder.pt``'s dict) of a student cut from ``vae``'s decoder to
+    ``student_layers`` evenly spaced blocks: block linears as bf16 masters with an ``input_amax``, everything else as
+    stored. ``seed``: perturb every tensor a little (a distilled student is not its teacher)."""
+    kept = evenly_spaced_blocks(len(vae.decoder.transformer_blocks), student_layers)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    state = {}
+    for key, value in vae.decoder.state_dict().items():
+        match = re.match(r"^transformer_blocks\.(\d+)\.(.*)$", key)
+        if match:
+            if int(match.group(1)) not in kept:
+                continue
+            key = f"transformer_blocks.{kept.index(int(match.group(1)))}.{match.group(2)}"
+        value = value.detach().cpu()
+        if gen is not None and value.is_floating_point():
+            value = value + 0.01 * torch.randn(value.shape, generator=gen).to(value.dtype)
+        module = key.rsplit(".", 1)[0]
+        if DECODER_BLOCK_LINEAR.match(module):
+            value = value.to(torch.bfloat16)
+            if key.endswith(".weight"):
+                state[f"{module}.input_amax"] = torch.tensor(3.0)
+        state[key] = value
+    linears = sum(1 for key in state if key.endswith(".input_amax"))
+    meta = {"format": "fastvideo_h3_decoder_nvfp4_qad", "block_size": 16, "rotation_group": None, "skip_blocks": [],
+            "act_scale": "static", "num_linears": linears, "student_layers": student_layers, **metadata}  # fmt: skip
+    conv = {k: v.detach().cpu() for k, v in vae.post_quant_conv.state_dict().items()}
+    return {"format": DEPLOY_FORMAT, "metadata": meta, "decoder": state, "post_quant_conv": conv}
+
+
+def write_fasth3_stack(
+    directory: Union[str, Path],
+    components: Dict[str, Any],
+    contract: Optional[Dict[str, Any]] = None,
+    decoder_student_layers: Optional[int] = None,
+    gate_seed: int = 7,
+) -> Path:
+    """Write a FastH3 stack: ``components`` in the official hub layout with random trained-looking gates in the DiT,
+    ``fastvideo_inference.json`` (default: the 4-step preview's) and, with ``decoder_student_layers``, the exported
+    NVFP4 decoder of a student of the VAE as ``vae/decoder.pt``."""
+    from .tiny import save_hub_layout
+
+    directory = Path(directory)
+    if components.get("transformer") is not None:
+        add_random_gates(components["transformer"], seed=gate_seed, std=1.0)
+    save_hub_layout(components, directory)
+    (directory / CONTRACT_FILE).write_text(json.dumps(contract or FOUR_STEP_CONTRACT, indent=2))
+    if decoder_student_layers is not None:
+        export = nvfp4_decoder_export(components["vae"], decoder_student_layers, seed=5)
+        torch.save(export, directory / "vae" / "decoder.pt")
+    return directory

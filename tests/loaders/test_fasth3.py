@@ -1,0 +1,372 @@
+"""FastH3 stacks: the contract and its schedule, `.diff` / `.set_weight` payloads, the trained gates, the light VAE's
+exported NVFP4 decoder, and a whole stack loaded with `from_pretrained` and run on the tiny pipeline.
+
+Every file is written here in the published layouts (docs/checkpoints.md, "FastH3 stacks"), with the tiny model's
+module names."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
+from safetensors.torch import save_file
+
+from diffusers_h3 import MiniMaxH3Pipeline, describe
+from diffusers_h3.attention_processors import add_gate_compress, vsa_state
+from diffusers_h3.kernels.gemm import nvfp4_dequantize, nvfp4_quantize
+from diffusers_h3.loaders.fasth3 import (
+    CONTRACT_FILE,
+    KNOWN_FASTH3_PRESETS,
+    apply_fasth3_payload,
+    preset_from_contract,
+    read_contract,
+    split_fasth3_state_dict,
+)
+from diffusers_h3.loaders.fasth3_vae import (
+    DECODER_BLOCK_LINEAR,
+    load_nvfp4_decoder,
+)
+from diffusers_h3.pipelines.fasth3 import enable_fasth3_preset, fasth3_report, load_fasth3_adapter
+from diffusers_h3.quantizers import NVFP4Linear
+from diffusers_h3.testing.fasth3 import FOUR_STEP_CONTRACT, nvfp4_decoder_export, write_fasth3_stack
+from diffusers_h3.testing.tiny import (
+    TINY_DURATION_LIMITS,
+    TINY_NUM_FRAMES,
+    TINY_VAE_CONFIG,
+    tiny_components,
+    tiny_pipeline,
+    tiny_transformer,
+    tiny_transformer_inputs,
+    tiny_vae,
+)
+
+
+FOUR_STEP = FOUR_STEP_CONTRACT
+SHIFTS = {"video": 12.0, "audio": 3.0}
+CALL = {"prompt": "a cat", "height": 64, "width": 96, "num_frames": TINY_NUM_FRAMES, "output_type": "latent"}
+
+
+# ---- contract and schedule ------------------------------------------------------------------------------------------
+def test_contract_gives_the_trained_sigmas():
+    preset = preset_from_contract(FOUR_STEP, SHIFTS)
+    assert (preset.rungs, preset.vsa_sparsity, preset.sigma_points) == ((999, 749, 500, 250), 0.9, 5)
+    video, audio = preset.sigmas()
+    for sigmas, shift in ((video, 12.0), (audio, 3.0)):
+        base = torch.tensor([0.999, 0.749, 0.5, 0.25, 0.0], dtype=torch.float32)
+        assert sigmas == (shift * base / (1 + (shift - 1) * base)).tolist()
+    assert video[0] < 1.0 and video[-1] == 0.0  # rung 999, not the uniform grid's 1.0
+    assert preset == KNOWN_FASTH3_PRESETS["fasth3-4step-preview-vsa"].replace(
+        name=preset.name, source=preset.source
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"schema_version": "v0"}, "schema_version must be"),
+        ({"transformer_forwards": 8}, "4 rungs need transformer_forwards=4"),
+        ({"dmd_denoising_steps": [999, 999, 500, 250]}, "strictly decreasing"),
+        ({"video_scheduler_shift": 10.0}, "video_scheduler_shift=10 disagrees with scheduler/scheduler_config.json shift=12"),
+        ({"vsa_tile_size": 128}, "vsa_tile_size=128"),
+        ({"vsa_sparsity": 1.0}, "vsa_sparsity must be in [0, 1)"),
+        ({"pdd_steps": 32}, "PDD student"),
+    ],
+)
+def test_contract_refusals(change, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        preset_from_contract({**FOUR_STEP, **change}, SHIFTS)
+
+
+def test_dense_student_contract_has_no_vsa():
+    dense = {**FOUR_STEP, "attention_backend": "FLASH_ATTN"}
+    del dense["vsa_sparsity"], dense["vsa_tile_size"]
+    assert preset_from_contract(dense, SHIFTS).vsa_sparsity is None
+
+
+# ---- payloads -------------------------------------------------------------------------------------------------------
+def _payload(model, seed=1, prefix=""):
+    """A FastH3 payload for `model` in the published key names: deltas, a bias delta, gates set per block."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = model.transformer_blocks
+    payload = {
+        f"{prefix}proj_in.diff": torch.randn(model.proj_in.weight.shape, generator=gen) * 0.1,
+        f"{prefix}proj_in.diff_b": torch.randn(model.proj_in.bias.shape, generator=gen) * 0.1,
+        f"{prefix}transformer_blocks.0.attn.to_q.diff": torch.randn(blocks[0].attn.to_q.weight.shape, generator=gen) * 0.1,
+        f"{prefix}transformer_blocks.1.attn.norm_q.diff": torch.randn(blocks[1].attn.norm_q.weight.shape, generator=gen),
+    }
+    gate_shape = (blocks[0].attn.heads * blocks[0].attn.head_dim, model.proj_in.out_features)
+    for i in range(len(blocks)):
+        payload[f"{prefix}transformer_blocks.{i}.attn.to_gate_compress.set_weight"] = torch.randn(gate_shape, generator=gen)
+    return payload
+
+
+def test_payload_equals_the_manually_patched_weights():
+    torch.manual_seed(0)
+    model, reference = tiny_transformer(), tiny_transformer()
+    reference.load_state_dict(model.state_dict())
+    raw = _payload(model, prefix="diffusion_model.")
+    payload, rest = split_fasth3_state_dict({**raw, "transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 32)})
+    assert list(rest) == ["transformer_blocks.0.attn.to_q.lora_A.weight"]  # LoRA factors are not payload
+    report = apply_fasth3_payload(model, payload)
+    assert (report.added, report.replaced, report.gates_created) == (4, 2, (0, 1))
+
+    gates = {}
+    with torch.no_grad():  # the same patch written out by hand
+        for key, tensor in raw.items():
+            name = key.removeprefix("diffusion_model.")
+            if name.endswith(".set_weight"):
+                gates[name.replace(".set_weight", ".weight")] = tensor
+            else:
+                param = reference.get_parameter(name.replace(".diff_b", ".bias").replace(".diff", ".weight"))
+                param.copy_((param.float() + tensor.float()).to(param.dtype))
+    add_gate_compress(reference, gates)
+    patched, expected = model.state_dict(), reference.state_dict()
+    assert patched.keys() == expected.keys() and all(torch.equal(patched[k], expected[k]) for k in expected)
+
+
+def test_payload_strength_scales_deltas_and_new_gates():
+    model = tiny_transformer()
+    base = model.proj_in.weight.detach().clone()
+    raw = _payload(model)
+    apply_fasth3_payload(model, split_fasth3_state_dict(raw)[0], strength=0.5)
+    assert torch.equal(model.proj_in.weight, (base + raw["proj_in.diff"] * 0.5).to(base.dtype))
+    gate = model.transformer_blocks[1].attn.to_gate_compress.weight
+    assert torch.equal(gate, raw["transformer_blocks.1.attn.to_gate_compress.set_weight"] * 0.5)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda raw: raw.update({"proj_in.diff": torch.zeros(3, 3)}), r"proj_in.diff has shape \(3, 3\)"),
+        (lambda raw: raw.update({"transformer_blocks.7.attn.to_q.diff": torch.zeros(64, 32)}), "names no parameter"),
+        (lambda raw: raw["proj_in.diff_b"].fill_(float("nan")), "NaN or Inf"),
+    ],
+)
+def test_mismatched_payload_is_refused_and_changes_nothing(corrupt, message):
+    model = tiny_transformer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    raw = _payload(model)
+    corrupt(raw)
+    with pytest.raises(ValueError, match=f"FastH3 payload does not fit this DiT: 1 of .*{message}") as error:
+        apply_fasth3_payload(model, split_fasth3_state_dict(raw)[0])
+    assert "\n" not in str(error.value)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)  # no gate added
+
+
+def test_payload_for_a_wider_base_is_refused():
+    """A payload made for another DiT (here: wider blocks) fails on its shapes before anything changes."""
+    other = tiny_transformer(attention_head_dim=16, hidden_size=48, ffn_dim=96)
+    with pytest.raises(ValueError, match="it was made for another base"):
+        apply_fasth3_payload(tiny_transformer(), split_fasth3_state_dict(_payload(other))[0])
+
+
+def test_payload_gates_reach_the_vsa_processor():
+    """The gates a payload sets are the ones the VSA processor adds the coarse branch through."""
+    from diffusers_h3.attention_processors import enable_vsa
+    from diffusers_h3.layout import use_packed_layout
+    from diffusers_h3.packing import build_layout
+
+    torch.manual_seed(0)
+    model, by_hand, zero = tiny_transformer(), tiny_transformer(), tiny_transformer()
+    by_hand.load_state_dict(model.state_dict())
+    zero.load_state_dict(model.state_dict())
+    raw = {k: v for k, v in _payload(model).items() if k.endswith(".set_weight")}
+    apply_fasth3_payload(model, split_fasth3_state_dict(raw)[0])
+    add_gate_compress(by_hand, {k.replace(".set_weight", ".weight"): v for k, v in raw.items()})
+    add_gate_compress(zero)  # zero gates: pure sparse
+    inputs = tiny_transformer_inputs(seed=2, grid=(4, 8, 8))
+    outs = []
+    for m in (model, by_hand, zero):
+        enable_vsa(m, sparsity=0.75)
+        with torch.no_grad(), use_packed_layout(build_layout(5, [], 4, (4, 8, 8), 1)):
+            outs.append(m(**inputs, return_dict=False)[0])
+    assert vsa_state(model)["gated_blocks"] == 2
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+# ---- preset on the pipeline -----------------------------------------------------------------------------------------
+def _forward_count(pipe):
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+def test_preset_runs_the_trained_schedule(caplog):
+    pipe = tiny_pipeline(seed=1, with_transformer_ref=False)
+    preset = KNOWN_FASTH3_PRESETS["fasth3-4step-preview-vsa"]
+    with pytest.raises(ValueError, match="0 of 2 blocks have one"):
+        enable_fasth3_preset(pipe, preset)  # no trained gates
+    add_gate_compress(pipe.transformer)
+    enable_fasth3_preset(pipe, preset)
+    assert vsa_state(pipe.transformer)["sparsity"] == 0.9 and vsa_state(pipe.transformer)["precision"] == "bf16"
+    calls, handle = _forward_count(pipe)
+    pipe(**CALL, generator=torch.Generator().manual_seed(0))
+    video, audio = preset.sigmas()
+    assert len(calls) == 4
+    assert pipe.scheduler.sigmas.tolist() == video and pipe.audio_scheduler.sigmas.tolist() == audio
+    assert describe(pipe)["fasth3"]["preset"].startswith("fasth3-4step-preview-vsa: 4 forwards")
+
+    calls.clear()
+    with caplog.at_level(logging.WARNING):
+        pipe(**CALL, num_inference_steps=3, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    assert len(calls) == 2 and "num_inference_steps=3 (trained: 5)" in caplog.text
+    assert pipe.scheduler.sigmas[0] == 1.0  # the call's own grid (uniform, shift 12)
+
+
+# ---- light VAE ------------------------------------------------------------------------------------------------------
+def _vae(layers, seed=0):
+    """The tiny VAE with `layers` decoder blocks."""
+    torch.manual_seed(seed)
+    reference = tiny_vae().config
+    return AutoencoderKLMiniMaxH3(**{**TINY_VAE_CONFIG, "decoder_num_layers": layers},
+                                  latents_mean=reference.latents_mean, latents_std=reference.latents_std).eval()
+
+
+def _export(teacher, student_layers=3):
+    return nvfp4_decoder_export(teacher, student_layers, seed=5)
+
+
+def _latents(seed=0):
+    return torch.randn(1, TINY_VAE_CONFIG["latent_channels"], 7, 4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def test_light_vae_decode_matches_dense_within_nvfp4(tmp_path):
+    teacher = _vae(6)
+    export = _export(teacher)
+    torch.save(export, tmp_path / "decoder.pt")
+    light = _vae(6)
+    light.load_state_dict(teacher.state_dict())
+    record = load_nvfp4_decoder(light, tmp_path / "decoder.pt")
+    assert record.blocks_kept == (0, 2, 5) and record.nvfp4_linears == 18
+    assert light.config.decoder_num_layers == 3 and len(light.decoder.transformer_blocks) == 3
+    assert sum(isinstance(m, NVFP4Linear) for m in light.modules()) == 18
+
+    # The dense reference: the same student with each linear's weight = NVFP4 dequantization of its bf16 master.
+    dense, exact = _vae(3), _vae(3)
+    for model in (dense, exact):
+        model.decoder.load_state_dict({k: v.float() for k, v in export["decoder"].items() if "input_amax" not in k},
+                                      strict=True)  # fmt: skip
+        model.post_quant_conv.load_state_dict(export["post_quant_conv"])
+        model.load_state_dict({**light.state_dict(), **{k: v for k, v in model.state_dict().items()
+                                                        if "decoder." in k or "post_quant_conv" in k}},
+                              strict=False)  # fmt: skip
+    with torch.no_grad():
+        for name, module in dense.decoder.named_modules():
+            if DECODER_BLOCK_LINEAR.match(name):
+                module.weight.copy_(nvfp4_dequantize(*nvfp4_quantize(module.weight)))
+        out = light.decode(_latents(), return_dict=False)[0]
+        ref = dense.decode(_latents(), return_dict=False)[0]
+        unquantized = exact.decode(_latents(), return_dict=False)[0]
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    rel = ((out - unquantized).norm() / unquantized.norm()).item()
+    assert 0 < rel < 0.2  # NVFP4's own error against the bf16 masters: present, bounded
+
+
+@pytest.mark.parametrize(
+    "export_change, message",
+    [
+        (lambda e: e["metadata"].update(student_layers=8), "needs 8 decoder blocks, this VAE has 6"),
+        (lambda e: e["metadata"].update(rotation_group=64), "Hadamard-rotated"),
+        (lambda e: e.update(format="fastvideo_h3_decoder_nvfp4_packed_v1"), "pre-packed NVFP4 decoder"),
+        (lambda e: e["decoder"].pop("transformer_blocks.1.ff.net.2.weight"), "missing transformer_blocks.1.ff.net.2.weight"),
+        (lambda e: e["metadata"].update(num_linears=24), "24 NVFP4 linears in the export, 18 in this VAE"),
+    ],
+)
+def test_light_vae_refusals_leave_the_vae_alone(tmp_path, export_change, message):
+    teacher = _vae(6)
+    export = _export(teacher)
+    export_change(export)
+    torch.save(export, tmp_path / "decoder.pt")
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        load_nvfp4_decoder(teacher, tmp_path / "decoder.pt")
+    after = teacher.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+# ---- a whole stack --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A FastH3 stack in the published layout: the hub layout + gates in transformer/ + fastvideo_inference.json, a
+    6-block light VAE with vae/decoder.pt (3-block student)."""
+    components = tiny_components(seed=4, with_transformer_ref=False)
+    components["vae"] = _vae(6, seed=3)
+    root = write_fasth3_stack(tmp_path_factory.mktemp("fasth3_stack"), components, decoder_student_layers=3)
+    gates = {i: b.attn.to_gate_compress.weight.clone() for i, b in enumerate(components["transformer"].transformer_blocks)}
+    return root, gates
+
+
+def test_stack_loads_with_gates_preset_and_light_vae_and_runs(stack):
+    root, gates = stack
+    assert read_contract(root).vsa_sparsity == 0.9
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, **TINY_DURATION_LIMITS)
+    blocks = pipe.transformer.transformer_blocks
+    assert all(torch.equal(blocks[i].attn.to_gate_compress.weight, w) for i, w in gates.items())
+    assert vsa_state(pipe.transformer)["gated_blocks"] == 2 and vsa_state(pipe.transformer)["sparsity"] == 0.9
+    report = fasth3_report(pipe)
+    assert report["gates"] == "2 of 2 blocks (trained to_gate_compress)"
+    assert report["light_vae"]["decoder_blocks"] == "3 of 6 (kept [0, 2, 5])"
+    calls, handle = _forward_count(pipe)
+    out = pipe(**{**CALL, "output_type": "pt"}, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    assert len(calls) == 4 and out.frames.shape[:3] == (1, TINY_NUM_FRAMES, 3) and torch.isfinite(out.frames).all()
+    assert pipe.scheduler.sigmas.tolist() == KNOWN_FASTH3_PRESETS["fasth3-4step-preview-vsa"].sigmas()[0]
+
+
+def test_stack_without_gates_is_refused_before_the_preset(stack, tmp_path):
+    root, _ = stack
+    copy = tmp_path / "stack"
+    shutil.copytree(root, copy)
+    MiniMaxH3Transformer3DModel.from_pretrained(root / "transformer").save_pretrained(copy / "transformer")  # no gates
+    with pytest.raises(ValueError, match="0 to_gate_compress tensors for 2 blocks"):
+        MiniMaxH3Pipeline.from_pretrained(copy)
+
+
+def test_nvfp4_decoder_argument_needs_a_stack(stack, tmp_path):
+    root, _ = stack
+    shutil.copytree(root, tmp_path / "h3", ignore=shutil.ignore_patterns(CONTRACT_FILE))
+    with pytest.raises(ValueError, match="nvfp4_decoder= is for FastH3 stacks"):
+        MiniMaxH3Pipeline.from_pretrained(tmp_path / "h3", nvfp4_decoder="decoder.pt")
+
+
+def test_adapter_loads_lora_payload_and_preset(tmp_path):
+    pipe = tiny_pipeline(seed=2, with_transformer_ref=False)
+    model = pipe.transformer
+    state = _payload(model)
+    attn = model.transformer_blocks[0].attn
+    lora_a, lora_b = torch.randn(4, attn.to_k.in_features) * 0.1, torch.randn(attn.to_k.out_features, 4) * 0.1
+    state["transformer_blocks.0.attn.to_k.lora_A.weight"] = lora_a
+    state["transformer_blocks.0.attn.to_k.lora_B.weight"] = lora_b
+    folder = tmp_path / "vsa-datafree"  # the published adapter repo's folder for the VSA variant
+    folder.mkdir()
+    save_file(state, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"lora_alpha": 4, "r": 4}))
+    base_k = attn.to_k.weight.detach().clone()
+    x = torch.randn(3, attn.to_k.in_features)
+
+    report = load_fasth3_adapter(pipe, folder / "adapter_model.safetensors")
+    assert report.num_matched_modules == 1
+    with torch.no_grad():
+        assert torch.allclose(attn.to_k(x), x @ (base_k + lora_b @ lora_a).T, atol=1e-5)
+    assert torch.equal(attn.to_gate_compress.weight, state["transformer_blocks.0.attn.to_gate_compress.set_weight"])
+    info = fasth3_report(pipe)
+    assert info["preset"].startswith("fasth3-4step-preview-vsa") and "adapter folder 'vsa-datafree'" in info["preset"]
+    assert "4 deltas added, 2 tensors set, 2 gates created" in info["payload"]
+    assert vsa_state(model)["sparsity"] == 0.9
+
+
+def test_adapter_with_a_wrong_payload_loads_nothing(tmp_path):
+    pipe = tiny_pipeline(seed=2, with_transformer_ref=False)
+    state = _payload(pipe.transformer)
+    state["proj_in.diff"] = torch.zeros(2, 2)
+    state["transformer_blocks.0.attn.to_k.lora_A.weight"] = torch.randn(4, 32)
+    state["transformer_blocks.0.attn.to_k.lora_B.weight"] = torch.randn(64, 4)
+    with pytest.raises(ValueError, match="FastH3 payload does not fit"):
+        load_fasth3_adapter(pipe, state, preset="fasth3-4step-preview-vsa")
+    assert not getattr(pipe.transformer, "peft_config", None) and fasth3_report(pipe) is None

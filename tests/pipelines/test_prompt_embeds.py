@@ -137,3 +137,17 @@ def test_encode_prompt_checks_its_inputs(pipe):
         pipe.encode_prompt("a cat", image=_keyframe(1), height=48, width=64)
     with pytest.raises(ValueError, match="PIL images"):
         pipe.encode_prompt("a cat", image=np.zeros((4, 4, 3)))
+
+
+def test_a_pipeline_holding_only_the_text_encoder_encodes(pipe, components, tmp_path):
+    """`from_pretrained(..., vae=None, audio_vae=None, transformer=None)` (the text side alone, as docs/pipeline.md
+    loads it): `encode_prompt` gives the full pipeline's embeddings, also for fl2va (canvas and frame checks run on
+    the released geometry instead of reading the absent VAE)."""
+    pipe.save_pretrained(tmp_path)
+    text_only = MiniMaxH3Pipeline.from_pretrained(tmp_path, vae=None, audio_vae=None, transformer=None)
+    assert text_only.vae is None and text_only.transformer is None
+    for conditioning in ({}, {"image": _keyframe(3), "height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES}):
+        embeds, tags = text_only.encode_prompt("rain on a window", **conditioning)
+        expected_embeds, expected_tags = pipe.encode_prompt("rain on a window", **conditioning)
+        # Same weights; CPU GEMMs may round differently for differently aligned (mmapped) buffers.
+        assert torch.allclose(embeds, expected_embeds, atol=1e-5, rtol=0) and torch.equal(tags, expected_tags)

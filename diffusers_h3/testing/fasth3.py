@@ -35,10 +35,11 @@ FOUR_STEP_CONTRACT: Dict[str, Any] = {
 def add_random_gates(transformer: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Give every block a ``to_gate_compress`` with random weights (a VSA-distilled DiT's layout)."""
     add_gate_compress(transformer)
-    gen = torch.Generator().manual_seed(seed)
+    device = transformer.transformer_blocks[0].attn.to_gate_compress.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)  # generated where the weights live (50 x 38.5M at full size)
     for block in transformer.transformer_blocks:
         weight = block.attn.to_gate_compress.weight
-        weight.copy_((torch.randn(weight.shape, generator=gen) * std).to(weight.device, weight.dtype))
+        weight.copy_(torch.randn(weight.shape, generator=gen, device=device) * std)
 
 
 @torch.no_grad()

@@ -74,7 +74,8 @@ from request import (
 from _common import result_header, write_json
 
 
-CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb", "low_ram_16gb", "low_ram_24gb")
+CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb", "low_ram_16gb", "low_ram_24gb",
+         "pc_12gb_32gib", "pc_8gb_16gib")
 # case -> (recipe, cap in GiB on a CUDA device)
 CASE_SETUP = {
     "resident_80gb": ("resident", 78.5),
@@ -83,7 +84,22 @@ CASE_SETUP = {
     "offload_24gb": ("offload", 22.5),
     "low_ram_16gb": ("low_ram", 15.5),
     "low_ram_24gb": ("low_ram", 22.5),
+    "pc_12gb_32gib": ("low_ram", 11.5),
+    "pc_8gb_16gib": ("low_ram", 7.5),
 }
+# The low_ram cases' streaming and activation settings (``recipe_settings``; the recipe table carries them) and the
+# host budget each is for (a cgroup ``memory.max`` where the machine lets us make one; the record says).
+CASE_SETTINGS = {
+    "low_ram_16gb": {"read_ahead": 2},
+    "low_ram_24gb": {"read_ahead": 2},
+    "pc_12gb_32gib": {"read_ahead": 2},
+    "pc_8gb_16gib": {"read_ahead": 1, "ffn_chunk_rows": 8192},
+}
+CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0}
+# fl2va with the LightX2V 4-step schedule and a LoRA of that adapter's layout (random, rank below) loaded unfused:
+# the request the PC recipes are practical with (docs/memory.md).
+LIGHT4_CASE = "fl2va_light4_fastest"
+LIGHT4_LORA_RANK = 64
 SUBPROCESS_RECIPES = ("low_ram",)  # loaded from a checkpoint on disk, one fresh process per case
 CAP_BASIS = (
     "usable memory of the class's card as PyTorch sees it (A100/H100 80 GB ~79.1 GiB, RTX A6000/6000 Ada ~47.5 GiB, "
@@ -586,12 +602,86 @@ def pcie_traffic(pipe):
     }
 
 
+def proc_io():
+    """This process's ``/proc/self/io`` counters: ``read_bytes`` (what storage delivered: page-cache hits excluded)
+    and ``rchar`` (every byte read through read/pread calls)."""
+    try:
+        return {k: int(v) for k, v in (line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())}
+    except OSError:
+        return {}
+
+
+def io_since(before):
+    after = proc_io()
+    return {f"{k}_gib": _gib(after[k] - before[k]) for k in ("read_bytes", "rchar") if k in after and k in before}
+
+
+def drop_page_cache(folder):
+    """Drop the checkpoint's pages from the page cache, so that the case reads it from the disk as a cold PC would."""
+    for file in Path(folder).rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def light4_lora(transformer, rank=LIGHT4_LORA_RANK, seed=0):
+    """A random LoRA of rank ``rank`` on every Linear of the DiT's blocks (attention and feed-forward), in diffusers'
+    ``transformer.<module>.lora_A/B.weight`` naming: the size of a turbo LoRA, to load unfused as a user would."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in transformer.transformer_blocks.named_modules():
+        in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if in_features is None or not any(part in name for part in ("attn.", "ff.")):
+            continue
+        key = f"transformer.transformer_blocks.{name}"
+        state[f"{key}.lora_A.weight"] = (torch.randn(rank, in_features, generator=gen) * 0.01).to(torch.bfloat16)
+        state[f"{key}.lora_B.weight"] = (torch.randn(out_features, rank, generator=gen) * 0.01).to(torch.bfloat16)
+    return state
+
+
+def timed_light4_request(pipe, device, tiny):
+    """The fl2va LightX2V 4-step request (5 sigma points: 4 forwards, shift 6 / 3), every stage timed."""
+    kwargs = request_kwargs(LIGHT4_CASE, tiny)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    io_before = proc_io()
+    with StageTimer(pipe, device) as timer:
+        start = time.perf_counter()
+        out = pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - start) * 1000
+        timer.mark("other")
+    assert out.frames is not None and out.audio is not None
+    stages = {"text_encode": timer.stages.get("text_encode", 0.0), "forwards": sum(timer.forwards)}
+    stages.update({k: timer.stages.get(k, 0.0) for k in ("condition_encode", "video_decode", "audio_decode")})
+    stages["other"] = ms - sum(stages.values())
+    record = {"ms": round(ms, 1), "stages": {k: round(v, 1) for k, v in stages.items()},
+              "forward_ms": [round(t, 1) for t in timer.forwards], "forwards": len(timer.forwards),
+              "sigma_points": kwargs["num_inference_steps"], "disk": io_since(io_before)}  # fmt: skip
+    if device.type == "cuda":
+        peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
+        record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
+                      stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
+    return record
+
+
 def child_main(args):
-    """One low_ram case in this (fresh) process: cap, load from the checkpoint, warm-up, timed request."""
+    """One low_ram case in this (fresh) process: cap, load from the checkpoint, warm-up, the timed t2va request
+    (one forward), then the LoRA loaded and the fl2va Light4 request (all four forwards)."""
+    import dataclasses
+
+    from diffusers_h3.parallel.checkpoint_streaming import streaming_of
+    from diffusers_h3.parallel.memory_budget import resolve_recipe
     from diffusers_h3.parallel.placement import placement_of
     from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
 
     case = args.child
+    io_start = proc_io()
     device = torch.device("cuda", 0) if not args.tiny else torch.device("cpu")
     cap_gib = CASE_SETUP[case][1] if device.type == "cuda" else None
     fraction = None
@@ -599,8 +689,10 @@ def child_main(args):
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = min(1.0, cap_gib * GiB / total)
         torch.cuda.set_per_process_memory_fraction(fraction, device)
+    recipe = dataclasses.replace(resolve_recipe("low_ram", None, None, device), case=case, cap_gib=cap_gib,
+                                 settings=dict(CASE_SETTINGS.get(case, {})))  # fmt: skip
     started = time.perf_counter()
-    pipe = load_for_memory_budget(args.checkpoint, task="t2va", recipe="low_ram", device=device,
+    pipe = load_for_memory_budget(args.checkpoint, task="t2va", recipe=recipe, device=device,
                                   offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - started
@@ -611,20 +703,45 @@ def child_main(args):
     if not args.no_warmup:
         one_request(pipe, args.tiny)
     warmup_s = time.perf_counter() - warm
+    io_before = proc_io()
     record = timed_request(pipe, device, args.tiny)
+    record["disk"] = io_since(io_before)
+    streams = {name: streaming_of(c).stats.as_dict() for name, c in pipe.components.items()
+               if isinstance(c, torch.nn.Module) and streaming_of(c) is not None}  # fmt: skip
     record.update(
-        recipe_name="low_ram", recipe=RECIPE_LINES["low_ram"], cap_gib=cap_gib,
+        recipe_name="low_ram", recipe=RECIPE_LINES["low_ram"], cap_gib=cap_gib, settings=recipe.settings,
         cap_fraction=round(fraction, 4) if fraction is not None else None,
-        cap_scope="the whole process: load, warm-up and timed request" if cap_gib else "no cap on the CPU",
+        cap_scope="the whole process: load, warm-up and timed requests" if cap_gib else "no cap on the CPU",
         load_s=round(load_s, 1), warmup_s=round(warmup_s, 1),
-        host_peak_rss_load_gib=_gib(load_peak), host_peak_rss_gib=_gib(vm_hwm_bytes()), host_includes_load=True,
+        host_peak_rss_load_gib=_gib(load_peak), host_peak_rss_t2va_gib=_gib(vm_hwm_bytes()), host_includes_load=True,
         peak_reserved_load_gib=_gib(load_reserved) if load_reserved is not None else None,
         placements=placement_of(pipe), components=where_components_live(pipe),
         weights_gib={k: v["weights_gib"] for k, v in where_components_live(pipe).items() if k != "transformer_ref"},
-        pcie=pcie_traffic(pipe),
+        pcie=pcie_traffic(pipe), stream_stats_after_t2va=streams,
     )  # fmt: skip
     record["request_s_extrapolated"] = round(
         (record["ms"] - record["stages"]["forwards"] + (SIGMA_POINTS - 1) * record["stages"]["forwards"]) / 1000, 1)
+    record["disk_per_t2va_request_gib_extrapolated"] = round(
+        record["disk"].get("read_bytes_gib", 0.0) + (SIGMA_POINTS - 2) * record["pcie"]["per_forward_gib"], 2)
+    if not args.no_light4:
+        try:
+            started = time.perf_counter()
+            pipe.load_lora_weights(light4_lora(pipe.transformer), adapter_name="light4", distillation_preset=None)
+            lora_s = time.perf_counter() - started
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+                pipe.enable_vsa(sparsity=0.8, precision="fp8")
+                attention = "VSA 0.8, FP8 attention"
+            else:
+                attention = "dense (no VSA on this device)"
+            light4 = timed_light4_request(pipe, device, args.tiny)
+            light4.update(lora=f"random rank-{LIGHT4_LORA_RANK} LoRA on every block Linear, unfused",
+                          lora_load_s=round(lora_s, 1), attention=attention)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - recorded: the t2va record stands on its own
+            traceback.print_exc()
+            light4 = {"failed": f"{type(error).__name__}: {str(error)[:400]}"}
+        record["fl2va_light4"] = light4
+    record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+    record["disk_whole_process"] = io_since(io_start)
     Path(args.child_out).write_text(json.dumps(record, indent=1))
 
 
@@ -655,8 +772,10 @@ def run_child(args, case, checkpoint, work):
     out.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", case, "--checkpoint", str(checkpoint), "--offload-folder",
                str(offload_folder), "--child-out", str(out)] + (["--tiny"] if args.tiny else []) \
-        + (["--no-warmup"] if args.no_warmup else [])  # fmt: skip
-    group, cgroup_note = (None, "not tried (--no-cgroup)") if args.no_cgroup else _cgroup_for_child(HOST_BUDGET_GIB)
+        + (["--no-warmup"] if args.no_warmup else []) + (["--no-light4"] if args.no_light4 else [])  # fmt: skip
+    drop_page_cache(checkpoint)  # every case reads the checkpoint cold, from the disk
+    budget = CASE_HOST_BUDGET_GIB.get(case, HOST_BUDGET_GIB)
+    group, cgroup_note = (None, "not tried (--no-cgroup)") if args.no_cgroup else _cgroup_for_child(budget)
     enforced = False
     if group is not None:
         def join():  # in the child, before it loads anything
@@ -682,9 +801,9 @@ def run_child(args, case, checkpoint, work):
             cgroup["oom_kills"] = int(events.get("oom_kill", 0))
         except (OSError, ValueError):
             pass
-        enforced = (group / "memory.max").read_text().strip() == str(int(HOST_BUDGET_GIB * GiB))
+        enforced = (group / "memory.max").read_text().strip() == str(int(budget * GiB))
         cgroup["enforced"] = enforced
-        cgroup["limit_gib"] = HOST_BUDGET_GIB
+        cgroup["limit_gib"] = budget
         try:
             group.rmdir()
         except OSError:
@@ -825,6 +944,8 @@ def main():
     parser.add_argument("--keep-checkpoint", action="store_true", help="low_ram cases: keep the written checkpoint")
     parser.add_argument("--rewrite-checkpoint", action="store_true", help="low_ram cases: write it even if present")
     parser.add_argument("--no-cgroup", action="store_true", help="low_ram cases: do not try a cgroup memory cap")
+    parser.add_argument("--no-light4", action="store_true",
+                        help="low_ram cases: skip the fl2va Light4 request after the t2va one")  # fmt: skip
     parser.add_argument("--recipe-table", default=None, metavar="PATH",
                         help="write the recipe table derived from --out (e.g. diffusers_h3/parallel/"
                              "memory_recipes.json) and exit")  # fmt: skip

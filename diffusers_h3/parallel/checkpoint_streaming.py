@@ -18,8 +18,9 @@ group that was not predicted is read when it is asked for (counted as a miss in 
 
 Groups: each submodule whose class is in the model's ``_no_split_modules`` (a DiT block, a decoder layer) is one
 group; every other module holding tensors is a group of its own tensors. Groups smaller than
-``resident_below_bytes`` stay on the device. With ``hold=True`` (a VAE, whose decoder runs once per tile) a group
-stays on the device after it runs until :func:`release_streamed_weights`.
+``resident_below_bytes`` stay on the device. With ``hold=True`` (a VAE, whose decoder runs once per tile) each child
+of the model (its encoder, its decoder) is one group, which stays on the device after it runs until
+:func:`release_streamed_weights`; a group is loaded before any hook of its modules runs (weight norm's included).
 
 Anything that does not match raises before any weight is released (nothing falls back). Hooks go through diffusers'
 :class:`~diffusers.hooks.HookRegistry`, like its group offload.
@@ -447,12 +448,15 @@ def _checkpoint_key(key: str, stored: Dict[str, _Stored]) -> Optional[str]:
     return unwrapped if unwrapped in stored else None
 
 
-def _plan(model: torch.nn.Module, stored: Dict[str, _Stored], folder) -> Tuple[List[_Group], List[_Entry]]:
+def _plan(model: torch.nn.Module, stored: Dict[str, _Stored], folder, hold: bool) -> Tuple[List[_Group], List[_Entry]]:
     """The groups to stream and the entries kept on the device; raises before anything changes on a mismatch."""
     split_classes = set(getattr(model, "_no_split_modules", None) or ())
     owners: Dict[str, str] = {}  # module path -> the group it belongs to
     for path, module in model.named_modules():
-        if path and type(module).__name__ in split_classes and not any(path.startswith(o + ".") for o in owners):
+        if hold:  # held groups load once per stage: one per child (an encoder, a decoder), whatever calls inside it
+            if path and "." not in path:
+                owners[path] = path
+        elif path and type(module).__name__ in split_classes and not any(path.startswith(o + ".") for o in owners):
             owners[path] = path
     groups: Dict[str, _Group] = {}
     adapters: List[_Entry] = []
@@ -513,7 +517,7 @@ def stream_from_checkpoint(
     stored = _stored_tensors(Path(folder))
     if not stored:
         raise CheckpointMismatchError(f"{folder} holds no safetensors files to stream the weights from")
-    planned, adapters = _plan(model, stored, folder)
+    planned, adapters = _plan(model, stored, folder, config.hold)
 
     streamed_groups, resident = [], []
     for group in planned:

@@ -172,7 +172,7 @@ def load_for_memory_budget(
         _record_placement(pipe, text_encoder=text_encoder_stream_placement(where, checkpoint_folder))
     if recipe.spec.transformer_placement == "offload" and recipe.spec.text_encoder_placement == "disk":
         # A converted checkpoint holds the DiT as it runs: read it from its files at every forward instead of
-        # keeping it in host memory (and the video VAE once per stage), with the activations the recipe chunks.
+        # keeping it in host memory (and the VAEs once per stage), with the activations the recipe chunks.
         stored = {name for name in partitions_for_task(task) if name not in plan}
         stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
@@ -197,7 +197,7 @@ def recipe_settings(recipe: MemoryRecipe) -> Dict[str, Any]:
 
 def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[str, Any], partitions=()) -> Dict[str, str]:
     """Stream ``partitions`` (DiT partitions stored in the format they run in) and, with ``settings["stream_vae"]``,
-    the video VAE from their files in ``directory`` (:func:`~diffusers_h3.parallel.checkpoint_streaming.
+    the VAEs from their files in ``directory`` (:func:`~diffusers_h3.parallel.checkpoint_streaming.
     stream_from_checkpoint`; the VAE's groups stay on the device while a stage encodes or decodes); chunk the DiT's
     feed-forward over ``settings["ffn_chunk_rows"]`` rows. Returns (and records) each component's placement."""
     from ..hooks.feed_forward_chunks import FeedForwardChunking, enable_feed_forward_chunking
@@ -207,12 +207,14 @@ def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[st
     device = torch.device(device)
     directory = Path(directory)
     placements: Dict[str, str] = {}
-    names = [(name, False) for name in partitions] + ([("vae", True)] if settings["stream_vae"] else [])
+    names = [(name, False) for name in partitions]
+    names += [("vae", True), ("audio_vae", True)] if settings["stream_vae"] else []
     for name, hold in names:
         component = getattr(pipe, name, None)
         if not isinstance(component, torch.nn.Module) or streaming_of(component) is not None:
             continue
-        config = StreamingConfig(read_ahead=int(settings["read_ahead"]), hold=hold)
+        # held groups (a VAE's encoder, its decoder) are read when their stage starts: nothing to read ahead
+        config = StreamingConfig(read_ahead=0 if hold else int(settings["read_ahead"]), hold=hold)
         stream_from_checkpoint(component, directory / name, device, config)
         placements[name] = streaming_of(component).describe()
     rows = settings["ffn_chunk_rows"]

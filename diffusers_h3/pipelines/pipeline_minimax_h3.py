@@ -61,6 +61,7 @@ from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
 from ..loaders.single_file import check_saveable
 from ..packing import check_layout_matches_indices
+from ..parallel.checkpoint_streaming import release_streamed_weights, streaming_of
 from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
@@ -357,6 +358,16 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         from ..parallel.memory_budget import enable_memory_budget
 
         return enable_memory_budget(self, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder)
+
+    @property
+    def _execution_device(self) -> torch.device:
+        # A component streamed from its checkpoint files computes on the device its record names; diffusers' own
+        # lookup knows only group offload and Accelerate hooks.
+        for component in self.components.values():
+            record = streaming_of(component) if isinstance(component, torch.nn.Module) else None
+            if record is not None:
+                return torch.device(record.device)
+        return super()._execution_device
 
     def _device_of(self, module: torch.nn.Module) -> torch.device:
         """Where `module` computes: its weights' device, or the execution device under offload hooks. Components may
@@ -821,6 +832,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         # 4. Encode the conditioning media with the VAEs.
         condition_latents, audio_condition_latents = spec.encode_conditions(components, conditions)
+        for vae in (self.vae, self.audio_vae):  # VAEs streamed from their files hold their encoders only this long
+            release_streamed_weights(vae)
 
         # 5. Build the packed layout: rows, rotary grid (fp64), tags, and the PackedLayout for processors.
         geometry = request.geometry
@@ -942,8 +955,19 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         cp_group = getattr(self, "_context_parallel_group", None)
         if cp_group is not None:  # the VAE tiles are split over the context-parallel ranks
             video = parallel_vae_decode(self.vae, video_latents, cp_group)
+        elif output_type in ("np", "pil") and not self.video_processor.config.do_normalize:
+            # Host outputs: each temporal chunk goes to the host as soon as it is final, so the device never holds
+            # the whole float32 clip (the same values: elementwise operations on bitwise the same chunks).
+            clips = [torch.cat([self._to_unit_range(c, device).cpu() for c in self._decoded_chunks(video_latents[i : i + 1])], 2)
+                     for i in range(video_latents.shape[0])]  # fmt: skip
+            video = torch.cat(clips, 0)
+            release_streamed_weights(self.vae)
+            if output_type == "np":
+                return video.permute(0, 2, 3, 4, 1).contiguous().numpy()
+            return self.video_processor.postprocess_video(video, output_type=output_type)
         else:
             video = self.vae.decode(video_latents, return_dict=False)[0]
+        release_streamed_weights(self.vae)
         video = self._to_unit_range(video, device)
         if output_type == "np" and not self.video_processor.config.do_normalize:
             # The values of postprocess_video(video, "np") (no denormalization), with the channels-last copy done on
@@ -951,26 +975,31 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             return video.permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()
         return self.video_processor.postprocess_video(video, output_type=output_type)
 
-    def _decode_video_chunks(self, video_latents, device) -> Iterator[np.ndarray]:
-        """The video of `video_latents` (one clip) as uint8 `(F, H, W, 3)` arrays, one temporal chunk of the VAE at a
-        time: concatenated, bitwise `_decode_video(video_latents, "np")` converted to uint8 as `export_to_video`
-        converts it (same decode per chunk, same cross-fade, same float32 operations)."""
+    def _decoded_chunks(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
+        """`vae.decode(z)` of one clip's denormalized latents, one final temporal chunk at a time (`_vae_tiles`)."""
         from diffusers.models.modeling_utils import get_parameter_dtype
 
         from .._vae_tiles import iter_decoded_chunks
         from ..hooks.fast_vae_decode import chunk_decoder
 
         vae = self.vae
-        if self.video_processor.config.do_normalize:  # postprocess_video would map [-1, 1] to [0, 1] first
-            raise ValueError("decode_to_video expects the pipeline's video processor with do_normalize=False.")
         if hasattr(vae, "_hf_hook") and hasattr(vae._hf_hook, "pre_forward"):
             vae._hf_hook.pre_forward(vae)  # as `vae.decode` does: model CPU offload moves the VAE onto its device
-        z = self._denormalize_video_latents(video_latents, device)
         z = z.to(get_parameter_dtype(vae.post_quant_conv))  # as `vae.decode` does
-        for chunk in iter_decoded_chunks(vae, z, chunk_decoder(vae)):
+        yield from iter_decoded_chunks(vae, z, chunk_decoder(vae))
+
+    def _decode_video_chunks(self, video_latents, device) -> Iterator[np.ndarray]:
+        """The video of `video_latents` (one clip) as uint8 `(F, H, W, 3)` arrays, one temporal chunk of the VAE at a
+        time: concatenated, bitwise `_decode_video(video_latents, "np")` converted to uint8 as `export_to_video`
+        converts it (same decode per chunk, same cross-fade, same float32 operations)."""
+        if self.video_processor.config.do_normalize:  # postprocess_video would map [-1, 1] to [0, 1] first
+            raise ValueError("decode_to_video expects the pipeline's video processor with do_normalize=False.")
+        z = self._denormalize_video_latents(video_latents, device)
+        for chunk in self._decoded_chunks(z):
             # Rounded to uint8 before the channels-last copy (elementwise: the same values), a quarter of the bytes.
             video = self._to_unit_range(chunk, device)[0].mul_(255.0).round_().to(torch.uint8)
             yield video.permute(1, 2, 3, 0).contiguous().cpu().numpy()
+        release_streamed_weights(self.vae)
 
     @torch.no_grad()
     def decode_to_video(
@@ -1052,6 +1081,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         mean = torch.tensor(self.audio_vae.config.latents_mean, device=device).view(1, -1, 1)
         std = torch.tensor(self.audio_vae.config.latents_std, device=device).view(1, -1, 1)
         audio = self.audio_vae.decode(audio_latents.to(device) * std + mean, return_dict=False)[0]
+        release_streamed_weights(self.audio_vae)
         return audio.float().permute(1, 0, 2)
 
     def describe_paths(self) -> Dict[str, Any]:

@@ -1,6 +1,7 @@
 """Memory budgets: recipe selection from the measured table, one-line refusals before loading, and pre-quantized loads
 that never materialize dense weights."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -183,10 +184,45 @@ def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path,
     placement = pipe._diffusers_h3_placement
     assert placement["text_encoder"].startswith("streamed from its checkpoint files") and "low_ram" in placement["memory_recipe"]
     assert str(tmp_path / "ckpt" / "text_encoder") in placement["text_encoder"]
-    assert placement["transformer"].startswith("group offload (block level")
+    assert placement["transformer"].startswith("streamed from its checkpoint files")  # a converted DiT streams
     # a checkpoint pre-quantized in another format than the recipe's is refused before loading
     with pytest.raises(mb.MemoryBudgetError, match="needs h3_w8a16"):
         loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe="offload", device="cpu")
+
+
+def test_low_ram_streams_a_converted_dit_and_vaes_with_the_outputs_of_the_resident_pipeline(tmp_path, monkeypatch):
+    """The converted checkpoint's DiT block by block, the VAEs per stage and the feed-forward in row chunks: the
+    request's frames and audio are bitwise those of the same checkpoint loaded in memory, and nothing stays loaded."""
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+    from diffusers_h3.pipelines import memory_budget as loader
+
+    monkeypatch.setattr(cs, "RESIDENT_BELOW_BYTES", 1024)  # the tiny models' groups stream too
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    quantize(components["transformer"], NVFP4Config())
+    quantize(components["text_encoder"], W8A16Config())
+    MiniMaxH3Pipeline(**components, **tiny.TINY_DURATION_LIMITS).save_pretrained(tmp_path / "ckpt")
+    request = {"prompt": "a red fox runs through snow", "height": 64, "width": 96, "num_frames": 22,
+               "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
+    resident = MiniMaxH3Pipeline.from_pretrained(tmp_path / "ckpt", task="t2va", dtype=torch.bfloat16)
+    for model in (resident.transformer, resident.vae, resident.audio_vae):  # own memory, as streamed tensors have
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.data = tensor.data.clone()
+    expected = resident(**request, generator=torch.Generator().manual_seed(0))
+    recipe = dataclasses.replace(mb.resolve_recipe("low_ram", None, None, "cpu"),
+                                 settings={"read_ahead": 1, "ffn_chunk_rows": 7})  # fmt: skip
+    pipe = loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe=recipe, device="cpu")
+    placement = pipe._diffusers_h3_placement
+    for name in ("transformer", "vae", "audio_vae"):
+        assert placement[name].startswith("streamed from its checkpoint files"), placement[name]
+    assert placement["feed_forward"] == "chunked over 7 rows"
+    got = pipe(**request, generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(got.frames, expected.frames) and np.array_equal(got.audio, expected.audio)
+    for name in ("transformer", "vae", "audio_vae"):
+        record = cs.streaming_of(getattr(pipe, name))
+        assert record.groups > 0 and record.stats.group_loads > 0
+        held = [p for p in getattr(pipe, name).parameters() if p.numel() and p.numel() * p.element_size() >= 1024]
+        assert not held, f"{name} still holds streamed weights after the request"
 
 
 def test_low_ram_from_a_dense_checkpoint_quantizes_the_text_encoder_and_offloads_it_to_files(tmp_path):

@@ -29,6 +29,7 @@ from diffusers.utils.distributed_utils import is_torch_dist_rank_zero
 
 from .._checkpoint_files import safetensors_problem
 from ..loaders.fasth3 import CONTRACT_FILE
+from ..loaders.fasth3_text_encoder import is_fasth3_nvfp4_text_encoder, load_nvfp4_text_encoder
 from ..tasks import PARTITIONS, partitions_for_task
 from .fasth3 import apply_fasth3_stack, check_fasth3_stack
 
@@ -478,6 +479,22 @@ def _remember_source(pipe, source: str, passed) -> Any:
     return pipe
 
 
+def _load_nvfp4_text_encoder(directory: Path, index: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
+    """Load a text encoder saved in FastVideo's serialized NVFP4 layout (FastH3 consumer stacks) into `kwargs`, as if
+    passed in: transformers' own `"nvfp4"` method reads another layout."""
+    entry = index.get("text_encoder")
+    if "text_encoder" in kwargs or not isinstance(entry, (list, tuple)) or entry[0] is None:
+        return
+    spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+    folder = directory / (spec.get("subfolder") or "text_encoder")
+    if is_fasth3_nvfp4_text_encoder(folder):
+        import torch
+
+        dtype = component_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), "text_encoder")
+        kwargs["text_encoder"] = load_nvfp4_text_encoder(folder, dtype=dtype if isinstance(dtype, torch.dtype) else
+                                                         torch.float32)  # fmt: skip
+
+
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     source, passed = str(pretrained_model_name_or_path), set(kwargs)
     return _remember_source(_load_from_source(cls, source, task, kwargs), source, passed)
@@ -495,6 +512,7 @@ def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], k
         raise _refusal(directory, kind)
     index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
+    _load_nvfp4_text_encoder(directory, index, kwargs)  # FastVideo's serialized NVFP4 layout (transformers cannot)
     _check_transformers_weights(directory, index, kwargs)  # a truncated file first: the next check reads headers
     _check_quantized_components(directory, index, task, kwargs)
     # A FastH3 stack (fastvideo_inference.json): its contract is checked now, its gates / decoder / preset after loading.

@@ -93,3 +93,45 @@ def write_fasth3_stack(
         export = nvfp4_decoder_export(components["vae"], decoder_student_layers, seed=5)
         torch.save(export, directory / "vae" / "decoder.pt")
     return directory
+
+
+def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
+    """Row-major ``[rows, cols]`` block scales -> FlashInfer's ``layout_128x4`` order (rows % 128 == 0, cols % 4 == 0),
+    stored ``[rows, cols]`` as FastVideo's serialized NVFP4 text encoder stores them."""
+    rows, cols = scale.shape
+    return scale.reshape(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(rows, cols).contiguous()
+
+
+@torch.no_grad()
+def write_nvfp4_text_encoder(model: torch.nn.Module, folder: Union[str, Path], keep_bf16: tuple = ()) -> Path:
+    """Save a Qwen3-VL text encoder in FastVideo's serialized NVFP4 layout: each ``language_model.layers.*``
+    projection (except the kinds in ``keep_bf16``) as ``weight_packed`` / 128x4-swizzled ``weight_scale`` /
+    ``weight_global_scale`` (``448 * 6 / amax``), everything else as stored, and the ``quantization_config``."""
+    from safetensors.torch import save_file
+
+    from ..kernels.gemm import nvfp4_quantize
+    from ..loaders.fasth3_text_encoder import _LANGUAGE_LINEAR
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    quantized = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and _LANGUAGE_LINEAR.search(n)
+                 and not any(n.endswith(k) for k in keep_bf16)}  # fmt: skip
+    for key, value in model.state_dict().items():
+        module = key.rsplit(".", 1)[0]
+        if module in quantized and key.endswith(".weight"):
+            packed, block_scale, global_scale = nvfp4_quantize(value)
+            tensors[f"{module}.weight_packed"] = packed
+            tensors[f"{module}.weight_scale"] = swizzle_128x4(block_scale.view(torch.uint8))
+            tensors[f"{module}.weight_global_scale"] = (1.0 / global_scale).reshape(1)
+        else:
+            tensors[key] = value.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    model.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "nvfp4", "activation_scheme": "dynamic", "fmt": "e2m1", "group_size": 16, "scale_fmt": "e4m3",
+        "scale_layout": "128x4", "modules_to_not_convert": ["model.visual", "lm_head", *keep_bf16],
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

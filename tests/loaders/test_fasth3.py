@@ -370,3 +370,93 @@ def test_adapter_with_a_wrong_payload_loads_nothing(tmp_path):
     with pytest.raises(ValueError, match="FastH3 payload does not fit"):
         load_fasth3_adapter(pipe, state, preset="fasth3-4step-preview-vsa")
     assert not getattr(pipe.transformer, "peft_config", None) and fasth3_report(pipe) is None
+
+
+# ---- NVFP4 text encoder ---------------------------------------------------------------------------------------------
+def _nvfp4_sized_text_encoder(layers=2):
+    """A Qwen3-VL conditioner whose language projections fit the serialized layout (out % 128, in % 64)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        text_config={"vocab_size": 261, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": layers,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [12, 10, 10],
+                                         "mrope_interleaved": True}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 16,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 128,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+    )  # fmt: skip
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def test_unswizzle_follows_flashinfer_128x4_order():
+    """Element (r, c) of the row-major scales sits at ((r // 128 * C/4 + c // 4) * 32 + r % 32) * 16 +
+    (r % 128) // 32 * 4 + c % 4 in the swizzled buffer (FlashInfer's layout_128x4)."""
+    from diffusers_h3.loaders.fasth3_text_encoder import unswizzle_128x4
+
+    rows, cols = 256, 8
+    buffer = torch.arange(rows * cols)
+    out = unswizzle_128x4(buffer, rows, cols)
+    for r, c in [(0, 0), (1, 0), (31, 3), (32, 0), (127, 7), (128, 4), (255, 5)]:
+        index = ((r // 128 * (cols // 4) + c // 4) * 32 + r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+        assert out[r, c] == index
+
+
+def test_nvfp4_text_encoder_loads_within_its_dequantization(tmp_path):
+    from diffusers_h3.loaders.fasth3_text_encoder import load_nvfp4_text_encoder
+    from diffusers_h3.testing.fasth3 import write_nvfp4_text_encoder
+
+    dense = _nvfp4_sized_text_encoder()
+    write_nvfp4_text_encoder(dense, tmp_path / "text_encoder", keep_bf16=("mlp.down_proj",))
+    loaded = load_nvfp4_text_encoder(tmp_path / "text_encoder", dtype=torch.float32)
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, NVFP4Linear)}
+    assert len(layers) == 2 * 6 and not any(n.endswith("down_proj") or "visual" in n for n in layers)
+    assert loaded.config.quantization_config.modules_to_not_convert == ["visual", "lm_head", "mlp.down_proj"]
+    reference = _nvfp4_sized_text_encoder()
+    reference.load_state_dict(dense.state_dict())
+    with torch.no_grad():
+        for name, layer in layers.items():
+            expected = nvfp4_dequantize(*nvfp4_quantize(dense.get_submodule(name).weight))
+            assert torch.allclose(layer.dequantize(torch.float32), expected, rtol=1e-6, atol=0)
+            reference.get_submodule(name).weight.copy_(expected)
+        ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+        out = loaded(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        ref = reference(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_nvfp4_text_encoder_refusals(tmp_path):
+    from diffusers_h3.loaders.fasth3_text_encoder import load_nvfp4_text_encoder
+    from diffusers_h3.testing.fasth3 import write_nvfp4_text_encoder
+
+    folder = write_nvfp4_text_encoder(_nvfp4_sized_text_encoder(layers=1), tmp_path / "te")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["scale_layout"] = "8x4"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scale_layout='8x4', only '128x4' is read"):
+        load_nvfp4_text_encoder(folder)
+    config["quantization_config"]["scale_layout"] = "128x4"
+    (folder / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.language_model.layers.0.mlp.up_proj.weight_global_scale"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"mlp.up_proj lacks \['model.language_model.layers.0.mlp.up_proj.weight_global"):
+        load_nvfp4_text_encoder(folder)
+
+
+def test_stack_with_an_nvfp4_text_encoder_loads_it_through_from_pretrained(tmp_path):
+    from diffusers_h3.testing.fasth3 import write_nvfp4_text_encoder
+
+    components = tiny_components(seed=1, with_transformer_ref=False)
+    components["text_encoder"] = _nvfp4_sized_text_encoder()
+    components["transformer"] = tiny_transformer(text_dim=128)
+    root = write_fasth3_stack(tmp_path / "stack", components)
+    shutil.rmtree(root / "text_encoder")
+    write_nvfp4_text_encoder(components["text_encoder"], root / "text_encoder")
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, text_encoder_layer=1, **TINY_DURATION_LIMITS)
+    assert sum(isinstance(m, NVFP4Linear) for m in pipe.text_encoder.modules()) == 2 * 7
+    embeds, _ = pipe.encode_prompt("a cat")
+    assert embeds.shape[-1] == 128 and torch.isfinite(embeds).all()

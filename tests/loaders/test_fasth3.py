@@ -425,6 +425,14 @@ def test_nvfp4_text_encoder_loads_within_its_dequantization(tmp_path):
         ref = reference(input_ids=ids, output_hidden_states=True).hidden_states[-1]
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
 
+    # It saves in this package's NVFP4 format and reloads through transformers bit for bit.
+    loaded.save_pretrained(tmp_path / "saved")
+    again = type(loaded).from_pretrained(tmp_path / "saved")
+    for name, layer in layers.items():
+        other = again.get_submodule(name)
+        assert isinstance(other, NVFP4Linear)
+        assert all(torch.equal(getattr(other, b), getattr(layer, b)) for b in ("weight", "weight_scale", "weight_scale_2"))
+
 
 def test_nvfp4_text_encoder_refusals(tmp_path):
     from diffusers_h3.loaders.fasth3_text_encoder import load_nvfp4_text_encoder

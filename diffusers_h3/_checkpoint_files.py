@@ -39,3 +39,16 @@ def safetensors_problem(path: Path) -> Optional[str]:
     if 8 + header_size + end > size:
         return f"truncated: {size} bytes, but its header describes {8 + header_size + end} bytes"
     return None
+
+
+def gguf_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a GGUF file (its magic and version), or `None`; reads its first 8 bytes only."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        return f"not a GGUF file ({size} bytes, no 'GGUF' magic at its start)"
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in (2, 3):
+        return f"a GGUF file of version {version}, not 2 or 3 (the versions the gguf package reads)"
+    return None

@@ -909,8 +909,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
                           "(default: %(default)s)")  # fmt: skip
     gen.add_argument("--memory", default=None, metavar="auto|GPU,HOST",
-                     help="fit a memory budget: 'auto' reads the visible GPU and host memory, '16,32' means 16 GiB of "
-                          "GPU and 32 GiB of host memory; picks the fastest measured recipe that fits (docs/memory.md)")
+                     help="fit a memory budget on a CUDA GPU: 'auto' reads the visible GPU's free memory (less 0.5 "
+                          "GiB) and the host's available memory (at most all but 4 GiB), '16,32' gives 16 GiB of GPU "
+                          "and 32 GiB of host memory as they are; picks the fastest measured recipe that fits and "
+                          "says why in one line (docs/memory.md)")
     gen.add_argument("--text-encoder-offload", action="store_true",
                      help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
                           "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip

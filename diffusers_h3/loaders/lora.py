@@ -58,6 +58,7 @@ from .lora_presets import (
     resolve_schedule,
     warn_schedule_differences,
 )
+from .single_file import check_fusable
 
 
 logger = logging.get_logger(__name__)
@@ -538,6 +539,11 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             )
         if regroup:
             _rebuild_offload_groups(transformer_ref)
+
+    def fuse_lora(self, *args, **kwargs):
+        """diffusers' ``fuse_lora``; LoRA layers around GGUF layers (a .gguf DiT) are refused first, in one line."""
+        check_fusable(self)
+        return super().fuse_lora(*args, **kwargs)
 
     # ---- adapter bookkeeping ----------------------------------------------------------------------------------------
     def unload_lora_weights(self, *args, **kwargs):

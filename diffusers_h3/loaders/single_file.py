@@ -569,11 +569,19 @@ def _load_fp8_scaled(plan, tensors, dtype, device, qkv_layout, backend: str) -> 
     return model
 
 
+def _file_dtype(layout: _FileLayout) -> torch.dtype:
+    """A dense file's own dtype (that of most of its block tensors); bfloat16 for GGUF and fp8-scaled files."""
+    if layout.format != FORMAT_DENSE:
+        return torch.bfloat16
+    kinds = Counter(t.kind for name, t in layout.weights.items() if _BLOCK_KEY.match(name))
+    return _FLOAT_DTYPES[kinds.most_common(1)[0][0]]
+
+
 def load_transformer_file(
     path: Union[str, os.PathLike],
     config: Union[None, str, os.PathLike, Dict[str, Any]] = None,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: Optional[torch.dtype] = None,
     device: Union[str, torch.device] = "cpu",
     num_layers: Optional[int] = None,
     qkv_layout: str = "stacked",
@@ -589,7 +597,8 @@ def load_transformer_file(
             transformer folder, a hub repo id, a dict, or ``None`` for the released MiniMax-H3 config. ``num_layers``
             is replaced by the number of blocks the file holds (pruned DiTs).
         dtype: the dtype of the dense weights and the compute dtype of GGUF / FP8 layers (the model's float32
-            modules stay float32, as ``from_pretrained`` keeps them).
+            modules stay float32, as ``from_pretrained`` keeps them). ``None``: a dense file's own dtype (that of
+            most of its block weights), bfloat16 for a GGUF or fp8-scaled file.
         device: where the weights are loaded.
         num_layers: the number of blocks the caller expects (checked against the file).
         qkv_layout: diffusers' converter option: ``"stacked"`` (``[q; k; v]``, every published single file) or
@@ -603,9 +612,11 @@ def load_transformer_file(
     """
     if qkv_layout not in ("stacked", "interleaved"):
         raise ValueError(f"qkv_layout must be 'stacked' or 'interleaved', got {qkv_layout!r}.")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}.")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be None or a floating torch.dtype, got {dtype!r}.")
     plan = inspect_transformer_file(path, config, num_layers=num_layers, qkv_layout=qkv_layout)
+    if dtype is None:
+        dtype = _file_dtype(plan.layout)
     if quantization_config is not None and plan.layout.format != FORMAT_DENSE:
         raise _fail(
             plan.layout.path,
@@ -698,4 +709,20 @@ def check_saveable(pipe_or_model) -> None:
             raise ValueError(
                 f"{name} holds {layers} GGUF layers{source}, which diffusers' GGUF quantizer cannot save — keep the "
                 ".gguf file and pass transformer=load_transformer_file(...) again when loading the saved pipeline"
+            )
+
+
+def check_fusable(pipe_or_model) -> None:
+    """Refuse, in one line and before any layer changes, to fuse a LoRA into GGUF layers: their packed blocks cannot
+    take ``W + B @ A`` without re-quantizing to a GGUF type, which nothing here writes. Unfused, the LoRA runs on top
+    of the GGUF GEMMs (PEFT's ``Linear`` around diffusers' ``GGUFLinear``)."""
+    from .._hooks import partitions_of
+
+    for name, model in partitions_of(pipe_or_model):
+        layers = sum(1 for module_name, module in model.named_modules()
+                     if is_gguf_linear(module) and module_name.endswith(".base_layer"))  # fmt: skip
+        if layers:
+            raise ValueError(
+                f"fuse_lora: {layers} of {name}'s LoRA layers wrap GGUF layers, whose packed blocks cannot hold W + BA "
+                "— keep the LoRA unfused (it runs on top of the GGUF layers), or load a bf16 / fp8-scaled file to fuse"
             )

@@ -211,3 +211,11 @@ def test_cli_memory_prints_one_line_naming_the_recipe(monkeypatch, capsys):
     assert args.memory_budget == (None, None) and args.memory_recipe.name in mb.RECIPES
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"memory recipe {args.memory_recipe.name!r}") and "MemAvailable" in err[0]
+
+
+def test_the_help_states_autos_margin_and_headroom(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"free memory (less {mb.GPU_MARGIN_GIB:g} GiB)" in text
+    assert f"available memory (at most all but {mb.HOST_HEADROOM_GIB:g} GiB)" in text

@@ -1,0 +1,156 @@
+"""Single-file DiTs inside the pipeline: `MiniMaxH3Pipeline.from_pretrained(folder, transformer=load_transformer_file(...))`
+end to end on the tiny model, the speed presets, LoRA through PEFT on GGUF and fp8-scaled layers, `describe()`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_h3 import MiniMaxH3Pipeline, describe, load_transformer_file
+from diffusers_h3.loaders.single_file import is_gguf_linear
+from diffusers_h3.quantizers import FP8Linear, QuantizedLinear
+from diffusers_h3.testing.single_file import (
+    dense_reference,
+    write_comfy_safetensors,
+    write_fp8_scaled_safetensors,
+    write_gguf,
+)
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, TINY_TRANSFORMER_CONFIG, tiny_pipeline, tiny_transformer_inputs
+
+from ._lora_helpers import TinyLoraPipeline, canonical_lora, save_lora, write_layout
+
+
+pytest.importorskip("gguf")
+
+TINY = dict(TINY_TRANSFORMER_CONFIG)
+RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 2, "output_type": "latent"}
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline(with_transformer_ref=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def folder(pipe, tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe")
+    pipe.save_pretrained(path)
+    return path
+
+
+def _with_transformer(pipe, transformer):
+    """The same components and config with another DiT (no reload; diffusers' `from_pipe` casts every component to
+    one dtype, which a GGUF model refuses)."""
+    import inspect
+
+    settings = {n: pipe.config[n] for n in inspect.signature(MiniMaxH3Pipeline.__init__).parameters if n in pipe.config
+                and not isinstance(pipe.config[n], (list, tuple))}  # fmt: skip
+    return MiniMaxH3Pipeline(**{**pipe.components, **settings, "transformer": transformer})
+
+
+def _latents(pipe):
+    out = pipe(prompt="a fox in the snow", generator=torch.Generator().manual_seed(0), **RUN)
+    return out.frames, out.audio
+
+
+def _rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _run(model):
+    with torch.no_grad():
+        return model(**tiny_transformer_inputs())[0]
+
+
+def test_from_pretrained_with_a_bf16_file_is_bitwise_the_original(pipe, folder, tmp_path):
+    path = tmp_path / "h3.safetensors"
+    write_comfy_safetensors(pipe.transformer, path, dtype=torch.float32, prefix="model.diffusion_model.")
+    loaded = MiniMaxH3Pipeline.from_pretrained(folder, task="t2va", transformer=load_transformer_file(path, folder))
+    # The reference: the same folder with the original DiT object (both DiTs own their memory: CPU GEMM kernels are
+    # chosen by the weights' alignment, and the folder's other components load alike in both).
+    reference = MiniMaxH3Pipeline.from_pretrained(folder, task="t2va", transformer=pipe.transformer)
+    for p in (loaded, reference):
+        p.set_progress_bar_config(disable=True)
+    (frames, audio), (want_frames, want_audio) = _latents(loaded), _latents(reference)
+    assert torch.equal(frames, want_frames) and torch.equal(audio, want_audio)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(pipe, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "h3-Q8_0.gguf"
+    decoded = write_gguf(pipe.transformer, path, "Q8_0")
+    return path, decoded
+
+
+def test_pipeline_with_a_gguf_file_runs_like_its_dequantized_weights(pipe, gguf_file):
+    path, decoded = gguf_file
+    loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
+    (frames, audio), (want_frames, want_audio) = _latents(loaded), _latents(_with_transformer(pipe, dense_reference(TINY, decoded)))
+    assert _rel_l2(frames, want_frames) < 1e-3 and _rel_l2(audio, want_audio) < 1e-3
+    report = describe(loaded)["components"]["transformer"]
+    assert report["quantization"] == "GGUFQuantizationConfig"
+    assert "GGUF file h3-Q8_0.gguf (Q8_0 x" in report["checkpoint_file"]["format"]
+
+
+def test_speed_presets_keep_the_files_weights(pipe, gguf_file, tmp_path):
+    path, _ = gguf_file
+    loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
+    gguf_layers = sum(map(is_gguf_linear, loaded.transformer.modules()))
+    loaded.enable_speed_preset("fast", compile=False)
+    weights = describe(loaded)["speed_preset"]["weights"]["transformer"]
+    assert "GGUF file h3-Q8_0.gguf" in weights and "[the file's weights: kept]" in weights
+    assert sum(map(is_gguf_linear, loaded.transformer.modules())) == gguf_layers
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.transformer.modules())  # nothing quantized twice
+    _latents(loaded)  # the preset's attention runs on the GGUF GEMMs
+    loaded.enable_speed_preset("exact", compile=False)
+    assert "exact attention on the file's quantized weights" in describe(loaded)["speed_preset"]["weights"]["transformer"]
+    # an fp8-scaled file is kept too, also where the preset would pick another format (CPU: W8A16)
+    fp8 = tmp_path / "h3_fp8.safetensors"
+    write_fp8_scaled_safetensors(pipe.transformer, fp8)
+    loaded = _with_transformer(pipe, load_transformer_file(fp8, TINY, dtype=torch.float32))
+    loaded.enable_speed_preset("fast", compile=False)
+    assert "fp8-scaled file h3_fp8.safetensors" in describe(loaded)["speed_preset"]["weights"]["transformer"]
+    assert {m.quant_method for m in loaded.transformer.modules() if isinstance(m, QuantizedLinear)} == {"h3_fp8"}
+
+
+def test_lora_on_gguf_layers_runs_unfused_and_refuses_to_fuse(gguf_file, tmp_path):
+    path, decoded = gguf_file
+    model = load_transformer_file(path, TINY, dtype=torch.float32)
+    reference = dense_reference(TINY, decoded)
+    lora = save_lora(tmp_path / "lora.safetensors", write_layout(canonical_lora(reference), "diffusers"))
+    without = _run(reference)
+    for target in (model, reference):
+        TinyLoraPipeline(transformer=target).load_lora_weights(lora, adapter_name="x", network_alpha=4)
+    assert is_gguf_linear(model.transformer_blocks[0].attn.to_q.base_layer)
+    with_lora, want = _run(model), _run(reference)
+    assert _rel_l2(want, without) > 0.1  # the LoRA changes the output ...
+    assert _rel_l2(with_lora, want) < 1e-3  # ... and runs on the GGUF layers as on their dequantized weights
+    with pytest.raises(ValueError, match=r"fuse_lora: \d+ of transformer's LoRA layers wrap GGUF layers") as error:
+        TinyLoraPipeline(transformer=model).fuse_lora()
+    assert "\n" not in str(error.value)
+    assert torch.equal(_run(model), with_lora)  # refused before any layer changed
+
+
+def test_lora_on_fp8_scaled_layers(pipe, tmp_path):
+    path = tmp_path / "h3_fp8.safetensors"
+    written = write_fp8_scaled_safetensors(pipe.transformer, path, dtype=torch.float32)
+    model = load_transformer_file(path, TINY, dtype=torch.float32, fp8_backend="dequant")
+    dequantized = {n: t.float() * written[n.replace(".weight", ".weight_scale")] if t.dtype == torch.float8_e4m3fn else t
+                   for n, t in written.items() if not n.endswith((".weight_scale", ".comfy_quant"))}  # fmt: skip
+    reference = dense_reference(TINY, dequantized)
+    lora = save_lora(tmp_path / "lora.safetensors", write_layout(canonical_lora(reference), "diffusers"))
+    for target in (model, reference):
+        TinyLoraPipeline(transformer=target).load_lora_weights(lora, adapter_name="x", network_alpha=4)
+    assert isinstance(model.transformer_blocks[0].attn.to_q.base_layer, FP8Linear)
+    unfused = _run(model)
+    assert torch.equal(unfused, _run(reference))  # LoRA on the unquantized input, added to the FP8 layer's output
+    codes = {n: b.clone() for n, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn}
+    lora_pipe = TinyLoraPipeline(transformer=model)
+    lora_pipe.fuse_lora()  # W + BA re-quantized to E4M3 with the layer's own scales
+    assert _rel_l2(_run(model), unfused) < 0.05
+    assert any(not torch.equal(b, codes[n]) for n, b in model.named_buffers() if n in codes)
+    lora_pipe.unfuse_lora()
+    assert all(torch.equal(b, codes[n]) for n, b in model.named_buffers() if n in codes)  # the file's codes, exactly
+    assert _rel_l2(_run(model), unfused) < 1e-5  # (the dense layers' LoRA is subtracted in floating point)

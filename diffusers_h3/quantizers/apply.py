@@ -27,8 +27,8 @@ def quantize(
 ) -> nn.Module:
     """Replace the selected ``nn.Linear`` layers of ``module`` by quantized layers (in place; returns ``module``).
 
-    ``keep_in_fp32_modules`` (default: the model's ``_keep_in_fp32_modules`` if it has one) is skipped too unless
-    ``config.modules_to_not_convert`` is given explicitly.
+    ``keep_in_fp32_modules`` (default: the model's ``_keep_in_fp32_modules`` if it has one) is always skipped, also
+    with an explicit ``config.modules_to_not_convert``.
     """
     if not isinstance(config, QuantizationConfigBase):
         raise TypeError(

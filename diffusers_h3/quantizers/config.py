@@ -12,8 +12,9 @@ Which ``nn.Linear`` layers are quantized (:meth:`QuantizationConfigBase.should_q
   (:data:`DEFAULT_MODULES_TO_NOT_CONVERT`, which includes H3's ``_keep_in_fp32_modules``), every module whose name
   has a component containing ``"norm"`` (e.g. ``norm_out.linear``), and, when loading through ``from_pretrained``,
   the model's own ``_keep_in_fp32_modules``.
-- An explicit list replaces all of that: only the listed names are kept (a name matches a module when it equals the
-  module's dotted name, one of its dotted components, or a dotted sub-path of it).
+- An explicit list replaces the defaults: the listed names are kept (a name matches a module when it equals the
+  module's dotted name, one of its dotted components, or a dotted sub-path of it), and still, as diffusers' own
+  quantizers do, the model's ``_keep_in_fp32_modules`` and every layer whose shape the format cannot hold.
 
 The AdaLN projections ``transformer_blocks.*.adaln_proj.linear`` (a large share of H3's parameters) **are quantized**
 by default: without them the weights cannot shrink to about half (W8A16) or under a third (NVFP4) of bf16's
@@ -127,11 +128,13 @@ class QuantizationConfigBase(QuantizationConfigMixin, TransformersQuantizationCo
         """Whether the module at dotted path ``name`` is replaced by a quantized layer."""
         if type(module) is not torch.nn.Linear:
             return False
-        if self.modules_to_not_convert is not None:
-            return not module_name_matches(name, self.modules_to_not_convert)
-        if module_name_matches(name, list(DEFAULT_MODULES_TO_NOT_CONVERT) + list(extra_skip)):
+        # `extra_skip`: the model's `_keep_in_fp32_modules`, kept whatever the list says (as diffusers' quantizers do).
+        if module_name_matches(name, list(extra_skip)):
             return False
-        if any("norm" in part for part in name.split(".")):
+        if self.modules_to_not_convert is not None:
+            if module_name_matches(name, self.modules_to_not_convert):
+                return False
+        elif module_name_matches(name, DEFAULT_MODULES_TO_NOT_CONVERT) or any("norm" in p for p in name.split(".")):
             return False
         return self.supports_shape(module.in_features, module.out_features)
 

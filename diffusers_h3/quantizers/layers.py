@@ -259,6 +259,11 @@ class QuantizedLinear(nn.Module):
             self._warn_fallback(x.device)
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
+        if torch.is_autocast_enabled(x.device.type):
+            # The layer computes in `compute_dtype` with its own scales: under fp16 autocast the emulated FP8 product
+            # (E4M3 codes up to 448 each) and the dequantized GEMMs would run in fp16 and overflow.
+            with torch.autocast(x.device.type, enabled=False):
+                return self._run(x, self.backend)
         return self._run(x, self.backend)
 
     def _warn_fallback(self, device: torch.device) -> None:

@@ -31,3 +31,26 @@ def test_modules_to_not_convert_matches_whole_dotted_components():
         assert {f"{prefix}.to_q", f"{prefix}.ff.net"} <= kept  # a component, at any depth
         assert {f"{prefix}.to_qkv", f"{prefix}.ff_context"} <= quantized  # "to_q" / "ff" are only substrings here
     assert kept | quantized == {name for name, m in _blocks(12).named_modules() if type(m) is nn.Linear}
+
+
+def test_an_explicit_list_still_keeps_the_fp32_modules_and_shapes_the_format_cannot_hold():
+    """diffusers' quantizers always keep a model's `_keep_in_fp32_modules`: so does an explicit
+    `modules_to_not_convert` (the docs' own `["adaln_proj"]`), and a layer whose shape the format cannot hold stays
+    dense instead of failing."""
+    from diffusers_h3.quantizers import NVFP4Config
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    keep = model._keep_in_fp32_modules
+    fp32_linears = {name for name, m in model.named_modules() if type(m) is nn.Linear and
+                    any(part in keep for part in name.split("."))}  # fmt: skip
+    assert fp32_linears  # proj_in, time_embedder.linear_1, proj_out, ...
+    quantize(model, W8A16Config(modules_to_not_convert=["adaln_proj"]))
+    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert not quantized & fp32_linears, sorted(quantized & fp32_linears)
+    assert not any("adaln_proj" in name for name in quantized) and any(".to_q" in name for name in quantized)
+    # NVFP4 packs 16-value blocks: an 8-feature layer is left dense, as without a list.
+    model = nn.ModuleDict({"narrow": nn.Linear(8, 8), "wide": nn.Linear(64, 64)})
+    quantize(model, NVFP4Config(modules_to_not_convert=["other"]))
+    assert type(model["narrow"]) is nn.Linear and isinstance(model["wide"], QuantizedLinear)

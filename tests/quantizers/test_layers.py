@@ -100,3 +100,34 @@ def test_fuse_qkv_projections_refuses_lora_wrapped_quantized_projections():
     with pytest.raises(ValueError, match="fuse_lora"):
         model.fuse_qkv_projections()
     assert not any(getattr(m, "fused_projections", False) for m in model.modules())
+
+
+def _autocast_case(device, config, compute_dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(device, compute_dtype)
+    x = 4 * torch.randn(16, 64, device=device, dtype=compute_dtype)
+    quantize(model, config)
+    return model, x
+
+
+@pytest.mark.parametrize("config", [FP8Config, W8A16Config, NVFP4Config])
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+def test_quantized_layers_under_autocast_compute_as_without_it(config, autocast_dtype):
+    """Under `torch.autocast("cpu", float16)` the FP8 emulation's E4M3 products used to overflow fp16 (inf/NaN in
+    most outputs): a quantized layer computes in its own `compute_dtype` whatever autocast says."""
+    model, x = _autocast_case("cpu", config(), torch.float32)
+    expected = model(x)
+    with torch.autocast("cpu", autocast_dtype):
+        out = model(x)
+    assert torch.isfinite(out).all() and torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [FP8Config, W8A16Config, NVFP4Config])
+def test_quantized_layers_under_cuda_autocast_compute_as_without_it(config):
+    model, x = _autocast_case("cuda", config(), torch.bfloat16)
+    expected = model(x)
+    with torch.autocast("cuda", torch.float16):
+        out = model(x)
+    assert torch.isfinite(out).all() and torch.equal(out, expected)

@@ -63,6 +63,13 @@ class FastH3Record:
 
     def describe(self, pipe=None) -> Dict[str, Any]:
         report = {"preset": self.preset.describe(), "attention": self.attention, "gates": self.gates}
+        transformer = getattr(pipe, "transformer", None)
+        state = vsa_state(transformer) if transformer is not None else None
+        if state is not None and (state["sparsity"], state["precision"]) != (self.preset.vsa_sparsity,
+                                                                            FASTH3_ATTENTION_PRECISION):
+            # changed since (a speed preset, enable_vsa): what runs now
+            report["attention"] = (f"VSA sparsity={state['sparsity']:g} {state['precision']} (changed after the "
+                                   f"preset, which set {self.attention})")  # fmt: skip
         if self.payload:
             report["payload"] = self.payload
         if self.source:

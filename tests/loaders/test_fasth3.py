@@ -16,7 +16,7 @@ from diffusers import AutoencoderKLMiniMaxH3, MiniMaxH3Transformer3DModel
 from safetensors.torch import save_file
 
 from diffusers_h3 import MiniMaxH3Pipeline, describe
-from diffusers_h3.attention_processors import add_gate_compress, vsa_state
+from diffusers_h3.attention_processors import add_gate_compress, enable_vsa, vsa_state
 from diffusers_h3.kernels.gemm import nvfp4_dequantize, nvfp4_quantize
 from diffusers_h3.loaders.fasth3 import (
     CONTRACT_FILE,
@@ -167,7 +167,6 @@ def test_payload_for_a_wider_base_is_refused():
 
 def test_payload_gates_reach_the_vsa_processor():
     """The gates a payload sets are the ones the VSA processor adds the coarse branch through."""
-    from diffusers_h3.attention_processors import enable_vsa
     from diffusers_h3.layout import use_packed_layout
     from diffusers_h3.packing import build_layout
 
@@ -217,6 +216,9 @@ def test_preset_runs_the_trained_schedule(caplog):
     handle.remove()
     assert len(calls) == 2 and "num_inference_steps=3 (trained: 5)" in caplog.text
     assert pipe.scheduler.sigmas[0] == 1.0  # the call's own grid (uniform, shift 12)
+    # describe() reports what runs, also after the attention changed under the preset
+    enable_vsa(pipe.transformer, sparsity=0.9, precision="int8")
+    assert describe(pipe)["fasth3"]["attention"].startswith("VSA sparsity=0.9 int8 (changed after the preset")
 
 
 # ---- light VAE ------------------------------------------------------------------------------------------------------

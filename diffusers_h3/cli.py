@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
-from ._checkpoint_files import safetensors_problem
+from ._checkpoint_files import gguf_problem, safetensors_problem
 from ._version import __version__
 from ._video_encoding import (
     CRF_RANGE,
@@ -393,12 +393,64 @@ def _check_choices(args) -> None:
 
 
 def _check_model_option(args) -> None:
-    """`--model` as a checked local folder (`args.model_path`) or a hub repo id."""
+    """`--model` as a checked local folder (`args.model_path`) or a hub repo id; `--transformer-file` as a file."""
     args.model_path = None
     if args.model is not None:
         args.model_path = _local_path(args.model, "--model")
         if args.model_path is not None:
             _check_model_folder(args.model_path)
+    if getattr(args, "transformer_file", None) is not None:
+        _check_transformer_file(args)
+
+
+def _check_transformer_file(args) -> None:
+    """`--transformer-file`: an existing .safetensors / .gguf file whose header reads (standard library only)."""
+    path = _check_file(args.transformer_file, "--transformer-file")
+    flag = f"--transformer-file {args.transformer_file}"
+    suffix = path.suffix.lower()
+    if suffix not in (".safetensors", ".gguf"):
+        raise UsageError(f"{flag}: a {suffix or 'suffix-less'} file is not a single-file DiT format this reads",
+                         "pass a .safetensors (bf16 or fp8-scaled) or .gguf file")  # fmt: skip
+    problem = safetensors_problem(path) if suffix == ".safetensors" else gguf_problem(path)
+    if problem:
+        raise UsageError(f"{flag}: {problem}", "download the file again")
+    if getattr(args, "memory", None) is not None:
+        raise UsageError(f"{flag} with --memory: the memory recipes load the DiT from --model themselves",
+                         "drop --memory (use --cpu-offload or --low-memory), or drop --transformer-file")  # fmt: skip
+
+
+def _transformer_file_config(args, task: str):
+    """The config the `--transformer-file` DiT is checked and built with: `--model`'s partition, or the demo's."""
+    from diffusers_h3.tasks import partition_for_task
+
+    partition = partition_for_task(task)
+    if args.model is None:
+        from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
+        return dict(TINY_TRANSFORMER_CONFIG)
+    if args.model_path is not None:
+        return args.model_path / partition
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return dict(MiniMaxH3Transformer3DModel.load_config(args.model, subfolder=partition))
+
+
+def _check_transformer_file_contents(args, task: str) -> None:
+    """Every key, shape and tensor type of `--transformer-file` against `--model`'s DiT config, from the header (no
+    weights read): one line naming what does not fit."""
+    if getattr(args, "transformer_file", None) is None:
+        return
+    from diffusers_h3.loaders.single_file import TransformerFileError, inspect_transformer_file
+
+    try:
+        plan = inspect_transformer_file(args.transformer_file, _transformer_file_config(args, task))
+    except TransformerFileError as error:
+        what, _, fix = str(error).partition(" — ")
+        raise UsageError(f"--transformer-file {what}", fix or "pass a MiniMax-H3 DiT file") from None
+    quantize = getattr(args, "quantize", None)
+    if quantize and plan.layout.format != "dense":
+        raise UsageError(f"--transformer-file {args.transformer_file} is already quantized ({plan.layout.format}); "
+                         f"--quantize {quantize} would quantize it twice", "drop --quantize")  # fmt: skip
 
 
 def _check_request(args, task: str, conditioning):
@@ -585,6 +637,7 @@ def check_generate(args):
             "pass --model",
         )
     _check_choices(args)
+    _check_transformer_file_contents(args, task)
     _check_prompt_length(args, _check_request(args, task, conditioning))
     args.task = task
     return conditioning
@@ -628,7 +681,9 @@ def _load_pipeline(args):
         return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args), recipe=args.memory_recipe)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     quant_mapping = {}
-    if getattr(args, "quantize", None):
+    if getattr(args, "transformer_file", None) is not None:  # the DiT from one file, quantized (or not) by the file
+        kwargs[partition_for_task(task)] = _load_transformer_file(args, task, dtype)
+    elif getattr(args, "quantize", None):
         quant_mapping[partition_for_task(task)] = _quant_config(args.quantize)
     elif getattr(args, "speed", None) in ("fast", "fastest"):
         # The preset's weight format, quantized while loading (the preset then keeps it instead of quantizing again).
@@ -674,6 +729,19 @@ def _load_pipeline(args):
     else:
         pipe.to(_device(args))
     return pipe
+
+
+def _load_transformer_file(args, task: str, dtype):
+    """The `--transformer-file` DiT (checked by `_check_transformer_file_contents` before anything loads); `--quantize`
+    quantizes a dense file after loading, `--speed fast` / `fastest` then quantize it in place (a GGUF or fp8-scaled
+    file keeps its own weights)."""
+    from diffusers_h3.loaders.single_file import load_transformer_file, transformer_file_record
+
+    quantization = _quant_config(args.quantize) if getattr(args, "quantize", None) else None
+    model = load_transformer_file(args.transformer_file, _transformer_file_config(args, task), dtype=dtype,
+                                  quantization_config=quantization)  # fmt: skip
+    print(f"transformer: {transformer_file_record(model).summary()}", file=sys.stderr)
+    return model
 
 
 def _load_lora(pipe, args) -> None:
@@ -822,6 +890,10 @@ def cmd_describe(args) -> int:
     if args.model is not None and args.model_path is None:
         check_hub_reachable(args.model, "--model", file="model_index.json")
     _check_device(args)
+    if getattr(args, "transformer_file", None) is not None:
+        if args.model is None and not args.demo:
+            raise UsageError("--transformer-file replaces the DiT of a pipeline", "add --model (or --demo)")
+        _check_transformer_file_contents(args, "t2va")
     from diffusers_h3 import describe
     from diffusers_h3._report import format_report
 
@@ -867,6 +939,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help=model_help)
         p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
+        p.add_argument("--transformer-file", default=None, metavar="PATH",
+                       help="the DiT from one file: .safetensors (bf16, or ComfyUI fp8-scaled) or .gguf (Q8_0, Q6_K, "
+                            "Q5_K, Q4_K ...), ComfyUI or diffusers names; the rest of the pipeline from --model "
+                            "(docs/checkpoints.md)")  # fmt: skip
         p.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
         p.add_argument("--low-memory", action="store_true",
                        help="one 24-48 GB GPU: enable_low_memory_offload (block-level group offload with CUDA "

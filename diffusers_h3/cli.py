@@ -586,6 +586,9 @@ def _check_lora_file(args) -> None:
 def check_arguments(args) -> None:
     """The checks that read only the arguments and the file system, with the standard library: the console entry
     point runs them before importing the package (torch, diffusers), so these mistakes answer at once."""
+    if args.command in FIDELITY_COMMANDS:
+        _check_fidelity_arguments(args)
+        return
     if args.command == "describe":
         if args.demo and args.model is not None:
             raise UsageError("--demo and --model name two pipelines", "pass one of them")
@@ -933,7 +936,7 @@ def _ranged(kind, minimum=None, below=None, what="value", bounds=None):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="MiniMax-H3 video + stereo audio with Hugging Face Diffusers")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,describe}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,describe,compare,fidelity}")
 
     def add_common_options(p, model_help):
         p.add_argument("--model", default=None, help=model_help)
@@ -1043,7 +1046,236 @@ def build_parser() -> argparse.ArgumentParser:
     des.add_argument("--demo", action="store_true", help="load and describe the embedded tiny demo pipeline")
     des.add_argument("--json", action="store_true", help="print the report as JSON")
     des.set_defaults(func=cmd_describe)
+    _add_fidelity_commands(sub)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compare / fidelity: what a fast path costs in the clip (docs/fidelity.md)
+# ---------------------------------------------------------------------------------------------------------------------
+FIDELITY_COMMANDS = ("compare", "fidelity")
+# The names of `diffusers_h3.fidelity.FIDELITY_CASES`, spelled out so that `--help` imports no torch (tested).
+FIDELITY_CASE_CHOICES = ("native", "exact", "fast", "fastest", "low_ram", "fp8_decode", "first_block_cache")
+DEFAULT_FIDELITY_CASES = "fast,fastest"
+# Exit status of a comparison or fidelity run with a gate below its threshold or a case that failed to run.
+GATE_FAILED = 1
+
+
+def _seed_list(value: str):
+    """`--seeds 0,1`: comma-separated seeds, each 0 to 2**64-1."""
+    parse = _ranged(int, 0, 2**64, what="--seeds entry", bounds="from 0 to 2**64-1")
+    seeds = [parse(part.strip()) for part in value.split(",") if part.strip()]
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"--seeds needs at least one seed, got {value!r}")
+    return list(dict.fromkeys(seeds))
+
+
+def _case_list(value: str):
+    cases = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [case for case in cases if case not in FIDELITY_CASE_CHOICES]
+    if unknown or not cases:
+        raise argparse.ArgumentTypeError(f"unknown case(s) {', '.join(unknown) or repr(value)}: choose from "
+                                         f"{', '.join(FIDELITY_CASE_CHOICES)}")  # fmt: skip
+    return list(dict.fromkeys(cases))
+
+
+def _ratio_range(value: str):
+    parse = _ranged(float, 0.0, what="--rms-ratio-range bound")
+    low, sep, high = value.partition(",")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--rms-ratio-range takes LOW,HIGH (e.g. 0.8,1.25), got {value!r}")
+    bounds = parse(low.strip()), parse(high.strip())
+    if bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"--rms-ratio-range: LOW {bounds[0]} is above HIGH {bounds[1]}")
+    return bounds
+
+
+def _add_gate_options(p) -> None:
+    gates = p.add_argument_group("gates (exit status 1 when a case falls outside; docs/fidelity.md)")
+    gates.add_argument("--min-ssim", type=_ranged(float, -1.0, 1.0000001, what="--min-ssim", bounds="in [-1, 1]"),
+                       default=None, help="lowest mean SSIM (YUV 4:2:0) a clip may have")  # fmt: skip
+    gates.add_argument("--min-psnr", type=_ranged(float, 0.0, what="--min-psnr"), default=None, metavar="DB",
+                       help="lowest mean PSNR (YUV 4:2:0, dB) a clip may have")  # fmt: skip
+    gates.add_argument("--min-audio-cosine", type=_ranged(float, -1.0, 1.0000001, what="--min-audio-cosine",
+                                                          bounds="in [-1, 1]"),
+                       default=None, help="lowest log-mel spectral cosine of the audio a clip may have")  # fmt: skip
+    gates.add_argument("--max-lpips", type=_ranged(float, 0.0, what="--max-lpips"), default=None,
+                       help="highest mean LPIPS a clip may have (needs the lpips package and its AlexNet weights "
+                            "locally; not computed is a failure)")  # fmt: skip
+    gates.add_argument("--rms-ratio-range", type=_ratio_range, default=None, metavar="LOW,HIGH",
+                       help="the RMS ratio of the audio (case / reference) must lie in [LOW, HIGH]")
+
+
+def _gates(args):
+    from diffusers_h3.fidelity import Gates
+
+    return Gates(min_ssim=args.min_ssim, min_psnr=args.min_psnr, min_audio_cosine=args.min_audio_cosine,
+                 max_lpips=args.max_lpips, rms_ratio_range=args.rms_ratio_range)  # fmt: skip
+
+
+def _add_fidelity_commands(sub) -> None:
+    cmp = sub.add_parser("compare", help="distances between two clips: PSNR/SSIM per frame, LPIPS, audio cosine")
+    cmp.add_argument("reference", help="the reference clip (MP4)")
+    cmp.add_argument("candidate", help="the clip to measure against it (same frame count and size)")
+    cmp.add_argument("--json", action="store_true", help="print the full record (per-frame values) as JSON")
+    cmp.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    _add_gate_options(cmp)
+    cmp.set_defaults(func=cmd_compare)
+
+    fid = sub.add_parser("fidelity", help="generate the same prompts and seeds with several cases and measure each "
+                                          "against a reference case (JSON report + HTML page)")  # fmt: skip
+    fid.add_argument("--model", default=None, help="local checkpoint folder or hub repo id (default: the embedded "
+                                                   "tiny demo checkpoint, random weights)")  # fmt: skip
+    fid.add_argument("--prompts", required=True, metavar="FILE",
+                     help="UTF-8 text file, one prompt per line (blank lines and lines starting with # are skipped)")
+    fid.add_argument("--seeds", type=_seed_list, default=[0], help="comma-separated seeds (default: 0)")
+    fid.add_argument("--against", choices=FIDELITY_CASE_CHOICES, default="exact",
+                     help="the reference case (default: %(default)s)")
+    fid.add_argument("--cases", type=_case_list, default=_case_list(DEFAULT_FIDELITY_CASES),
+                     help=f"comma-separated cases to measure, of {', '.join(FIDELITY_CASE_CHOICES)} "
+                          f"(default: {DEFAULT_FIDELITY_CASES}; docs/fidelity.md says what each runs)")  # fmt: skip
+    fid.add_argument("--out", default="fidelity", metavar="DIR",
+                     help="output folder: clips, fidelity.json, index.html and images/; clips already there are "
+                          "reused (default: %(default)s)")  # fmt: skip
+    fid.add_argument("--height", type=int, default=None, help="canvas height (see `generate --help`)")
+    fid.add_argument("--width", type=int, default=None, help="canvas width (see `generate --help`)")
+    fid.add_argument("--frames", "--num-frames", dest="frames", type=int, default=124,
+                     help="frames at 24 fps, as `generate` takes them (default: %(default)s)")
+    fid.add_argument("--steps", type=_ranged(int, 2, MAX_STEPS + 1, what="--steps", bounds=STEPS_BOUNDS),
+                     default=None, help="sigma grid points, as `generate` takes them (default: 50)")  # fmt: skip
+    fid.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
+    fid.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
+    fid.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
+    fid.add_argument("--no-compile", action="store_true",
+                     help="the presets without regional torch.compile (starts sooner; eager kernels' numbers)")
+    fid.add_argument("--thumbnail-width", type=_ranged(int, 16, 4097, what="--thumbnail-width"), default=160,
+                     metavar="PIXELS", help="width of each frame in the page's frame strips (default: %(default)s)")
+    fid.add_argument("--no-progress", action="store_true", help="no progress bars")
+    fid.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    _add_gate_options(fid)
+    fid.set_defaults(func=cmd_fidelity)
+
+
+def _read_prompts(path_text: str) -> List[str]:
+    path = _check_file(path_text, "--prompts")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"--prompts {path_text}: not UTF-8 text ({error.reason} at byte {error.start})",
+                         "save the file as UTF-8") from None  # fmt: skip
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise UsageError(f"--prompts {path_text}: holds no prompt", "write one prompt per line")
+    return prompts
+
+
+def _check_fidelity_arguments(args) -> None:
+    """`compare` and `fidelity`: the checks that read only the arguments and files (standard library)."""
+    if args.command == "compare":
+        for flag, value in (("reference", args.reference), ("candidate", args.candidate)):
+            _check_file(value, flag)
+        return
+    args.prompt_list = _read_prompts(args.prompts)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out}: is a file", "name a folder (created if missing)")
+    if not out.absolute().parent.is_dir():
+        raise UsageError(f"--out {args.out}: the folder {out.absolute().parent} does not exist", "create it first")
+    if (args.height is None) != (args.width is None):
+        raise UsageError("--height and --width have to be passed together", "pass both or neither")
+    _check_model_option(args)
+
+
+def cmd_compare(args) -> int:
+    check_arguments(args)
+    from diffusers_h3.fidelity import compare_clips, evaluate_gates, format_comparison, json_ready, read_clip
+
+    clips = []
+    for flag, value in (("reference", args.reference), ("candidate", args.candidate)):
+        try:
+            clips.append(read_clip(value))
+        except ValueError as error:
+            raise UsageError(f"{flag} {value}: {str(error).rstrip('.')}", "pass an MP4 clip") from None
+    try:
+        record = compare_clips(*clips)
+    except ValueError as error:
+        raise UsageError(str(error).split("; ")[0], "compare two clips of the same model request shape") from None
+    audio = record["audio"] or {}
+    summary = {"ssim_yuv420": record["ssim_yuv420"]["mean"], "psnr_yuv420": record["psnr_yuv420"]["mean"],
+               "lpips": record["lpips"]["value"], "audio_cosine": audio.get("spectral_cosine"),
+               "rms_ratio": audio.get("rms_ratio"),
+               "rms_ratio_range": [audio["rms_ratio"]] * 2 if "rms_ratio" in audio else None}  # fmt: skip
+    gates = evaluate_gates(summary, _gates(args))
+    record["gates"] = gates
+    if args.json:
+        print(json.dumps(json_ready(record), indent=2))
+    else:
+        print(format_comparison(record))
+        for name, gate in gates.items():
+            print(f"gate {name} {gate['threshold']}: {'pass' if gate['passed'] else 'FAIL'} "
+                  f"({gate.get('reason') or gate['value']})")  # fmt: skip
+    return 0 if all(gate["passed"] for gate in gates.values()) else GATE_FAILED
+
+
+def _rounded(value, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value if value is not None else "n/a")
+
+
+def cmd_fidelity(args) -> int:
+    check_arguments(args)
+    if args.model is not None and args.model_path is None:
+        check_hub_reachable(args.model, "--model", file="model_index.json")
+    _check_device(args)
+    if args.model is None and args.height is None:
+        args.height, args.width = DEMO_CANVAS
+    for number, prompt in enumerate(args.prompt_list, start=1):  # the request checks of `generate`, per prompt
+        request = argparse.Namespace(**{**vars(args), "prompt": prompt})
+        try:
+            _check_prompt_text(prompt)
+            _check_prompt_length(request, _check_request(request, "t2va", {}))
+        except UsageError as error:
+            raise UsageError(f"--prompts {args.prompts} prompt {number}: {error}".split(" — ")[0],
+                             str(error).partition(" — ")[2] or "fix the prompt") from None  # fmt: skip
+    from diffusers_h3.fidelity import FidelityRunError, FidelitySettings, run_fidelity
+
+    def load(case):
+        case_args = argparse.Namespace(**{**vars(args), "speed": case.speed, "quantize": case.dit_format,
+                                          "quantize_text_encoder": case.text_encoder_format, "memory_recipe": None,
+                                          "task": "t2va"})  # fmt: skip
+        return _load_pipeline(case_args)
+
+    try:
+        settings = FidelitySettings(prompts=args.prompt_list, seeds=args.seeds, cases=args.cases,
+                                    against=args.against, height=args.height, width=args.width,
+                                    num_frames=args.frames, steps=args.steps, compile=not args.no_compile,
+                                    model=args.model or "tiny demo checkpoint")  # fmt: skip
+        note = None
+        if args.model is None:
+            note = ("The tiny demo checkpoint has random weights: these are numerical distances between the paths, "
+                    "not a measure of quality.")  # fmt: skip
+        report = run_fidelity(load, settings, Path(args.out).expanduser(), gates=_gates(args),
+                              progress=not args.no_progress, note=note, thumbnail_width=args.thumbnail_width,
+                              extra={"device": _device(args), "dtype": args.dtype})  # fmt: skip
+    except FidelityRunError as error:
+        raise UsageError(f"--out {args.out}: {error}" if "holds a fidelity run" in str(error) else str(error),
+                         "see `diffusers-h3 fidelity --help`") from None  # fmt: skip
+    out = Path(args.out)
+    for name, case in report["cases"].items():
+        summary = case.get("summary") or {}
+        seconds = case["speed"].get("seconds")
+        line = f"{name:18s} {case['status']:9s} {seconds if seconds is not None else 'n/a'} s/clip"
+        if summary:
+            line += "".join(f"  {label} {_rounded(summary[key], digits)}" for label, key, digits in (
+                ("SSIM", "ssim_yuv420", 4), ("PSNR dB", "psnr_yuv420", 2), ("audio cosine", "audio_cosine", 4),
+                ("RMS ratio", "rms_ratio", 3)))  # fmt: skip
+        failed = [g for g, r in (case.get("gates") or {}).items() if not r["passed"]]
+        if failed:
+            line += f"  FAILED {', '.join(failed)}"
+        if case.get("error"):
+            line += f"  ({case['error']})"
+        print(line)
+    print(f"wrote {out / 'fidelity.json'} and {out / 'index.html'}: {'pass' if report['passed'] else 'FAIL'}")
+    return 0 if report["passed"] else GATE_FAILED
 
 
 def _exit_on_interrupt() -> None:

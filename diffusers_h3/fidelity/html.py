@@ -26,6 +26,7 @@ STRIP_POSITIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # The difference row is |reference - case| times this (small differences become visible).
 DIFFERENCE_GAIN = 4
 PLOT_SIZE = (640, 300)
+SPECTROGRAM_SIZE = (480, 96)
 BACKGROUND, INK, GRID = (255, 255, 255), (40, 40, 40), (225, 225, 225)
 PSNR_COLOUR, SSIM_COLOUR = (31, 119, 180), (214, 39, 40)
 # Anchor colours of the spectrogram colour map, from the floor (-80 dB) to the peak.
@@ -132,15 +133,16 @@ def spectrograms(reference: Clip, candidate: Clip, path: Path) -> bool:
     for clip in (reference, candidate):
         mel = log_mel(clip.audio, clip.sample_rate).mean(0)  # (bands, frames) in [-80, 0] dB
         picture = _colour(((mel + 80.0) / 80.0).flip(0).numpy())
-        images.append(Image.fromarray(picture).resize((min(480, max(160, picture.shape[1])), picture.shape[0])))
+        images.append(Image.fromarray(picture).resize(SPECTROGRAM_SIZE))  # time stretched or squeezed to the width
     label_h = 14
-    canvas = Image.new("RGB", (images[0].width + 70, 2 * (images[0].height + label_h)), BACKGROUND)
+    canvas = Image.new("RGB", (SPECTROGRAM_SIZE[0], 2 * (SPECTROGRAM_SIZE[1] + label_h)), BACKGROUND)
     draw = ImageDraw.Draw(canvas)
+    seconds = reference.audio.shape[-1] / reference.sample_rate
     for row, (label, image) in enumerate(zip(("reference", "case"), images)):
-        top = row * (image.height + label_h)
-        draw.text((70, top + 1), f"{label}: log-mel, 0 to {reference.sample_rate // 2} Hz, -80 to 0 dB of its peak",
-                  fill=INK, font=_font())  # fmt: skip
-        canvas.paste(image.resize((images[0].width, image.height)), (70, top + label_h))
+        top = row * (SPECTROGRAM_SIZE[1] + label_h)
+        draw.text((2, top + 1), f"{label}: log-mel 0-{reference.sample_rate // 2} Hz over {seconds:.2f} s, -80 to 0 dB "
+                                "of its peak", fill=INK, font=_font())  # fmt: skip
+        canvas.paste(image, (0, top + label_h))
     canvas.save(path, optimize=True)
     return True
 

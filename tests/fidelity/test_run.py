@@ -1,0 +1,103 @@
+"""Fidelity runs on the tiny pipeline (22 frames, 2 sigma points): the report's schema, the gates, resuming, a failing
+case, and the page's pictures."""
+
+import json
+import re
+
+import pytest
+
+from diffusers_h3 import MiniMaxH3Pipeline
+from diffusers_h3.fidelity import FidelityRunError, FidelitySettings, Gates, evaluate_gates, run_fidelity
+from diffusers_h3.fidelity.cases import FIDELITY_CASES
+from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
+
+
+def _settings(**overrides):
+    values = {"prompts": ["a cat", "a drum"], "seeds": [3], "cases": ["native"], "against": "exact", "height": 64,
+              "width": 96, "num_frames": TINY_NUM_FRAMES, "steps": 2, "compile": False, "model": "tiny"}
+    return FidelitySettings(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """One run: `native` against `exact` for two prompts, and `first_block_cache`, whose loading fails."""
+    out = tmp_path_factory.mktemp("fidelity")
+    saved = out.parent / f"{out.name}_tiny"
+    tiny_pipeline(seed=0).save_pretrained(saved)
+    calls = []
+
+    def load(case):
+        calls.append(case.name)
+        if case.name == "first_block_cache":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return MiniMaxH3Pipeline.from_pretrained(saved)  # a fresh pipeline per case, as the CLI loads one
+
+    settings = _settings(cases=["native", "first_block_cache"])
+    report = run_fidelity(load, settings, out, gates=Gates(min_ssim=0.99, min_audio_cosine=0.99), progress=False,
+                          note="random weights")  # fmt: skip
+    return out, report, calls, load
+
+
+def test_report_schema_and_values(first_run):
+    out, report, calls, _ = first_run
+    assert calls == ["exact", "native", "first_block_cache"]  # the reference first, each case loaded once
+    assert json.loads((out / "fidelity.json").read_text()) == report
+    assert report["schema"] == "diffusers-h3-fidelity/1" and report["note"] == "random weights"
+    assert set(report) == {"schema", "note", "settings", "gates", "environment", "cases", "passed", "html"}
+    assert report["settings"]["prompts"] == ["a cat", "a drum"]
+    assert report["gates"] == {"min_ssim": 0.99, "min_audio_cosine": 0.99}
+    exact, native = report["cases"]["exact"], report["cases"]["native"]
+    assert exact["status"] == "reference" and "summary" not in exact and exact["speed"]["seconds"] > 0
+    assert native["status"] == "ok" and native["error"] is None and len(native["clips"]) == 2
+    clip = native["clips"][0]
+    assert (clip["prompt_index"], clip["seed"], clip["file"]) == (0, 3, "clips/native/p0_s3.mp4")
+    # On the CPU in float32 the exact preset changes nothing: the same frames and sound.
+    assert clip["metrics"]["identical_video"] and clip["summary"]["psnr_y"] == "inf"
+    assert clip["summary"]["ssim_yuv420"] == pytest.approx(1.0)
+    assert len(clip["metrics"]["ssim_y"]["per_frame"]) == TINY_NUM_FRAMES
+    assert native["summary"]["audio_cosine"] == pytest.approx(1.0) and native["summary"]["rms_ratio"] == 1.0
+    assert native["gates"]["min_ssim"] == {"metric": "ssim_yuv420", "threshold": 0.99,
+                                           "value": native["summary"]["ssim_yuv420"], "passed": True}
+    assert native["passed"] is True
+    assert native["speed"]["per_clip_s"] and native["speed"]["speedup_vs_reference"] > 0
+    # A case that fails is recorded, and the run is not a pass.
+    failed = report["cases"]["first_block_cache"]
+    assert failed["status"] == "failed" and "CUDA out of memory (simulated)" in failed["error"]
+    assert failed["passed"] is False and failed["clips"] == [] and report["passed"] is False
+
+
+def test_page_references_pictures_that_exist(first_run):
+    out, report, _, _ = first_run
+    page = (out / "index.html").read_text()
+    sources = re.findall(r"<img src='([^']+)'", page)
+    assert len(sources) == 2 * 3  # two clips: frame strip, PSNR/SSIM plot, spectrograms
+    for source in sources:
+        assert (out / source).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "random weights" in page and "CUDA out of memory (simulated)" in page
+
+
+def test_resumed_run_reuses_the_clips(first_run):
+    out, report, calls, load = first_run
+    calls.clear()
+    again = run_fidelity(load, _settings(cases=["native", "first_block_cache"]), out, progress=False, html=False)
+    assert calls == ["first_block_cache"]  # only the case without its clips runs again
+    assert again["cases"]["native"]["summary"] == report["cases"]["native"]["summary"]
+    with pytest.raises(FidelityRunError, match="other settings \\(steps differ\\)"):
+        run_fidelity(load, _settings(steps=3), out, progress=False)
+
+
+def test_gates():
+    summary = {"ssim_yuv420": 0.93, "psnr_yuv420": 28.2, "audio_cosine": 0.85, "lpips": None, "rms_ratio": 1.3,
+               "rms_ratio_range": [0.95, 1.3]}  # fmt: skip
+    results = evaluate_gates(summary, Gates(min_ssim=0.93, min_psnr=30.0, min_audio_cosine=0.8, max_lpips=0.2,
+                                            rms_ratio_range=(0.8, 1.25)))  # fmt: skip
+    assert {name: r["passed"] for name, r in results.items()} == {
+        "min_ssim": True, "min_psnr": False, "min_audio_cosine": True, "max_lpips": False, "rms_ratio_range": False}
+    assert "not computed" in results["max_lpips"]["reason"]  # a metric that is missing fails its gate
+    assert evaluate_gates(summary, Gates()) == {}
+
+
+def test_case_names_match_the_cli():
+    from diffusers_h3.cli import FIDELITY_CASE_CHOICES
+
+    assert FIDELITY_CASE_CHOICES == tuple(FIDELITY_CASES)

@@ -1,0 +1,135 @@
+"""`diffusers-h3 compare` and `diffusers-h3 fidelity`: end to end on MP4 files and on the embedded tiny demo
+checkpoint, their exit codes (0 pass, 1 a gate or a case failed, 2 a usage error before anything loads)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffusers_h3 import export_to_video
+from diffusers_h3.cli import main
+
+
+def _clip(path, brightness=1.0, frames=24):
+    yy, xx = np.meshgrid(np.linspace(0, 1, 64), np.linspace(0, 1, 96), indexing="ij")
+    picture = np.stack([yy, xx, 0.5 * (yy + xx)], axis=-1)
+    video = np.stack([picture * brightness * (0.5 + 0.5 * i / frames) for i in range(frames)]).astype(np.float32)
+    t = np.arange(int(32000 * frames / 24)) / 32000
+    audio = np.stack([0.3 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
+    return export_to_video(video[None], path, fps=24, audio=audio[None], sampling_rate=32000)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    return {"a": _clip(folder / "a.mp4"), "same": _clip(folder / "same.mp4"),
+            "darker": _clip(folder / "darker.mp4", brightness=0.8), "short": _clip(folder / "short.mp4", frames=12)}
+
+
+def test_compare_prints_one_line_per_metric(clips, capsys):
+    assert main(["compare", clips["a"], clips["darker"]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["frames", "psnr_y", "ssim_y", "psnr_yuv420", "ssim_yuv420", "lpips",
+                                                 "audio_cosine", "rms_ratio"]  # fmt: skip
+    assert re.match(r"psnr_y +mean \d+\.\d\d dB, worst \d+\.\d\d dB \(frame \d+\), drift -?\d+\.\d\d dB/s", out[1])
+
+
+def test_compare_json_and_gates(clips, capsys):
+    assert main(["compare", clips["a"], clips["same"], "--json", "--min-ssim", "0.999", "--min-audio-cosine",
+                 "0.99"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
+    assert record["psnr_y"]["mean"] == "inf" and record["identical_video"] is True
+    assert all(gate["passed"] for gate in record["gates"].values()) and len(record["gates"]) == 2
+    # The darker clip is far below SSIM 0.999: exit status 1, the failing gate named.
+    assert main(["compare", clips["a"], clips["darker"], "--min-ssim", "0.999", "--rms-ratio-range", "0.9,1.1"]) == 1
+    out = capsys.readouterr().out
+    assert "gate min_ssim 0.999: FAIL" in out and "gate rms_ratio_range [0.9, 1.1]: pass" in out
+    # LPIPS without its weights: the gate fails and says why rather than passing unchecked.
+    assert main(["compare", clips["a"], clips["same"], "--max-lpips", "0.2"]) == (0 if _lpips_local() else 1)
+
+
+def _lpips_local():
+    from diffusers_h3.fidelity.metrics import lpips_unavailable_reason
+
+    return lpips_unavailable_reason() is None
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["compare", "{a}", "{missing}"], "candidate {missing}: no such file"),
+        (["compare", "{a}", "{short}"], "the clips have 24 and 12 frames"),
+        (["fidelity", "--prompts", "{missing}"], "--prompts {missing}: no such file"),
+        (["fidelity", "--prompts", "{prompts}", "--seeds", "0,x"], "--seeds entry must be an integer"),
+        (["fidelity", "--prompts", "{prompts}", "--cases", "fast,turbo"], "unknown case(s) turbo"),
+        (["fidelity", "--prompts", "{empty}"], "holds no prompt"),
+        (["fidelity", "--prompts", "{prompts}", "--out", "{a}"], "is a file"),
+        (["fidelity", "--prompts", "{prompts}", "--rms-ratio-range", "1.2,0.8"], "LOW 1.2 is above HIGH 0.8"),
+        (["fidelity", "--prompts", "{prompts}", "--min-ssim", "1.5"], "--min-ssim must be in [-1, 1]"),
+    ],
+)
+def test_usage_errors_exit_2_before_loading(argv, expected, clips, tmp_path, capsys):
+    names = {**clips, "missing": str(tmp_path / "nope.mp4"), "prompts": tmp_path / "p.txt", "empty": tmp_path / "e.txt"}
+    (tmp_path / "p.txt").write_text("a cat\n")
+    (tmp_path / "e.txt").write_text("# only a comment\n\n")
+    argv = [a.format(**names) for a in argv]
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diffusers-h3: error: ") and expected.format(**names) in err[0]
+
+
+def test_fidelity_on_the_demo_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# one prompt\na cat playing the piano\n")
+    out = tmp_path / "run"
+    argv = ["fidelity", "--prompts", str(prompts), "--seeds", "1", "--against", "exact", "--cases", "fast", "--steps",
+            "2", "--out", str(out), "--device", "cpu", "--no-progress"]  # fmt: skip
+    assert main([*argv, "--min-ssim", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"fast +ok .* SSIM 0\.\d{4}", printed) and "pass" in printed.splitlines()[-1]
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["cases"]["exact"]["status"] == "reference" and report["cases"]["fast"]["passed"] is True
+    assert "random weights" in report["note"] and report["settings"]["num_frames"] == 124
+    ssim = report["cases"]["fast"]["summary"]["ssim_yuv420"]
+    assert 0.5 < ssim < 1.0  # W8A16 weights and INT8 attention on the CPU move the clip, a little
+    for source in re.findall(r"<img src='([^']+)'", (out / "index.html").read_text()):
+        assert (out / source).is_file()
+    # Again with a gate the case misses: the clips are reused (nothing loads) and the exit status is 1.
+    monkeypatch.setattr("diffusers_h3.cli._load_pipeline", lambda args: pytest.fail("a clip was generated again"))
+    assert main([*argv, "--min-ssim", f"{min(1.0, ssim + 1e-3):.6f}"]) == 1
+    assert "FAILED min_ssim" in capsys.readouterr().out
+
+
+_WITHOUT_TORCH = """
+import sys
+import diffusers_h3_launcher
+for argv in (["compare", "--help"], ["fidelity", "--help"], ["compare", "a.mp4", "b.mp4"],
+             ["fidelity", "--prompts", "missing.txt"], ["fidelity", "--prompts", "p.txt", "--cases", "turbo"],
+             ["fidelity", "--prompts", "p.txt", "--seeds", "-1"]):
+    try:
+        diffusers_h3_launcher.main(argv)
+    except SystemExit as stop:
+        print("EXIT", argv[-1], stop.code)
+print("HEAVY", sorted(name for name in ("torch", "diffusers", "numpy", "PIL", "diffusers_h3") if name in sys.modules))
+"""
+
+
+def test_help_and_usage_errors_import_no_torch(tmp_path):
+    # The console entry point answers --help and the mistakes the arguments alone show before importing anything heavy.
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "p.txt").write_text("a cat\n")
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    out = result.stdout
+    assert "EXIT --help 0" in out and "HEAVY []" in out, out + result.stderr
+    for last in ("b.mp4", "missing.txt", "turbo", "-1"):
+        assert f"EXIT {last} 2" in out, out
+    assert "--min-audio-cosine" in out and "first_block_cache" in out

@@ -110,13 +110,6 @@ def _check_folder(out_dir: Path, settings: FidelitySettings) -> None:
     manifest.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
-def _release(pipe) -> None:
-    del pipe
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], Any], settings: FidelitySettings,
                   out_dir: Path, progress=None) -> Optional[str]:  # fmt: skip
     """Write the case's missing clips (a clip whose MP4 and record exist is reused); returns the error of a failed
@@ -129,7 +122,7 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
     if not missing:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    pipe = None
+    pipe = output = None
     try:
         pipe = load_pipeline(case)
         pipe.set_progress_bar_config(disable=True)
@@ -152,9 +145,11 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
     except Exception as error:  # noqa: BLE001 - one failing case is recorded, the others still run
         lines = traceback.format_exception_only(type(error), error)
         return (lines[-1].strip() if lines else type(error).__name__)[:2000]
-    finally:
-        if pipe is not None:
-            _release(pipe)
+    finally:  # the next case loads into the memory this one frees
+        pipe = output = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return None
 
 

@@ -1,0 +1,33 @@
+"""benchmarks/fidelity.py: its case check, and the tiny CPU run that writes the JSON and the page."""
+
+import json
+import re
+from pathlib import Path
+
+from tests._scripts import run_script
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "fidelity.py"
+
+
+def test_unknown_case_is_refused_before_building(tmp_path):
+    run = run_script(SCRIPT, "--tiny", "--cases", "fast,turbo", "--out", tmp_path / "f.json")
+    assert run.returncode != 0 and "unknown case(s) ['turbo']" in run.stderr
+    assert not (tmp_path / "f.json").exists()
+
+
+def test_tiny_run_writes_the_report_and_the_page(tmp_path):
+    out, page = tmp_path / "fidelity_cpu.json", tmp_path / "page"
+    run = run_script(SCRIPT, "--tiny", "--cases", "first_block_cache", "--out", out, "--page", page,
+                     "--work", tmp_path / "work", timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["suite"] == "fidelity" and data["choices"]["compile"] is False and data["choices"]["steps"] == 3
+    report = data["report"]
+    assert report["settings"]["choices"] == data["choices"] and "not a measure of quality" in report["note"]
+    assert list(report["cases"]) == ["exact", "first_block_cache"] and report["passed"] is True
+    assert len(report["cases"]["first_block_cache"]["clips"]) == 2  # two prompts, one seed
+    sources = re.findall(r"<img src='([^']+)'", (page / "index.html").read_text())
+    assert len(sources) == 6 and all((page / source).is_file() for source in sources)
+    assert not list(page.rglob("*.mp4"))  # the clips stay in the work folder

@@ -470,3 +470,14 @@ def test_stack_with_an_nvfp4_text_encoder_loads_it_through_from_pretrained(tmp_p
     assert sum(isinstance(m, NVFP4Linear) for m in pipe.text_encoder.modules()) == 2 * 7
     embeds, _ = pipe.encode_prompt("a cat")
     assert embeds.shape[-1] == 128 and torch.isfinite(embeds).all()
+
+
+def test_cli_describes_a_stack(stack, capsys):
+    from diffusers_h3.cli import main
+
+    root, _ = stack
+    assert main(["describe", "--model", str(root), "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fasth3"]["preset"].startswith("FastVideo-FastH3-4-step-Preview-v1-VSA-DataFree: 4 forwards")
+    assert report["fasth3"]["gates"] == "2 of 2 blocks (trained to_gate_compress)"
+    assert any("VSA sparsity=0.9" in path for path in report["components"]["transformer"]["attention"])

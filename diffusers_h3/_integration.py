@@ -160,9 +160,10 @@ def install_transformer_checkpoint_check() -> None:
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
-        if kwargs.get("quantization_config") is None and os.path.isdir(folder):
-            check_checkpoint_quantization(folder)
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # anything else: diffusers' own error
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            if kwargs.get("quantization_config") is None and os.path.isdir(folder):
+                check_checkpoint_quantization(folder)
         return original(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     from_pretrained._diffusers_h3_checked = True

@@ -111,6 +111,21 @@ def test_transformer_save_pretrained_keeps_diffusers_signature(components):
     assert {"variant", "safe_serialization", "max_shard_size", "is_main_process"} <= set(parameters)
 
 
+def test_pipeline_save_pretrained_shows_diffusers_parameters():
+    """`inspect.signature(pipe.save_pretrained)` lists diffusers' parameters with their defaults, not `**kwargs`."""
+    def described(method):
+        return [(p.name, p.default, p.kind) for p in inspect.signature(method).parameters.values()]
+
+    assert described(diffusers_h3.MiniMaxH3Pipeline.save_pretrained) == described(DiffusionPipeline.save_pretrained)
+
+
+def test_transformer_from_pretrained_of_no_path_is_diffusers_error():
+    """The checkpoint check wraps diffusers' `from_pretrained`: a non-path argument gets diffusers' own `OSError`,
+    not a `TypeError` from the wrapper."""
+    with pytest.raises(OSError):
+        MiniMaxH3Transformer3DModel.from_pretrained(None, local_files_only=True)
+
+
 def test_serialization_with_variants_reaches_the_transformer(components, tmp_path):
     """On the model of diffusers' `test_serialization_with_variants` / `test_loading_with_variants`."""
     pipe = diffusers_h3.MiniMaxH3Pipeline(**components, **TINY_DURATION_LIMITS)

@@ -266,10 +266,15 @@ def _component_kwargs(library: str, name: str, dtype, quantization_config, extra
 
 
 def _check_device_map(device_map) -> None:
+    """The `device_map` values diffusers' `DiffusionPipeline.from_pretrained` takes, refused with its exception types
+    (`ValueError` for a non-string, `NotImplementedError` for an unknown strategy)."""
     from diffusers.pipelines.pipeline_utils import SUPPORTED_DEVICE_MAP
 
-    if device_map is not None and (not isinstance(device_map, str) or device_map not in SUPPORTED_DEVICE_MAP):
-        raise ValueError(
+    if device_map is not None and not isinstance(device_map, str):
+        raise ValueError(f"`device_map` must be a string (one of {', '.join(SUPPORTED_DEVICE_MAP)}), got "
+                         f"{device_map!r}: load and place components yourself for a per-module map.")  # fmt: skip
+    if device_map is not None and device_map not in SUPPORTED_DEVICE_MAP:
+        raise NotImplementedError(
             f"`device_map`={device_map!r} is not supported; pass one of {', '.join(SUPPORTED_DEVICE_MAP)} (as "
             "diffusers' DiffusionPipeline.from_pretrained), or load and place components yourself."
         )

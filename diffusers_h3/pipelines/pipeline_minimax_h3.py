@@ -257,13 +257,24 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """
         return load_pipeline(cls, pretrained_model_name_or_path, task=task, **kwargs)
 
-    def save_pretrained(self, save_directory, **kwargs):
-        """diffusers' `save_pretrained` (and `push_to_hub=True`), plus a Hub model card (`README.md`) for the saved
-        checkpoint when the folder has none: metadata (library, pipeline tag, base model, quantization and fused-LoRA
-        tags) and a usage snippet that loads exactly this checkpoint. A partition holding GGUF layers (loaded from a
-        .gguf file) is refused in one line before anything is written."""
+    def save_pretrained(
+        self,
+        save_directory: Union[str, os.PathLike],
+        safe_serialization: bool = True,
+        variant: Optional[str] = None,
+        max_shard_size: Optional[Union[int, str]] = None,
+        push_to_hub: bool = False,
+        use_flashpack: bool = False,
+        **kwargs,
+    ):
+        """diffusers' `save_pretrained` (and `push_to_hub=True`), with its parameters, plus a Hub model card
+        (`README.md`) for the saved checkpoint when the folder has none: metadata (library, pipeline tag, base model,
+        quantization and fused-LoRA tags) and a usage snippet that loads exactly this checkpoint. A partition holding
+        GGUF layers (loaded from a .gguf file) is refused in one line before anything is written."""
         check_saveable(self)
-        return save_with_card(DiffusionPipeline.save_pretrained, self, save_directory, pipeline_model_card, **kwargs)
+        return save_with_card(DiffusionPipeline.save_pretrained, self, save_directory, pipeline_model_card,
+                              safe_serialization=safe_serialization, variant=variant, max_shard_size=max_shard_size,
+                              push_to_hub=push_to_hub, use_flashpack=use_flashpack, **kwargs)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------------
     # Geometry and properties

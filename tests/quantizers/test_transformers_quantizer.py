@@ -122,6 +122,24 @@ def test_stripped_quantization_config_is_refused(te_dense, tmp_path):
         assert "\n" not in str(error.value) and "model.safetensors" in str(error.value)
 
 
+def test_direct_transformers_load_of_a_stripped_folder_is_the_documented_gap(te_dense, tmp_path):
+    """transformers picks its quantizer from the config alone and has no hook to inspect a checkpoint first: loaded
+    with its own class, a folder that lost `quantization_config` gives float weights. docs/quantization.md says so
+    in one place and names the check to run instead; if this load starts refusing, update that paragraph."""
+    from pathlib import Path
+
+    config_path, _ = _saved_w8a16(te_dense, tmp_path)
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    loaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path)
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.modules())  # the gap: codes read as floats
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        check_checkpoint_quantization(tmp_path)
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "quantization.md").read_text().split())
+    assert "Not checked: a quantized text-encoder folder loaded with transformers' own classes." in docs
+    assert "`diffusers_h3.quantizers.check_checkpoint_quantization(folder)`" in docs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_quantize_on_load_and_round_trip_on_cuda(te_dense, tmp_path, method):

@@ -679,9 +679,14 @@ def _load_pipeline(args):
     else:
         model = args.model
     if getattr(args, "memory_recipe", None) is not None:  # --memory: the recipe loads and places everything
+        from diffusers_h3.parallel.memory_budget import MemoryBudgetError
         from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
 
-        return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args), recipe=args.memory_recipe)
+        try:  # the checkpoint's formats are checked against the recipe's before any weight is read
+            return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args),
+                                          recipe=args.memory_recipe)  # fmt: skip
+        except MemoryBudgetError as error:
+            raise UsageError(f"--memory {args.memory}: {_as_flags(error.what)}", error.fix or "see docs/memory.md") from None
     kwargs = {"dtype": dtype} if dtype is not None else {}
     quant_mapping = {}
     if getattr(args, "transformer_file", None) is not None:  # the DiT from one file, quantized (or not) by the file

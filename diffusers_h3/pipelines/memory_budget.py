@@ -79,7 +79,8 @@ def _quantization_plan(directory: Path, recipe: MemoryRecipe, partitions, device
         elif stored != get_format(fmt).method:
             raise MemoryBudgetError(
                 f"{directory / component} is saved as {stored}, but memory recipe {recipe.name!r} needs "
-                f"{get_format(fmt).method}: convert the checkpoint for this recipe (docs/memory.md) or use the dense one"
+                f"{get_format(fmt).method}",
+                "convert the checkpoint for this recipe (docs/memory.md) or use the dense one",
             )
     return plan
 

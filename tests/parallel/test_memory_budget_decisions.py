@@ -219,3 +219,26 @@ def test_the_help_states_autos_margin_and_headroom(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"free memory (less {mb.GPU_MARGIN_GIB:g} GiB)" in text
     assert f"available memory (at most all but {mb.HOST_HEADROOM_GIB:g} GiB)" in text
+
+
+def test_cli_memory_with_a_checkpoint_in_other_formats_is_one_line(tmp_path, monkeypatch, capsys):
+    """The recipe needs an NVFP4 DiT: a checkpoint saved with a W8A16 one is refused in one line, not a traceback."""
+    from diffusers_h3.pipelines import MiniMaxH3Pipeline
+    from diffusers_h3.quantizers import W8A16Config, quantize
+    from diffusers_h3.testing import tiny
+
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    quantize(components["transformer"], W8A16Config())
+    MiniMaxH3Pipeline(**components, **tiny.TINY_DURATION_LIMITS).save_pretrained(tmp_path / "ckpt")
+    capsys.readouterr()  # save_pretrained's progress bars
+    fake_machine(monkeypatch, gpu_free_gib=15.5, mem_total_gib=64.0, mem_available_gib=60.0)
+    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("loaded")))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "a cat", "--out", str(tmp_path / "c.mp4"),
+                  "--memory", "16,32", "--height", "64", "--width", "96", "--frames", "22"])  # fmt: skip
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("memory recipe 'low_ram'") and len(err) == 2, err  # the choice, then the refusal
+    assert err[1].startswith("diffusers-h3: error: --memory 16,32: ") and "is saved as h3_w8a16" in err[1]
+    assert err[1].count("docs/memory.md") == 1

@@ -1151,6 +1151,10 @@ def _add_fidelity_commands(sub) -> None:
     fid.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
     fid.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
     fid.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
+    fid.add_argument("--crf", type=_ranged(int, CRF_RANGE[0], CRF_RANGE[1] + 1, what="--crf",
+                                           bounds=f"from {CRF_RANGE[0]} to {CRF_RANGE[1]}"), default=0,
+                     help="libx264's constant rate factor of the clips (default: 0, lossless: the distances are the "
+                          "paths', not the encoder's)")  # fmt: skip
     fid.add_argument("--no-compile", action="store_true",
                      help="the presets without regional torch.compile (starts sooner; eager kernels' numbers)")
     fid.add_argument("--thumbnail-width", type=_ranged(int, 16, 4097, what="--thumbnail-width"), default=160,
@@ -1253,7 +1257,7 @@ def cmd_fidelity(args) -> int:
         settings = FidelitySettings(prompts=args.prompt_list, seeds=args.seeds, cases=args.cases,
                                     against=args.against, height=args.height, width=args.width,
                                     num_frames=args.frames, steps=args.steps, compile=not args.no_compile,
-                                    model=args.model or "tiny demo checkpoint")  # fmt: skip
+                                    model=args.model or "tiny demo checkpoint", crf=args.crf)  # fmt: skip
         note = None
         if args.model is None:
             note = ("The tiny demo checkpoint has random weights: these are numerical distances between the paths, "

@@ -48,7 +48,9 @@ class FidelityRunError(ValueError):
 class FidelitySettings:
     """What every case generates. ``steps``: sigma points (``None``: the pipeline's default); ``compile``: the
     presets' regional torch.compile on CUDA; ``model``: what was loaded (recorded, and part of what a resumed run must
-    match)."""
+    match); ``crf``: libx264's for the clips, 0 (lossless YUV 4:2:0, the default) so that the distances are the
+    path's, not the encoder's (players without H.264's lossless profile cannot show such files: the page does not
+    need them)."""
 
     prompts: List[str]
     seeds: List[int]
@@ -60,6 +62,7 @@ class FidelitySettings:
     steps: Optional[int] = None
     compile: bool = True
     model: str = ""
+    crf: int = 0
 
     def __post_init__(self):
         for name in [self.against, *self.cases]:
@@ -135,7 +138,7 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
             output = pipe(prompt=settings.prompts[index], num_frames=settings.num_frames, height=settings.height,
                           width=settings.width, num_inference_steps=settings.steps, output_type="latent",
                           generator=torch.Generator(device="cpu").manual_seed(seed))  # fmt: skip
-            pipe.decode_to_video(output.frames, output.audio, path)
+            pipe.decode_to_video(output.frames, output.audio, path, crf=settings.crf)
             seconds = time.perf_counter() - start
             record = {"case": case.name, "prompt_index": index, "seed": seed, "seconds": round(seconds, 3),
                       "applied": applied, "export": dict(getattr(pipe, "_h3_last_export", None) or {})}  # fmt: skip

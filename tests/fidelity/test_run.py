@@ -55,6 +55,8 @@ def test_report_schema_and_values(first_run):
     assert clip["metrics"]["identical_video"] and clip["summary"]["psnr_y"] == "inf"
     assert clip["summary"]["ssim_yuv420"] == pytest.approx(1.0)
     assert len(clip["metrics"]["ssim_y"]["per_frame"]) == TINY_NUM_FRAMES
+    # Written lossless (crf 0): the distance is the path's, not the encoder's.
+    assert json.loads((out / "clips" / "native" / "p0_s3.json").read_text())["export"]["crf"] == 0
     assert native["summary"]["audio_cosine"] == pytest.approx(1.0) and native["summary"]["rms_ratio"] == 1.0
     assert native["gates"]["min_ssim"] == {"metric": "ssim_yuv420", "threshold": 0.99,
                                            "value": native["summary"]["ssim_yuv420"], "passed": True}

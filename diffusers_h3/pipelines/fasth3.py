@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -24,6 +25,10 @@ from diffusers.utils import logging
 
 from ..attention_processors import disable_vsa, enable_vsa, vsa_state
 from ..loaders.fasth3 import (
+    CONTRACT_FILE,
+    CONTRACT_SCHEMA,
+    VSA_BACKEND,
+    VSA_TILE_SIZE,
     FastH3Preset,
     apply_fasth3_payload,
     check_fasth3_payload,
@@ -128,6 +133,12 @@ def enable_fasth3_preset(pipe, preset: Union[str, FastH3Preset], *, payload: Opt
             disable_vsa(transformer)
         attention = "dense (the student was distilled without VSA)"
     gates = f"{gated} of {blocks} blocks" + (" (trained to_gate_compress)" if gated else "")
+    # The schedulers' shifts become the trained ones: calls that ask for another grid keep them, and a saved pipeline
+    # writes them next to its contract (save_fasth3_contract).
+    for scheduler, shift in ((getattr(pipe, "scheduler", None), preset.flow_shift),
+                             (getattr(pipe, "audio_scheduler", None), preset.audio_flow_shift)):  # fmt: skip
+        if scheduler is not None:
+            scheduler.register_to_config(shift=shift)
     setattr(pipe, _RECORD_ATTRIBUTE, FastH3Record(preset, attention, gates, payload, source))
     logger.info(f"FastH3 preset on the pipeline: {preset.describe()}; attention {attention}")
     return pipe
@@ -202,6 +213,43 @@ def apply_fasth3_stack(pipe, directory: Union[str, Path], preset: Optional[FastH
     if transformer is not None:
         enable_fasth3_preset(pipe, preset, source=str(directory))
     return pipe
+
+
+def load_gates_without_contract(pipe, directory: Union[str, Path]):
+    """A DiT folder with trained gates but no ``fastvideo_inference.json`` next to it: the gates are loaded (never
+    dropped), and a warning says that no FastH3 preset was applied."""
+    transformer = getattr(pipe, "transformer", None)
+    folder = Path(directory) / "transformer"
+    if transformer is None or _gated_blocks(transformer) or not folder.is_dir():
+        return pipe
+    added = load_stack_gates(transformer, folder, required=False)
+    if added:
+        logger.warning(f"{folder} carries FastH3 VSA gates (to_gate_compress) for {len(added)} blocks, loaded; the folder "
+                       f"has no {CONTRACT_FILE}, so no FastH3 schedule or VSA is applied: call "
+                       "diffusers_h3.enable_fasth3_preset(pipe, <preset>) with the preset it was distilled for")  # fmt: skip
+    return pipe
+
+
+def save_fasth3_contract(pipe, directory: Union[str, Path]) -> Optional[Path]:
+    """Write the pipeline's FastH3 preset as ``fastvideo_inference.json`` into a folder it was saved to, so that it
+    reloads as the same stack (``save_pretrained`` calls this)."""
+    record = fasth3_record(pipe)
+    if record is None:
+        return None
+    preset = record.preset
+    contract = {
+        "schema_version": CONTRACT_SCHEMA, "model_id": preset.name, "task": "t2av", "guidance_scale": 1.0,
+        "transformer_forwards": preset.forwards, "num_inference_steps": preset.sigma_points,
+        "dmd_denoising_steps": list(preset.rungs), "video_scheduler_shift": preset.flow_shift,
+        "audio_scheduler_shift": preset.audio_flow_shift,
+    }  # fmt: skip
+    if preset.vsa_sparsity is None:
+        contract["attention_backend"] = "FLASH_ATTN"
+    else:
+        contract.update(attention_backend=VSA_BACKEND, vsa_tile_size=VSA_TILE_SIZE, vsa_sparsity=preset.vsa_sparsity)
+    path = Path(directory) / CONTRACT_FILE
+    path.write_text(json.dumps(contract, indent=2) + "\n")
+    return path
 
 
 def _read_adapter(path_or_dict) -> Tuple[Dict[str, torch.Tensor], Mapping[str, str], Optional[Path]]:

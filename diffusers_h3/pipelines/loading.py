@@ -31,7 +31,7 @@ from .._checkpoint_files import safetensors_problem
 from ..loaders.fasth3 import CONTRACT_FILE
 from ..loaders.fasth3_text_encoder import is_fasth3_nvfp4_text_encoder, load_nvfp4_text_encoder
 from ..tasks import PARTITIONS, partitions_for_task
-from .fasth3 import apply_fasth3_stack, check_fasth3_stack
+from .fasth3 import apply_fasth3_stack, check_fasth3_stack, load_gates_without_contract
 
 
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
@@ -535,4 +535,6 @@ def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], k
         if "torch_dtype" in kwargs or "dtype" in kwargs:
             kwargs["dtype"] = pop_dtype(kwargs)
         pipe = _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
-    return pipe if fasth3 is None else apply_fasth3_stack(pipe, directory, fasth3, nvfp4_decoder)
+    if fasth3 is None:
+        return load_gates_without_contract(pipe, directory)
+    return apply_fasth3_stack(pipe, directory, fasth3, nvfp4_decoder)

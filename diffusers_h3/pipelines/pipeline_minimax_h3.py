@@ -66,7 +66,7 @@ from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
-from .fasth3 import resolve_fasth3_schedule
+from .fasth3 import resolve_fasth3_schedule, save_fasth3_contract
 from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
@@ -272,7 +272,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         quantization and fused-LoRA tags) and a usage snippet that loads exactly this checkpoint. A partition holding
         GGUF layers (loaded from a .gguf file) is refused in one line before anything is written."""
         check_saveable(self)
-        return save_with_card(DiffusionPipeline.save_pretrained, self, save_directory, pipeline_model_card,
+
+        def save(pipe, directory, **options):  # a FastH3 preset is saved as its contract, so that it reloads
+            result = DiffusionPipeline.save_pretrained(pipe, directory, **options)
+            if options.get("is_main_process", True):
+                save_fasth3_contract(pipe, directory)
+            return result
+
+        return save_with_card(save, self, save_directory, pipeline_model_card,
                               safe_serialization=safe_serialization, variant=variant, max_shard_size=max_shard_size,
                               push_to_hub=push_to_hub, use_flashpack=use_flashpack, **kwargs)  # fmt: skip
 

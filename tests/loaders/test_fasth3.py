@@ -481,3 +481,23 @@ def test_cli_describes_a_stack(stack, capsys):
     assert report["fasth3"]["preset"].startswith("FastVideo-FastH3-4-step-Preview-v1-VSA-DataFree: 4 forwards")
     assert report["fasth3"]["gates"] == "2 of 2 blocks (trained to_gate_compress)"
     assert any("VSA sparsity=0.9" in path for path in report["components"]["transformer"]["attention"])
+
+
+def test_saved_stack_reloads_as_the_same_stack(stack, tmp_path, caplog):
+    root, gates = stack
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, **TINY_DURATION_LIMITS)
+    pipe.save_pretrained(tmp_path / "saved")
+    assert read_contract(tmp_path / "saved") == read_contract(root).replace(source=str(tmp_path / "saved" / CONTRACT_FILE))
+    again = MiniMaxH3Pipeline.from_pretrained(tmp_path / "saved")
+    blocks = again.transformer.transformer_blocks
+    assert all(torch.equal(blocks[i].attn.to_gate_compress.weight, w) for i, w in gates.items())
+    assert vsa_state(again.transformer)["sparsity"] == 0.9 and fasth3_report(again)["preset"].startswith("FastVideo")
+    assert len(again.vae.decoder.transformer_blocks) == 3
+    assert sum(isinstance(m, NVFP4Linear) for m in again.vae.modules()) == 18  # the light decoder, as saved
+
+    (tmp_path / "saved" / CONTRACT_FILE).unlink()  # gates without a contract: loaded, and said
+    with caplog.at_level(logging.WARNING):
+        plain = MiniMaxH3Pipeline.from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(plain.transformer.transformer_blocks[i].attn.to_gate_compress.weight, w)
+               for i, w in gates.items())  # fmt: skip
+    assert "carries FastH3 VSA gates" in caplog.text and fasth3_report(plain) is None

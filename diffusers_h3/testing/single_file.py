@@ -133,57 +133,78 @@ def write_fp8_scaled_safetensors(
 
 
 # -- GGUF ---------------------------------------------------------------------------------------------------------------
-# Byte layout of one block of each K-quant (llama.cpp's ggml-common.h): where its fp16 super-block scales sit, and the
+# Byte layout of one block of each type (llama.cpp's ggml-common.h): where its fp16 (super-)block scales sit, and the
 # value they get here so that random blocks decode to weights of magnitude <~1.
-_K_QUANT_SCALES = {
+_RANDOM_BLOCK_SCALES = {
+    "Q8_0": ((0,), 4e-3),  # d, then 32 int8 codes
     "Q4_K": ((0, 2), 1e-3),  # d, dmin at bytes 0..3, then 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit codes
     "Q5_K": ((0, 2), 5e-4),  # d, dmin, 12 bytes of scales, 32 bytes of high bits, 128 bytes of low nibbles
     "Q6_K": ((208,), 1e-4),  # 128 low nibbles, 64 high bits, 16 int8 scales, then d at byte 208
 }
+RANDOM_BLOCK_TYPES = tuple(_RANDOM_BLOCK_SCALES)
+# The K-quants, which the gguf package can read but not write.
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def _k_quant_blocks(rows: int, cols: int, kind: str, generator: np.random.Generator) -> np.ndarray:
+def random_gguf_blocks(rows: int, cols: int, kind: str, generator: np.random.Generator) -> np.ndarray:
+    """``[rows, cols / block * block bytes]`` uint8: random valid blocks of GGUF type ``kind`` (one of
+    :data:`RANDOM_BLOCK_TYPES`) whose fp16 scales are bounded, for a ``[rows, cols]`` weight."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = generator.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    offsets, magnitude = _K_QUANT_SCALES[kind]
+    offsets, magnitude = _RANDOM_BLOCK_SCALES[kind]
     scale = (generator.uniform(0.5, 1.0, size=(rows, cols // block, len(offsets))) * magnitude).astype(np.float16)
     for i, offset in enumerate(offsets):
         data[:, :, offset : offset + 2] = scale[:, :, i : i + 1].view(np.uint8)
     return data.reshape(rows, -1)
 
 
-def gguf_quantized_names(state_dict: Dict[str, torch.Tensor], kind: str) -> Dict[str, bool]:
-    """Which ComfyUI-named tensors :func:`write_gguf` stores as ``kind`` (block linears whose input width is a
-    multiple of the type's block), ``{name: True}``."""
+# llama.cpp's fallback for a tensor whose rows a K-quant cannot block (input width not a multiple of 256), which
+# ComfyUI-GGUF's K-quant files carry (H3's AdaLN projections read 2688 features).
+GGUF_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def gguf_plan(state_dict: Dict[str, torch.Tensor], kind: str) -> Dict[str, str]:
+    """``{ComfyUI name: GGUF type}`` of the tensors :func:`write_gguf` quantizes: the block linears, in ``kind``, or
+    in its llama.cpp fallback (:data:`GGUF_FALLBACK`) when their width does not block; the others are F32 / F16."""
     import gguf
 
-    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    return {n: True for n, t in state_dict.items() if _is_block_linear(n, t) and t.shape[1] % block == 0}
+    def fits(t, name):
+        return t.shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][0] == 0
+
+    plan = {}
+    for name, tensor in state_dict.items():
+        if not _is_block_linear(name, tensor):
+            continue
+        for candidate in (kind, GGUF_FALLBACK.get(kind)):
+            if candidate is not None and fits(tensor, candidate):
+                plan[name] = candidate
+                break
+    return plan
 
 
 def write_gguf(model, path: Union[str, os.PathLike], kind: str = "Q8_0", seed: int = 0,
                arch: Optional[str] = "minimax_h3") -> Dict[str, torch.Tensor]:  # fmt: skip
-    """``model`` as a ComfyUI-GGUF file: block linears (input width a multiple of the type's block) as ``kind``,
-    the float32 modules, 1-D tensors and small tensors as F32, the rest F16. Q8_0 / Q5_0 / Q4_0 are quantized from the
+    """``model`` as a ComfyUI-GGUF file: block linears in ``kind`` (or its llama.cpp fallback, :func:`gguf_plan`),
+    the float32 modules, 1-D tensors and small tensors as F32, the rest F16. Q8_0 / Q5_x / Q4_x are quantized from the
     model's weights by ``gguf``; K-quants are random valid blocks (``gguf`` cannot quantize them). Returns the
     ComfyUI-named float32 weights the file decodes to (``gguf``'s own dequantization)."""
     import gguf
     from gguf import quants
 
-    qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(seed)
     comfy = to_comfy_state_dict(model.state_dict())
-    quantized = gguf_quantized_names(comfy, kind)
+    plan = gguf_plan(comfy, kind)
     writer = gguf.GGUFWriter(path=None, arch=arch)
     decoded = {}
     for name, tensor in comfy.items():
         array = tensor.detach().float().numpy()
-        if quantized.get(name):
-            if kind in _K_QUANT_SCALES:
-                data = _k_quant_blocks(array.shape[0], array.shape[1], kind, rng)
+        if name in plan:
+            qtype = gguf.GGMLQuantizationType[plan[name]]
+            if plan[name] in _K_QUANTS:
+                data = random_gguf_blocks(array.shape[0], array.shape[1], plan[name], rng)
             else:
                 data = quants.quantize(array, qtype)
             writer.add_tensor(name, data, raw_dtype=qtype)

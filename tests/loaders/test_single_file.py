@@ -8,6 +8,7 @@ References: a bf16 file must load bitwise to the weights `from_pretrained` gives
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -26,8 +27,9 @@ from diffusers_h3.loaders.single_file import (
 )
 from diffusers_h3.quantizers import FP8Linear
 from diffusers_h3.testing.single_file import (
+    GGUF_FALLBACK,
     dense_reference,
-    gguf_quantized_names,
+    gguf_plan,
     to_comfy_state_dict,
     write_comfy_safetensors,
     write_fp8_scaled_safetensors,
@@ -39,8 +41,9 @@ from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer,
 gguf = pytest.importorskip("gguf")
 
 TINY = dict(TINY_TRANSFORMER_CONFIG)
-# K-quants pack 256 input columns per block: a model whose block linears read 256 features.
-KQUANT = dict(TINY_TRANSFORMER_CONFIG, hidden_size=256, attention_head_dim=128, ffn_dim=256)
+# K-quants pack 256 input columns per block: a model whose block linears read 256 features (the AdaLN reads 32, so a
+# K-quant file holds it in llama.cpp's fallback type, as H3's 2688-wide AdaLN in the published K-quant files).
+KQUANT = dict(TINY_TRANSFORMER_CONFIG, hidden_size=256, attention_head_dim=128, ffn_dim=256, time_embed_dim=32)
 
 
 def _model(config=TINY, seed=0):
@@ -139,11 +142,16 @@ def test_gguf_file_runs_like_its_dequantized_weights(tmp_path, kind):
     decoded = write_gguf(model, path, kind)
     loaded = load_transformer_file(path, KQUANT, dtype=torch.float32)
     reference = dense_reference(KQUANT, decoded)
-    # every block linear the file quantized is a GGUFLinear of that type (the refiner and AdaLN stay F16 / F32)
-    comfy = to_comfy_state_dict(model.state_dict())
-    expected = len(gguf_quantized_names(comfy, kind)) + sum(2 for n in gguf_quantized_names(comfy, kind) if "qkv" in n)
-    layers = [m for m in loaded.modules() if is_gguf_linear(m)]
-    assert len(layers) == expected and {m.weight.quant_type.name for m in layers} == {kind}
+    # every block linear the file quantized is a GGUFLinear of its type (the AdaLN in the K-quants' fallback type, the
+    # refiner F16); qkv_proj became three
+    plan = gguf_plan(to_comfy_state_dict(model.state_dict()), kind)
+    expected = Counter(dict.fromkeys(plan.values(), 0))
+    for name, type_name in plan.items():
+        expected[type_name] += 3 if "qkv_proj" in name else 1
+    layers = Counter(m.weight.quant_type.name for m in loaded.modules() if is_gguf_linear(m))
+    adaln = KQUANT["num_layers"]  # one AdaLN projection per block: in Q8_0 itself, or in a K-quant's fallback
+    assert layers == expected and layers[kind] == 6 * KQUANT["num_layers"] + (adaln if kind == "Q8_0" else 0)
+    assert kind == "Q8_0" or layers[GGUF_FALLBACK[kind]] == adaln
     # the packed blocks are the file's bytes, rows split as diffusers' converter splits them (no re-quantization)
     inner = KQUANT["num_attention_heads"] * KQUANT["attention_head_dim"]
     qkv = _gguf_tensor_bytes(path, "blocks.1.attn.qkv_proj.weight")
@@ -159,7 +167,7 @@ def test_gguf_file_runs_like_its_dequantized_weights(tmp_path, kind):
     assert _rel_l2(_run(loaded), _run(reference)) < 5e-3
     assert transformer_file_record(loaded).format == "gguf"
     report = describe(loaded)["model"]["checkpoint_file"]
-    assert f"{kind} x{expected}" in report["gguf_layers"] and "dequantize" in report["gguf_layers"]
+    assert f"{kind} x{layers[kind]}" in report["gguf_layers"] and "dequantize" in report["gguf_layers"]
 
 
 def test_gguf_save_is_refused_in_one_line(tmp_path):

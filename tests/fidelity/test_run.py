@@ -103,3 +103,17 @@ def test_case_names_match_the_cli():
     from diffusers_h3.cli import FIDELITY_CASE_CHOICES
 
     assert FIDELITY_CASE_CHOICES == tuple(FIDELITY_CASES)
+
+
+def test_speed_leaves_out_the_first_clip_of_a_case(tmp_path):
+    from diffusers_h3.fidelity.run import _speed
+
+    folder = tmp_path / "clips" / "fast"
+    folder.mkdir(parents=True)
+    for (index, seed), seconds in zip([(0, 0), (0, 1), (1, 0)], (90.0, 2.0, 4.0)):  # the first one compiled
+        (folder / f"p{index}_s{seed}.json").write_text(json.dumps({"seconds": seconds}))
+    speed = _speed(tmp_path, "fast", [(0, 0), (0, 1), (1, 0)])
+    assert speed == {"seconds": 3.0, "per_clip_s": [90.0, 2.0, 4.0], "includes_warmup": False}
+    single = _speed(tmp_path, "fast", [(0, 0)])
+    assert single["seconds"] == 90.0 and single["includes_warmup"] is True
+    assert _speed(tmp_path, "exact", [(0, 0)])["seconds"] is None

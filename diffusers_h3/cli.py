@@ -1207,8 +1207,9 @@ def cmd_compare(args) -> int:
             raise UsageError(f"{flag} {value}: {str(error).rstrip('.')}", "pass an MP4 clip") from None
     try:
         record = compare_clips(*clips)
-    except ValueError as error:
-        raise UsageError(str(error).split("; ")[0], "compare two clips of the same model request shape") from None
+    except ValueError as error:  # "<what differs>; <the fix>"
+        what, _, fix = str(error).partition("; ")
+        raise UsageError(what, fix or "compare two clips of the same length and size") from None
     audio = record["audio"] or {}
     summary = {"ssim_yuv420": record["ssim_yuv420"]["mean"], "psnr_yuv420": record["psnr_yuv420"]["mean"],
                "lpips": record["lpips"]["value"], "audio_cosine": audio.get("spectral_cosine"),

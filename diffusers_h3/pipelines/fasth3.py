@@ -65,6 +65,7 @@ class FastH3Record:
     gates: str
     payload: Optional[str] = None
     source: Optional[str] = None
+    scheduler_shifts: Dict[str, float] = dataclasses.field(default_factory=dict)  # the pipeline's before the preset
 
     def describe(self, pipe=None) -> Dict[str, Any]:
         report = {"preset": self.preset.describe(), "attention": self.attention, "gates": self.gates}
@@ -135,18 +136,25 @@ def enable_fasth3_preset(pipe, preset: Union[str, FastH3Preset], *, payload: Opt
     gates = f"{gated} of {blocks} blocks" + (" (trained to_gate_compress)" if gated else "")
     # The schedulers' shifts become the trained ones: calls that ask for another grid keep them, and a saved pipeline
     # writes them next to its contract (save_fasth3_contract).
-    for scheduler, shift in ((getattr(pipe, "scheduler", None), preset.flow_shift),
-                             (getattr(pipe, "audio_scheduler", None), preset.audio_flow_shift)):  # fmt: skip
+    previous = fasth3_record(pipe)
+    shifts = previous.scheduler_shifts if previous is not None else {}
+    for name, shift in (("scheduler", preset.flow_shift), ("audio_scheduler", preset.audio_flow_shift)):
+        scheduler = getattr(pipe, name, None)
         if scheduler is not None:
+            shifts.setdefault(name, scheduler.config.shift)  # the pipeline's own, restored by disable_fasth3_preset
             scheduler.register_to_config(shift=shift)
-    setattr(pipe, _RECORD_ATTRIBUTE, FastH3Record(preset, attention, gates, payload, source))
+    setattr(pipe, _RECORD_ATTRIBUTE, FastH3Record(preset, attention, gates, payload, source, shifts))
     logger.info(f"FastH3 preset on the pipeline: {preset.describe()}; attention {attention}")
     return pipe
 
 
 def disable_fasth3_preset(pipe):
-    """Remove the FastH3 schedule from ``pipe`` (the DiT's weights, gates and VSA processors stay as they are)."""
-    if hasattr(pipe, _RECORD_ATTRIBUTE):
+    """Remove the FastH3 schedule from ``pipe`` and give the schedulers their shifts back (the DiT's weights, gates
+    and VSA processors stay as they are)."""
+    record = fasth3_record(pipe)
+    if record is not None:
+        for name, shift in record.scheduler_shifts.items():
+            getattr(pipe, name).register_to_config(shift=shift)
         delattr(pipe, _RECORD_ATTRIBUTE)
     return pipe
 

@@ -30,7 +30,12 @@ from diffusers_h3.loaders.fasth3_vae import (
     DECODER_BLOCK_LINEAR,
     load_nvfp4_decoder,
 )
-from diffusers_h3.pipelines.fasth3 import enable_fasth3_preset, fasth3_report, load_fasth3_adapter
+from diffusers_h3.pipelines.fasth3 import (
+    disable_fasth3_preset,
+    enable_fasth3_preset,
+    fasth3_report,
+    load_fasth3_adapter,
+)
 from diffusers_h3.quantizers import NVFP4Linear
 from diffusers_h3.testing.fasth3 import FOUR_STEP_CONTRACT, nvfp4_decoder_export, write_fasth3_stack
 from diffusers_h3.testing.tiny import (
@@ -219,6 +224,11 @@ def test_preset_runs_the_trained_schedule(caplog):
     # describe() reports what runs, also after the attention changed under the preset
     enable_vsa(pipe.transformer, sparsity=0.9, precision="int8")
     assert describe(pipe)["fasth3"]["attention"].startswith("VSA sparsity=0.9 int8 (changed after the preset")
+    # the 8-step V2 preset sets its shifts on the schedulers; removing the preset gives the pipeline's back
+    enable_fasth3_preset(pipe, "fasth3-8step-v2")
+    assert (pipe.scheduler.config.shift, pipe.audio_scheduler.config.shift) == (10.0, 3.0)
+    disable_fasth3_preset(pipe)
+    assert (pipe.scheduler.config.shift, pipe.audio_scheduler.config.shift) == (12.0, 3.0) and "fasth3" not in describe(pipe)
 
 
 # ---- light VAE ------------------------------------------------------------------------------------------------------

@@ -110,13 +110,18 @@ class LightVAERecord:
     nvfp4_linears: int
     act_scale: str
     input_amax: Dict[str, float]
+    activation: Optional[str] = None
 
     def describe(self) -> Dict[str, Any]:
+        if self.activation is None:
+            how = f"weight-only NVFP4 (exported act_scale {self.act_scale!r} unused: activations stay 16-bit)"
+        else:
+            how = (f"W4A4 NVFP4 with dynamic activation scales (exported act_scale {self.act_scale!r} unused; FP4 "
+                   "tensor cores not run on hardware)")  # fmt: skip
         return {
             "source": self.source,
             "decoder_blocks": f"{len(self.blocks_kept)} of {self.blocks_before} (kept {list(self.blocks_kept)})",
-            "nvfp4_linears": f"{self.nvfp4_linears} decoder block linears, weight-only NVFP4 (exported act_scale "
-                             f"{self.act_scale!r} unused: activations stay 16-bit)",
+            "nvfp4_linears": f"{self.nvfp4_linears} decoder block linears, {how}",
         }
 
 
@@ -140,13 +145,18 @@ def _expected_keys(decoder: torch.nn.Module, kept: List[int], skip: set) -> Tupl
 
 @torch.no_grad()
 def load_nvfp4_decoder(
-    vae: torch.nn.Module, decoder: Union[str, Path, Mapping[str, Any]], source: Optional[str] = None
+    vae: torch.nn.Module,
+    decoder: Union[str, Path, Mapping[str, Any]],
+    source: Optional[str] = None,
+    activation: Optional[str] = None,
 ) -> LightVAERecord:
     """Turn ``vae`` (``AutoencoderKLMiniMaxH3``, light or full) into FastVideo's exported NVFP4 decoder, in place:
     depth-cut to the export's ``student_layers`` evenly spaced blocks, load its decoder and ``post_quant_conv``
     strictly, and quantize the block linears from their bf16 masters to weight-only NVFP4 (``NVFP4Linear``).
 
-    ``decoder``: the export's path (``decoder.pt``) or its already-read dict. Everything is checked before the VAE
+    ``decoder``: the export's path (``decoder.pt``) or its already-read dict. ``activation="nvfp4"``: W4A4 on FP4
+    tensor cores (flashinfer ``mm_fp4`` on SM100+, **not run on hardware**; emulated elsewhere) with a dynamic
+    per-tensor activation scale, not the export's calibrated ``input_amax``. Everything is checked before the VAE
     changes (format, metadata, every key and shape); a mismatch is one line and the VAE is left as it was.
     """
     source = source or (str(decoder) if isinstance(decoder, (str, Path)) else "an NVFP4 decoder export")
@@ -188,9 +198,9 @@ def load_nvfp4_decoder(
         target.copy_(tensor.to(target.dtype))
     vae.post_quant_conv.load_state_dict({k: v.to(pqc[k].dtype) for k, v in conv.items()})
     keep = [*DEFAULT_MODULES_TO_NOT_CONVERT, *(f"decoder.transformer_blocks.{i}" for i in sorted(skip))]  # cut indices
-    quantize(vae, NVFP4Config(modules_to_not_convert=keep))
+    quantize(vae, NVFP4Config(modules_to_not_convert=keep, activation=activation))
     record = LightVAERecord(source, blocks_before, tuple(kept), len(linears), str(metadata.get("act_scale", "dynamic")),
-                            amax)  # fmt: skip
+                            amax, activation)  # fmt: skip
     setattr(vae, LIGHT_VAE_RECORD, record)
     logger.info(f"light VAE: {record.describe()}")
     return record

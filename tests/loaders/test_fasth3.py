@@ -280,6 +280,18 @@ def test_light_vae_decode_matches_dense_within_nvfp4(tmp_path):
     assert 0 < rel < 0.2  # NVFP4's own error against the bf16 masters: present, bounded
 
 
+def test_light_vae_w4a4_option_runs_the_w4a4_layers():
+    teacher = _vae(6)
+    light = _vae(6)
+    light.load_state_dict(teacher.state_dict())
+    record = load_nvfp4_decoder(light, _export(teacher), activation="nvfp4")
+    layers = [m for m in light.modules() if isinstance(m, NVFP4Linear)]
+    assert len(layers) == 18 and all(m.activation == "nvfp4" for m in layers)
+    assert record.describe()["nvfp4_linears"].startswith("18 decoder block linears, W4A4 NVFP4")
+    with torch.no_grad():
+        assert torch.isfinite(light.decode(_latents(), return_dict=False)[0]).all()
+
+
 @pytest.mark.parametrize(
     "export_change, message",
     [

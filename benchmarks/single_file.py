@@ -2,6 +2,7 @@
 
     python benchmarks/single_file.py --out benchmarks/results/single_file_h200.json     # GPU
     python benchmarks/single_file.py --tiny --out /tmp/single_file_cpu.json             # CPU smoke run
+    python benchmarks/single_file.py --memory-only --out benchmarks/results/single_file_memory.json   # CPU: memory
 
 Cases ``<format>_<gemm>`` for format in bf16 (``nn.Linear``, cuBLAS), the GGUF types Q8_0 / Q6_K / Q5_K / Q4_K
 (diffusers' ``GGUFLinear``: every call dequantizes the weight, then a 16-bit matmul) and fp8_scaled (``FP8Linear``
@@ -110,7 +111,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=None, help=f"GEMM rows (default {M_ROWS}; --tiny: 64)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--memory-only", action="store_true", help="only the full-size DiT's computed weight memory")
     args = parser.parse_args(argv)
+    if args.memory_only:
+        cases = {f"weights_{fmt}": {"ms": None, "baseline": None, "ratio": None, "rel_l2": None, "peak_gib": size / GIB,
+                                    "notes": "computed from the config (not measured)"}
+                 for fmt, size in weight_memory().items()}  # fmt: skip
+        write_json(args.out, {**result_header("single_file_memory", args.commit, device="none (computed)"),
+                              "shape": {"model": "MiniMax-H3 DiT, 50 blocks"}, "cases": cases})  # fmt: skip
+        return 0
     if not args.tiny and not torch.cuda.is_available():
         print("benchmarks/single_file.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2

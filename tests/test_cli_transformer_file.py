@@ -9,9 +9,10 @@ import pytest
 from safetensors.torch import save_file
 
 from diffusers_h3 import cli
-from diffusers_h3.pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from diffusers_h3.testing.single_file import to_comfy_state_dict, write_comfy_safetensors, write_gguf
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
+
+from .test_cli_errors import no_loading  # noqa: F401 (the fixture: any model load fails the test)
 
 
 pytest.importorskip("gguf")
@@ -43,14 +44,13 @@ def test_generate_and_describe_with_a_gguf_dit(folder, tmp_path, capsys):
 
 
 @pytest.fixture
-def no_loading(monkeypatch, tmp_path):
-    """Any model load fails the test: the checks must run before it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+def no_reads(request, monkeypatch):
+    """No model loads (`no_loading`) and no tensor of the file is read: the checks answer from the header."""
+    tmp_path = request.getfixturevalue("no_loading")
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the input checks")
+        raise AssertionError("the file's tensors were read before the input checks")
 
-    monkeypatch.setattr(MiniMaxH3Pipeline, "from_pretrained", classmethod(refuse))
     monkeypatch.setattr("diffusers_h3.loaders.single_file._read_tensors", refuse)
     return tmp_path
 
@@ -102,7 +102,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_wrong_transformer_files_are_refused_before_loading(case, folder, tmp_path, capsys, no_loading):
+def test_wrong_transformer_files_are_refused_before_loading(case, folder, tmp_path, capsys, no_reads):
     path = _bad_file(folder, tmp_path, case)
     argv = ["generate", "--model", str(folder / "pipe"), "--transformer-file", str(path), *REQUEST,
             "--out", str(tmp_path / "x.mp4")]  # fmt: skip
@@ -110,13 +110,13 @@ def test_wrong_transformer_files_are_refused_before_loading(case, folder, tmp_pa
     assert not (tmp_path / "x.mp4").exists()
 
 
-def test_a_quantized_file_refuses_quantize(folder, tmp_path, capsys, no_loading):
+def test_a_quantized_file_refuses_quantize(folder, tmp_path, capsys, no_reads):
     argv = ["generate", "--model", str(folder / "pipe"), "--transformer-file", str(folder / "h3-Q8_0.gguf"),
             "--quantize", "w8a16", *REQUEST, "--out", str(tmp_path / "x.mp4")]  # fmt: skip
     _fails(argv, capsys, "already quantized (gguf)", "drop --quantize")
 
 
-def test_a_file_of_another_config_is_refused(folder, tmp_path, capsys, no_loading):
+def test_a_file_of_another_config_is_refused(folder, tmp_path, capsys, no_reads):
     bigger = tiny_pipeline(with_transformer_ref=False, seed=1).transformer
     state = {n: t.repeat(2, *([1] * (t.dim() - 1))).contiguous() if n.endswith("mlp.fc2.weight") else t.contiguous()
              for n, t in to_comfy_state_dict(bigger.state_dict()).items()}  # fmt: skip
@@ -127,7 +127,7 @@ def test_a_file_of_another_config_is_refused(folder, tmp_path, capsys, no_loadin
     _fails(argv, capsys, "mlp.fc2.weight' is [64, 64]", "pass the config of the model the file was saved from")
 
 
-def test_describe_needs_a_pipeline_for_the_file(folder, capsys, no_loading):
+def test_describe_needs_a_pipeline_for_the_file(folder, capsys, no_reads):
     _fails(["describe", "--transformer-file", str(folder / "h3-Q8_0.gguf")], capsys, "add --model (or --demo)")
 
 

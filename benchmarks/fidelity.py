@@ -61,7 +61,8 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0", help="comma list of seeds (default: 0)")
     parser.add_argument("--tiny", action="store_true", help="tiny random components (CPU)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny when no GPU)")
-    parser.add_argument("--thumbnail-width", type=int, default=128, help="frame width in the strips (default: 128)")
+    parser.add_argument("--thumbnail-width", type=int, default=96,
+                        help="frame width in the strips (default: 96, keeps the committed page small)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     args = parser.parse_args(argv)
 
@@ -93,9 +94,11 @@ def main(argv=None):
         **shape,
         "compile": False,
         "weights": f"random, seed {WEIGHT_SEED}, rebuilt for every case ({'tiny components' if args.tiny else 'benchmarks/request.py build_pipeline: Qwen3-VL-32B text encoder (layers 0-50), 50-block DiT, released VAEs, bf16'})",
-        "why": "short clip and few steps so that six cases fit a few minutes of one H200; the released canvas so "
-               "VSA's tile selection sees its real grid; eager presets (no compile) to skip minutes of compilation",
-        "speed_note": "seconds are one short eager request per clip, not the presets' speed (request_h200.json)",
+        "why": ("the tiny pipeline's shortest clip, a CPU smoke run of the whole comparison" if args.tiny else
+                "short clip and few steps so that six cases fit a few minutes of one H200; the released canvas so "
+                "VSA's tile selection sees its real grid; eager presets (no compile) to skip minutes of compilation"),
+        "speed_note": ("seconds on a CPU shared with other work: not a speed measurement" if args.tiny else
+                       "seconds are one short eager request per clip, not the presets' speed (request_h200.json)"),
     }  # fmt: skip
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="h3_fidelity_"))
     start = time.perf_counter()

@@ -164,12 +164,14 @@ def save_with_card(save, obj, save_directory, card_for, push_to_hub: bool = Fals
             name = repo_id or os.path.basename(os.path.normpath(str(save_directory)))
             repo_id = create_repo(name, exist_ok=True, private=hub.get("private"), token=hub.get("token")).repo_id
         write_model_card(str(save_directory), card_for(obj, repo_id=repo_id or str(save_directory)))
-        if push_to_hub:
-            obj._upload_folder(
-                str(save_directory),
-                repo_id,
+        if push_to_hub:  # huggingface_hub's upload, with the commit message diffusers' own push would write
+            from huggingface_hub import upload_folder
+
+            upload_folder(
+                repo_id=repo_id,
+                folder_path=str(save_directory),
                 token=hub.get("token"),
-                commit_message=hub.get("commit_message"),
+                commit_message=hub.get("commit_message") or f"Upload {type(obj).__name__}",
                 create_pr=hub.get("create_pr", False),
             )
     return result

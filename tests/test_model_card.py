@@ -105,10 +105,10 @@ def test_push_to_hub_uploads_once_with_our_card(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "create_repo", lambda name, **kw: type("R", (), {"repo_id": f"me/{name}"}))
     pipe = tiny_pipeline()
 
-    def upload(folder, repo_id, **kwargs):
-        uploads.append((repo_id, ModelCard.load(f"{folder}/README.md").text))
+    def upload(repo_id, folder_path, **kwargs):
+        uploads.append((repo_id, ModelCard.load(f"{folder_path}/README.md").text))
 
-    monkeypatch.setattr(pipe, "_upload_folder", upload)
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload)
     pipe.save_pretrained(tmp_path / "h3-push", push_to_hub=True, repo_id="h3-push")
     assert len(uploads) == 1
     repo_id, text = uploads[0]

@@ -3,8 +3,12 @@ entry: the list is what to check first when a new diffusers release breaks the p
 
 The scan (ast) finds: imports of private names or from private modules of diffusers (`from diffusers.x import _y`,
 `from diffusers.x._y import z`), attribute chains through a diffusers import (`diffusers.x._y`,
-`DiffusionPipeline._z`), and, in classes derived from a diffusers class, private members they define or read through
-`self` / `cls` that the diffusers base already has (overridden hooks such as `_process_model_before_weight_loading`).
+`DiffusionPipeline._z`), in classes derived from a diffusers class, private members they define or read through
+`self` / `cls` that the diffusers base already has (overridden hooks such as `_process_model_before_weight_loading`),
+and names reached through objects (`transformer._cp_plan`, `getattr(processor, "_attention_backend")`): a private
+attribute that diffusers' source defines (a `def`, `class`, assignment or `setattr` in the installed diffusers) and
+that the package reads or writes through anything but its own `self` / `cls`, or never defines itself. Those are
+listed by their bare name (`_cp_plan`); the diffusers code that defines them is named in the table.
 """
 
 from __future__ import annotations
@@ -92,11 +96,69 @@ def _private_names_in(tree: ast.AST) -> Set[str]:
     return found
 
 
+# A private name a file defines: `def _x` / `class _X`, `_x = ...` (module or class level), `obj._x = ...`, and
+# `setattr(obj, "_x", ...)`. Read with a regular expression: parsing all of diffusers would take the test seconds.
+_DEFINITION = re.compile(
+    r"^\s*(?:async\s+def|def|class)\s+(_\w+)|^\s*(_\w+)\s*(?::[^=\n]+)?=(?!=)|\.(_\w+)\s*(?::[^=\n(]+)?=(?!=)"
+    r"|setattr\([^,]+,\s*[\"'](_\w+)[\"']",
+    re.MULTILINE,
+)
+
+
+def _defined_private_names(folder: Path) -> Dict[str, Set[str]]:
+    """Private name -> the files under `folder` that define it."""
+    names: Dict[str, Set[str]] = {}
+    for path in folder.rglob("*.py"):
+        for match in _DEFINITION.finditer(path.read_text()):
+            name = next(group for group in match.groups() if group)
+            if _is_private(name):
+                names.setdefault(name, set()).add(str(path.relative_to(folder)))
+    return names
+
+
+def _diffusers_definitions() -> Dict[str, Set[str]]:
+    import diffusers
+
+    return _defined_private_names(Path(diffusers.__file__).parent)
+
+
+def _reached_through_objects(tree: ast.AST, in_diffusers, ours) -> Set[str]:
+    """Private attributes of diffusers objects `tree` reaches through a variable, a call or `getattr(obj, "_x")`:
+    names diffusers defines, used through anything but `self` / `cls` or never defined by the package. Chains that
+    start at a diffusers import are the static scan's."""
+    aliases, _ = _diffusers_aliases(tree)
+    found = set()
+    for node in ast.walk(tree):
+        name, through_self = None, False
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if _attribute_chain(node)[0] in aliases:
+                continue
+            name = node.attr
+            through_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_private(node.args[1].value)
+        ):
+            name = node.args[1].value
+        if name in in_diffusers and (not through_self or name not in ours):
+            found.add(name)
+    return found
+
+
 def private_diffusers_names(package: Path = ROOT / "diffusers_h3") -> Dict[str, Set[str]]:
     """Private diffusers name -> the package files that use it."""
+    in_diffusers, ours = _diffusers_definitions(), _defined_private_names(package)
     uses: Dict[str, Set[str]] = {}
     for path in sorted(package.rglob("*.py")):
-        for name in _private_names_in(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        named = _private_names_in(tree)
+        owned = {name.rsplit(".", 1)[-1] for name in named}  # a file's use named with its owner is listed so only
+        for name in named | (_reached_through_objects(tree, in_diffusers, ours) - owned):
             uses.setdefault(name, set()).add(str(path.relative_to(package)))
     return uses
 
@@ -136,7 +198,9 @@ class Model(ModelMixin):
     def forward(self):
         return self._supports_gradient_checkpointing, self._our_state
 """
-    assert _private_names_in(ast.parse(source)) == {
+    tree = ast.parse(source)
+    assert _reached_through_objects(tree, {"_cp_plan", "_blend", "_our_state"}, {"_our_state"}) == set()
+    assert _private_names_in(tree) == {
         "diffusers.utils._get_model_file",
         "diffusers.hooks._helpers.TransformerBlockRegistry",
         "diffusers.hooks.first_block_cache._FBC_BLOCK_HOOK",
@@ -144,3 +208,29 @@ class Model(ModelMixin):
         "diffusers.ModelMixin._keep_in_fp32_modules",
         "diffusers.ModelMixin._supports_gradient_checkpointing",
     }
+
+
+def test_scan_finds_names_reached_through_objects():
+    source = """
+import torch
+
+
+def plan(transformer, vae, processor):
+    blend = vae._blend
+    backend = getattr(processor, "_attention_backend", None)
+    return transformer._cp_plan, torch._C
+
+
+class Ours:
+    def run(self, other):
+        return self._decode(), other._decode(), self._inherited, self._mine
+"""
+    in_diffusers = {"_cp_plan", "_blend", "_attention_backend", "_decode", "_inherited", "_mine"}
+    ours = {"_decode", "_mine"}  # names the package defines too
+    # `self._mine` is the package's own; `other._decode` may be diffusers'; `self._inherited` can only be diffusers'
+    # (the package never defines it); `torch._C` is no diffusers name.
+    assert _reached_through_objects(ast.parse(source), in_diffusers, ours) == {
+        "_cp_plan", "_blend", "_attention_backend", "_decode", "_inherited"
+    }  # fmt: skip
+    definitions = _DEFINITION.findall("def _a(x):\n    _b: int = 1\n    obj._c = 2\n    setattr(obj, '_d', 3)\n    x == _e\n")
+    assert {next(g for g in groups if g) for groups in definitions} == {"_a", "_b", "_c", "_d"}

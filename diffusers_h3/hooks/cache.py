@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from diffusers.hooks import HookRegistry
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
@@ -171,7 +172,8 @@ def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None
             f"{num_forwards} (num_inference_steps={num_forwards + 1}): build it with "
             f"cache_config('mag', num_inference_steps={num_forwards + 1}, ...)."
         )
-    transformer._reset_stateful_cache()
+    # What `CacheMixin._reset_stateful_cache` runs, through the public registry.
+    HookRegistry.check_if_exists_or_initialize(transformer).reset_stateful_hooks(recurse=True)
     hook = get_h3_hook(transformer, H3_CACHE_STATS_HOOK)
     if hook is None:
         hook = register_h3_hook(transformer, CacheStatsHook(), H3_CACHE_STATS_HOOK)

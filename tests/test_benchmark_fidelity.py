@@ -27,7 +27,9 @@ def test_tiny_run_writes_the_report_and_the_page(tmp_path):
     report = data["report"]
     assert report["settings"]["choices"] == data["choices"] and "not a measure of quality" in report["note"]
     assert list(report["cases"]) == ["exact", "first_block_cache"] and report["passed"] is True
-    assert len(report["cases"]["first_block_cache"]["clips"]) == 2  # two prompts, one seed
+    clips = report["cases"]["first_block_cache"]["clips"]
+    assert len(clips) == 2  # two prompts, one seed
+    assert "transformer" in clips[0]["generation"]["cache"]  # what the step cache skipped is recorded
     sources = re.findall(r"<img src='([^']+)'", (page / "index.html").read_text())
     assert len(sources) == 6 and all((page / source).is_file() for source in sources)
     assert not list(page.rglob("*.mp4"))  # the clips stay in the work folder

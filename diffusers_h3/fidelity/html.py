@@ -210,13 +210,17 @@ def write_page(report: Dict[str, Any], out_dir: Path) -> Path:
                  "farthest from 1); seconds: median wall time of a clip (generation, decode, MP4), the first clip of a "
                  "case excluded when there are more (it compiles). Descriptions:</p><ul>")  # fmt: skip
     for name, case in report["cases"].items():
-        parts.append(f"<li><b>{esc(name)}</b>: {esc(case['description'])}</li>")
+        applied = "".join(f"<br><small>{esc(line)}</small>" for line in case.get("applied") or ())
+        parts.append(f"<li><b>{esc(name)}</b>: {esc(case['description'])}{applied}</li>")
     parts.append("</ul>")
     for name, case in report["cases"].items():
         for clip in case.get("clips") or ():
             prompt = settings["prompts"][clip["prompt_index"]]
             parts.append(f"<h3>{esc(name)} — prompt {clip['prompt_index']} (\"{esc(prompt[:120])}\"), seed "
                          f"{clip['seed']}</h3>")  # fmt: skip
+            cache = (clip.get("generation") or {}).get("cache")
+            if cache:
+                parts.append(f"<p>step cache: {esc('; '.join(f'{k}: {v}' for k, v in cache.items()))}</p>")
             lpips = clip["metrics"]["lpips"]
             parts.append(f"<p>{esc(_clip_line(clip['summary']))}"
                          + ("" if lpips.get("value") is not None else f"; LPIPS not computed: {esc(lpips['reason'])}")

@@ -141,7 +141,8 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
             pipe.decode_to_video(output.frames, output.audio, path, crf=settings.crf)
             seconds = time.perf_counter() - start
             record = {"case": case.name, "prompt_index": index, "seed": seed, "seconds": round(seconds, 3),
-                      "applied": applied, "export": dict(getattr(pipe, "_h3_last_export", None) or {})}  # fmt: skip
+                      "applied": applied, "export": dict(getattr(pipe, "_h3_last_export", None) or {}),
+                      "cache": _cache_skips(pipe)}  # fmt: skip
             (folder / f"{clip_stem(index, seed)}.json").write_text(json.dumps(json_ready(record), indent=2, default=str))
             if progress is not None:
                 progress.update(1)
@@ -154,6 +155,20 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return None
+
+
+def _cache_skips(pipe) -> Optional[Dict[str, str]]:
+    """What a step cache skipped in the last request, per transformer partition (``None`` without a cache)."""
+    from ..hooks.cache import describe_cache
+
+    skips = {name: describe_cache(model) for name, model in pipe._partitions()}
+    skips = {name: report["last_request"] for name, report in skips.items() if report is not None}
+    return skips or None
+
+
+def _generation(out_dir: Path, case: str, stem: str) -> Optional[Dict[str, Any]]:
+    record = out_dir / "clips" / case / f"{stem}.json"
+    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def _clip_summary(record: Dict[str, Any]) -> Dict[str, Any]:
@@ -281,7 +296,8 @@ def run_fidelity(
                 record = compare_clips(ref_clip, clip)
                 record["reference"], record["candidate"] = (str(p.relative_to(out_dir)) for p in (ref_path, path))
                 entry = {"prompt_index": index, "seed": seed, "file": record["candidate"],
-                         "summary": _clip_summary(record), "metrics": record}  # fmt: skip
+                         "summary": _clip_summary(record), "generation": _generation(out_dir, name, stem),
+                         "metrics": record}  # fmt: skip
                 if html:
                     entry["images"] = clip_images(ref_clip, clip, record, out_dir / "images", f"{name}_{stem}",
                                                   thumbnail_width=thumbnail_width)  # fmt: skip
@@ -294,8 +310,10 @@ def run_fidelity(
     for name in cases:
         case = FIDELITY_CASES[name]
         speed = _speed(out_dir, name, clips)
+        generated = [_generation(out_dir, name, clip_stem(i, s)) for i, s in clips]
+        applied = next((g["applied"] for g in generated if g is not None), None)
         entry: Dict[str, Any] = {"description": case.description, "status": "failed" if errors[name] else "ok",
-                                 "error": errors[name], "speed": speed}  # fmt: skip
+                                 "error": errors[name], "applied": applied, "speed": speed}  # fmt: skip
         if speed["seconds"] and reference_speed["seconds"]:
             speed["speedup_vs_reference"] = round(reference_speed["seconds"] / speed["seconds"], 3)
         if name == reference:

@@ -44,6 +44,8 @@ def test_report_schema_and_values(first_run):
     assert json.loads((out / "fidelity.json").read_text()) == report
     assert report["schema"] == "diffusers-h3-fidelity/1" and report["note"] == "random weights"
     assert set(report) == {"schema", "note", "settings", "gates", "environment", "cases", "passed", "html"}
+    assert set(report["cases"]["native"]) == {"description", "status", "error", "applied", "speed", "summary", "clips",
+                                              "gates", "passed"}
     assert report["settings"]["prompts"] == ["a cat", "a drum"]
     assert report["gates"] == {"min_ssim": 0.99, "min_audio_cosine": 0.99}
     exact, native = report["cases"]["exact"], report["cases"]["native"]
@@ -61,6 +63,8 @@ def test_report_schema_and_values(first_run):
     assert native["gates"]["min_ssim"] == {"metric": "ssim_yuv420", "threshold": 0.99,
                                            "value": native["summary"]["ssim_yuv420"], "passed": True}
     assert native["passed"] is True
+    assert native["applied"] == ["nothing: the pipeline as loaded"] and clip["generation"]["seed"] == 3
+    assert exact["applied"][0].startswith("speed preset exact: ") and clip["generation"]["cache"] is None
     assert native["speed"]["per_clip_s"] and native["speed"]["speedup_vs_reference"] > 0
     # A case that fails is recorded, and the run is not a pass.
     failed = report["cases"]["first_block_cache"]

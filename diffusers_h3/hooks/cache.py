@@ -19,6 +19,7 @@ skipped, read from the hooks' own state right after each forward (what ran, not 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -56,6 +57,8 @@ def cache_config(
     """
     from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
+    if threshold is not None and not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"the cache threshold must be a finite number >= 0, got {threshold!r}: pass e.g. 0.05.")
     if method == "first-block":
         return FirstBlockCacheConfig(threshold=0.05 if threshold is None else threshold)
     if method == "mag":

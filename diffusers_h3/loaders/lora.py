@@ -40,6 +40,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -324,6 +325,19 @@ def _rebuild_offload_groups(model) -> None:
     _maybe_remove_and_reapply_group_offloading(model)
 
 
+def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
+    """Every number in an adapter weight spec (a float, a list, or diffusers' per-component / per-block dicts) is
+    finite."""
+    if isinstance(weights, dict):
+        for key, value in weights.items():
+            _check_finite_weights(value, f"{where}[{key!r}]")
+    elif isinstance(weights, (list, tuple)):
+        for index, value in enumerate(weights):
+            _check_finite_weights(value, f"{where}[{index}]")
+    elif isinstance(weights, (int, float)) and not math.isfinite(weights):
+        raise ValueError(f"`{where}` is {weights}: an adapter weight must be a finite number (1.0 = as trained).")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixin
 # ---------------------------------------------------------------------------------------------------------------------
@@ -549,6 +563,16 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     def unload_lora_weights(self, *args, **kwargs):
         super().unload_lora_weights(*args, **kwargs)
         self._lora_preset_registry().clear()
+
+    def set_adapters(
+        self,
+        adapter_names: Union[List[str], str],
+        adapter_weights: Union[float, Dict, List[float], List[Dict], None] = None,
+    ):
+        """diffusers' `set_adapters`; a NaN or infinite weight (anywhere in `adapter_weights`, per-block dicts
+        included) is refused here, before a generation would run on it and end in NaN latents."""
+        _check_finite_weights(adapter_weights)
+        return super().set_adapters(adapter_names, adapter_weights)
 
     def delete_adapters(self, adapter_names: Union[List[str], str]):
         super().delete_adapters(adapter_names)

@@ -97,5 +97,9 @@ def test_cache_config_choices_and_errors():
         cache_config("mag")
     with pytest.raises(ValueError, match="no threshold"):
         cache_config("taylorseer", threshold=0.1)
+    for method in ("first-block", "mag"):
+        for threshold in (float("nan"), float("inf"), -0.1):
+            with pytest.raises(ValueError, match="the cache threshold must be a finite number >= 0"):
+                cache_config(method, num_inference_steps=8, threshold=threshold)
     with pytest.raises(ValueError, match="unknown cache method 'teacache'"):
         cache_config("teacache")

@@ -110,3 +110,21 @@ def test_lora_on_quantized_transformer_matches_dequantized_dense_end_to_end(pipe
         np.testing.assert_allclose(audio_q, audio_d, atol=2e-4, rtol=1e-4)
     finally:
         pipe.register_modules(transformer=original)
+
+
+def test_non_finite_adapter_weights_are_refused_before_they_apply(pipe, tmp_path):
+    """`set_adapters` with NaN or inf (a float, a list entry or a per-component dict value) is one `ValueError`;
+    the adapter keeps its weight (a generation on NaN would only fail at export)."""
+    lora = _lora_for(pipe.transformer, seed=51)
+    pipe.load_lora_weights(save_lora(tmp_path / "l.safetensors", write_layout(lora, "native")), "style")
+    try:
+        pipe.set_adapters("style", 0.5)
+        before = _run(pipe)
+        for weights, where in ((float("nan"), "`adapter_weights`"), ([float("inf")], r"`adapter_weights\[0\]`"),
+                               ({"transformer": float("-inf")}, r"`adapter_weights\['transformer'\]`")):  # fmt: skip
+            with pytest.raises(ValueError, match=f"{where} is .*must be a finite number"):
+                pipe.set_adapters("style", weights)
+        after = _run(pipe)
+        np.testing.assert_array_equal(after[0], before[0])
+    finally:
+        pipe.unload_lora_weights()

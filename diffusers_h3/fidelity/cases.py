@@ -50,6 +50,12 @@ FIDELITY_CASES: Dict[str, FidelityCase] = {
 }
 
 
+def _flat(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{key} {item}" for key, item in value.items())
+    return str(value)
+
+
 def get_case(name: str) -> FidelityCase:
     if name not in FIDELITY_CASES:
         raise ValueError(f"unknown fidelity case {name!r}: choose from {', '.join(FIDELITY_CASES)}.")
@@ -94,8 +100,10 @@ def apply_case(pipe, case: FidelityCase, compile: bool = True) -> List[str]:
     if case.speed is not None:
         from ..pipelines.speed_presets import speed_preset_record
 
-        record = speed_preset_record(pipe.enable_speed_preset(case.speed, compile=compile))
-        applied.append(f"speed preset {case.speed}: {record.describe()}")
+        record = speed_preset_record(pipe.enable_speed_preset(case.speed, compile=compile)).describe()
+        # What ran, as the preset recorded it; its export settings are not the run's (the clips are written lossless).
+        parts = [f"{key}: {_flat(record[key])}" for key in ("weights", "attention", "compile", "decode")]
+        applied.append(f"speed preset {case.speed}: " + "; ".join(parts))
     if case.fp8_decode:
         from ..hooks.fast_vae_decode import enable_fast_vae_decode
 

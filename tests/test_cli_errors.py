@@ -155,15 +155,31 @@ def test_every_float_option_refuses_nan_and_inf():
                 pytest.fail(f"{command} {flag} {value} was accepted")
 
 
+def test_float_pair_options_refuse_nan_and_inf():
+    subcommands = cli.build_parser()._subparsers._group_actions[0].choices
+    pairs = [(command, action.option_strings[-1], action.type) for command, parser in subcommands.items()
+             for action in parser._actions if action.type is cli._ratio_range]  # fmt: skip
+    assert {flag for _, flag, _ in pairs} == {"--rms-ratio-range"}, pairs
+    for command, flag, parse in pairs:
+        for value in ("nan,1", "0.8,inf", "-inf,1", "0.8,NaN"):
+            with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number"):
+                parse(value)
+                pytest.fail(f"{command} {flag} {value} was accepted")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_float_options_with_nan_or_inf_are_one_line_before_loading(value, no_loading, capsys):
-    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
-    for command, flag, _ in _float_options():
-        if command == "generate":  # `--flag=-inf`: argparse reads a bare `-inf` as an option
-            _fails([*base, f"{flag}={value}"], capsys, f"argument {flag}", "must be a finite number", repr(value))
+    out = str(no_loading / "out.mp4")
+    base = {"generate": ["generate", "--prompt", "a cat", "--out", out, "--device", "cpu"],
+            "compare": ["compare", "reference.mp4", "candidate.mp4"],
+            "fidelity": ["fidelity", "--prompts", "prompts.txt", "--out", str(no_loading / "fidelity")]}  # fmt: skip
+    for command, flag, _ in _float_options():  # `--flag=-inf`: argparse reads a bare `-inf` as an option
+        _fails([*base[command], f"{flag}={value}"], capsys, f"argument {flag}", "must be a finite number", repr(value))
+    for command in ("compare", "fidelity"):
+        _fails([*base[command], f"--rms-ratio-range=0.8,{value}"], capsys, "--rms-ratio-range", "finite")
     for memory in (f"{value},32", f"16,{value}"):  # --memory's two numbers
-        _fails([*base, f"--memory={memory}"], capsys, "--memory")
-    assert not (no_loading / "out.mp4").exists()
+        _fails([*base["generate"], f"--memory={memory}"], capsys, "--memory")
+    assert not (no_loading / "out.mp4").exists() and not (no_loading / "fidelity").exists()
 
 
 def test_corrupt_files_are_named_with_the_reason(no_loading, capsys):

@@ -11,8 +11,9 @@
   + ``<layer>.comfy_quant`` layout, or the older ``<layer>.scale_weight`` + ``scaled_fp8`` marker layout): the codes
   go straight into :class:`~diffusers_h3.quantizers.FP8Linear` layers with the file's scale as their (per-row)
   ``weight_scale``, without a bf16 round trip;
-- **pruned DiTs with fewer blocks**: the block count is read from the keys (``num_layers`` of the config is replaced
-  by it).
+- **pruned DiTs**: with fewer blocks (the block count is read from the keys; ``num_layers`` of the config is replaced
+  by it), or in ComfyUI's curve form (an ``adaln_t_table`` replaces the time embedder, the AdaLN projections are
+  rank-reduced: :mod:`._curve_adaln`), in any of the formats above.
 
 Names are mapped with diffusers' own converter (``convert_minimax_h3_transformer_checkpoint_to_diffusers``: the
 ``[q; k; v]`` split of ``qkv_proj``, the ``[gate; value]`` -> ``[value; gate]`` swap of ``fc1``), so a file loads
@@ -21,8 +22,7 @@ to diffusers' single-file loader: a local config (the rest of the pipeline's), t
 fp8-scaled layout, pruned block counts, the float32 modules kept in float32 (as ``from_pretrained`` keeps them;
 ``from_single_file`` casts them), and **one-line refusals before any tensor is read**: every key, shape and tensor
 type of the file is checked against the model from its header alone (missing or unknown tensors, other widths, a
-quantization type or ComfyUI ``comfy_quant`` format we do not know, the curve-form "pruned" AdaLN of
-``adaln_t_table`` files).
+quantization type or ComfyUI ``comfy_quant`` format we do not know).
 
 The loaded model carries a record of the file (:func:`transformer_file_record`), which ``diffusers_h3.describe``
 reports.
@@ -45,6 +45,7 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from torch import nn
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3Hook, h3_record, register_h3_hook
+from ._curve_adaln import CURVE_TABLE_KEY, is_curve_form, to_curve_form
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
@@ -232,6 +233,7 @@ class _FileLayout:
     weight_scales: Dict[str, str]  # FP8 module (file naming) -> name of its scale tensor
     input_scales: List[str]
     prefix: Optional[str]
+    curve: Optional[Tuple[int, int]] = None  # (grid, rank) of a curve-form DiT's adaln_t_table
 
 
 def _sort_tensors(path: Path, tensors: Dict[str, _FileTensor], fmt_hint: str) -> _FileLayout:
@@ -250,14 +252,15 @@ def _sort_tensors(path: Path, tensors: Dict[str, _FileTensor], fmt_hint: str) ->
             comfy_quant[name[: -len(_COMFY_QUANT_SUFFIX)]] = file_name
         else:
             weights[name] = tensor
-    if _CURVE_TABLE in weights:
-        shape = weights[_CURVE_TABLE].shape
-        raise _fail(
-            path,
-            f"a curve-form pruned MiniMax-H3 DiT ({_CURVE_TABLE} {list(shape)} replaces the time embedder and the AdaLN "
-            "projections are rank-reduced), which MiniMaxH3Transformer3DModel cannot run yet",
-            "use an unpruned single file (bf16, fp8-scaled or GGUF) of the released model",
-        )
+    curve = None
+    if _CURVE_TABLE in weights:  # a curve-form "pruned" DiT: the table is its time embedder (loaded as CURVE_TABLE_KEY)
+        table = weights.pop(_CURVE_TABLE)
+        if len(table.shape) != 2 or table.shape[0] < 2 or table.kind not in _FLOAT_DTYPES and fmt_hint != FORMAT_GGUF:
+            raise _fail(path, f"{_CURVE_TABLE} is {list(table.shape)} {table.kind}, not a [grid, rank] float table",
+                        "download the file again")  # fmt: skip
+        curve = (int(table.shape[0]), int(table.shape[1]))
+        weights[CURVE_TABLE_KEY] = table
+        names[CURVE_TABLE_KEY] = names.pop(_CURVE_TABLE)
     for module, file_key in sorted(comfy_quant.items()):
         record = _read_comfy_quant(path, file_key)
         if record.get("format") != "float8_e4m3fn":
@@ -305,7 +308,7 @@ def _sort_tensors(path: Path, tensors: Dict[str, _FileTensor], fmt_hint: str) ->
             )
         else:
             fmt = FORMAT_DENSE
-    return _FileLayout(path, fmt, names, weights, weight_scales, input_scales, prefix)
+    return _FileLayout(path, fmt, names, weights, weight_scales, input_scales, prefix, curve)
 
 
 def _read_layout(path: Path) -> _FileLayout:
@@ -423,10 +426,9 @@ def inspect_transformer_file(path, config=None, num_layers: Optional[int] = None
     if num_layers is not None and num_layers != blocks:
         raise _fail(path, f"holds {blocks} transformer blocks, not num_layers={num_layers}", "drop num_layers")
     config["num_layers"] = blocks
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = MiniMaxH3Transformer3DModel.from_config(config)
+    if layout.curve is not None:  # the AdaLN projections read the curve's rank instead of the time embedder's width
+        config["time_embed_dim"] = layout.curve[1]
+    model = _empty_model(config, layout.curve)
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     shapes = {name: (tensor.shape, tensor.kind) for name, tensor in layout.weights.items()}
     mapped, naming = _map_names(path, shapes, config, qkv_layout, expected)
@@ -466,11 +468,14 @@ def _read_tensors(plan: TransformerFilePlan) -> Dict[str, torch.Tensor]:
     return renamed
 
 
-def _empty_model(config) -> MiniMaxH3Transformer3DModel:
+def _empty_model(config, curve: Optional[Tuple[int, int]] = None) -> MiniMaxH3Transformer3DModel:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        return MiniMaxH3Transformer3DModel.from_config(config)
+        model = MiniMaxH3Transformer3DModel.from_config(config)
+    if curve is not None:
+        to_curve_form(model, *curve)
+    return model
 
 
 def _keep_fp32() -> List[str]:
@@ -487,7 +492,7 @@ def _check_loaded(model: nn.Module, path: Path) -> None:
 def _load_dense(plan, tensors, dtype, device, qkv_layout) -> MiniMaxH3Transformer3DModel:
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
-    model = _empty_model(plan.config)
+    model = _empty_model(plan.config, plan.layout.curve)
     state_dict = _convert(plan, tensors, qkv_layout)
     load_model_dict_into_meta(model, state_dict, dtype=dtype, device_map={"": device}, keep_in_fp32_modules=_keep_fp32())
     return model
@@ -498,7 +503,7 @@ def _load_gguf(plan, tensors, dtype, device, qkv_layout) -> MiniMaxH3Transformer
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
     from diffusers.quantizers import DiffusersAutoQuantizer
 
-    model = _empty_model(plan.config)
+    model = _empty_model(plan.config, plan.layout.curve)
     state_dict = _convert(plan, tensors, qkv_layout)
     quantizer = DiffusersAutoQuantizer.from_config(GGUFQuantizationConfig(compute_dtype=dtype))
     quantizer.validate_environment()
@@ -547,7 +552,7 @@ def _load_fp8_scaled(plan, tensors, dtype, device, qkv_layout, backend: str) -> 
     for name in plan.layout.input_scales:
         tensors.pop(name)
     codes, scales = _fp8_rows(plan, tensors, qkv_layout)
-    model = _empty_model(plan.config)
+    model = _empty_model(plan.config, plan.layout.curve)
     keep = _keep_fp32()
     fp32_modules = sorted(name for name in codes if module_name_matches(name, keep))
     fp8_modules = sorted(set(codes) - set(fp32_modules))
@@ -637,6 +642,11 @@ def load_transformer_file(
     notes = []
     if plan.layout.prefix:
         notes.append(f"key prefix {plan.layout.prefix!r} stripped")
+    if plan.layout.curve is not None:
+        notes.append(
+            f"curve-form (pruned) AdaLN: {_CURVE_TABLE} {list(plan.layout.curve)} interpolated per timestep replaces the "
+            f"time embedder, rank-{plan.layout.curve[1]} AdaLN projections without SiLU"
+        )
     if plan.layout.format == FORMAT_GGUF:
         model = _load_gguf(plan, tensors, dtype, device, qkv_layout)
     elif plan.layout.format == FORMAT_FP8_SCALED:
@@ -702,6 +712,12 @@ def check_saveable(pipe_or_model) -> None:
     from .._hooks import partitions_of
 
     for name, model in partitions_of(pipe_or_model):
+        if is_curve_form(model):
+            raise ValueError(
+                f"{name} is a curve-form (pruned) DiT, which a saved config.json cannot describe (from_pretrained would "
+                "build the released time embedder) — keep the single file and pass transformer=load_transformer_file(...) "
+                "when loading the saved pipeline"
+            )
         layers = sum(1 for module in model.modules() if is_gguf_linear(module))
         if layers:
             record = transformer_file_record(model)

@@ -120,6 +120,73 @@ def test_pruned_file_with_fewer_blocks_loads_its_block_count(saved_folder, tmp_p
         load_transformer_file(path, saved_folder, num_layers=2)
 
 
+# -- curve-form ("pruned") AdaLN ----------------------------------------------------------------------------------------
+GRID = 5  # table rows at t = 0, 0.25, 0.5, 0.75, 1 (exact in binary)
+
+
+def _curve_file_tensors(model, tensors):
+    """A ComfyUI-named file's tensors in the curve form that reproduces ``model`` exactly at the table's grid points:
+    the table holds silu(time embedding) at t = i / (GRID - 1), each row computed alone as the forward computes it, and
+    the AdaLN projections keep their weights (rank = the time embedder's width)."""
+    rows = []
+    with torch.no_grad():
+        for i in range(GRID):
+            t = torch.tensor([i / (GRID - 1)])
+            rows.append(torch.nn.functional.silu(model.time_embedder(model.time_proj(t).float())))
+    tensors = {n: t for n, t in tensors.items() if not n.startswith("time_embedder.")}
+    tensors["adaln_t_table"] = torch.cat(rows).contiguous()
+    return tensors
+
+
+def _run_at(model, t):
+    inputs = tiny_transformer_inputs()
+    inputs["timestep"] = torch.tensor([t])
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled"])
+def test_curve_form_pruned_file_matches_the_released_form_on_its_grid(source, tmp_path, fmt):
+    path = tmp_path / f"h3_pruned_{fmt}.safetensors"
+    if fmt == "bf16":
+        write_comfy_safetensors(source, path, dtype=torch.float32)
+        reference = source
+    else:  # ComfyUI's pruned fp8-scaled layout: the same, with fp8-scaled block linears
+        written = write_fp8_scaled_safetensors(source, path, dtype=torch.float32)
+        reference = load_transformer_file(path, TINY, dtype=torch.float32, fp8_backend="dequant")
+    save_file(_curve_file_tensors(source, load_file(str(path))), str(path))
+    loaded = load_transformer_file(path, TINY, dtype=torch.float32, fp8_backend="dequant")
+    assert "time_embedder.table" in loaded.state_dict() and "time_embedder.linear_1.weight" not in loaded.state_dict()
+    for t in (0.0, 0.5, 1.0):  # on the grid the curve is the released embedding: the same output
+        assert torch.equal(_run_at(loaded, t), _run_at(reference, t)), t
+    assert not torch.equal(_run_at(loaded, 0.6), _run_at(reference, 0.6))  # between grid points: interpolated
+    assert any("curve-form (pruned) AdaLN" in note for note in transformer_file_record(loaded).notes)
+    assert fmt == "bf16" or written  # (the fp8 file's codes are the ones checked in the fp8 tests)
+
+
+def test_curve_table_interpolates_between_its_rows():
+    from diffusers_h3.loaders._curve_adaln import AdaLNCurveTable
+
+    table = AdaLNCurveTable(GRID, 3)
+    table.table.data = torch.randn(GRID, 3)
+    rows = table.table.data
+    got = table(torch.tensor([0.6, 0.0, 1.0, 1.7, -0.2]))
+    weight = 0.6 * (GRID - 1) - 2  # t = 0.6 sits between rows 2 and 3
+    torch.testing.assert_close(got[0], rows[2] * (1 - weight) + rows[3] * weight)
+    assert torch.equal(got[1], rows[0]) and torch.equal(got[2], rows[-1])
+    assert torch.equal(got[3], rows[-1]) and torch.equal(got[4], rows[0])  # clamped to [0, 1]
+
+
+def test_curve_form_model_refuses_to_save(source, tmp_path):
+    from diffusers_h3.loaders.single_file import check_saveable
+
+    path = tmp_path / "h3_pruned.safetensors"
+    write_comfy_safetensors(source, path)
+    save_file(_curve_file_tensors(source, load_file(str(path))), str(path))
+    with pytest.raises(ValueError, match="curve-form .*which a saved config.json cannot describe"):
+        check_saveable(load_transformer_file(path, TINY))
+
+
 def test_config_none_is_the_released_model(tmp_path, source):
     path = tmp_path / "h3.safetensors"
     write_comfy_safetensors(source, path)
@@ -252,8 +319,8 @@ def _bad_safetensors(case, tmp_path):
         tensors.pop("blocks.1.mlp.fc2.weight")
     elif case == "extra tensor":
         tensors["blocks.0.attn.to_gate_compress.weight"] = torch.zeros(64, 32)
-    elif case == "curve-form pruned":
-        tensors["adaln_t_table"] = torch.zeros(1025, 8)
+    elif case == "malformed curve table":
+        tensors["adaln_t_table"] = torch.zeros(1025)
     elif case == "block gap":
         tensors = {n.replace("blocks.1.", "blocks.2.", 1) if n.startswith("blocks.1.") else n: t for n, t in tensors.items()}
     elif case == "int8 layer":
@@ -273,7 +340,7 @@ def _bad_safetensors(case, tmp_path):
 REFUSALS = {
     "missing tensor": "tensors the model needs are not in the file",
     "extra tensor": "are not MiniMax-H3 DiT tensors",
-    "curve-form pruned": "curve-form pruned MiniMax-H3 DiT",
+    "malformed curve table": r"adaln_t_table is \[1025\] F32, not a \[grid, rank\] float table",
     "block gap": "with 1 missing",
     "int8 layer": "ComfyUI format 'int8_tensorwise'",
     "e5m2 layer": "stored as F8_E5M2",

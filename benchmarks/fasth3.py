@@ -20,7 +20,7 @@ Cases (in this order; the ``_fastest`` ones quantize the DiT in place, so the bf
 * ``t2va_fasth3`` / ``fl2va_fasth3``: the preset as trained: bf16 weights, VSA 0.9 with bf16 attention, regional
   compile, diffusers' tiled decode of the light decoder;
 * ``t2va_fasth3_fastest`` / ``fl2va_fasth3_fastest``: ``enable_speed_preset("fastest")`` (FP8 GEMMs, the gates
-  included; batched-tile compiled decode) with VSA back at the stack's 0.9, INT8 Q/K.
+  included; batched-tile compiled decode), which keeps the stack's VSA 0.9, with INT8 Q/K.
 
 Each case: one untimed warm-up request (2 forwards, decode the first time after a change) and one timed request with
 all 4 forwards (``benchmarks/request.py``'s protocol and stage timer). The JSON is written after every case.
@@ -100,7 +100,7 @@ def main(argv=None):
         request_suite.CASE_SETUP[case] = case_setup(case)
 
     import diffusers_h3
-    from diffusers_h3.attention_processors import enable_vsa, vsa_state
+    from diffusers_h3.attention_processors import vsa_state
     from diffusers_h3.loaders.fasth3 import get_fasth3_preset
     from diffusers_h3.pipelines.speed_presets import compile_blocks
 
@@ -120,9 +120,8 @@ def main(argv=None):
             if (speed or "fasth3") != applied:
                 torch._dynamo.reset()
                 if speed is not None:
+                    # on a FastH3 stack "fastest" keeps the stack's VSA 0.9 (INT8 Q/K)
                     diffusers_h3.enable_speed_preset(pipe, speed, compile=not args.no_compile)
-                    # the preset's VSA runs 0.8; the stack was trained at 0.9 (INT8 Q/K as the preset's)
-                    enable_vsa(pipe.transformer, sparsity=preset.vsa_sparsity, precision="int8")
                 elif not args.no_compile and device.type == "cuda":
                     compile_blocks(pipe.transformer, "fastest")
                 applied, decoders_warm = speed or "fasth3", False

@@ -10,8 +10,8 @@
   dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
   Q/K on Hopper with less Q/K rounding error, docs/attention.md), no sparsity; regional compile on CUDA. With ``flashinfer=True``
   (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
-* ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``); regional compile
-  on CUDA.
+* ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``; on a FastH3 stack
+  the sparsity it was trained for, e.g. 0.9); regional compile on CUDA.
 
 Each preset also picks the video decode (``plan_vae_decode``): ``"exact"`` diffusers' own tile-by-tile decode (the bitwise
 reference), ``"fast"`` the tiles decoded in batches with the decoder under ``torch.compile`` on CUDA
@@ -53,6 +53,7 @@ from ..kernels.attention.flashinfer_dense import (
 )
 from ..loaders.single_file import transformer_file_record
 from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, get_format, quantize
+from .fasth3 import fasth3_record
 
 
 logger = logging.get_logger(__name__)
@@ -415,6 +416,7 @@ def _apply_to_transformer(
     preset: str,
     compile: bool,
     fullgraph: bool = False,
+    sparsity: float = FASTEST_SPARSITY,
 ) -> None:
     """Turn ``preset``'s weights, attention and compile on for one transformer (planned by ``_plan_weights``) and
     record it under ``name``."""
@@ -451,9 +453,10 @@ def _apply_to_transformer(
             record.attention[name] += (" (flashinfer=True: FlashInfer's FA3 FP8 kernel, faster on this GPU, less "
                                        "exact: E4M3 Q/K/V and P; docs/speed.md)")
     else:
-        enable_vsa(model, sparsity=FASTEST_SPARSITY, precision=ATTENTION_PRECISION)
+        enable_vsa(model, sparsity=sparsity, precision=ATTENTION_PRECISION)
         record.attention[name] = (
-            f"VSA sparsity={FASTEST_SPARSITY} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
+            f"VSA sparsity={sparsity} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
+            + ("" if sparsity == FASTEST_SPARSITY else ": the FastH3 stack's trained sparsity")
         )
 
     # Blocks compiled before (an earlier preset) keep their torch.compile wrappers: Dynamo's guards on the swapped
@@ -530,10 +533,19 @@ def enable_speed_preset(
     vae = getattr(pipe, "vae", None)
     vae_plan = None if vae is None else plan_vae_decode(preset, pipe._device_of(vae), compile, decoder_is_fp8(vae))
 
+    # A FastH3 stack (pipelines/fasth3.py) runs "fastest" at the sparsity it was trained for; dense attention (the other
+    # presets) leaves its trained gates unused, which is said.
+    stack = fasth3_record(pipe)
+    stack_sparsity = FASTEST_SPARSITY if stack is None or stack.preset.vsa_sparsity is None else stack.preset.vsa_sparsity
+    if stack is not None and stack.preset.vsa_sparsity is not None and preset != "fastest":
+        logger.warning(f"speed preset {preset!r} runs dense attention, which does not use the FastH3 stack's trained "
+                       f"VSA gates ({stack.preset.name} was distilled with VSA {stack.preset.vsa_sparsity:g}): use "
+                       "'fastest' (VSA at the stack's sparsity)")  # fmt: skip
     record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]),
                                export={**EXPORT_SETTINGS[preset], "source": EXPORT_SOURCE})  # fmt: skip
     for name, model in models:
-        _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph)
+        _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph,
+                              sparsity=stack_sparsity if name == "transformer" else FASTEST_SPARSITY)  # fmt: skip
     if text_encoder_config is not None:
         quantize(text_encoder, text_encoder_config)
     if text_encoder_weights is not None:

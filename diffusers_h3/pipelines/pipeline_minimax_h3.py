@@ -848,6 +848,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         else:
             prompt_embeds, text_token_tags = clip.prompt_embeds.to(device), clip.text_token_tags.long().cpu()
 
+        release_streamed_weights(self.text_encoder)  # a streamed encoder's layers read ahead for the next prompt
+
         # 4. Encode the conditioning media with the VAEs.
         condition_latents, audio_condition_latents = spec.encode_conditions(components, conditions)
         for vae in (self.vae, self.audio_vae):  # VAEs streamed from their files hold their encoders only this long
@@ -878,6 +880,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         # 7-8 step the shared schedulers (and read `interrupt`): concurrent calls take turns here.
         with self.denoise_lock:
             latents, audio_latents = self._denoise(request, state)
+
+        release_streamed_weights(transformer)  # a streamed DiT's blocks read ahead for the next request
 
         # 9. Unpack the generated rows into latents.
         video_latents, audio_latents = self._unpack_latents(latents, audio_latents, n_cond_video, n_cond_audio, geometry)

@@ -90,11 +90,17 @@ def test_streaming_to_the_gpu_reads_each_tensor_onto_it(tmp_path):
     streamed = cls.from_pretrained(tmp_path / "w8a16", dtype=torch.bfloat16).eval()
     stream_from_checkpoint(streamed, tmp_path / "w8a16", "cuda", resident_below_bytes=1024)
     ids = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    expected = _hidden(reference, ids)  # first: cuBLAS allocates its workspace at the first GEMM of a stream
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     got = _hidden(streamed, ids)
-    assert got.device.type == "cuda" and torch.equal(got, _hidden(reference, ids))
+    assert got.device.type == "cuda" and torch.equal(got, expected)
     del got
+    from diffusers_h3.parallel.checkpoint_streaming import release_streamed_weights
+
+    release_streamed_weights(streamed)  # the layers read ahead for the next call
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # frees of buffers the compute stream used are deferred until its events are polled
     assert torch.cuda.memory_allocated() <= allocated  # the streamed tensors are released after the forward
 
 
@@ -279,6 +285,8 @@ def test_streamed_dit_on_the_gpu_matches_the_resident_one_and_gives_its_memory_b
     stream_from_checkpoint(streamed, tmp_path / "dit", "cuda", config, resident_below_bytes=256)
     inputs = {k: (v.to("cuda", torch.bfloat16) if v.is_floating_point() and k != "timestep" else v.to("cuda"))
               for k, v in tiny.tiny_transformer_inputs().items()}  # fmt: skip
+    with torch.no_grad():
+        reference(**inputs, return_dict=False)  # cuBLAS allocates its workspace at the first GEMM of a stream
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     with torch.no_grad():
@@ -293,4 +301,6 @@ def test_streamed_dit_on_the_gpu_matches_the_resident_one_and_gives_its_memory_b
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= baseline
     record = _record_of(streamed)
-    assert record.stats.misses <= 2 * record.groups and record.stats.group_loads == 3 * record.groups
+    assert record.stats.group_loads == 3 * record.groups
+    if read_ahead:  # from the second forward on, every group was read ahead
+        assert record.stats.misses <= record.groups

@@ -37,8 +37,9 @@ def evenly_spaced(count: int, total: int) -> List[int]:
 
 
 def compare_clips(reference: Union[Clip, str, os.PathLike], candidate: Union[Clip, str, os.PathLike],
-                  lpips: bool = True) -> Dict[str, Any]:  # fmt: skip
-    """Distances of ``candidate`` from ``reference`` (files or :class:`Clip`). The record holds, per video metric,
+                  lpips: bool = True, device=None) -> Dict[str, Any]:  # fmt: skip
+    """Distances of ``candidate`` from ``reference`` (files or :class:`Clip`), computed on ``device`` (default: CUDA
+    when available, else the CPU). The record holds, per video metric,
     the temporal summary and the ``per_frame`` values; ``audio`` (``None`` when either clip has no audio track) and
     ``lpips`` (``{"value": None, "reason": ...}`` when not computed). Raises :class:`ClipMismatchError` for clips of
     different frame counts or sizes."""
@@ -49,7 +50,9 @@ def compare_clips(reference: Union[Clip, str, os.PathLike], candidate: Union[Cli
     if reference.size != candidate.size:
         raise ClipMismatchError(f"the clips are {reference.size[1]}x{reference.size[0]} and {candidate.size[1]}x"
                                 f"{candidate.size[0]} pixels; compare clips of the same size")  # fmt: skip
-    per_frame = plane_metrics(reference.planes, candidate.planes)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    per_frame = plane_metrics(reference.planes, candidate.planes, device=device)
     record: Dict[str, Any] = {
         "reference": reference.source,
         "candidate": candidate.source,

@@ -33,3 +33,15 @@ def test_tiny_run_writes_the_report_and_the_page(tmp_path):
     sources = re.findall(r"<img src='([^']+)'", (page / "index.html").read_text())
     assert len(sources) == 6 and all((page / source).is_file() for source in sources)
     assert not list(page.rglob("*.mp4"))  # the clips stay in the work folder
+
+
+def test_docs_quote_the_cpu_run():
+    """docs/fidelity.md's table of the tiny CPU run holds benchmarks/results/fidelity_cpu.json's figures."""
+    cases = json.loads((ROOT / "benchmarks" / "results" / "fidelity_cpu.json").read_text())["report"]["cases"]
+    text = " ".join((ROOT / "docs" / "fidelity.md").read_text().split())
+    for case in ("fast", "fastest", "low_ram", "fp8_decode"):
+        summary = cases[case]["summary"]
+        row = (f"| `{case}` | {summary['ssim_yuv420']:.4f} | {summary['psnr_yuv420']:.2f} dB | "
+               f"{summary['audio_cosine']:.4f} |")  # fmt: skip
+        assert row in text, row
+    assert cases["first_block_cache"]["summary"]["psnr_yuv420"] == "inf" and "| `first_block_cache` | 1.0000 | inf |" in text

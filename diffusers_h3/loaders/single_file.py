@@ -694,6 +694,7 @@ def describe_transformer_file(model: nn.Module) -> Optional[Dict[str, Any]]:
         from diffusers.quantizers.gguf import utils as gguf_utils
 
         kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(gguf_layers.items()))
+        compute = sorted({str(m.compute_dtype).replace("torch.", "") for m in model.modules() if is_gguf_linear(m)})
         how = (
             "the kernels package's CUDA dequantize kernel on CUDA inputs, torch dequantization elsewhere"
             if gguf_utils.ops is not None
@@ -701,7 +702,7 @@ def describe_transformer_file(model: nn.Module) -> Optional[Dict[str, Any]]:
         )
         info["gguf_layers"] = (
             f"GGUFLinear ({kinds}): diffusers' dequantize path, every call dequantizes the weight ({how}) to the "
-            "compute dtype and runs a 16-bit matmul; no GGUF GEMM kernel"
+            f"compute dtype ({', '.join(compute)}) and runs a matmul in it; no GGUF GEMM kernel"
         )
     return info
 

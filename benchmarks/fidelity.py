@@ -2,8 +2,7 @@
 t2va with two prompts, every case against the `exact` preset (docs/fidelity.md).
 
     python benchmarks/fidelity.py --out benchmarks/results/fidelity_h200.json --page benchmarks/results/fidelity_h200
-    python benchmarks/fidelity.py --tiny --out benchmarks/results/fidelity_cpu.json \
-        --page benchmarks/results/fidelity_cpu   # the tiny random pipeline on the CPU
+    python benchmarks/fidelity.py --tiny --out benchmarks/results/fidelity_cpu.json --no-page   # tiny, on the CPU
 
 Random weights make noise, not pictures: the numbers are the numerical distance of each path from the exact one
 through the whole request (text encoder, every forward, both decoders, the MP4), not a measure of quality. Users
@@ -56,6 +55,7 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/fidelity_h200.json")
     parser.add_argument("--page", default="benchmarks/results/fidelity_h200",
                         help="folder for index.html and images/ (copied from the run's folder)")
+    parser.add_argument("--no-page", action="store_true", help="write the JSON only (the page stays in --work)")
     parser.add_argument("--work", default=None, help="the run's folder (clips; resumable); default: a temporary one")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list (default: {','.join(CASES)})")
     parser.add_argument("--seeds", default="0", help="comma list of seeds (default: 0)")
@@ -104,14 +104,16 @@ def main(argv=None):
     start = time.perf_counter()
     report = run_fidelity(load, settings, work, progress=sys.stderr.isatty(), note=TINY_NOTE if args.tiny else NOTE,
                           thumbnail_width=args.thumbnail_width, extra={"choices": choices})  # fmt: skip
-    page = Path(args.page)
-    if page.exists():
-        shutil.rmtree(page)
-    page.mkdir(parents=True)
-    shutil.copy2(work / "index.html", page / "index.html")
-    if (work / "images").is_dir():
-        shutil.copytree(work / "images", page / "images")
-    data = {**header, "choices": choices, "page": str(page), "wall_s": round(time.perf_counter() - start, 1),
+    page = None if args.no_page else Path(args.page)
+    if page is not None:
+        if page.exists():
+            shutil.rmtree(page)
+        page.mkdir(parents=True)
+        shutil.copy2(work / "index.html", page / "index.html")
+        if (work / "images").is_dir():
+            shutil.copytree(work / "images", page / "images")
+    data = {**header, "choices": choices, "page": f"{page.name}/index.html (beside this file)" if page else None,
+            "wall_s": round(time.perf_counter() - start, 1),
             "report": report}  # fmt: skip
     write_json(args.out, data)
     for name, case in report["cases"].items():
@@ -119,7 +121,7 @@ def main(argv=None):
         print(f"{name:18s} {case['status']:9s} ssim_yuv420 {summary.get('ssim_yuv420')} psnr_yuv420 "
               f"{summary.get('psnr_yuv420')} audio_cosine {summary.get('audio_cosine')} "
               f"{case['error'] or ''}", flush=True)  # fmt: skip
-    print(f"wrote {args.out} and {page}/index.html in {data['wall_s']} s")
+    print(f"wrote {args.out} and {page or work}/index.html in {data['wall_s']} s")
 
 
 if __name__ == "__main__":

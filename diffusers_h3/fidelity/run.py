@@ -268,9 +268,10 @@ def run_fidelity(
     bar = tqdm(total=len(cases) * len(clips), desc="generate", unit="clip", disable=not progress)
     with bar:
         for name in cases:
+            start = time.perf_counter()
             errors[name] = generate_case(FIDELITY_CASES[name], load_pipeline, settings, out_dir, progress=bar)
-            if errors[name] is not None:
-                bar.write(f"{name}: failed: {errors[name]}")
+            outcome = f"failed: {errors[name]}" if errors[name] is not None else "clips written"
+            bar.write(f"{name}: {outcome} ({time.perf_counter() - start:.1f} s)")
 
     from .html import clip_images, write_page
 

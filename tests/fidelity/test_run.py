@@ -101,6 +101,14 @@ def test_gates():
         "min_ssim": True, "min_psnr": False, "min_audio_cosine": True, "max_lpips": False, "rms_ratio_range": False}
     assert "not computed" in results["max_lpips"]["reason"]  # a metric that is missing fails its gate
     assert evaluate_gates(summary, Gates()) == {}
+    # Each gate's direction: a maximum passes below its threshold, a minimum above it, a range inside it.
+    for lpips, passed in ((0.1, True), (0.2, True), (0.3, False)):
+        assert evaluate_gates({**summary, "lpips": lpips}, Gates(max_lpips=0.2))["max_lpips"]["passed"] is passed
+    for ssim, passed in ((0.92, False), (0.93, True), (0.99, True)):
+        assert evaluate_gates({**summary, "ssim_yuv420": ssim}, Gates(min_ssim=0.93))["min_ssim"]["passed"] is passed
+    inside = evaluate_gates({**summary, "rms_ratio_range": [0.81, 1.2]}, Gates(rms_ratio_range=(0.8, 1.25)))
+    below = evaluate_gates({**summary, "rms_ratio_range": [0.79, 1.0]}, Gates(rms_ratio_range=(0.8, 1.25)))
+    assert inside["rms_ratio_range"]["passed"] and not below["rms_ratio_range"]["passed"]
 
 
 def test_case_names_match_the_cli():

@@ -175,6 +175,12 @@ def load_for_memory_budget(
         # A converted checkpoint holds the DiT as it runs: read it from its files at every forward instead of
         # keeping it in host memory (and the VAEs once per stage), with the activations the recipe chunks.
         stored = {name for name in partitions_for_task(task) if name not in plan}
+        if len(stored) < len(partitions_for_task(task)):
+            logger.warning(
+                f"memory recipe {recipe.name!r}: {directory} holds a dense DiT, quantized while loading, so it stays in "
+                "host memory (about 17.5 GiB more than the measured need, which is for a converted checkpoint): "
+                "convert the checkpoint once to stream it from disk (docs/memory.md)"
+            )
         stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
                          cap_gpu=False)  # fmt: skip

@@ -5,7 +5,8 @@ released 768x1344 size (38,222 rows) the widened rows alone take 2.1 GiB in bf16
 forward. The feed-forward acts on each row independently, so :func:`enable_feed_forward_chunking` runs it over
 ``rows`` rows at a time and writes each chunk's output into one output tensor: the widened activations shrink by
 ``total rows / rows``, for one more launch per chunk. The values are those of the unchunked call up to the GEMM's
-own blocking (bitwise on the CPU in float32 in the tests; on GPUs cuBLAS may pick another kernel for fewer rows).
+own blocking: a GEMM over fewer rows may sum in another order (float32 rounding apart in the tests; the streamed
+tiny pipeline's request was bitwise the unchunked one), as cuBLAS may pick another kernel for fewer rows.
 """
 
 from __future__ import annotations

@@ -428,8 +428,9 @@ def load_stack_gates(transformer: torch.nn.Module, transformer_dir: Union[str, P
         )
     if not tensors:
         return ()
-    reference = transformer.transformer_blocks[0].attn.to_q.weight
-    tensors = {k: v.to(device=reference.device, dtype=reference.dtype) for k, v in tensors.items()}
+    to_q = transformer.transformer_blocks[0].attn.to_q  # a quantized DiT's gates take its compute dtype
+    dtype = getattr(to_q, "compute_dtype", to_q.weight.dtype)
+    tensors = {k: v.to(device=to_q.weight.device, dtype=dtype) for k, v in tensors.items()}
     return add_gate_compress(transformer, tensors)
 
 

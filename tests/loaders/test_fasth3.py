@@ -523,3 +523,17 @@ def test_saved_stack_reloads_as_the_same_stack(stack, tmp_path, caplog):
     assert all(torch.equal(plain.transformer.transformer_blocks[i].attn.to_gate_compress.weight, w)
                for i, w in gates.items())  # fmt: skip
     assert "carries FastH3 VSA gates" in caplog.text and fasth3_report(plain) is None
+
+
+def test_gates_on_a_quantized_dit_take_its_widths_and_compute_dtype():
+    """A DiT quantized before its FastH3 payload (W8A16: packed int8 storage) gets gates of the real widths."""
+    from diffusers_h3.quantizers import W8A16Config, quantize
+
+    model = tiny_transformer().to(torch.bfloat16)
+    quantize(model, W8A16Config())
+    raw = {k: v for k, v in _payload(tiny_transformer()).items() if k.endswith(".set_weight")}
+    apply_fasth3_payload(model, split_fasth3_state_dict(raw)[0])
+    gate = model.transformer_blocks[0].attn.to_gate_compress
+    assert (gate.in_features, gate.out_features, gate.weight.dtype) == (32, 64, torch.bfloat16)
+    expected = raw["transformer_blocks.0.attn.to_gate_compress.set_weight"].to(torch.bfloat16)
+    assert torch.equal(gate.weight, expected)

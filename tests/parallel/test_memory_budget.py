@@ -218,6 +218,9 @@ def test_low_ram_streams_a_converted_dit_and_vaes_with_the_outputs_of_the_reside
     assert placement["feed_forward"] == "chunked over 7 rows"
     got = pipe(**request, generator=torch.Generator().manual_seed(0))
     assert np.array_equal(got.frames, expected.frames) and np.array_equal(got.audio, expected.audio)
+    from diffusers_h3 import describe
+
+    assert describe(pipe)["placement"]["transformer"] == placement["transformer"]
     for name in ("transformer", "vae", "audio_vae"):
         record = cs.streaming_of(getattr(pipe, name))
         assert record.groups > 0 and record.stats.group_loads > 0

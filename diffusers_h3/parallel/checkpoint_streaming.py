@@ -448,15 +448,29 @@ def _checkpoint_key(key: str, stored: Dict[str, _Stored]) -> Optional[str]:
     return unwrapped if unwrapped in stored else None
 
 
+def _called_children(module: torch.nn.Module, prefix: str = "") -> List[str]:
+    """Paths of ``module``'s children that are called, looking through containers that never are (a ModuleList of
+    blocks, whose owner iterates it)."""
+    paths = []
+    for name, child in module.named_children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            paths += _called_children(child, f"{prefix}{name}.")
+        else:
+            paths.append(f"{prefix}{name}")
+    return paths
+
+
 def _plan(model: torch.nn.Module, stored: Dict[str, _Stored], folder, hold: bool) -> Tuple[List[_Group], List[_Entry]]:
     """The groups to stream and the entries kept on the device; raises before anything changes on a mismatch."""
     split_classes = set(getattr(model, "_no_split_modules", None) or ())
     owners: Dict[str, str] = {}  # module path -> the group it belongs to
+    if hold:  # held groups load once per stage: one per child (an encoder, a decoder), whatever calls inside it
+        for path in _called_children(model):
+            owners[path] = path
     for path, module in model.named_modules():
-        if hold:  # held groups load once per stage: one per child (an encoder, a decoder), whatever calls inside it
-            if path and "." not in path:
-                owners[path] = path
-        elif path and type(module).__name__ in split_classes and not any(path.startswith(o + ".") for o in owners):
+        if not hold and path and type(module).__name__ in split_classes and not any(
+            path.startswith(o + ".") for o in owners
+        ):
             owners[path] = path
     groups: Dict[str, _Group] = {}
     adapters: List[_Entry] = []

@@ -659,6 +659,12 @@ def load_transformer_file(
     else:
         model = _load_dense(plan, tensors, dtype, device, qkv_layout)
     _check_loaded(model, plan.layout.path)
+    # Non-persistent buffers (the rotary frequencies) are built at init, outside the file, on the CPU: follow `device`.
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
     model.eval()
     if quantization_config is not None:
         from ..quantizers import quantize

@@ -33,7 +33,8 @@ def _server():
     if _SERVER and _SERVER[0].poll() is None:
         return _SERVER[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(HELPER)))
+    # the repository root, not tests/: there `import kernels` (transformers' hub kernels) would find tests/kernels
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(HELPER))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     process = subprocess.Popen([sys.executable, HELPER, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip

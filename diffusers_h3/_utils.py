@@ -29,6 +29,16 @@ def attach_to_diffusers_logging() -> None:
     std_logging.getLogger(__name__.partition(".")[0]).parent = logging.get_logger()
 
 
+def move_non_persistent_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Move ``model``'s non-persistent buffers (rotary tables: built at init, never stored in a checkpoint) to
+    ``device``, for loaders that place the stored tensors themselves."""
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
 _WARNED: set = set()
 
 

@@ -45,6 +45,7 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from torch import nn
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3Hook, h3_record, register_h3_hook
+from .._utils import move_non_persistent_buffers
 from ._curve_adaln import CURVE_TABLE_KEY, is_curve_form, to_curve_form
 
 
@@ -659,12 +660,7 @@ def load_transformer_file(
     else:
         model = _load_dense(plan, tensors, dtype, device, qkv_layout)
     _check_loaded(model, plan.layout.path)
-    # Non-persistent buffers (the rotary frequencies) are built at init, outside the file, on the CPU: follow `device`.
-    for module in model.modules():
-        for name in module._non_persistent_buffers_set:
-            buffer = module._buffers.get(name)
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+    move_non_persistent_buffers(model, device)  # built at init on the CPU, outside the file
     model.eval()
     if quantization_config is not None:
         from ..quantizers import quantize

@@ -32,7 +32,6 @@ import ctypes
 import gc
 import json
 import os
-import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
-from diffusers.hooks import HookRegistry
 
 from .._checkpoint_files import read_safetensors_header
 from .._hooks import (
@@ -52,7 +50,7 @@ from .._hooks import (
     h3_record,
     register_h3_hook,
 )
-from .._utils import SAFETENSORS_DTYPES
+from .._utils import SAFETENSORS_DTYPES, move_non_persistent_buffers
 
 
 STREAM_HOOK_NAME = H3_CHECKPOINT_STREAM_HOOK
@@ -237,7 +235,6 @@ class _Streamer:
         self.held: Dict[int, _Loaded] = {}
         self.running: Dict[int, _Loaded] = {}
         self.last: Optional[int] = None
-        self.lock = threading.Lock()
         self.files: Dict[str, int] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers_h3_stream")
         self.cuda = device.type == "cuda"
@@ -253,10 +250,9 @@ class _Streamer:
     # -- reading (reader thread) -----------------------------------------------------------------------------------
 
     def _fd(self, file: str) -> int:
-        with self.lock:
-            if file not in self.files:
-                self.files[file] = os.open(file, os.O_RDONLY)
-            return self.files[file]
+        if file not in self.files:
+            self.files[file] = os.open(file, os.O_RDONLY)
+        return self.files[file]
 
     def _read(self, group: _Group) -> _Loaded:
         if self.cuda:
@@ -407,7 +403,6 @@ class _StreamGroupHook(H3Hook):
         super().__init__()
         self.streamer = streamer
         self.group = group
-        self.nbytes = sum(e.stored.nbytes for e in group.entries)  # read from disk each time the group runs
 
     def pre_forward(self, module, *args, **kwargs):
         self.streamer.load(self.group)
@@ -557,15 +552,9 @@ def stream_from_checkpoint(
                 _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param)
     else:
         streamer = None
-    # Non-persistent buffers (rotary tables) are not stored: they move to the device once.
-    for module in model.modules():
-        for name in module._non_persistent_buffers_set:
-            buffer = module._buffers.get(name)
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device)
+    move_non_persistent_buffers(model, device)  # not stored: they move to the device once
     # The record sits on the top module; the pipeline reads the execution device from it.
     register_h3_hook(model, _StreamModelHook(record, streamer), H3_CHECKPOINT_STREAM_MODEL_HOOK)
-    HookRegistry.check_if_exists_or_initialize(model)
     _release_host_memory()
     return {"streamed_bytes_per_forward": streamed, "resident_bytes": kept}
 

@@ -228,6 +228,5 @@ def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[st
     if rows:
         enable_feed_forward_chunking(pipe, FeedForwardChunking(rows=int(rows)))
         placements["feed_forward"] = f"chunked over {int(rows)} rows"
-    gc.collect()
     _record_placement(pipe, **placements)
     return placements

@@ -975,22 +975,22 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _decode_video(self, video_latents, output_type, device):
         video_latents = self._denormalize_video_latents(video_latents, device)
         cp_group = getattr(self, "_context_parallel_group", None)
+        # Host outputs: each temporal chunk goes to the host as soon as it is final, so the device never holds the
+        # whole float32 clip (the same values: elementwise operations on bitwise the same chunks).
+        to_host = cp_group is None and output_type in ("np", "pil") and not self.video_processor.config.do_normalize
         if cp_group is not None:  # the VAE tiles are split over the context-parallel ranks
             video = parallel_vae_decode(self.vae, video_latents, cp_group)
-        elif output_type in ("np", "pil") and not self.video_processor.config.do_normalize:
-            # Host outputs: each temporal chunk goes to the host as soon as it is final, so the device never holds
-            # the whole float32 clip (the same values: elementwise operations on bitwise the same chunks).
-            clips = [torch.cat([self._to_unit_range(c, device).cpu() for c in self._decoded_chunks(video_latents[i : i + 1])], 2)
-                     for i in range(video_latents.shape[0])]  # fmt: skip
+        elif to_host:
+            clips = [
+                torch.cat([self._to_unit_range(c, device).cpu() for c in self._decoded_chunks(video_latents[i : i + 1])], 2)
+                for i in range(video_latents.shape[0])
+            ]
             video = torch.cat(clips, 0)
-            release_streamed_weights(self.vae)
-            if output_type == "np":
-                return video.permute(0, 2, 3, 4, 1).contiguous().numpy()
-            return self.video_processor.postprocess_video(video, output_type=output_type)
         else:
             video = self.vae.decode(video_latents, return_dict=False)[0]
         release_streamed_weights(self.vae)
-        video = self._to_unit_range(video, device)
+        if not to_host:
+            video = self._to_unit_range(video, device)
         if output_type == "np" and not self.video_processor.config.do_normalize:
             # The values of postprocess_video(video, "np") (no denormalization), with the channels-last copy done on
             # the decode device: diffusers makes it on the host, a strided copy of the whole float32 clip.

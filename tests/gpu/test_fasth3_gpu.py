@@ -40,7 +40,9 @@ def test_light_decoder_at_released_width_matches_its_dequantized_weights():
         out = teacher.decode(latents, return_dict=False)[0]
         ref = dense.decode(latents, return_dict=False)[0]
     assert torch.isfinite(out).all() and rel_l2(out, ref) < 2e-2
-    assert any(line.startswith("Triton NVFP4 weight-only") for line in describe(teacher)["model"]["quantized_layers"])
+    # describe() counts layers per path line: "NVFP4Linear[nvfp4] on cuda: auto -- Triton NVFP4 weight-only: ..."
+    paths = describe(teacher)["model"]["quantized_layers"]
+    assert any("on cuda: auto -- Triton NVFP4 weight-only" in line for line in paths), paths
 
 
 def test_tiny_stack_on_the_gpu_matches_the_cpu(tmp_path):

@@ -474,7 +474,7 @@ def _check_request(args, task: str, conditioning):
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
-        H3Request.build(config, args.prompt, height=args.height, width=args.width, num_frames=args.frames,
+        H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width, num_frames=args.frames,
                         task=task, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error

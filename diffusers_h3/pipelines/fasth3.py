@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from diffusers.utils import logging
@@ -44,6 +44,7 @@ from ..loaders.fasth3 import (
     strip_key_prefix,
 )
 from ..loaders.fasth3_vae import light_vae_record, load_nvfp4_decoder
+from .request import ScheduleSettings
 
 
 logger = logging.get_logger(__name__)
@@ -159,23 +160,18 @@ def disable_fasth3_preset(pipe):
     return pipe
 
 
-def resolve_fasth3_schedule(
-    pipe,
-    num_inference_steps: Optional[int],
-    sigmas: Optional[Sequence[float]],
-    audio_sigmas: Optional[Sequence[float]],
-    flow_shift: Optional[float],
-    audio_flow_shift: Optional[float],
-    task: str,
-) -> Tuple[Optional[int], Optional[Sequence[float]], Optional[Sequence[float]], Optional[float], Optional[float]]:
-    """The schedule a call runs with under the pipeline's FastH3 preset (unchanged without one): the trained sigmas
-    when the call sets none of ``num_inference_steps`` / ``sigmas`` / the shifts (or sets them to the trained
-    values); otherwise the call's own, with unset values taken from the preset and one warning naming what differs."""
+def resolve_fasth3_schedule(pipe, schedule: ScheduleSettings, task: str) -> ScheduleSettings:
+    """The schedule a call runs with under the pipeline's FastH3 preset (``schedule`` unchanged without one): the
+    trained sigmas when the call sets none of ``num_inference_steps`` / ``sigmas`` / the shifts (or sets them to the
+    trained values); otherwise the call's own, with unset values taken from the preset and one warning naming what
+    differs."""
     record = fasth3_record(pipe)
     if record is None:
-        return num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift
+        return schedule
     preset = record.preset
     check_tasks(preset, task)
+    num_inference_steps, sigmas, flow_shift = schedule.num_inference_steps, schedule.sigmas, schedule.flow_shift
+    audio_flow_shift = schedule.audio_flow_shift
     differences = schedule_differences(preset, num_inference_steps, sigmas, flow_shift, audio_flow_shift)
     if differences:
         logger.warning(f"FastH3 preset {preset.name} was trained for {preset.sigma_points} sigma points at rungs "
@@ -185,9 +181,9 @@ def resolve_fasth3_schedule(
         steps = num_inference_steps if num_inference_steps is not None or sigmas is not None else preset.sigma_points
         shift = preset.flow_shift if flow_shift is None else flow_shift
         audio_shift = preset.audio_flow_shift if audio_flow_shift is None else audio_flow_shift
-        return steps, sigmas, audio_sigmas, shift, audio_shift
+        return ScheduleSettings(steps, sigmas, schedule.audio_sigmas, shift, audio_shift)
     video, audio = preset.sigmas()
-    return preset.sigma_points, video, audio, flow_shift, audio_flow_shift
+    return ScheduleSettings(preset.sigma_points, video, audio, flow_shift, audio_flow_shift)
 
 
 def find_nvfp4_decoder(directory: Union[str, Path]) -> Optional[Path]:

@@ -77,6 +77,7 @@ from .request import (
     H3Clip,
     H3Request,
     RequestConfig,
+    ScheduleSettings,
     align_frames,
     check_canvas,
     check_inputs,
@@ -448,8 +449,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         `references`) to their values, which the task's spec checks. `__call__` checks through `H3Request.build`.
         """
         return check_inputs(
-            self.request_config(), task, prompt, height, width, num_frames, conditioning, output_type,
-            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas, prompt_embeds, text_token_tags,
+            self.request_config(), task, prompt=prompt, height=height, width=width, num_frames=num_frames,
+            conditioning=conditioning, output_type=output_type,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, sigmas=sigmas,
+            audio_sigmas=audio_sigmas, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
         )  # fmt: skip
 
     def _check_text_encoder_loaded(self, alternative: str) -> None:
@@ -613,7 +616,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     # Schedules
     # ------------------------------------------------------------------------------------------------------------
 
-    def _set_schedules(self, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, device):
+    def _set_schedules(self, request: H3Request, device):
+        num_inference_steps, sigmas, audio_sigmas = request.num_inference_steps, request.sigmas, request.audio_sigmas
+        flow_shift, audio_flow_shift = request.flow_shift, request.audio_flow_shift
         # Reset the shift every call so that one request's `flow_shift` never leaks into the next.
         self.scheduler.set_shift(flow_shift if flow_shift is not None else self.scheduler.config.shift)
         self.audio_scheduler.set_shift(
@@ -643,12 +648,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _latent_geometry(self, num_frames: int, height: int, width: int) -> LatentGeometry:
         return latent_geometry(self.request_config(), num_frames, height, width)
 
-    def _prepare_packed_sequence(self, spec, text_token_tags, conditions, condition_latents, audio_condition_latents,
-                                 geometry, device):  # fmt: skip
-        """The task's packed rows (rotary grid in fp64, tags, indices) on `device` and its `PackedLayout`."""
-        packed, layout = spec.build_layout(
-            text_token_tags, conditions, condition_latents, audio_condition_latents, geometry
-        )
+    def _prepare_packed_sequence(self, request: H3Request, text_token_tags, conditions, encoded_conditions, device):
+        """The request's packed rows (rotary grid in fp64, tags, indices) on `device` and its `PackedLayout`;
+        `encoded_conditions`: `(condition_latents, audio_condition_latents)` as the task encoded them."""
+        packed, layout = request.spec.build_layout(text_token_tags, conditions, *encoded_conditions, request.geometry)
         position_ids, token_tags, video_indices, audio_indices, text_indices, n_cond_video, n_cond_audio = packed
         check_layout_matches_indices(layout, video_indices, audio_indices, text_indices)
         if device.type in ("mps", "npu"):
@@ -803,14 +806,15 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             num_inference_steps, flow_shift, audio_flow_shift, sigmas, audio_sigmas, task=spec.name
         )
         # A FastH3 stack's preset runs its trained sigmas unless the call asks for another schedule.
-        num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift = resolve_fasth3_schedule(
-            self, num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, task=spec.name
+        schedule = resolve_fasth3_schedule(
+            self, ScheduleSettings(num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift), spec.name
         )
         request = H3Request.build(
-            self.request_config(), prompt, image, last_image, references, height, width, num_frames,
-            num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift, num_videos_per_prompt, generator,
-            latents, audio_latents, prompt_embeds, text_token_tags, output_type, attention_kwargs,
-            callback_on_step_end, callback_on_step_end_tensor_inputs, task=spec,
+            self.request_config(), prompt=prompt, **conditioning, height=height, width=width, num_frames=num_frames,
+            **schedule.as_kwargs(), num_videos_per_prompt=num_videos_per_prompt, generator=generator,
+            latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
+            output_type=output_type, attention_kwargs=attention_kwargs, callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, task=spec,
         )  # fmt: skip
         # A LoRA loaded or unloaded since enable_low_memory_offload made diffusers rebuild the offload groups.
         refresh_low_memory_offload(self)
@@ -858,7 +862,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         # 5. Build the packed layout: rows, rotary grid (fp64), tags, and the PackedLayout for processors.
         geometry = request.geometry
         structure, layout, n_cond_video, n_cond_audio = self._prepare_packed_sequence(
-            spec, text_token_tags, conditions, condition_latents, audio_condition_latents, geometry, device
+            request, text_token_tags, conditions, (condition_latents, audio_condition_latents), device
         )
 
         # 6. Prepare the latent rows: noised conditioning rows, then video noise; reference audio, then audio noise.
@@ -905,10 +909,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         attention_kwargs, callback_on_step_end = request.attention_kwargs, request.callback_on_step_end
         video_indices, audio_indices = structure["video_indices"], structure["audio_indices"]
         # 7. Schedules and the per-step row-timestep plan (conditioning rows pinned at 0.999, reference audio at 1).
-        timesteps, audio_timesteps = self._set_schedules(
-            request.num_inference_steps, request.sigmas, request.audio_sigmas, request.flow_shift,
-            request.audio_flow_shift, device,
-        )  # fmt: skip
+        timesteps, audio_timesteps = self._set_schedules(request, device)
         self._num_timesteps = len(timesteps)
         start_cache_request(transformer, len(timesteps))  # no step-cache state carries over between requests
         rows = (video_indices.cpu(), audio_indices.cpu(), n_cond_video, n_cond_audio, structure["text_indices"].numel())

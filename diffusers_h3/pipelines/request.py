@@ -364,6 +364,7 @@ def align_frames(config: RequestConfig, num_frames) -> int:
 def check_inputs(
     config: RequestConfig,
     task,
+    *,
     prompt,
     height,
     width,
@@ -464,6 +465,21 @@ def split_batch(batch_size: int, generator, latents, audio_latents):
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleSettings:
+    """The schedule arguments of a call (`None`: unset), as `__call__` and `H3Request.build` take them."""
+
+    num_inference_steps: Optional[int] = None
+    sigmas: Optional[Sequence[float]] = None
+    audio_sigmas: Optional[Sequence[float]] = None
+    flow_shift: Optional[float] = None
+    audio_flow_shift: Optional[float] = None
+
+    def as_kwargs(self) -> dict:
+        """The settings as keyword arguments of `H3Request.build` (the values themselves, not copies)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class H3Clip:
     r"""
@@ -491,8 +507,8 @@ class H3Request:
     r"""
     One checked call of `MiniMaxH3Pipeline`: everything the generation reads besides the weights.
 
-    Build it with `H3Request.build(config, ...)` (the arguments of `__call__`); it is immutable, so one request can
-    run on any pipeline with the same configs, from any thread.
+    Build it with `H3Request.build(config, prompt=..., ...)` (the arguments of `__call__`, by keyword); it is
+    immutable, so one request can run on any pipeline with the same configs, from any thread.
 
     Args:
         spec (`TaskSpec`): The routed task.
@@ -531,6 +547,7 @@ class H3Request:
     def build(
         cls,
         config: RequestConfig,
+        *,
         prompt: Union[str, Sequence[str], None] = None,
         image=None,
         last_image=None,
@@ -566,8 +583,9 @@ class H3Request:
         if num_inference_steps is None:
             num_inference_steps = DEFAULT_NUM_INFERENCE_STEPS
         num_frames = check_inputs(
-            config, spec, prompt, height, width, num_frames, conditioning, output_type,
-            callback_on_step_end_tensor_inputs, sigmas, audio_sigmas, prompt_embeds, text_token_tags,
+            config, spec, prompt=prompt, height=height, width=width, num_frames=num_frames, conditioning=conditioning,
+            output_type=output_type, callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            sigmas=sigmas, audio_sigmas=audio_sigmas, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
         )  # fmt: skip
         count = num_videos_per_prompt
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:

@@ -243,3 +243,10 @@ def test_long_text_encodes_show_progress_per_decoder_layer(monkeypatch):
     layer = pipe.config.text_encoder_layer
     assert len(bars) == 1 and bars[0].total == layer and bars[0].n == layer, bars
     assert torch.equal(shown, quiet)  # the bar's hooks change nothing
+
+
+def test_build_takes_the_call_arguments_by_keyword():
+    """Fails if `H3Request.build` takes `prompt` (or any call argument) by position again."""
+    with pytest.raises(TypeError, match="positional"):
+        H3Request.build(_config(), "a cat")
+    assert _build().clips[0].prompt == "a cat"

@@ -14,8 +14,8 @@ def test_demo_checkpoint_defaults_to_the_demo_canvas(tmp_path, monkeypatch):
     pipe = MiniMaxH3Pipeline.from_pretrained(folder)
     config = pipe.request_config()
     assert (config.canvas_short_edge, config.canvas_max_pixels) == (64, 64 * 96)
-    t2va = H3Request.build(config, "a cat")
-    fl2va = H3Request.build(config, "a cat", image=PIL.Image.new("RGB", (640, 360)))  # a 16:9 keyframe
+    t2va = H3Request.build(config, prompt="a cat")
+    fl2va = H3Request.build(config, prompt="a cat", image=PIL.Image.new("RGB", (640, 360)))  # a 16:9 keyframe
     assert (t2va.height, t2va.width) == (fl2va.height, fl2va.width) == cli.DEMO_CANVAS == (64, 96)
     # The CLI checks demo requests on the same rule, from configs alone.
     from_configs = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {"transformer": tiny.TINY_TRANSFORMER_CONFIG},

@@ -414,9 +414,6 @@ def _check_transformer_file(args) -> None:
     problem = safetensors_problem(path) if suffix == ".safetensors" else gguf_problem(path)
     if problem:
         raise UsageError(f"{flag}: {problem}", "download the file again")
-    if getattr(args, "memory", None) is not None:
-        raise UsageError(f"{flag} with --memory: the memory recipes load the DiT from --model themselves",
-                         "drop --memory (use --cpu-offload or --low-memory), or drop --transformer-file")  # fmt: skip
 
 
 def _transformer_file_config(args, task: str):
@@ -684,7 +681,8 @@ def _load_pipeline(args):
 
         try:  # the checkpoint's formats are checked against the recipe's before any weight is read
             return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args),
-                                          recipe=args.memory_recipe)  # fmt: skip
+                                          recipe=args.memory_recipe,
+                                          transformer_file=getattr(args, "transformer_file", None))  # fmt: skip
         except MemoryBudgetError as error:
             raise UsageError(f"--memory {args.memory}: {_as_flags(error.what)}", error.fix or "see docs/memory.md") from None
     kwargs = {"dtype": dtype} if dtype is not None else {}

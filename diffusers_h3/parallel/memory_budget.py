@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
-from .._hooks import H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
+from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
 
 
 logger = logging.get_logger(__name__)
@@ -427,6 +427,8 @@ def check_weights_for_recipe(pipe, recipe: MemoryRecipe) -> None:
     wanted = {"fp8_or_w8a16": {"fp8", "w8a16"}}.get(recipe.spec.transformer_format, {recipe.spec.transformer_format})
     methods = {get_format(name).method for name in wanted}
     for name, component in partitions_of(pipe):
+        if h3_record(component, H3_SINGLE_FILE_HOOK) is not None:
+            continue  # a DiT from one file runs in the file's format (load_for_memory_budget's transformer_file)
         found = _stored_formats(component)
         if not found & methods:
             raise MemoryBudgetError(

@@ -30,8 +30,9 @@ from ..parallel.memory_budget import (
     resolve_recipe,
     stream_text_encoder_from_disk,
     text_encoder_stream_placement,
+    visible_host_gib,
 )
-from ..tasks import partitions_for_task
+from ..tasks import partition_for_task, partitions_for_task
 from .loading import resolve_repo
 from .pipeline_minimax_h3 import MiniMaxH3Pipeline
 
@@ -116,6 +117,7 @@ def load_for_memory_budget(
     dtype: torch.dtype = torch.bfloat16,
     cap_gpu: bool = True,
     pipeline_class=MiniMaxH3Pipeline,
+    transformer_file: Union[str, os.PathLike, None] = None,
     **from_pretrained_kwargs,
 ):
     """Load and place MiniMax-H3 with the fastest recipe that fits ``gpu_gib`` / ``host_gib`` (None: read the
@@ -131,6 +133,11 @@ def load_for_memory_budget(
             while loading (a converted checkpoint streams from its own files instead; default: a new
             temporary folder).
         cap_gpu: hold PyTorch's allocator to ``gpu_gib``, as in the measurement.
+        transformer_file: a single-file DiT (bf16, fp8-scaled or GGUF: docs/checkpoints.md) for the task's partition
+            instead of the checkpoint's. It loads in the file's own format and, under a streaming recipe, stays in
+            host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT
+            from disk): the recipe's host need grows by the file's size, which is refused before anything loads
+            when the host budget is smaller.
         from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``text_encoder_layer``).
 
     Returns:
@@ -145,7 +152,13 @@ def load_for_memory_budget(
     if not os.path.isdir(path):
         path = resolve_repo(path, task, {})
     directory = Path(path)
-    plan = _quantization_plan(directory, recipe, partitions_for_task(task), device)
+    partitions = partitions_for_task(task)
+    file_partition = None
+    if transformer_file is not None:
+        file_partition = partition_for_task(task)
+        _check_host_for_transformer_file(recipe, transformer_file, host_gib)
+        partitions = [name for name in partitions if name != file_partition]
+    plan = _quantization_plan(directory, recipe, partitions, device)
     logger.info(recipe.line())
     if device.type == "cuda" and cap_gpu and gpu_gib is not None:
         apply_gpu_cap(gpu_gib, device)
@@ -162,6 +175,12 @@ def load_for_memory_budget(
         where = stream_text_encoder_from_disk(text_encoder, device, offload_folder, checkpoint_folder)
         components["text_encoder"] = text_encoder
         gc.collect()  # the text encoder's host copy goes before the DiT arrives
+    if file_partition is not None:
+        from ..loaders.single_file import load_transformer_file, transformer_file_record
+
+        components[file_partition] = load_transformer_file(transformer_file, directory / file_partition, dtype=dtype)
+        logger.info(f"memory recipe {recipe.name!r}: {file_partition} from "
+                    f"{transformer_file_record(components[file_partition]).summary()}")  # fmt: skip
     if plan:
         from diffusers.quantizers import PipelineQuantizationConfig
 
@@ -174,8 +193,8 @@ def load_for_memory_budget(
     if recipe.spec.transformer_placement == "offload" and recipe.spec.text_encoder_placement == "disk":
         # A converted checkpoint holds the DiT as it runs: read it from its files at every forward instead of
         # keeping it in host memory (and the VAEs once per stage), with the activations the recipe chunks.
-        stored = {name for name in partitions_for_task(task) if name not in plan}
-        if len(stored) < len(partitions_for_task(task)):
+        stored = {name for name in partitions if name not in plan}
+        if len(stored) < len(partitions):
             logger.warning(
                 f"memory recipe {recipe.name!r}: {directory} holds a dense DiT, quantized while loading, so it stays in "
                 "host memory (about 17.5 GiB more than the measured need, which is for a converted checkpoint): "
@@ -185,6 +204,28 @@ def load_for_memory_budget(
     enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
                          cap_gpu=False)  # fmt: skip
     return pipe
+
+
+def _check_host_for_transformer_file(recipe: MemoryRecipe, transformer_file, host_gib: Optional[float]) -> None:
+    """Refuse (one line, before loading) a single-file DiT that the host budget cannot hold beside the recipe: the
+    file's DiT stays in host memory under a streaming recipe, on top of the recipe's measured host need."""
+    from ..loaders.single_file import check_transformer_file_path
+
+    path = check_transformer_file_path(transformer_file)
+    if recipe.spec.transformer_placement == "resident":
+        return  # the DiT moves to the GPU: the recipe's GPU need already counts it
+    file_gib = path.stat().st_size / 2**30
+    budget, source = (host_gib, "the budget given") if host_gib is not None else (visible_host_gib()[0], "the host "
+                                                                                 "memory visible")  # fmt: skip
+    need = recipe.host_gib + file_gib
+    if need > budget:
+        raise MemoryBudgetError(
+            f"memory recipe {recipe.name!r} with the DiT from {path.name} needs about {need:.2f} GiB of host memory "
+            f"({recipe.host_gib:.2f} measured + {file_gib:.2f} for the file's DiT, which stays in host memory), "
+            f"{source} is {budget:.2f} GiB",
+            "convert the checkpoint for the recipe so the DiT streams from disk (docs/memory.md), or use a smaller "
+            "file (e.g. GGUF Q4_K)",
+        )
 
 
 # What a recipe's measured case ran with (``settings`` of its table entry); what is absent takes these defaults.

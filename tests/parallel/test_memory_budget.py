@@ -291,3 +291,62 @@ def test_gpu_cap_on_plain_cuda_resolves_the_current_device_index(monkeypatch):
     assert calls == [(0.25, torch.device("cuda", 3))]
     mb.apply_gpu_cap(50, "cuda:1")
     assert calls[-1] == (0.5, torch.device("cuda", 1))
+
+
+@pytest.fixture(scope="module")
+def file_and_checkpoint(tmp_path_factory):
+    """A tiny checkpoint converted for ``low_ram``'s text encoder, and its DiT as a ComfyUI-GGUF Q8_0 file."""
+    pytest.importorskip("gguf")
+    from diffusers_h3.testing.single_file import write_gguf
+
+    path = tmp_path_factory.mktemp("file_and_checkpoint")
+    components = tiny.tiny_components(seed=0, with_transformer_ref=False)
+    components.pop("transformer_ref")
+    write_gguf(components["transformer"], path / "dit-Q8_0.gguf", "Q8_0")
+    quantize(components["text_encoder"], W8A16Config())
+    MiniMaxH3Pipeline(**components, **tiny.TINY_DURATION_LIMITS).save_pretrained(path / "ckpt")
+    return path / "dit-Q8_0.gguf", path / "ckpt"
+
+
+def test_a_memory_recipe_runs_a_gguf_dit_file_with_the_outputs_of_the_file_loaded_in_memory(file_and_checkpoint,
+                                                                                              monkeypatch):
+    """`low_ram` with `transformer_file`: the text encoder and VAEs stream from the checkpoint, the GGUF DiT (in its
+    own format, not the recipe's NVFP4) is offloaded block by block; the request equals the same file loaded whole."""
+    from diffusers_h3 import describe
+    from diffusers_h3.loaders.single_file import load_transformer_file
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+    from diffusers_h3.pipelines import memory_budget as loader
+
+    monkeypatch.setattr(cs, "RESIDENT_BELOW_BYTES", 1024)
+    gguf_file, ckpt = file_and_checkpoint
+    request = {"prompt": "a red fox runs through snow", "height": 64, "width": 96, "num_frames": 22,
+               "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
+    transformer = load_transformer_file(gguf_file, ckpt / "transformer", dtype=torch.bfloat16)
+    resident = MiniMaxH3Pipeline.from_pretrained(ckpt, task="t2va", dtype=torch.bfloat16, transformer=transformer)
+    for model in (resident.vae, resident.audio_vae):  # own memory, as streamed tensors have
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.data = tensor.data.clone()
+    expected = resident(**request, generator=torch.Generator().manual_seed(0))
+    recipe = dataclasses.replace(mb.resolve_recipe("low_ram", None, None, "cpu"), settings={"read_ahead": 1})
+    pipe = loader.load_for_memory_budget(ckpt, "t2va", recipe=recipe, device="cpu", transformer_file=gguf_file)
+    placement = describe(pipe)["placement"]
+    assert placement["transformer"].startswith("group offload"), placement["transformer"]
+    assert placement["vae"].startswith("streamed from its checkpoint files"), placement["vae"]
+    assert describe(pipe)["components"]["transformer"]["quantization"] == "GGUFQuantizationConfig"
+    got = pipe(**request, generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(got.frames, expected.frames) and np.array_equal(got.audio, expected.audio)
+
+
+def test_a_dit_file_the_host_budget_cannot_hold_beside_the_recipe_is_refused_before_loading(file_and_checkpoint,
+                                                                                             monkeypatch):
+    from diffusers_h3.loaders import single_file
+    from diffusers_h3.pipelines import memory_budget as loader
+
+    gguf_file, ckpt = file_and_checkpoint
+    monkeypatch.setattr(single_file, "load_transformer_file", lambda *a, **k: pytest.fail("loaded before the check"))
+    recipe = mb.resolve_recipe("low_ram", None, None, "cpu")
+    with pytest.raises(mb.MemoryBudgetError) as error:
+        loader.load_for_memory_budget(ckpt, "t2va", recipe=recipe, device="cpu", transformer_file=gguf_file,
+                                      host_gib=recipe.host_gib)  # fmt: skip
+    message = str(error.value)
+    assert "\n" not in message and "dit-Q8_0.gguf" in message and "stays in host memory" in message, message

@@ -3,7 +3,8 @@
 H3 packs ``[text | keyframes or references | target audio | target video]`` into one sequence, but attention
 processors only receive ``(attn, hidden_states, rotary_emb, attention_mask)``. The pipeline builds one
 :class:`PackedLayout` per request and publishes it for the duration of every transformer call with
-:func:`use_packed_layout`; processors that need it call :func:`require_packed_layout`. Processors must read segment
+:func:`use_packed_layout`; each transformer call keeps it, with the kernels its ops ran, in one
+:class:`ForwardRecord`; processors that need the layout call :func:`require_packed_layout`. Processors must read segment
 kinds and row ranges from the layout and never assume an order (ref2va interleaves reference audio and video).
 """
 
@@ -12,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
-
-import torch
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 
 SEGMENT_KINDS = ("text", "video", "audio")
@@ -101,28 +100,72 @@ class PackedLayout:
         return f"PackedLayout(seq_len={self.seq_len}: " + ", ".join(parts) + ")"
 
 
-_CURRENT_LAYOUT: contextvars.ContextVar[Optional[PackedLayout]] = contextvars.ContextVar(
-    "diffusers_h3_packed_layout", default=None
+@dataclass(eq=False)
+class ForwardRecord:
+    """What one transformer call ran: the :class:`PackedLayout` it was given and the kernel each custom op chose.
+
+    One object per call: the model's forward-record hook (``H3_FORWARD_RECORD_HOOK``, installed by the attention
+    ``enable_*`` helpers) opens a fresh record at the top of every transformer forward and keeps the last one, which
+    ``describe()`` reads; the attention processors read the layout from it and the kernel ops write what they ran into
+    it (:func:`record_kernel`), also inside a compiled graph, where the op's implementation runs after tracing but
+    still inside the forward that opened the record. ``kernels`` maps an op name to the ``KernelChoice`` of its last
+    call in this forward.
+    """
+
+    layout: Optional[PackedLayout] = None
+    kernels: Dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> Dict[str, Any]:
+        layout = self.layout.describe() if self.layout is not None else "none published"
+        return {"layout": layout, "kernels": {op: choice.describe() for op, choice in self.kernels.items()}}
+
+
+# The record of the transformer call running in this thread (a context variable: concurrent calls in other threads
+# have their own). use_packed_layout publishes one holding the caller's layout; the forward-record hook opens a fresh
+# one per transformer forward.
+_ACTIVE_RECORD: contextvars.ContextVar[Optional[ForwardRecord]] = contextvars.ContextVar(
+    "diffusers_h3_forward_record", default=None
 )
 
 
 @contextlib.contextmanager
-def use_packed_layout(layout: Optional[PackedLayout]) -> Iterator[Optional[PackedLayout]]:
-    """Publish ``layout`` to attention processors for the duration of a transformer call."""
-    token = _CURRENT_LAYOUT.set(layout)
+def active_forward_record(record: Optional[ForwardRecord]) -> Iterator[Optional[ForwardRecord]]:
+    """Make ``record`` the record of the calls made inside the block (what :func:`current_forward_record` returns)."""
+    token = _ACTIVE_RECORD.set(record)
     try:
-        yield layout
+        yield record
     finally:
-        _CURRENT_LAYOUT.reset(token)
+        _ACTIVE_RECORD.reset(token)
+
+
+def current_forward_record() -> Optional[ForwardRecord]:
+    return _ACTIVE_RECORD.get()
+
+
+def record_kernel(op: str, choice: Any) -> None:
+    """Called by the implementation of the custom op ``op``: note in the running call's record what it ran (nothing
+    to note outside a recorded call)."""
+    record = _ACTIVE_RECORD.get()
+    if record is not None:
+        record.kernels[op] = choice
+
+
+@contextlib.contextmanager
+def use_packed_layout(layout: Optional[PackedLayout]) -> Iterator[Optional[PackedLayout]]:
+    """Publish ``layout`` for the transformer calls made inside the block: they read it from their
+    :class:`ForwardRecord`."""
+    with active_forward_record(ForwardRecord(layout=layout)):
+        yield layout
 
 
 def current_packed_layout() -> Optional[PackedLayout]:
-    return _CURRENT_LAYOUT.get()
+    record = _ACTIVE_RECORD.get()
+    return None if record is None else record.layout
 
 
 def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayout:
     """The published layout, or an error that tells the caller how to provide one."""
-    layout = _CURRENT_LAYOUT.get()
+    layout = current_packed_layout()
     if layout is None:
         raise RuntimeError(
             f"{who} needs the packed-sequence layout, but none is published. Run the transformer through "
@@ -135,26 +178,3 @@ def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayo
             "layout does not belong to this call (with context parallelism, gather the sequence first)."
         )
     return layout
-
-
-# Set on the rotary-embedding tensor of a transformer call: every block of the call receives that same tensor object,
-# also when gradient checkpointing recomputes the block during backward (the checkpoint keeps its arguments).
-_LAYOUT_ATTRIBUTE = "_diffusers_h3_packed_layout"
-
-
-@torch.compiler.disable  # attribute and context-variable bookkeeping: one eager island under torch.compile
-def layout_to_reenter(anchor: torch.Tensor) -> Optional[PackedLayout]:
-    """For an attention call under autograd: the layout to re-enter, or ``None`` when none needs re-entering.
-
-    With a layout published (the forward), it is pinned to ``anchor`` (the call's rotary-embedding tensor) and
-    ``None`` is returned. With none published, the call is a gradient-checkpointed block recomputing during backward,
-    after the forward's :func:`use_packed_layout` has exited (or on the autograd engine's device thread, which does
-    not see it): the layout pinned by the forward is returned. Processors call this themselves, so checkpointing
-    works however they were installed (``enable_vsa`` or ``set_attn_processor``) and whatever checkpoint function
-    the model uses.
-    """
-    layout = _CURRENT_LAYOUT.get()
-    if layout is not None:
-        setattr(anchor, _LAYOUT_ATTRIBUTE, layout)
-        return None
-    return getattr(anchor, _LAYOUT_ATTRIBUTE, None)

@@ -12,11 +12,14 @@ the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH
   ``ulysses_degree > 1`` the core runs on the full sequence with ``heads / degree`` heads through
   ``_ulysses.ulysses_attention`` (all-to-all before and after); ring attention is refused (it needs a core that returns
   the log-sum-exp);
-* **the packed layout under gradient checkpointing**: a checkpointed block recomputes its attention during
-  backward, after the caller's ``use_packed_layout`` context has exited; every call re-enters the layout its forward
-  saw (:func:`~.layout.layout_to_reenter`), so processors that read the layout work with checkpointing however they
-  were installed;
-* **describe_path()** from the :class:`~diffusers_h3.kernels.attention.KernelChoice` that the last call recorded.
+* **the call's record**: every transformer call has one :class:`~diffusers_h3.layout.ForwardRecord` (its packed
+  layout and the kernels its ops ran). The forward-record hook (:mod:`.forward_record`) hands it to the processors
+  before the blocks run (:meth:`start_call`); under autograd the processor also finds it itself, and a
+  gradient-checkpointed block, which recomputes its attention during backward after the call's record was closed,
+  re-enters the record of the call it recomputes, so processors that read the layout work with checkpointing however
+  they were installed;
+* **describe_path()** from the :class:`~diffusers_h3.kernels.attention.KernelChoice` that the last call recorded
+  (under ``torch.compile`` read from the last call's record: the ops run after tracing).
 
 Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads) and may add
 per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`).
@@ -24,13 +27,15 @@ per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
+from torch.utils.weak import WeakIdKeyDictionary
 
+from ..kernels._triton_utils import PendingChoice
 from ..kernels.attention.router import KernelChoice
-from ..layout import layout_to_reenter, use_packed_layout
+from ..layout import ForwardRecord, active_forward_record, current_forward_record
 from ._projections import project_output, project_qkv
 
 
@@ -49,7 +54,11 @@ class MiniMaxH3AttnProcessorBase:
     _parallel_config = None
 
     def __init__(self):
-        self._last_choice: Optional[KernelChoice] = None
+        self._last_choice: Union[KernelChoice, PendingChoice, None] = None
+        self._forward_record: Optional[ForwardRecord] = None  # the record of the last transformer call
+        # Under autograd: the record of each call by its rotary tensor (the one object every block of the call gets,
+        # also when a checkpointed block recomputes during backward), dropped with the call's tensors.
+        self._call_records = WeakIdKeyDictionary()
         self._refiner = MiniMaxH3AttnProcessor()  # never given the parallel config
 
     # -- the seams subclasses fill ------------------------------------------------------------------------------------
@@ -69,19 +78,36 @@ class MiniMaxH3AttnProcessorBase:
         sharded like Q/K/V under context parallelism). None by default."""
         return {}
 
-    def record_choice(self, choice: KernelChoice) -> None:
-        """Remember what the last call ran (``describe_path`` reports it)."""
+    def record_choice(self, choice: Union[KernelChoice, PendingChoice]) -> None:
+        """Remember what the last call ran (``describe_path`` reports it); under ``torch.compile`` the op's
+        :class:`PendingChoice`, read from the call's record when asked."""
         self._last_choice = choice
+
+    def resolve_choice(self, choice: Union[KernelChoice, PendingChoice, None]) -> Optional[KernelChoice]:
+        """``choice`` as recorded: a :class:`PendingChoice` is read from the record of the last transformer call."""
+        if isinstance(choice, PendingChoice):
+            return choice.resolve(self._forward_record)
+        return choice
 
     @property
     def last_choice(self) -> Optional[KernelChoice]:
-        return self._last_choice
+        return self.resolve_choice(self._last_choice)
 
     def describe_path(self) -> str:
         """One line: what the last call ran, and why."""
-        if self._last_choice is None:
+        choice = self.last_choice
+        if choice is None:
             return f"{type(self).__name__}: not called yet"
-        return f"{type(self).__name__}: {self._last_choice.describe()}"
+        return f"{type(self).__name__}: {choice.describe()}"
+
+    # -- the transformer call (the forward-record hook, outside the possibly compiled blocks) -------------------------
+    def start_call(self, record: ForwardRecord, device: torch.device, only_call: bool) -> None:
+        """Before the blocks of a transformer call run: ``record`` is that call's record; ``only_call`` is False when
+        another call runs on the same transformer at the same time (threads)."""
+        self._forward_record = record
+
+    def finish_call(self) -> None:
+        """After the call (also when it raised): forget per-call state."""
 
     # -- the call ---------------------------------------------------------------------------------------------------
     def __call__(
@@ -94,12 +120,28 @@ class MiniMaxH3AttnProcessorBase:
         if rotary_emb is None:
             return self.refiner_call(attn, hidden_states, attention_mask)
         if torch.is_grad_enabled():
-            # A gradient-checkpointed block runs this again during backward, outside the forward's layout context.
-            layout = layout_to_reenter(rotary_emb[0])
-            if layout is not None:
-                with use_packed_layout(layout):
+            # A gradient-checkpointed block runs this again during backward, after the call's record was closed.
+            record = self._record_to_reenter(rotary_emb[0])
+            if record is not None:
+                with active_forward_record(record):
                     return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
         return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
+
+    @torch.compiler.disable  # context-variable and dictionary bookkeeping: one eager island under torch.compile
+    def _record_to_reenter(self, anchor: torch.Tensor) -> Optional[ForwardRecord]:
+        """For a call under autograd: the record to re-enter, or ``None`` when none needs re-entering.
+
+        Inside a transformer call (a record is open) the record is kept for ``anchor``, the call's rotary tensor,
+        and ``None`` is returned. Outside one, the call is a gradient-checkpointed block recomputing during backward
+        (or on the autograd engine's device thread): the record kept for ``anchor`` by its forward is returned
+        (``None`` for a call that never had one: the layout error then says how to publish it).
+        """
+        record = current_forward_record()
+        if record is not None:
+            self._forward_record = record
+            self._call_records[anchor] = record
+            return None
+        return self._call_records.get(anchor)
 
     def project_and_attend(self, attn, hidden_states, rotary_emb, attention_mask=None) -> torch.Tensor:
         """Projections → :meth:`attend` → output projection (a block call with rotary embeddings)."""

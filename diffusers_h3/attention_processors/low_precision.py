@@ -28,6 +28,7 @@ from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_atte
 from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
 from ..kernels.numerics import fake_quant_fp4
 from .base import MiniMaxH3AttnProcessorBase
+from .forward_record import install_forward_record_hook, remove_forward_record_hook
 
 
 PRECISIONS = ("fp8", "int8", "fp4")
@@ -222,7 +223,8 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
                                fp4_p=self.fp4_p, emulated=self._emulated)
 
     def describe_path(self) -> str:
-        kernel = self._last_choice.describe() if self._last_choice is not None else "kernel chosen on the first call"
+        choice = self.last_choice
+        kernel = choice.describe() if choice is not None else "kernel chosen on the first call"
         return f"dense low-precision attention ({self.precision_label()}) via {kernel}"
 
 
@@ -269,6 +271,7 @@ def enable_low_precision_attention(
             if strict:
                 processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
             block.attn.set_processor(processor)
+        install_forward_record_hook(model)
     return pipe_or_transformer
 
 
@@ -312,4 +315,5 @@ def restore_default_processors(pipe_or_transformer, who: str):
     for _, model in _models(pipe_or_transformer, who):
         for block in transformer_blocks(model, who):
             block.attn.set_processor(MiniMaxH3AttnProcessor())
+        remove_forward_record_hook(model)
     return pipe_or_transformer

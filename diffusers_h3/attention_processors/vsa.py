@@ -28,16 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from .._hooks import H3_VSA_ROUTE_HOOK, H3Hook, register_h3_hook, remove_h3_hook
 from .._utils import warn_once
-from ..kernels._triton_utils import kernel_op, ran_choice, record_run
+from ..kernels._triton_utils import PendingChoice, call_recording, kernel_op
 from ..kernels.attention.router import (
     KernelChoice,
     TuningOptions,
@@ -54,8 +52,9 @@ from ..kernels.numerics import (
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
-from ..layout import PackedLayout, current_packed_layout, require_packed_layout
+from ..layout import ForwardRecord, PackedLayout, current_packed_layout, record_kernel, require_packed_layout
 from .base import MiniMaxH3AttnProcessorBase
+from .forward_record import install_forward_record_hook, remove_forward_record_hook
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
@@ -191,12 +190,13 @@ def vsa_attention(
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
-    out, out_coarse = vsa_attention_op(
-        query, key, value, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles, plan.num_video_tiles,
-        float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, *tuning_op_fields(tuning),
+    (out, out_coarse), choice = call_recording(
+        vsa_attention_op, query, key, value, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles,
+        plan.num_video_tiles, float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p,
+        *tuning_op_fields(tuning),
     )
     out_coarse = out_coarse if compress else None
-    return (out, out_coarse, ran_choice("vsa_attention")) if return_choice else (out, out_coarse)
+    return (out, out_coarse, choice) if return_choice else (out, out_coarse)
 
 
 def _vsa_attention_fake(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles,
@@ -241,7 +241,7 @@ def vsa_attention_op(
         precision=precision, smooth_k=smooth_k, pv_precision=pv_precision, compress=compress, emulate=emulate,
         backend=backend, fp4_p=fp4_p, tuning=tuning,
     )
-    record_run("vsa_attention", choice)
+    record_kernel("vsa_attention", choice)
     return out, (out_coarse.contiguous() if out_coarse is not None else query.new_empty(0))
 
 
@@ -329,15 +329,16 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             layer_index is not None and layer_index in self.config.dense_layers
         )
         self._plans = TilePlanCache()
-        # ("dense", None) or ("sparse", plan) of the current transformer call, set before the blocks run by the hook
-        # enable_vsa installs (prepare_vsa_call): the blocks read it as plain state, so torch.compile traces them whole
-        # (fullgraph) and specializes only on the mode and the plan's sizes, not on each layout / denoising step.
+        # ("dense", None) or ("sparse", plan) of the current transformer call, set before the blocks run by the
+        # forward-record hook enable_vsa installs (start_call): the blocks read it as plain state, so torch.compile
+        # traces them whole (fullgraph) and specializes only on the mode and the plan's sizes, not on each layout /
+        # denoising step.
         self._call_route: Optional[Tuple[str, Optional[TilePlan]]] = None
         self._low_precision = self.config.low_precision_processor()
         if self._low_precision is not None:
             self._low_precision._who = type(self).__name__
-        self._sparse_choice: Optional[KernelChoice] = None
-        self._dense_choice: Optional[KernelChoice] = None
+        self._sparse_choice: Union[KernelChoice, PendingChoice, None] = None
+        self._dense_choice: Union[KernelChoice, PendingChoice, None] = None
 
     # The options, read through the config (one source of truth).
     sparsity = property(lambda self: self.config.sparsity)
@@ -356,6 +357,17 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         if plan.num_video_tiles == 0:
             return "dense", None
         return "sparse", plan
+
+    def start_call(self, record: ForwardRecord, device: Optional[torch.device], only_call: bool) -> None:
+        """The route of the call about to run, from its record's layout (read once here, eagerly, instead of inside
+        every block); with no layout, or with another call running, the blocks read it themselves (and raise the
+        error that says how to publish a layout)."""
+        super().start_call(record, device, only_call)
+        if only_call and record.layout is not None:
+            self._call_route = self.route_for(record.layout, device)
+
+    def finish_call(self) -> None:
+        self._call_route = None
 
     def _current_route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
         """The route of this call: the one prepared for the transformer call when it fits these rows, else read from
@@ -417,7 +429,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     def _dense_core(self, query, key, value, attention_mask):
         if self._low_precision is not None:
             out = self._low_precision.core(query, key, value, attention_mask)
-            self._dense_choice = self._low_precision.last_choice
+            self._dense_choice = self._low_precision._last_choice  # as recorded (resolved by this processor)
         else:  # exactly what diffusers' MiniMaxH3AttnProcessor runs
             out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
                                         backend=self._attention_backend)
@@ -452,10 +464,11 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
                                fp4_p=config.fp4_p, emulated=emulated)
         if self.layer_dense:
             why = "sparsity=0" if config.sparsity == 0.0 else "dense layer"
-            ran = f" via {self._dense_choice.describe()}" if self._dense_choice is not None else ""
+            dense_choice = self.resolve_choice(self._dense_choice)
+            ran = f" via {dense_choice.describe()}" if dense_choice is not None else ""
             dense = "diffusers SDPA dispatch" if config.precision == "bf16" else prec
             return f"dense attention ({dense}; {why}){ran}"
-        choice = self._sparse_choice
+        choice = self.resolve_choice(self._sparse_choice)
         if choice is None:
             kernel = "kernels chosen on the first sparse call"
         elif choice.kernel == "torch-reference":
@@ -496,7 +509,7 @@ def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **option
             if config.strict:
                 processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
             block.attn.set_processor(processor)
-        _install_route_hooks(model)
+        install_forward_record_hook(model)
     return pipe_or_transformer
 
 
@@ -529,75 +542,8 @@ def disable_vsa(pipe_or_transformer):
     of one transformer) and remove the route hook :func:`enable_vsa` registered. Returns the argument."""
     restore_default_processors(pipe_or_transformer, "disable_vsa")
     for _, model in _models(pipe_or_transformer, "disable_vsa"):
-        _remove_route_hooks(model)
+        remove_forward_record_hook(model)
     return pipe_or_transformer
-
-
-# -- the route of a transformer call, prepared outside the (compiled) blocks ----------------------------------------
-
-
-def _vsa_processors(transformer):
-    processors = (getattr(block.attn, "processor", None) for block in transformer_blocks(transformer, "VSA routing"))
-    return [p for p in processors if isinstance(p, MiniMaxH3VSAProcessor)]
-
-
-def prepare_vsa_call(transformer, device: torch.device) -> None:
-    """Give every VSA processor of ``transformer`` its route for the call about to run under the published layout
-    (read once here, eagerly, instead of inside every block); with no layout published the blocks read it themselves
-    (and raise the error that says how to publish one)."""
-    layout = current_packed_layout()
-    for processor in _vsa_processors(transformer):
-        processor._call_route = processor.route_for(layout, device) if layout is not None else None
-
-
-def finish_vsa_call(transformer) -> None:
-    """Forget the prepared routes (the blocks then read the published layout themselves)."""
-    for processor in _vsa_processors(transformer):
-        processor._call_route = None
-
-
-@dataclass
-class VSARouteRecord:
-    """Transformer calls whose VSA routes were prepared before the blocks ran (the rest read the layout themselves)."""
-
-    prepared_calls: int = 0
-
-
-class VSARouteHook(H3Hook):
-    """The transformer hook (``H3_VSA_ROUTE_HOOK``) that :func:`enable_vsa` registers: routes are prepared while exactly
-    one call runs on the transformer. A call that starts while another one runs (threads serving requests) clears
-    them, so that every block of both reads its own thread's published layout (thread-safe, as without the hook)."""
-
-    _lock = threading.Lock()  # one for every transformer (a class-level lock keeps the model deep-copyable)
-
-    def __init__(self):
-        super().__init__(VSARouteRecord())
-        self._running = 0
-
-    def new_forward(self, transformer, *args, **kwargs):
-        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-        with self._lock:
-            self._running += 1
-            if self._running == 1 and isinstance(hidden_states, torch.Tensor):
-                prepare_vsa_call(transformer, hidden_states.device)
-                self.record.prepared_calls += 1
-            else:
-                finish_vsa_call(transformer)
-        try:
-            return self.fn_ref.original_forward(*args, **kwargs)
-        finally:  # also when the call raises: the next call must not read a stale route
-            with self._lock:
-                self._running -= 1
-                finish_vsa_call(transformer)
-
-
-def _install_route_hooks(transformer) -> None:
-    _remove_route_hooks(transformer)
-    register_h3_hook(transformer, VSARouteHook(), H3_VSA_ROUTE_HOOK)
-
-
-def _remove_route_hooks(transformer) -> None:
-    remove_h3_hook(transformer, H3_VSA_ROUTE_HOOK, recurse=False)
 
 
 _GATE_KEY = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.(\d+)\.(?:attn|self_attn|attn1)\.to_gate_compress\.(weight|bias)$")

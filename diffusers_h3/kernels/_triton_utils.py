@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from .._utils import is_package_available, warn_once
+from ..layout import ForwardRecord, active_forward_record, current_forward_record
 
 
 HAS_TRITON = is_package_available("triton")
@@ -22,39 +23,21 @@ HAS_TRITON = is_package_available("triton")
 OP_NAMESPACE = "diffusers_h3"
 
 
-# What each op ran on its last call (a KernelChoice of kernels.attention.router, or any object with .describe()),
-# recorded by the op's implementation at run time, also when the op runs inside a compiled graph.
-_LAST_RUN: Dict[str, Any] = {}
-
-
-def record_run(op: str, choice: Any) -> None:
-    """Called by the implementation of ``op``: remember what it ran (see :func:`ran_choice`)."""
-    _LAST_RUN[op] = choice
-
-
-class RanChoice:
-    """Stands for what ``op`` ran on its last call, read when asked (``kernel``, ``variant``, ``reason``,
-    ``describe()``): what a traced caller records, since the op's implementation only runs after tracing."""
+class PendingChoice:
+    """What the custom op ``op`` runs in a call that ``torch.compile`` traces, where the op's implementation only runs
+    after tracing: the processor keeps this stand-in and reads the choice from the :class:`~diffusers_h3.layout.
+    ForwardRecord` of its last call when described (:meth:`resolve`). One constant object per op, so that every traced
+    call stores the same value."""
 
     def __init__(self, op: str):
         self.op = op
 
-    def _last(self):
-        return _LAST_RUN.get(self.op)
-
-    kernel = property(lambda self: getattr(self._last(), "kernel", "not run yet"))
-    variant = property(lambda self: getattr(self._last(), "variant", ""))
-    reason = property(lambda self: getattr(self._last(), "reason", ""))
-
-    def describe(self) -> str:
-        last = self._last()
-        return last.describe() if last is not None else f"{self.op} (not run yet)"
+    def resolve(self, record: Optional[ForwardRecord]) -> Any:
+        """The choice the op recorded in ``record`` (``None``: not run in that call, or no record)."""
+        return None if record is None else record.kernels.get(self.op)
 
     def __repr__(self) -> str:
-        return f"RanChoice({self.op!r}: {self._last()!r})"
-
-
-_RAN_CHOICES: Dict[str, RanChoice] = {}
+        return f"PendingChoice({self.op!r})"
 
 
 def kernel_op(name: str, fake: Callable[..., Any]):
@@ -75,7 +58,6 @@ def kernel_op(name: str, fake: Callable[..., Any]):
     def register(impl: Callable[..., Any]):
         op = torch.library.custom_op(f"{OP_NAMESPACE}::{name}", impl, mutates_args=())
         op.register_fake(fake)
-        _RAN_CHOICES[name] = RanChoice(name)
 
         @functools.wraps(impl)
         def call(*args, **kwargs):
@@ -84,6 +66,8 @@ def kernel_op(name: str, fake: Callable[..., Any]):
             return op(*args, **kwargs)
 
         call.op = op
+        call.op_name = name
+        call.pending_choice = PendingChoice(name)
         return call
 
     return register
@@ -94,13 +78,19 @@ def _records_autograd(args, kwargs) -> bool:
     return any(t.requires_grad for t in tensors)
 
 
-def ran_choice(op: str):
-    """What ``op`` ran in the call just made: the recorded object in eager mode; under ``torch.compile`` (where the
-    op has not run yet when the caller is traced) the :class:`RanChoice` of ``op``, one constant object per op, which
-    reads the record when described."""
+def call_recording(op_call: Callable[..., Any], *args: Any) -> Tuple[Any, Any]:
+    """``(op_call(*args), what its op ran)`` for a function made by :func:`kernel_op`. The op's implementation notes
+    its choice in the running call's :class:`~diffusers_h3.layout.ForwardRecord` (:func:`~diffusers_h3.layout.
+    record_kernel`; a private record outside a recorded call); in eager mode the choice is read back from it, under
+    ``torch.compile`` (where the op has not run yet when the caller is traced) the op's :class:`PendingChoice`; ``None``
+    when the op ran only its fake implementation (``FakeTensorMode``)."""
     if torch.compiler.is_compiling():
-        return _RAN_CHOICES[op]
-    return _LAST_RUN[op]
+        return op_call(*args), op_call.pending_choice
+    record = current_forward_record()
+    if record is None:
+        with active_forward_record(ForwardRecord()) as record:
+            return op_call(*args), record.kernels.get(op_call.op_name)
+    return op_call(*args), record.kernels.get(op_call.op_name)  # None: the op ran its fake (FakeTensorMode)
 
 
 def triton_interpreter_active() -> bool:

@@ -1,12 +1,13 @@
-"""The VSA route of a transformer call, prepared by enable_vsa's registry hook before the blocks run (so that compiled
-blocks read plain state, tests/pipelines/test_compile_fullgraph.py), and only while one call runs on the transformer."""
+"""The VSA route of a transformer call, prepared by the forward-record hook enable_vsa registers before the blocks run
+(so that compiled blocks read plain state, tests/pipelines/test_compile_fullgraph.py), and only while one call runs on
+the transformer; each call gets its own record."""
 
 import math
 
 import pytest
 import torch
 
-from diffusers_h3._hooks import H3_VSA_ROUTE_HOOK, get_h3_hook
+from diffusers_h3._hooks import H3_FORWARD_RECORD_HOOK, get_h3_hook
 from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
 from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout
 from diffusers_h3.testing.tiny import tiny_transformer
@@ -28,7 +29,7 @@ def _routes(model):
 def test_routes_are_prepared_per_call_and_only_for_one_call_at_a_time():
     model = tiny_transformer()
     enable_vsa(model, sparsity=0.5, dense_first_steps=1, dense_layers=(1,))
-    hook = get_h3_hook(model, H3_VSA_ROUTE_HOOK)
+    hook = get_h3_hook(model, H3_FORWARD_RECORD_HOOK)
     assert hook is not None and not model._forward_pre_hooks and not model._forward_hooks  # a registry hook only
     original = hook.fn_ref.original_forward
     x = torch.zeros(1, 3)
@@ -75,8 +76,9 @@ def test_routes_are_prepared_per_call_and_only_for_one_call_at_a_time():
             hook.new_forward(model, hidden_states=x)
         assert _routes(model) == [None, None]  # no stale route after a failed call
         assert hook._running == 0
+        assert hook.record.last.layout.step_index == 2 and hook.record.calls == 7  # the record of the failed call
     finally:
         hook.fn_ref.original_forward = original
     disable_vsa(model)
-    assert get_h3_hook(model, H3_VSA_ROUTE_HOOK) is None
+    assert get_h3_hook(model, H3_FORWARD_RECORD_HOOK) is None
     assert not model._forward_pre_hooks and not model._forward_hooks

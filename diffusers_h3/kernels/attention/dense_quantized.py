@@ -21,7 +21,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .._triton_utils import kernel_op, ran_choice, record_run, use_triton
+from ...layout import record_kernel
+from .._triton_utils import call_recording, kernel_op, use_triton
 from ..numerics import (
     dequantize_fp8_per_block,
     quantize_fp8_per_block,
@@ -111,10 +112,10 @@ def fp8_attention(
     ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`. Quantization
     and attention run in the custom op ``diffusers_h3::fp8_attention`` (one node under ``torch.compile``).
     """
-    out = fp8_attention_op(
-        q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, *tuning_op_fields(tuning)
+    out, choice = call_recording(
+        fp8_attention_op, q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, *tuning_op_fields(tuning)
     )
-    return (out, ran_choice("fp8_attention")) if return_choice else out
+    return (out, choice) if return_choice else out
 
 
 def _fp8_attention_fake(q, k, v, *options) -> torch.Tensor:
@@ -144,7 +145,7 @@ def fp8_attention_op(
     tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
     out, choice = _run_fp8_attention(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
                                      qk_dtype=qk_dtype, backend=backend, tuning=tuning)
-    record_run("fp8_attention", choice)
+    record_kernel("fp8_attention", choice)
     return out
 
 

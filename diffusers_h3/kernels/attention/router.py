@@ -24,11 +24,11 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from ...layout import record_kernel
 from .._triton_utils import (
+    call_recording,
     check_interpreter_dtype,
     kernel_op,
-    ran_choice,
-    record_run,
     triton_interpreter_active,
     use_triton,
 )
@@ -244,16 +244,16 @@ def block_sparse_attention(
     fields = tuning_op_fields(tuning)
     if out is not None and out_dtype is None:
         out_dtype = out.dtype  # the kernels write ``out``'s precision
-    result = block_sparse_attention_op(
-        q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale, v_scale, dense, out_dtype,
-        p_fp4, backend, *fields,
+    result, choice = call_recording(
+        block_sparse_attention_op, q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
+        v_scale, dense, out_dtype, p_fp4, backend, *fields,
     )
     if out is not None:
         if out.shape != result.shape or out.stride(-1) != 1:
             raise ValueError(f"out must be a [B, S, H, D] tensor with a contiguous last dim, got {tuple(out.shape)}")
         out.copy_(result)
         result = out
-    return (result, ran_choice("block_sparse_attention")) if return_choice else result
+    return (result, choice) if return_choice else result
 
 
 def attention_out_dtype(q: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -300,7 +300,7 @@ def block_sparse_attention_op(
         k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4, backend=backend,
         tuning=tuning,
     )
-    record_run("block_sparse_attention", choice)
+    record_kernel("block_sparse_attention", choice)
     return out
 
 

@@ -257,7 +257,7 @@ def measure_decode(device, tiny: bool, degrees) -> Dict[int, float]:
                 return list(cache)
             return [vae.decoder(vae.post_quant_conv(t)) if k % degree == 0 else cache[k] for k, t in enumerate(tiles)]
 
-        return decode_from_tiles(vae, z, decode_tiles, vae._decode, "multi_gpu_model")
+        return decode_from_tiles(vae, z, decode_tiles)
 
     times = {}
     with torch.inference_mode():

@@ -33,7 +33,7 @@ from .attention_processors import (
     low_precision_attention_state,
     vsa_state,
 )
-from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode
+from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
 from .hooks.v100_mode import NonFiniteActivationError, V100Mode, disable_v100_mode, enable_v100_mode
 from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
 from .layout import (
@@ -93,6 +93,7 @@ __all__ = [
     "disable_flashinfer_attention",
     "flashinfer_attention_state",
     "enable_fast_vae_decode",
+    "vae_decode",
     "disable_fast_vae_decode",
     "enable_v100_mode",
     "disable_v100_mode",

@@ -1,30 +1,30 @@
 """Import-time integration with diffusers: `import diffusers_h3` runs :func:`_register_with_diffusers` once.
 
 It makes `diffusers.MiniMaxH3Pipeline` resolve to ours, routes `DiffusionPipeline.from_pretrained(<H3 folder or hub
-repo id>)` to `MiniMaxH3Pipeline.from_pretrained`, registers the diffusers-h3 quantizers with diffusers' quantizer registry and
-H3's transformer block with diffusers' cache hooks, and makes a saved H3 transformer carry a Hub model card.
+repo id>)` to `MiniMaxH3Pipeline.from_pretrained`, and registers the diffusers-h3 quantizers with diffusers' quantizer
+registry and H3's transformer block with diffusers' cache hooks.
 
 diffusers resolves a folder's `_class_name` with `getattr(diffusers, name)`, which names the *modular* class for the
 official hub layout and has no plugin discovery; so the dispatch classifies the folder by its files
 (`classify_checkpoint`) and sends every MiniMax-H3 folder ("ours", "hub", and "native", which gets our explanation
 of why it cannot load) to our loader, and every other folder to diffusers unchanged. A hub repo id goes to our loader
 when the caller passes `task=`, or when its index describes MiniMax-H3: the index in the hub cache when there is one,
-else the `model_index.json` diffusers' own loader fetches (read through a hook, before diffusers downloads any
-weights). So loading any other model by repo id makes no hub call beyond diffusers' own; a repo whose index cannot be
-fetched gets diffusers' own error.
+else the `model_index.json` diffusers' own loader fetches (read by `_IndexWatchingPipeline`, before diffusers downloads
+any weights). So loading any other model by repo id makes no hub call beyond diffusers' own; a repo whose index cannot
+be fetched gets diffusers' own error.
+
+The dispatch is the one attribute of another library's class this package replaces (`DiffusionPipeline.from_pretrained`,
+with the reason in docs/diffusers_compat.md; `tests/test_import_side_effects.py` checks that nothing else changes).
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import os
 
 import diffusers
-from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
+from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 
-from ._model_card import save_with_card, transformer_model_card
 from .hooks.cache import register_cache_blocks
 from .pipelines.loading import (
     _DIFFUSERS_FROM_PRETRAINED,
@@ -35,7 +35,6 @@ from .pipelines.loading import (
 )
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
-from .quantizers.checkpoint import check_checkpoint_quantization
 from .quantizers.fused_projections import install_quantized_projection_fusion
 from .quantizers.peft_dispatch import install_add_adapter_dispatch
 
@@ -53,13 +52,32 @@ def _is_h3_folder(path) -> bool:
 
 # Folder kinds a hub repo id is routed to our loader for ("native" repo ids keep diffusers' own error).
 H3_REPO_KINDS = ("ours", "hub")
-# Set while `DiffusionPipeline.from_pretrained(<repo id>)` runs diffusers' loader for a repo we could not classify.
-_WATCHING_REPO_INDEX = contextvars.ContextVar("diffusers_h3_watching_repo_index", default=False)
 
 
 class _H3RepoIndex(Exception):
     """Raised from inside diffusers' download, right after it fetched a `model_index.json` describing MiniMax-H3 and
     before it downloads any weights, to hand the repo to our loader."""
+
+
+class _IndexWatchingPipeline(DiffusionPipeline):
+    """diffusers' own loader, run for a repo id the hub cache could not classify: `DiffusionPipeline.download` reads
+    the index it fetched with `cls._dict_from_json_file` before it chooses and downloads any weights, so a repo of
+    any other model costs no hub call beyond diffusers' own, and an index describing MiniMax-H3 stops the download
+    there (`_H3RepoIndex`) for our loader, which fetches only the partitions the task needs."""
+
+    @classmethod
+    def _dict_from_json_file(cls, json_file):
+        config = super()._dict_from_json_file(json_file)
+        is_index = os.path.basename(str(json_file)) == DiffusionPipeline.config_name
+        if is_index and classify_index(None, config) in H3_REPO_KINDS:
+            raise _H3RepoIndex(json_file)
+        return config
+
+
+# diffusers resolves a folder's `_class_name` (`_get_pipeline_class`) and reports the loading class (user agent) only
+# for a class named `DiffusionPipeline` of the diffusers package: the watcher loads exactly as diffusers' class does.
+_IndexWatchingPipeline.__name__ = _IndexWatchingPipeline.__qualname__ = DiffusionPipeline.__name__
+_IndexWatchingPipeline.__module__ = DiffusionPipeline.__module__
 
 
 def _could_be_repo_id(path) -> bool:
@@ -75,29 +93,6 @@ def _cached_repo_is_h3(repo_id: str, kwargs) -> bool:
         return False
 
 
-def install_repo_index_hook() -> None:
-    """Make diffusers' own reading of a repo's `model_index.json` route MiniMax-H3 repos to us (idempotent).
-
-    `DiffusionPipeline.download` reads the index it fetched with `_dict_from_json_file` before it chooses and downloads
-    any weights; a repo not classified from the cache is therefore classified by the very index diffusers fetches,
-    so a repo of any other model costs no hub call beyond diffusers' own.
-    """
-    read = DiffusionPipeline._dict_from_json_file.__func__
-    if getattr(read, "_diffusers_h3_index_hook", False):
-        return
-
-    @functools.wraps(read)
-    def _dict_from_json_file(cls, json_file):
-        config = read(cls, json_file)
-        watching = _WATCHING_REPO_INDEX.get() and os.path.basename(str(json_file)) == DiffusionPipeline.config_name
-        if watching and classify_index(None, config) in H3_REPO_KINDS:
-            raise _H3RepoIndex(json_file)
-        return config
-
-    _dict_from_json_file._diffusers_h3_index_hook = True
-    DiffusionPipeline._dict_from_json_file = classmethod(_dict_from_json_file)
-
-
 def install_diffusion_pipeline_dispatch() -> None:
     """Route `DiffusionPipeline.from_pretrained(<H3 folder or repo id>)` to `MiniMaxH3Pipeline.from_pretrained`
     (idempotent).
@@ -105,7 +100,6 @@ def install_diffusion_pipeline_dispatch() -> None:
     A repo id goes to our loader when the caller asks for it (`task=`), or when its index, read from the hub cache or
     as diffusers fetches it, describes MiniMax-H3; any other repo id loads through diffusers with no extra hub call.
     """
-    install_repo_index_hook()
     if getattr(DiffusionPipeline.from_pretrained, "_diffusers_h3_dispatch", False):
         return
 
@@ -119,13 +113,10 @@ def install_diffusion_pipeline_dispatch() -> None:
             return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
         if "task" in kwargs or _cached_repo_is_h3(path, kwargs):
             return MiniMaxH3Pipeline.from_pretrained(path, **kwargs)
-        token = _WATCHING_REPO_INDEX.set(True)
         try:
-            return _DIFFUSERS_FROM_PRETRAINED(cls, path, **kwargs)
+            return _DIFFUSERS_FROM_PRETRAINED(_IndexWatchingPipeline, path, **kwargs)
         except _H3RepoIndex:
             pass
-        finally:
-            _WATCHING_REPO_INDEX.reset(token)
         return MiniMaxH3Pipeline.from_pretrained(path, **kwargs)
 
     from_pretrained.__doc__ = _DIFFUSERS_FROM_PRETRAINED.__doc__
@@ -133,47 +124,10 @@ def install_diffusion_pipeline_dispatch() -> None:
     DiffusionPipeline.from_pretrained = classmethod(from_pretrained)
 
 
-def install_transformer_model_card() -> None:
-    """`MiniMaxH3Transformer3DModel.save_pretrained` also writes a model card (quantization, fused LoRA) (idempotent)."""
-    save = MiniMaxH3Transformer3DModel.save_pretrained
-    if getattr(save, "_diffusers_h3_card", False):
-        return
-
-    # `functools.wraps` keeps diffusers' signature visible: `DiffusionPipeline.save_pretrained` inspects it to decide
-    # whether to pass `variant`, `safe_serialization` and `max_shard_size` on.
-    @functools.wraps(save)
-    def save_pretrained(self, save_directory, **kwargs):
-        return save_with_card(save, self, save_directory, transformer_model_card, **kwargs)
-
-    save_pretrained._diffusers_h3_card = True
-    MiniMaxH3Transformer3DModel.save_pretrained = save_pretrained
-
-
-def install_transformer_checkpoint_check() -> None:
-    """`MiniMaxH3Transformer3DModel.from_pretrained(<local folder>)` refuses, in one line, a folder whose tensors are
-    quantized but whose `config.json` lost (or never had) a known `quantization_config`: diffusers would load the
-    codes as float weights (idempotent)."""
-    load = MiniMaxH3Transformer3DModel.from_pretrained
-    if getattr(load, "_diffusers_h3_checked", False):
-        return
-    original = load.__func__
-
-    @functools.wraps(original)
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # anything else: diffusers' own error
-            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
-            if kwargs.get("quantization_config") is None and os.path.isdir(folder):
-                check_checkpoint_quantization(folder)
-        return original(cls, pretrained_model_name_or_path, *args, **kwargs)
-
-    from_pretrained._diffusers_h3_checked = True
-    MiniMaxH3Transformer3DModel.from_pretrained = classmethod(from_pretrained)
-
-
 def _register_with_diffusers() -> None:
     """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline` and install the dispatch, unless diffusers ships a
     class of that name (then diffusers' class keeps the name and `DiffusionPipeline.from_pretrained`, and one warning
-    says so); register the quantizers, cache hooks and model cards in every case, so saved checkpoints still load."""
+    says so); register the quantizers and cache hooks in every case, so saved checkpoints still load."""
     # Quantized layers under diffusers' own `add_adapter` / `fuse_qkv_projections`, whichever pipeline class wins.
     install_add_adapter_dispatch()
     install_quantized_projection_fusion()
@@ -185,10 +139,8 @@ def _register_with_diffusers() -> None:
         logger.warning(
             f"diffusers {diffusers.__version__} ships its own MiniMaxH3Pipeline ({existing.__module__}); it keeps "
             "`diffusers.MiniMaxH3Pipeline` and `DiffusionPipeline.from_pretrained`. Use "
-            "`diffusers_h3.MiniMaxH3Pipeline.from_pretrained` for this plugin's pipeline; its quantizers, cache hooks "
-            "and model cards are registered either way."
+            "`diffusers_h3.MiniMaxH3Pipeline.from_pretrained` for this plugin's pipeline; its quantizers and cache "
+            "hooks are registered either way."
         )
     register_quantizers()
     register_cache_blocks()
-    install_transformer_model_card()
-    install_transformer_checkpoint_check()

@@ -1,4 +1,4 @@
-"""Hub model cards for what diffusers-h3 saves: a whole pipeline, or a (quantized) transformer on its own.
+"""Hub model cards for what diffusers-h3 saves: a whole pipeline, and each of its DiT partitions in its subfolder.
 
 The card is a ``README.md`` with Hub metadata (``library_name: diffusers``, ``pipeline_tag``, ``base_model`` when the
 checkpoint came from a hub repo, the source card's ``license`` when it has one, ``tags``) and a usage snippet that
@@ -122,7 +122,7 @@ def pipeline_model_card(pipe, repo_id: Optional[str] = None) -> ModelCard:
 
 
 def transformer_model_card(model, repo_id: Optional[str] = None) -> ModelCard:
-    """The card for a transformer saved on its own (typically a quantized DiT)."""
+    """The card of a DiT partition, in its own subfolder of a saved pipeline (typically a quantized DiT)."""
     method = quantization_method(model)
     loras = fused_lora_names(model)
     source = getattr(model.config, "_name_or_path", None)
@@ -175,6 +175,14 @@ def save_with_card(save, obj, save_directory, card_for, push_to_hub: bool = Fals
                 create_pr=hub.get("create_pr", False),
             )
     return result
+
+
+def write_transformer_cards(pipe, save_directory) -> None:
+    """Write the card of each DiT partition `pipe` saved into its subfolder (quantization and fused-LoRA tags, a
+    snippet that loads that subfolder), unless the subfolder already has a `README.md`."""
+    for name, model in partitions_of(pipe):
+        folder = os.path.join(save_directory, name)
+        write_model_card(folder, transformer_model_card(model, repo_id=folder))
 
 
 def write_model_card(save_directory: str, card: ModelCard) -> str:

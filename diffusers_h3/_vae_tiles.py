@@ -1,9 +1,10 @@
 """How diffusers' `AutoencoderKLMiniMaxH3._decode` splits latents into temporal chunks and spatial tiles.
 
 The batched-tile decode (`hooks/fast_vae_decode.py`) and the parallel decode (`parallel/vae.py`) both decode the tiles
-diffusers would decode one by one in their own way, then let diffusers' `_stitch_tiles` and `_decode` blend them
-(:func:`decode_from_tiles`); this is the one copy of that split. It mirrors diffusers 0.42.1 (`_decode` and
-`_decode_clip`); the tests compare both decodes with diffusers' serial one.
+diffusers would decode one by one in their own way, then let diffusers' `_stitch_tiles` blend them and `_decode`'s
+loop (:func:`iter_decoded_chunks`) cross-fade the chunks (:func:`decode_from_tiles`); this is the one copy of that
+split, and nothing on the VAE is replaced for it. It mirrors diffusers 0.42.1 (`_decode` and `_decode_clip`); the
+tests compare both decodes with diffusers' serial one.
 """
 
 from __future__ import annotations
@@ -50,15 +51,11 @@ def tile_layout(vae, clip: torch.Tensor) -> Tuple[List[List[torch.Tensor]], List
 
 
 def decode_from_tiles(
-    vae,
-    z: torch.Tensor,
-    decode_tiles: Callable[[List[torch.Tensor]], List[torch.Tensor]],
-    run_decode: Callable[[torch.Tensor], torch.Tensor],
-    who: str,
+    vae, z: torch.Tensor, decode_tiles: Callable[[List[torch.Tensor]], List[torch.Tensor]]
 ) -> Tuple[torch.Tensor, int, int]:
-    """diffusers' `_decode` of `z` (``run_decode``: temporal cross-fade, padding trim), its per-chunk
-    `_decode_clip` answered from tiles that ``decode_tiles`` decodes all at once (list in, list out, same order) and
-    diffusers' `_stitch_tiles` blends. Returns the video, the number of tiles and of chunks."""
+    """diffusers' `_decode` of `z` (:func:`iter_decoded_chunks`: its chunks, temporal cross-fade and tail trim) with
+    the tiles of every chunk decoded by ``decode_tiles`` all at once (list in, list out, same order) and blended by
+    diffusers' `_stitch_tiles`. Returns the video, the number of tiles and of chunks."""
     layouts = [tile_layout(vae, clip) for clip in chunk_inputs(vae, z)]
     tiles = [tile for rows, _, _ in layouts for row in rows for tile in row]
     decoded = iter(decode_tiles(tiles))
@@ -66,21 +63,8 @@ def decode_from_tiles(
     for rows, y_overlaps, x_overlaps in layouts:
         grid = [[next(decoded) for _ in row] for row in rows]
         stitched.append(vae._stitch_tiles(grid, y_overlaps, x_overlaps) if vae.use_tiling else grid[0][0])
-    answers = iter(stitched)
-
-    def decode_clip_from_tiles(clip: torch.Tensor) -> torch.Tensor:
-        answer = next(answers, None)
-        if answer is None:
-            raise RuntimeError(f"{who}: diffusers' _decode asked for more chunks than laid out; please report.")
-        return answer
-
-    vae._decode_clip = decode_clip_from_tiles
-    try:
-        out = run_decode(z)
-    finally:
-        del vae._decode_clip
-    if next(answers, None) is not None:
-        raise RuntimeError(f"{who}: diffusers' _decode used fewer chunks than laid out; please report.")
+    answers = iter(stitched)  # `iter_decoded_chunks` asks for the chunks in the order `chunk_inputs` lays them out
+    out = torch.cat(list(iter_decoded_chunks(vae, z, lambda clip: next(answers))), dim=2)
     return out, len(tiles), len(layouts)
 
 

@@ -84,18 +84,23 @@ def test_pipeline_save_pretrained_writes_a_card_that_loads_this_folder(tmp_path)
     assert f'from_pretrained("{tmp_path / "saved"}"' in card.text
 
 
-def test_quantized_transformer_saved_alone_carries_its_card(tmp_path):
+def test_quantized_transformer_of_a_saved_pipeline_carries_its_card(tmp_path):
     from diffusers import MiniMaxH3Transformer3DModel
 
     from diffusers_h3 import FP8Config, quantize
 
-    model = quantize(tiny_transformer(), FP8Config())
-    model.save_pretrained(tmp_path / "dit")
-    card = ModelCard.load(tmp_path / "dit" / "README.md")
+    pipe = tiny_pipeline(with_transformer_ref=False)
+    quantize(pipe.transformer, FP8Config())
+    pipe.save_pretrained(tmp_path / "pipe")
+    card = ModelCard.load(tmp_path / "pipe" / "transformer" / "README.md")
     assert f"quantized-{FP8Config().quant_method.value}" in card.data.tags
-    # The snippet's loader reads the folder back.
-    reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "dit")
+    # The snippet's loader reads the subfolder back.
+    assert f'from_pretrained("{tmp_path / "pipe" / "transformer"}"' in card.text
+    reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "pipe" / "transformer")
     assert quantization_method(reloaded) == FP8Config().quant_method.value
+    # Saved on its own through diffusers' `save_pretrained` (no patch of it), a DiT gets no card from this package.
+    reloaded.save_pretrained(tmp_path / "dit")
+    assert not (tmp_path / "dit" / "README.md").exists()
 
 
 def test_push_to_hub_uploads_once_with_our_card(tmp_path, monkeypatch):

@@ -5,8 +5,8 @@ frames and for lengths whose last chunk is padded and trimmed."""
 import pytest
 import torch
 
-from diffusers_h3._vae_tiles import iter_decoded_chunks, trimmed_tail_frames
-from diffusers_h3.hooks.fast_vae_decode import chunk_decoder, enable_fast_vae_decode, fast_vae_decode_state
+from diffusers_h3._vae_tiles import decode_from_tiles, iter_decoded_chunks, trimmed_tail_frames
+from diffusers_h3.hooks.fast_vae_decode import chunk_decoder, enable_fast_vae_decode, fast_vae_decode_state, vae_decode
 from diffusers_h3.testing.tiny import tiny_vae
 
 
@@ -44,6 +44,17 @@ def test_the_chunks_concatenate_to_the_whole_decode_bitwise(num_latent_frames, t
     assert all(piece.shape[2] == clip_frames for piece in pieces[1:-1])
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
+def test_decode_from_tiles_is_the_whole_decode_bitwise(tiled):
+    # The batched and parallel decodes decode these tiles their own way; decoded one by one, it is `vae.decode`.
+    vae = _random_vae(tiled)
+    z = torch.cat([_latents(8), _latents(8, seed=2)])  # two videos, the last chunk padded and its tail trimmed
+    with torch.no_grad():
+        out, tiles, chunks = decode_from_tiles(vae, z, lambda units: [vae.decoder(vae.post_quant_conv(u)) for u in units])
+        assert torch.equal(out, vae.decode(z).sample)
+    assert (tiles, chunks) == ((12, 2) if tiled else (2, 2))
+
+
 def test_a_chunk_is_handed_over_before_the_next_one_decodes():
     vae = _random_vae()
     decoded = []
@@ -79,7 +90,7 @@ def test_batched_chunk_decode_equals_the_batched_whole_decode():
     enable_fast_vae_decode(vae, batch_tiles=True)
     z = _latents(13)
     with torch.no_grad():
-        whole = vae.decode(z).sample
+        whole = vae_decode(vae, z)
         streamed = torch.cat(list(iter_decoded_chunks(vae, z, chunk_decoder(vae))), dim=2)
     assert streamed.shape == whole.shape
     assert ((streamed - whole).norm() / whole.norm()).item() < 1e-6

@@ -7,36 +7,31 @@ of them have the same shape. Decoded one by one, each of the 196 calls runs its 
 waits on launches; here same-shaped tiles are stacked along the batch axis and decoded together (batch elements do not
 interact: per-token linears and norms, attention within each element).
 
-Only the decoder calls change. diffusers' own `_decode` still runs, with its per-chunk `_decode_clip` answered from the
-batch results in call order, and each chunk's tiles are stitched by diffusers' `_stitch_tiles`: the temporal
-cross-fade, the spatial tile blend and the tail trimming are diffusers' code. In fp32 the result equals the native
+Only the decoder calls change. Each chunk's tiles are stitched by diffusers' `_stitch_tiles` (the spatial tile blend)
+and the chunks cross-faded and trimmed by `_decode`'s own loop (`_vae_tiles.iter_decoded_chunks`, bitwise diffusers'
+`_decode` for the same chunks). In fp32 the result equals the native
 tiled decode up to GEMM summation order (tested within 1e-6 relative L2); in bf16 the batched GEMMs may use other
 kernels, and the measured distance is in `benchmarks/results/vae_h200.json`.
 
 The path is a `FastVAEDecodeHook` registered as `H3_FAST_VAE_DECODE_HOOK` in the VAE's diffusers `HookRegistry`,
-holding the `FastVAEDecodeState` record. diffusers' registry wraps `forward`, but the VAE decodes through
-`decode` -> `_decode`: registering the hook installs the batched `_decode` on the VAE instance
-(`initialize_hook`) and removing it takes it off (`deinitalize_hook`), so `vae.decode` — called by the pipeline or by
-anyone else — takes the fast path exactly while the hook is registered, and the registry is the one place that says
-so. The pipeline's decode code needs no knowledge of it.
+holding the `FastVAEDecodeState` record: the registry is the one place that says the fast decode is on. diffusers'
+hooks wrap `forward`, but the VAE decodes through `decode` -> `_decode`, so nothing on the VAE is replaced: the
+pipeline decodes through :func:`vae_decode` (and a chunk at a time through :func:`chunk_decoder`), which take the fast
+path exactly while the hook is registered; `vae.decode` itself stays diffusers' own.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-from diffusers.utils import logging
 
 from .._hooks import H3_FAST_VAE_DECODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 from .._vae_tiles import decode_from_tiles, tile_layout
 
-
-logger = logging.get_logger(__name__)
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
@@ -62,7 +57,6 @@ class FastVAEDecodeState:
     fp8_linears: bool = False
     last_run: Optional[str] = None
     compile_seconds: Optional[float] = None
-    _warned_deferred: bool = field(default=False, repr=False)
 
     def describe_path(self) -> str:
         mode = f"batched tiles (up to {self.tiles_per_batch} per decoder call)"
@@ -121,16 +115,8 @@ def _decode_units(vae, state: FastVAEDecodeState, units: List[torch.Tensor]) -> 
 
 
 class FastVAEDecodeHook(H3Hook):
-    """The fast decode's place in the VAE's registry: holds the `FastVAEDecodeState` record and, while registered,
-    the batched `_decode` on the VAE instance."""
-
-    def initialize_hook(self, module):
-        module._decode = types.MethodType(_batched_decode, module)
-        return module
-
-    def deinitalize_hook(self, module):
-        module.__dict__.pop("_decode", None)
-        return module
+    """The fast decode's place in the VAE's registry: holds the `FastVAEDecodeState` record that :func:`vae_decode`
+    and :func:`chunk_decoder` follow."""
 
 
 def fast_vae_decode_state(vae: torch.nn.Module) -> Optional[FastVAEDecodeState]:
@@ -138,21 +124,27 @@ def fast_vae_decode_state(vae: torch.nn.Module) -> Optional[FastVAEDecodeState]:
     return h3_record(vae, H3_FAST_VAE_DECODE_HOOK)
 
 
-def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
-    """Installed as `vae._decode`: diffusers' `_decode` with its chunks answered from batched tile decodes."""
-    state: FastVAEDecodeState = fast_vae_decode_state(vae)
-    native_decode = type(vae)._decode
-    if "_decode_clip" in vae.__dict__:
-        # Another path (the context-parallel decode) already answers the chunks: it decodes the tiles itself.
-        if not state._warned_deferred:
-            logger.warning(
-                "fast VAE decode: the context-parallel VAE decode splits the tiles over the ranks itself; tiles are not "
-                "batched on this path."
-            )
-            state._warned_deferred = True
-        state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"
-        return native_decode(vae, z)
+def vae_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """`vae.decode(z).sample` on the path enabled on `vae`: with `enable_fast_vae_decode` its tiles (of all temporal
+    chunks) in batched decoder calls, stitched and cross-faded as diffusers' `_decode` does; else `vae.decode` itself.
+    The pipeline's video decode runs through it."""
+    state = fast_vae_decode_state(vae)
+    if state is None:
+        return vae.decode(z, return_dict=False)[0]
+    from diffusers.models.modeling_utils import get_parameter_dtype
 
+    # What `vae.decode` does around `_decode`: model CPU offload moves the VAE onto its device, the latents take the
+    # dtype of the first module that reads them, and sliced decoding decodes one video at a time.
+    if hasattr(vae, "_hf_hook") and hasattr(vae._hf_hook, "pre_forward"):
+        vae._hf_hook.pre_forward(vae)
+    z = z.to(get_parameter_dtype(vae.post_quant_conv))
+    if vae.use_slicing and z.shape[0] > 1:
+        return torch.cat([_batched_decode(vae, state, z_slice) for z_slice in z.split(1)])
+    return _batched_decode(vae, state, z)
+
+
+def _batched_decode(vae, state: FastVAEDecodeState, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' `_decode` of `z` with the tiles of all its chunks decoded in batches."""
     decoder_calls = 0
 
     def decode_tiles(tiles):
@@ -160,9 +152,7 @@ def _batched_decode(vae, z: torch.Tensor) -> torch.Tensor:
         decoded, decoder_calls = _decode_units(vae, state, tiles)
         return decoded
 
-    out, tiles, chunks = decode_from_tiles(
-        vae, z, decode_tiles, lambda latents: native_decode(vae, latents), "fast VAE decode"
-    )
+    out, tiles, chunks = decode_from_tiles(vae, z, decode_tiles)
     state.last_run = f"{tiles} tiles in {decoder_calls} decoder calls ({chunks} chunks)"
     return out
 
@@ -203,7 +193,7 @@ def enable_fast_vae_decode(
     compile: bool = False,
     fp8_linears: bool = False,
 ) -> Any:
-    """Decode the MiniMax-H3 video VAE's tiles in batches; `pipe.vae.decode` (and so the pipeline) uses it from now on.
+    """Decode the MiniMax-H3 video VAE's tiles in batches; the pipeline's decode (`vae_decode`) uses it from now on.
 
     Args:
         pipe_or_vae: A `MiniMaxH3Pipeline` (its `vae`) or an `AutoencoderKLMiniMaxH3`.
@@ -219,10 +209,11 @@ def enable_fast_vae_decode(
             approximation (its measured speed and error: docs/vae.md). It cannot be undone: reload the VAE for bf16
             linears.
 
-    Returns the argument. What was enabled (and what the last decode ran) is the `FastVAEDecodeState` record its
-    `H3_FAST_VAE_DECODE_HOOK` holds: `fast_vae_decode_state(vae)`, reported by `diffusers_h3.describe`. Enabling again
-    replaces the earlier options. The tile geometry and blend are the VAE's
-    own (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
+    Returns the argument. The pipeline's decode takes the fast path; outside it, decode with `vae_decode(vae, z)`
+    (`vae.decode` stays diffusers' own). What was enabled (and what the last decode ran) is the `FastVAEDecodeState`
+    record its `H3_FAST_VAE_DECODE_HOOK` holds: `fast_vae_decode_state(vae)`, reported by `diffusers_h3.describe`.
+    Enabling again replaces the earlier options. The tile geometry and blend are the VAE's own
+    (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
     """
     vae = _vae_of(pipe_or_vae)
     if isinstance(batch_tiles, bool):

@@ -3,9 +3,9 @@
 `AutoencoderKLMiniMaxH3` decodes in temporal chunks (`tokens_chunk_size + token_overlap` latent frames each) and, with
 tiling on (the released default), each chunk in overlapping spatial tiles (28 at 768x1344). Every (chunk, tile)
 decode is independent; only the blending is not. Here each rank decodes every W-th tile, the decoded tiles are
-broadcast to all ranks, and diffusers' own `_decode` then runs with its per-chunk decoder answered from those tiles —
-so the temporal cross-fade, the spatial blending and the tail trimming are diffusers' code, and the result equals the
-serial tiled decode.
+broadcast to all ranks, diffusers' `_stitch_tiles` blends each chunk's tiles and `_decode`'s own loop
+(`_vae_tiles.iter_decoded_chunks`) cross-fades the chunks and trims the tail, so the result equals the serial tiled
+decode.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -40,10 +40,8 @@ def _decode_units_in_parallel(vae, units: List[torch.Tensor], group) -> List[tor
 
 
 def _parallel_decode_one(vae, z: torch.Tensor, group) -> torch.Tensor:
-    # diffusers' `_decode` (temporal cross-fade, padding trim) runs unchanged through `vae._decode`; its per-chunk
-    # decode is answered from the tiles decoded over the ranks.
-    out, _, _ = decode_from_tiles(vae, z, lambda tiles: _decode_units_in_parallel(vae, tiles, group), vae._decode,
-                                  "parallel VAE decode")
+    # `_decode`'s loop (temporal cross-fade, padding trim) over chunks stitched from the tiles decoded over the ranks.
+    out, _, _ = decode_from_tiles(vae, z, lambda tiles: _decode_units_in_parallel(vae, tiles, group))
     return out
 
 

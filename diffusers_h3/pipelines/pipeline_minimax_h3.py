@@ -53,8 +53,9 @@ from diffusers.video_processor import VideoProcessor
 from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
 from .._hooks import moves_weights, partitions_of
-from .._model_card import pipeline_model_card, save_with_card
+from .._model_card import pipeline_model_card, save_with_card, write_transformer_cards
 from ..hooks.cache import start_cache_request
+from ..hooks.fast_vae_decode import vae_decode
 from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
@@ -278,6 +279,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             result = DiffusionPipeline.save_pretrained(pipe, directory, **options)
             if options.get("is_main_process", True):
                 save_fasth3_contract(pipe, directory)
+                write_transformer_cards(pipe, directory)
             return result
 
         return save_with_card(save, self, save_directory, pipeline_model_card,
@@ -988,7 +990,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             ]
             video = torch.cat(clips, 0)
         else:
-            video = self.vae.decode(video_latents, return_dict=False)[0]
+            video = vae_decode(self.vae, video_latents)  # the batched tiles of `enable_fast_vae_decode` when on
         release_streamed_weights(self.vae)
         if not to_host:
             video = self._to_unit_range(video, device)

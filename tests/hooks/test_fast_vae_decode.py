@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import diffusers_h3
-from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
+from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
 from diffusers_h3.hooks.fast_vae_decode import DEFAULT_TILES_PER_BATCH, describe_vae_decode, fast_vae_decode_state
 from diffusers_h3.testing.tiny import tiny_vae
 
@@ -45,7 +45,7 @@ class _CallCounter:
 def _decode(vae, z):
     counter = _CallCounter(vae.decoder)
     try:
-        out = vae.decode(z).sample
+        out = vae_decode(vae, z)
     finally:
         counter.handle.remove()
     assert torch.isfinite(out).all()
@@ -96,21 +96,21 @@ def test_disable_restores_the_native_decode_and_report():
     assert describe_vae_decode(vae).startswith("diffusers native tiled decode")
 
 
-def test_defers_to_a_path_that_answers_the_chunks_itself(h3_logs):
-    """The context-parallel decode installs its own `_decode_clip`; the fast decode then stands aside, says so once."""
+def test_vae_decode_itself_stays_diffusers_own():
+    """Nothing on the VAE is replaced: `vae.decode` decodes tile by tile while the fast decode is on, and
+    `vae_decode` is `vae.decode` when it is off."""
     vae = _random_vae(seed=6)
     z = _latents((1, 4, 7, 2, 2), seed=7)
-    native = vae.decode(z).sample
+    native, native_calls = _decode(vae, z)
     enable_fast_vae_decode(vae)
-    answered = []
-    vae._decode_clip = lambda clip: answered.append(1) or type(vae)._decode_clip(vae, clip)
+    assert not {"decode", "_decode", "_decode_clip"} & set(vars(vae))
+    counter = _CallCounter(vae.decoder)
     try:
-        with h3_logs.expect("context-parallel"):
-            out = vae._decode(z)
+        direct = vae.decode(z).sample
     finally:
-        del vae._decode_clip
-    assert answered and torch.equal(out, native)
-    assert "deferred to the context-parallel decode" in describe_vae_decode(vae)
+        counter.handle.remove()
+    assert torch.equal(direct, native) and counter.calls == native_calls.calls
+    assert "last decode: none yet" in describe_vae_decode(vae)
 
 
 def test_bad_options_raise_one_clear_error():

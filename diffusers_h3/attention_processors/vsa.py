@@ -235,7 +235,7 @@ def vsa_attention_op(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`vsa_attention` over the plan's tensors and sizes; returns ``(out_fine, out_coarse)`` (an empty tensor
     without ``compress``) and records the fine stage's :class:`~diffusers_h3.kernels.attention.KernelChoice`."""
-    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
     out, out_coarse, choice = _run_vsa_attention(
         query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles, sparsity=sparsity,
         precision=precision, smooth_k=smooth_k, pv_precision=pv_precision, compress=compress, emulate=emulate,

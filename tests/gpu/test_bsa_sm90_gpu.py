@@ -242,7 +242,8 @@ def test_two_tile_program_is_bitwise_the_one_tile_program(qk, stages):
     for two in (False, True):
         out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
         block_sparse_attention_sm90(q, k, v, plan.slot_rows, plan.tile_counts, index, num, out, block=64,
-                                    scale=q.shape[-1] ** -0.5, stages=stages, two_tiles=two, **kw)
+                                    scale=q.shape[-1] ** -0.5, tuning=TuningOptions(num_stages=stages), two_tiles=two,
+                                    **kw)
         outs.append(out)
     assert not outs[1].isnan().any()
     assert torch.equal(outs[0], outs[1])

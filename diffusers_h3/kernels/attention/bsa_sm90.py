@@ -30,6 +30,7 @@ import torch
 from .._triton_utils import HAS_TRITON
 from ..numerics import LOG2E
 from ._launch import index_args, scale_args
+from .tuning import DEFAULT_TUNING, TuningOptions
 
 
 # K/V ring depth of every variant unless a benchmark passes TuningOptions(num_stages=...).
@@ -637,8 +638,7 @@ def block_sparse_attention_sm90(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     dense: bool = False,
-    block_m: Optional[int] = None,
-    stages: int = DEFAULT_STAGES,
+    tuning: TuningOptions = DEFAULT_TUNING,
     two_tiles: bool = False,
 ) -> torch.Tensor:
     """Launch the Gluon kernel on inputs that :func:`~.router.block_sparse_attention` validated and routed here, TMA
@@ -648,12 +648,15 @@ def block_sparse_attention_sm90(
     warpgroups of 64 query rows and a TMA producer warp; ``block_m=64`` runs one warpgroup per program. The sparse mode
     with ``two_tiles`` runs :func:`_sparse_fwd_sm90_ws_kernel`: two query tiles per program, one consumer warpgroup and
     one ring each, fed by a TMA producer warp (bitwise the same result; the router decides, see
-    :func:`two_rings_fit`)."""
+    :func:`two_rings_fit`). ``tuning`` (:class:`~.tuning.TuningOptions`) carries the knobs this kernel reads:
+    ``block_m`` and ``num_stages`` (the K/V ring depth, default :data:`DEFAULT_STAGES`); ``two_tiles`` is the variant
+    the router chose."""
+    block_m, stages = tuning.block_m, tuning.num_stages or DEFAULT_STAGES
     if two_tiles and dense:
         raise ValueError("two_tiles applies to the sparse mode; the dense kernel takes block_m 64 or 128")
     if two_tiles and not two_rings_fit(stages, block, q.shape[-1], k.element_size(), v.element_size()):
         raise ValueError(f"two_tiles needs two rings of {stages} K/V slots, more than the shared memory holds; pass "
-                         "fewer stages or two_tiles=False")
+                         "fewer num_stages or two_tiles=False")
     if not HAS_GLUON:
         raise RuntimeError("the SM90 attention kernel needs Triton >= 3.6 (Gluon); pass TuningOptions(kernel='triton')")
     b, s, h, d = q.shape

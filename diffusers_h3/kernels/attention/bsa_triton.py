@@ -42,6 +42,7 @@ import torch
 from .._triton_utils import HAS_TRITON, triton_interpreter_active
 from ..numerics import E2M1_MAX, E4M3_MAX, LOG2E, QK_8BIT_DTYPES, dequantize_fp8_per_block, round_to_e2m1
 from ._launch import check_attention_args, index_args, scale_args
+from .tuning import DEFAULT_TUNING, TuningOptions
 from .vsa_pool import valid_slots
 
 
@@ -480,18 +481,17 @@ def block_sparse_attention_triton(
     v_scale: Optional[torch.Tensor] = None,
     dense: bool = False,
     p_fp4: Optional[str] = None,
-    block_m: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-    tma: Optional[bool] = None,
-    rotate: Optional[bool] = None,
+    tuning: TuningOptions = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """Launch the Triton kernel on inputs that :func:`~.router.block_sparse_attention` validated; writes ``out``.
 
-    On GPUs without explicit ``num_warps`` / ``num_stages`` the autotuned variant runs. ``rotate`` (software
-    pipelining: the next key tile's QK product is issued before the current tile's softmax) defaults to on for sparse
-    attention on GPUs and off for the dense mode; it does not change the result.
+    ``tuning`` (:class:`~.tuning.TuningOptions`) carries the knobs this kernel reads: ``block_m``, ``num_warps``,
+    ``num_stages``, ``tma`` and ``rotate``. On GPUs without explicit ``num_warps`` / ``num_stages`` the autotuned variant
+    runs. ``rotate`` (software pipelining: the next key tile's QK product is issued before the current tile's softmax)
+    defaults to on for sparse attention on GPUs and off for the dense mode; it does not change the result.
     """
+    block_m, num_warps, num_stages, tma, rotate = (tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma,
+                                                   tuning.rotate)  # fmt: skip
     b, s, h, d = q.shape
     on_gpu = q.is_cuda and not triton_interpreter_active()
     if dense:

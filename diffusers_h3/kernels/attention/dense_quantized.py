@@ -142,7 +142,7 @@ def fp8_attention_op(
     two_tiles: Optional[bool],
 ) -> torch.Tensor:
     """:func:`fp8_attention` over tensors and scalars; records the :class:`~.router.KernelChoice` that ran."""
-    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
     out, choice = _run_fp8_attention(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
                                      qk_dtype=qk_dtype, backend=backend, tuning=tuning)
     record_kernel("fp8_attention", choice)

@@ -19,8 +19,7 @@ Benchmark-only knobs travel in one :class:`TuningOptions`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -42,70 +41,22 @@ from .bsa_sm90 import (
     two_rings_fit,
 )
 from .bsa_triton import block_sparse_attention_reference, block_sparse_attention_triton
+from .tuning import DEFAULT_TUNING, KERNELS, KernelChoice, TuningOptions, tuning_op_fields
 
 
-KERNELS = ("auto", "sm90", "triton")
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """What one attention call ran: ``kernel`` (``"sm90-gluon"``, ``"triton"``, ``"torch-reference"``), its
-    ``variant`` and the ``reason`` it was chosen."""
-
-    kernel: str
-    variant: str
-    reason: str
-
-    def describe(self) -> str:
-        return f"{self.kernel} kernel ({self.variant}; {self.reason})"
-
-
-@dataclass(frozen=True)
-class TuningOptions:
-    """Benchmark and tuning knobs of the attention kernels (the defaults are what production runs).
-
-    Args:
-        kernel: ``"auto"`` (the Hopper kernel where it runs, else Triton), ``"sm90"`` or ``"triton"`` (force one;
-            an error when it cannot run these inputs).
-        block_m: query rows per program of the dense mode (Triton: any power of two; SM90: 64 or 128).
-        num_warps: Triton kernel warps (disables autotuning).
-        num_stages: Triton software-pipeline stages (disables autotuning) or the SM90 K/V ring depth.
-        tma: Triton kernel: TMA descriptor loads of K/V (default: on compute capability 9+).
-        rotate: Triton kernel: issue the next key tile's QK product before the current softmax (default: on for
-            sparse attention on GPUs).
-        two_tiles: SM90 sparse kernel: two query tiles per program (default: for 16-bit Q/K when two K/V rings fit
-            the shared memory).
-    """
-
-    kernel: str = "auto"
-    block_m: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    tma: Optional[bool] = None
-    rotate: Optional[bool] = None
-    two_tiles: Optional[bool] = None
-
-    def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ValueError(f"TuningOptions.kernel must be one of {KERNELS}, got {self.kernel!r}")
-
-    @property
-    def triton_knobs(self) -> bool:
-        """Whether a knob that only the Triton kernel has is set."""
-        return self.num_warps is not None or self.tma is not None or self.rotate is not None
-
-
-DEFAULT_TUNING = TuningOptions()
-
-
-def tuning_op_fields(tuning: Optional[TuningOptions]) -> Tuple[Any, ...]:
-    """``tuning`` (``None``: the defaults) as the custom ops take it: its fields in declaration order, which the ops
-    pass back to ``TuningOptions(...)``."""
-    tuning = tuning if tuning is not None else DEFAULT_TUNING
-    if not isinstance(tuning, TuningOptions):
-        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
-    return (tuning.kernel, tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate,
-            tuning.two_tiles)  # fmt: skip
+__all__ = [  # the choice and tuning types live in .tuning (the launchers take them too); callers import them here
+    "DEFAULT_TUNING",
+    "KERNELS",
+    "KernelChoice",
+    "TuningOptions",
+    "attention_out_dtype",
+    "block_sparse_attention",
+    "select_kernel",
+    "sm90_available_for",
+    "sm90_input_problem",
+    "sm90_kernel_supports",
+    "tuning_op_fields",
+]
 
 
 def sm90_input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v_scale=None, p_fp4=None,
@@ -294,7 +245,7 @@ def block_sparse_attention_op(
 ) -> torch.Tensor:
     """:func:`block_sparse_attention` over tensors and scalars (the :class:`TuningOptions` as its fields); records the
     :class:`KernelChoice` that ran."""
-    tuning = TuningOptions(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
+    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
     out, choice = _run_block_sparse_attention(
         q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
         k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4, backend=backend,
@@ -344,13 +295,9 @@ def _run_block_sparse_attention(q, k, v, slot_rows, tile_counts, kv_index, kv_nu
     args = (q, k, v, slot_rows, tile_counts, kv_index, kv_num, out)
     scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
     if choice.kernel == "sm90-gluon":
-        block_sparse_attention_sm90(
-            *args, block=block, scale=scale, dense=dense, block_m=tuning.block_m,
-            stages=tuning.num_stages or DEFAULT_STAGES, two_tiles=choice.variant == "two-tile", **scales,
-        )
+        block_sparse_attention_sm90(*args, block=block, scale=scale, dense=dense, tuning=tuning,
+                                    two_tiles=choice.variant == "two-tile", **scales)
     else:
-        block_sparse_attention_triton(
-            *args, block=block, scale=scale, dense=dense, p_fp4=p_fp4, block_m=tuning.block_m,
-            num_warps=tuning.num_warps, num_stages=tuning.num_stages, tma=tuning.tma, rotate=tuning.rotate, **scales,
-        )
+        block_sparse_attention_triton(*args, block=block, scale=scale, dense=dense, p_fp4=p_fp4, tuning=tuning,
+                                      **scales)
     return out, choice

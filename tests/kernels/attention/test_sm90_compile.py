@@ -93,10 +93,11 @@ def test_two_tile_program_refuses_rings_that_do_not_fit():
     import torch
 
     from diffusers_h3.kernels.attention.bsa_sm90 import block_sparse_attention_sm90
+    from diffusers_h3.kernels.attention.tuning import TuningOptions
 
     q = torch.zeros(1, 128, 2, 128, dtype=torch.bfloat16)
     slots, counts = torch.arange(128, dtype=torch.int32), torch.full((2,), 64, dtype=torch.int32)
     index, num = torch.zeros(1, 2, 2, 2, dtype=torch.int32), torch.ones(1, 2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="two_tiles needs two rings of 4"):
         block_sparse_attention_sm90(q, q.clone(), q.clone(), slots, counts, index, num, torch.empty_like(q), block=64,
-                                    scale=0.1, stages=4, two_tiles=True)
+                                    scale=0.1, tuning=TuningOptions(num_stages=4), two_tiles=True)

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from diffusers.utils import logging
 
 from .._hooks import H3_FAST_VAE_DECODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 from .._vae_tiles import decode_from_tiles, tile_layout
 
+
+logger = logging.get_logger(__name__)
 
 # Tiles decoded in one decoder call unless the caller says otherwise: one 768x1344 chunk (28 tiles) fits with room.
 DEFAULT_TILES_PER_BATCH = 32
@@ -57,6 +60,7 @@ class FastVAEDecodeState:
     fp8_linears: bool = False
     last_run: Optional[str] = None
     compile_seconds: Optional[float] = None
+    _warned_parallel: bool = field(default=False, repr=False)
 
     def describe_path(self) -> str:
         mode = f"batched tiles (up to {self.tiles_per_batch} per decoder call)"
@@ -141,6 +145,19 @@ def vae_decode(vae, z: torch.Tensor) -> torch.Tensor:
     if vae.use_slicing and z.shape[0] > 1:
         return torch.cat([_batched_decode(vae, state, z_slice) for z_slice in z.split(1)])
     return _batched_decode(vae, state, z)
+
+
+def note_parallel_decode(vae) -> None:
+    """The pipeline decoded with the context-parallel decode (tiles split over the ranks): say so once, and record it
+    as the last decode, when the fast decode is on (its tiles are not batched on that path)."""
+    state = fast_vae_decode_state(vae)
+    if state is None:
+        return
+    if not state._warned_parallel:
+        logger.warning("fast VAE decode: the context-parallel VAE decode splits the tiles over the ranks itself; tiles "
+                       "are not batched on this path.")  # fmt: skip
+        state._warned_parallel = True
+    state.last_run = "deferred to the context-parallel decode (tiles split over ranks, not batched)"
 
 
 def _batched_decode(vae, state: FastVAEDecodeState, z: torch.Tensor) -> torch.Tensor:

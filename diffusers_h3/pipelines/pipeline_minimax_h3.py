@@ -55,7 +55,7 @@ from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qw
 from .._hooks import moves_weights, partitions_of
 from .._model_card import pipeline_model_card, save_with_card, write_transformer_cards
 from ..hooks.cache import start_cache_request
-from ..hooks.fast_vae_decode import vae_decode
+from ..hooks.fast_vae_decode import note_parallel_decode, vae_decode
 from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
@@ -983,6 +983,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         to_host = cp_group is None and output_type in ("np", "pil") and not self.video_processor.config.do_normalize
         if cp_group is not None:  # the VAE tiles are split over the context-parallel ranks
             video = parallel_vae_decode(self.vae, video_latents, cp_group)
+            note_parallel_decode(self.vae)
         elif to_host:
             clips = [
                 torch.cat([self._to_unit_range(c, device).cpu() for c in self._decoded_chunks(video_latents[i : i + 1])], 2)

@@ -113,6 +113,22 @@ def test_vae_decode_itself_stays_diffusers_own():
     assert "last decode: none yet" in describe_vae_decode(vae)
 
 
+def test_the_context_parallel_decode_is_reported_once_warned(h3_logs):
+    """Under context parallelism the pipeline decodes with `parallel_vae_decode` (tiles split over the ranks): the
+    fast decode stands aside, warns once and the report says so."""
+    from diffusers_h3.hooks.fast_vae_decode import note_parallel_decode
+
+    vae = _random_vae(seed=6)
+    note_parallel_decode(vae)  # fast decode off: nothing to report
+    assert describe_vae_decode(vae).startswith("diffusers native tiled decode")
+    enable_fast_vae_decode(vae)
+    with h3_logs.expect("context-parallel"):
+        note_parallel_decode(vae)
+    with h3_logs.expect_none():  # once
+        note_parallel_decode(vae)
+    assert "deferred to the context-parallel decode" in describe_vae_decode(vae)
+
+
 def test_bad_options_raise_one_clear_error():
     vae = _random_vae()
     with pytest.raises(ValueError, match="positive int"):

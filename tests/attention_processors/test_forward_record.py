@@ -2,34 +2,23 @@
 opens, so two models in one process report their own paths, also when their blocks are compiled (the ops run after
 tracing and write into the record of the call that runs them)."""
 
-import math
-
 import pytest
 import torch
 
 from diffusers_h3 import describe
 from diffusers_h3.attention_processors.forward_record import last_forward_record
 from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
-from diffusers_h3.layout import LayoutSegment, PackedLayout, current_forward_record, use_packed_layout
+from diffusers_h3.layout import current_forward_record, use_packed_layout
+from diffusers_h3.packing import build_layout
 from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
 
 
 TEXT, AUDIO, GRID = 5, 4, (4, 4, 8)  # two 4x4x4 video tiles: VSA at sparsity 0.5 runs sparse
 
 
-def _layout(step):
-    video = math.prod(GRID)
-    segments = (
-        LayoutSegment("text", "prompt", 0, TEXT),
-        LayoutSegment("audio", "target", TEXT, TEXT + AUDIO),
-        LayoutSegment("video", "target", TEXT + AUDIO, TEXT + AUDIO + video, grid=GRID),
-    )
-    return PackedLayout(segments, seq_len=TEXT + AUDIO + video, step_index=step, num_steps=4)
-
-
 def _run(model, step):
     inputs = tiny_transformer_inputs(seed=1, seq_text=TEXT, seq_audio=AUDIO, grid=GRID)
-    with torch.no_grad(), use_packed_layout(_layout(step)):
+    with torch.no_grad(), use_packed_layout(build_layout(TEXT, [], AUDIO, GRID, 1).at_step(step, 4)):
         return model(**inputs, return_dict=False)
 
 

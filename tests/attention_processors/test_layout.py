@@ -2,10 +2,15 @@
 
 import pytest
 
+from diffusers_h3.kernels.attention import KernelChoice
 from diffusers_h3.layout import (
+    ForwardRecord,
     LayoutSegment,
     PackedLayout,
+    active_forward_record,
+    current_forward_record,
     current_packed_layout,
+    record_kernel,
     require_packed_layout,
     use_packed_layout,
 )
@@ -56,3 +61,18 @@ def test_side_channel_publishes_for_one_call_only():
         with pytest.raises(RuntimeError, match="40"):
             require_packed_layout("test", 39)
     assert current_packed_layout() is None
+
+
+def test_kernels_are_noted_in_the_record_of_the_call_that_runs_them():
+    first, second = KernelChoice("triton", "sparse", "a"), KernelChoice("torch-reference", "dense", "b")
+    record_kernel("op", first)  # outside any call: nothing to note, and no error
+    layout = _layout(step_index=1, num_steps=2)
+    with use_packed_layout(layout):
+        published = current_forward_record()
+        with active_forward_record(ForwardRecord(layout=layout)) as call:  # what the model's hook opens per call
+            record_kernel("op", first)
+            assert require_packed_layout("test", 40) is layout
+        record_kernel("op", second)
+    assert call.kernels == {"op": first} and published.kernels == {"op": second}
+    assert call.describe() == {"layout": layout.describe(), "kernels": {"op": first.describe()}}
+    assert current_forward_record() is None

@@ -121,7 +121,8 @@ def main(argv=None):
                 torch._dynamo.reset()
                 if speed is not None:
                     # on a FastH3 stack "fastest" keeps the stack's VSA 0.9 (INT8 Q/K)
-                    diffusers_h3.enable_speed_preset(pipe, speed, compile=not args.no_compile)
+                    config = diffusers_h3.SpeedPresetConfig(speed, compile=not args.no_compile)
+                    diffusers_h3.enable_speed_preset(pipe, config)
                 elif not args.no_compile and device.type == "cuda":
                     compile_blocks(pipe.transformer, "fastest")
                 applied, decoders_warm = speed or "fasth3", False

@@ -9,7 +9,7 @@ rows) published as a PackedLayout. Cases, in this order (``fast`` / ``fastest`` 
 
 * ``native``   diffusers' ``MiniMaxH3AttnProcessor`` with the ``_native_cudnn`` backend, eager: the baseline, and its
                output is the reference of ``rel_l2``;
-* ``exact``    ``enable_speed_preset_on_transformer(model, "exact", flashinfer=False)``: bf16, cuDNN attention,
+* ``exact``    ``enable_speed_preset_on_transformer`` with ``SpeedPresetConfig("exact", flashinfer=False)``: bf16, cuDNN,
                regional compile (the preset without flashinfer-python);
 * ``exact_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python) the preset with
                ``flashinfer=True``: FlashInfer's dense kernel (FA3 on Hopper) in place of cuDNN (the preset's
@@ -228,6 +228,7 @@ def set_up(
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
     from diffusers_h3.pipelines.speed_presets import (
+        SpeedPresetConfig,
         attention_dtype,
         compile_blocks,
         enable_speed_preset_on_transformer,
@@ -249,7 +250,8 @@ def set_up(
     # "exact" is measured with cuDNN (what it runs without flashinfer-python), "exact_flashinfer" with FlashInfer's FA3.
     # "fast_flashinfer_fp8" is the "fast" preset with flashinfer=True (FA3's FP8 attention in place of INT8).
     flashinfer = {"exact": False, "exact_flashinfer": True, "fast_flashinfer_fp8": True}.get(case)
-    record = enable_speed_preset_on_transformer(model, preset, compile=True, flashinfer=flashinfer, fullgraph=fullgraph)
+    config = SpeedPresetConfig(preset, compile=True, flashinfer=flashinfer, fullgraph=fullgraph)
+    record = enable_speed_preset_on_transformer(model, config)
     if static_shapes and device.type == "cuda":
         record.compile["transformer"] = compile_blocks(model, preset, fullgraph=fullgraph, dynamic=False)
     return record.describe()

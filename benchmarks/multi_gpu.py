@@ -104,7 +104,11 @@ def build_inputs(device, tiny, text_rows=512):
 def set_case(model, case, tiny):
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-    from diffusers_h3.attention_processors import enable_low_precision_attention, enable_vsa
+    from diffusers_h3.attention_processors import (
+        LowPrecisionAttentionConfig,
+        enable_low_precision_attention,
+        enable_vsa,
+    )
 
     if case == "native_cudnn":
         model.set_attn_processor(MiniMaxH3AttnProcessor())
@@ -115,7 +119,7 @@ def set_case(model, case, tiny):
     elif case == "vsa_fp8_sp0.8":
         enable_vsa(model, sparsity=0.8, precision="fp8", **({"tile": (2, 2, 4), "backend": "torch"} if tiny else {}))
     elif case == "dense_fp8":
-        enable_low_precision_attention(model, "fp8")
+        enable_low_precision_attention(model, LowPrecisionAttentionConfig("fp8"))
     elif case == "fastest":
         from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
 
@@ -165,6 +169,8 @@ def main():
     fresh_cases = [c for c in cases if c in FRESH_MODEL_CASES]
     cases = [c for c in cases if c not in FRESH_MODEL_CASES]
 
+    from diffusers import ContextParallelConfig
+
     from diffusers_h3.layout import use_packed_layout
     from diffusers_h3.parallel import enable_context_parallel
     from diffusers_h3.parallel.vae import parallel_vae_decode
@@ -213,7 +219,7 @@ def main():
 
     # 2. The same cases under Ulysses context parallelism over all ranks.
     if not single:
-        enable_context_parallel(model, ulysses_degree=world_size)
+        enable_context_parallel(model, ContextParallelConfig(ulysses_degree=world_size))
     results = {}
 
     def measure_cp(case):
@@ -250,7 +256,7 @@ def main():
         if device.type == "cuda":
             torch._dynamo.reset()  # the context-parallel hooks change the blocks' inputs: compile them afresh
         if not single:
-            enable_context_parallel(model, ulysses_degree=world_size)
+            enable_context_parallel(model, ContextParallelConfig(ulysses_degree=world_size))
         measure_cp(case)
     # 2b. Tensor parallelism over all ranks (`tp<N>`): a fresh copy of the same weights (the CP one has its hooks),
     # diffusers' processor, heads and FFN columns split, deterministic rank-order reduction.

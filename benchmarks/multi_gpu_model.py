@@ -142,13 +142,13 @@ def apply_preset(model, preset: str, device, compile: bool) -> Dict[str, Any]:
     (``exact`` without FlashInfer: cuDNN)."""
     from forward import set_up
 
-    from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+    from diffusers_h3.pipelines.speed_presets import SpeedPresetConfig, enable_speed_preset_on_transformer
 
     if preset == "native":
         return set_up("native", model, device)
     torch._dynamo.reset()
-    return enable_speed_preset_on_transformer(model, preset, compile=compile and device.type == "cuda",
-                                              flashinfer=False).describe()  # fmt: skip
+    config = SpeedPresetConfig(preset, compile=compile and device.type == "cuda", flashinfer=False)
+    return enable_speed_preset_on_transformer(model, config).describe()
 
 
 def heads_model(model, heads: int, device):

@@ -22,7 +22,7 @@ Cases, in this order (the presets quantize in place, so the bf16 ones come first
 * ``t2va_exact``            ``pipe.enable_speed_preset("exact")``;
 * ``t2va_fast``             ``pipe.enable_speed_preset("fast")``;
 * ``t2va_fast_flashinfer``  (only when asked for in ``--cases``; needs flashinfer-python on Hopper)
-                            ``pipe.enable_speed_preset("fast", flashinfer=True)``: FA3's FP8 attention;
+                            ``SpeedPresetConfig("fast", flashinfer=True)``: FA3's FP8 attention;
 * ``t2va_fastest``          ``pipe.enable_speed_preset("fastest")``;
 * ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
                             fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
@@ -472,7 +472,8 @@ def main(argv=None):
         try:
             if preset is not None and (preset, flashinfer) != applied:
                 torch._dynamo.reset()  # compile the new preset's blocks from scratch (no stale guards or cache limit)
-                diffusers_h3.enable_speed_preset(pipe, preset, compile=not args.no_compile, flashinfer=flashinfer)
+                config = diffusers_h3.SpeedPresetConfig(preset, compile=not args.no_compile, flashinfer=flashinfer)
+                diffusers_h3.enable_speed_preset(pipe, config)
                 applied = (preset, flashinfer)
                 decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
                 if capped:

@@ -8,7 +8,7 @@ bf16 with the checkpoint's fp32 modules kept fp32, decoding a (1, 24, 37, 48, 84
 7 temporal chunks x 28 spatial tiles with the released tiling). Cases, in this order:
 
 * ``native``                  diffusers' ``vae.decode`` (one decoder call per tile; the baseline and the reference);
-* ``batched_tiles``           ``enable_fast_vae_decode(vae, batch_tiles=N)``;
+* ``batched_tiles``           ``enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=N))``;
 * ``batched_tiles+compile``   the same with ``compile=True``; the first decode (which compiles) is recorded apart
   as ``compile_s``;
 * ``batched_tiles+compile+fp8``  the same with ``fp8_linears=True``: the decoder's linears quantized to FP8
@@ -95,7 +95,7 @@ CASES = ("native", "batched_tiles") + COMPILED_CASES
 
 
 def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=False):
-    from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode
+    from diffusers_h3 import FastVAEDecodeConfig, disable_fast_vae_decode, enable_fast_vae_decode
     from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state, vae_decode
 
     def decode():  # the pipeline's decode: the batched tiles while `enable_fast_vae_decode` is on
@@ -109,7 +109,7 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
         try:
             compile_s = None
             if name == "batched_tiles":
-                enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch)
+                enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=tiles_per_batch))
             elif name in COMPILED_CASES:
                 if device.type != "cuda":
                     entry["notes"] = "not run: --tiny runs on the CPU, compile is measured on the GPU only"
@@ -118,7 +118,8 @@ def decode_cases(vae, z, device, reps, tiles_per_batch, cases, record, profile=F
                 fp8 = name.endswith("+fp8")
                 if fp8:
                     torch._dynamo.reset()  # the bf16 decoder's graphs must not be reused
-                enable_fast_vae_decode(vae, batch_tiles=tiles_per_batch, compile=True, fp8_linears=fp8)
+                enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=tiles_per_batch, compile=True,
+                                                                fp8_linears=fp8))  # fmt: skip
                 state = fast_vae_decode_state(vae)
             base = peak_start(device)
             started = time.perf_counter()

@@ -16,6 +16,8 @@ from ._report import describe
 from ._utils import attach_to_diffusers_logging
 from ._version import __version__
 from .attention_processors import (
+    FlashInferAttentionConfig,
+    LowPrecisionAttentionConfig,
     MiniMaxH3AttnProcessorBase,
     MiniMaxH3FAV100Processor,
     MiniMaxH3FlashInferProcessor,
@@ -33,8 +35,8 @@ from .attention_processors import (
     low_precision_attention_state,
     vsa_state,
 )
-from .hooks.fast_vae_decode import disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
-from .hooks.v100_mode import NonFiniteActivationError, V100Mode, disable_v100_mode, enable_v100_mode
+from .hooks.fast_vae_decode import FastVAEDecodeConfig, disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
+from .hooks.v100_mode import NonFiniteActivationError, V100Mode, V100ModeConfig, disable_v100_mode, enable_v100_mode
 from .kernels.attention.fa_v100 import FAV100BuildError, fa_v100_attention, fa_v100_reference
 from .layout import (
     LayoutSegment,
@@ -48,10 +50,11 @@ from .loaders.fasth3_vae import load_nvfp4_decoder
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .loaders.single_file import TransformerFileError, load_transformer_file
+from .parallel.memory_budget import MemoryBudgetConfig
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.fasth3 import enable_fasth3_preset, load_fasth3_adapter
 from .pipelines.memory_budget import load_for_memory_budget
-from .pipelines.speed_presets import SPEED_PRESETS, enable_speed_preset, speed_preset_record
+from .pipelines.speed_presets import SPEED_PRESETS, SpeedPresetConfig, enable_speed_preset, speed_preset_record
 from .quantizers import (
     FP8Config,
     FP8Linear,
@@ -87,20 +90,26 @@ __all__ = [
     "VSAConfig",
     "add_gate_compress",
     "enable_low_precision_attention",
+    "LowPrecisionAttentionConfig",
     "disable_low_precision_attention",
     "low_precision_attention_state",
     "enable_flashinfer_attention",
+    "FlashInferAttentionConfig",
     "disable_flashinfer_attention",
     "flashinfer_attention_state",
     "enable_fast_vae_decode",
+    "FastVAEDecodeConfig",
     "vae_decode",
     "disable_fast_vae_decode",
     "enable_v100_mode",
+    "V100ModeConfig",
     "disable_v100_mode",
     "enable_speed_preset",
+    "SpeedPresetConfig",
     "speed_preset_record",
     "SPEED_PRESETS",
     "load_for_memory_budget",
+    "MemoryBudgetConfig",
     "V100Mode",
     "NonFiniteActivationError",
     "MiniMaxH3LoraMixin",

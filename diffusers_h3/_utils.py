@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging as std_logging
-from typing import Optional, Tuple
+import warnings
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from diffusers.utils import logging
@@ -37,6 +39,50 @@ def move_non_persistent_buffers(model: torch.nn.Module, device: torch.device) ->
             buffer = module._buffers.get(name)
             if buffer is not None and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
+
+
+def config_from_call(
+    config_cls: type,
+    config: Any,
+    legacy: Dict[str, Any],
+    *,
+    call: str,
+    legacy_positional: Sequence[str] = (),
+    legacy_args: Sequence[Any] = (),
+    config_name: Optional[str] = None,
+) -> Any:
+    """The config object an ``enable_*`` hook runs with: ``config`` (``config_cls()`` for ``None``).
+
+    The hooks took loose arguments before they took one config object; for one release those still work: keyword
+    arguments ``legacy`` (fields of ``config_cls``) and positional values (a value other than a config in the config's
+    place, then ``legacy_args``; their fields are named by ``legacy_positional``, in order) replace fields of
+    ``config``, with one ``FutureWarning`` that names the new call. diffusers' ``deprecate`` is not used: it checks
+    the removal version against diffusers' own version, not this package's. ``config_name``: the config class the
+    messages name (default: ``config_cls``'s name)."""
+    name_of_config = config_name or config_cls.__name__
+    options = dict(legacy)
+    positional = list(legacy_args)
+    if config is not None and not isinstance(config, config_cls):
+        positional.insert(0, config)
+        config = None
+    if len(positional) > len(legacy_positional):
+        raise TypeError(f"{call}() takes the target and one {name_of_config}, got {len(positional)} other "
+                        f"positional argument(s): pass {call}(target, {name_of_config}(...))")  # fmt: skip
+    for name, value in zip(legacy_positional, positional):
+        if name in options:
+            raise TypeError(f"{call}() got {name!r} twice (by position and by keyword)")
+        options[name] = value
+    if not options:
+        return config if config is not None else config_cls()
+    fields = {field.name for field in dataclasses.fields(config_cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"{call}() got unexpected argument(s) {unknown}; {name_of_config} fields are "
+                        f"{sorted(fields)}")  # fmt: skip
+    arguments = ", ".join(f"{name}={value!r}" for name, value in options.items())
+    warnings.warn(f"{call}() with {', '.join(options)} as separate arguments is deprecated and goes in the next "
+                  f"release: call {call}(target, {name_of_config}({arguments}))", FutureWarning, stacklevel=3)
+    return dataclasses.replace(config, **options) if config is not None else config_cls(**options)
 
 
 _WARNED: set = set()

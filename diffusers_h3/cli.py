@@ -775,17 +775,18 @@ def _apply_fast_paths(pipe, args) -> None:
             pipe.enable_vsa(sparsity=args.vsa, precision=args.attention_precision or "bf16",
                             dense_first_steps=args.dense_first_steps or 0)  # fmt: skip
         elif args.attention_precision != "bf16":  # dense attention in FP8 / INT8 / FP4 (bf16 is the default path)
-            from diffusers_h3.attention_processors import enable_low_precision_attention
+            from diffusers_h3.attention_processors import LowPrecisionAttentionConfig, enable_low_precision_attention
 
-            enable_low_precision_attention(pipe, precision=args.attention_precision)
+            enable_low_precision_attention(pipe, LowPrecisionAttentionConfig(precision=args.attention_precision))
     if args.cache:
         for _, model in pipe._partitions():
             model.enable_cache(args.cache_config)
     if getattr(args, "speed", None):  # after the cache hooks: the preset compiles the blocks last
         flashinfer = {"on": True, "off": False}.get(getattr(args, "flashinfer", None))  # None: automatic
-        from diffusers_h3.pipelines.speed_presets import speed_preset_record
+        from diffusers_h3.pipelines.speed_presets import SpeedPresetConfig, speed_preset_record
 
-        record = speed_preset_record(pipe.enable_speed_preset(args.speed, compile=True, flashinfer=flashinfer))
+        config = SpeedPresetConfig(args.speed, compile=True, flashinfer=flashinfer)
+        record = speed_preset_record(pipe.enable_speed_preset(config))
         print(f"speed preset {args.speed}: {record.describe()}", file=sys.stderr)
     elif args.compile:
         for _, model in pipe._partitions():
@@ -852,9 +853,11 @@ def cmd_generate(args) -> int:
     _apply_fast_paths(pipe, args)
     world_size = _world_size()
     if world_size > 1:
+        from diffusers import ContextParallelConfig
+
         from diffusers_h3.parallel import enable_context_parallel
 
-        enable_context_parallel(pipe, ulysses_degree=world_size)
+        enable_context_parallel(pipe, ContextParallelConfig(ulysses_degree=world_size))
     call = dict(
         prompt=args.prompt,
         num_frames=args.frames,

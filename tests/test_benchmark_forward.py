@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from diffusers_h3 import SpeedPresetConfig
 from tests._scripts import run_script
 
 
@@ -214,7 +215,7 @@ def test_the_per_transformer_preset_checks_before_changing_anything():
     model = tiny_transformer()
     with pytest.raises(ValueError, match="unknown speed preset 'turbo'"):
         enable_speed_preset_on_transformer(model, "turbo")
-    record = enable_speed_preset_on_transformer(model, "fast", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False))
     assert record.describe()["compile"] == {"transformer": "off (compile=False)"}
     assert record.decode == "not applied (transformer only)"
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]

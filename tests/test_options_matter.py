@@ -242,7 +242,7 @@ def test_cli_attention_precision_alone_installs_dense_low_precision(cli_run, mon
     import diffusers_h3.attention_processors as processors
 
     seen = []
-    monkeypatch.setattr(processors, "enable_low_precision_attention", lambda pipe, precision: seen.append(precision))
+    monkeypatch.setattr(processors, "enable_low_precision_attention", lambda pipe, config: seen.append(config.precision))
     cli_run("--attention-precision", "fp8")
     cli_run("--attention-precision", "bf16")  # the default path: nothing installed
     assert seen == ["fp8"]

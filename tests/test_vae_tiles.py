@@ -5,6 +5,7 @@ frames and for lengths whose last chunk is padded and trimmed."""
 import pytest
 import torch
 
+from diffusers_h3 import FastVAEDecodeConfig
 from diffusers_h3._vae_tiles import decode_from_tiles, iter_decoded_chunks, trimmed_tail_frames
 from diffusers_h3.hooks.fast_vae_decode import chunk_decoder, enable_fast_vae_decode, fast_vae_decode_state, vae_decode
 from diffusers_h3.testing.tiny import tiny_vae
@@ -87,7 +88,7 @@ def test_batched_chunk_decode_equals_the_batched_whole_decode():
     # With enable_fast_vae_decode the chunk decoder batches one chunk's tiles; fp32 on the CPU gives the whole-clip
     # fast decode's values to within GEMM summation order (the whole clip's batches span chunks here).
     vae = _random_vae()
-    enable_fast_vae_decode(vae, batch_tiles=True)
+    enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=True))
     z = _latents(13)
     with torch.no_grad():
         whole = vae_decode(vae, z)

@@ -4,12 +4,14 @@ packed-layout side channel they read is ``diffusers_h3.layout``."""
 from .base import MiniMaxH3AttnProcessorBase
 from .fa_v100 import MiniMaxH3FAV100Processor
 from .flashinfer import (
+    FlashInferAttentionConfig,
     MiniMaxH3FlashInferProcessor,
     disable_flashinfer_attention,
     enable_flashinfer_attention,
     flashinfer_attention_state,
 )
 from .low_precision import (
+    LowPrecisionAttentionConfig,
     MiniMaxH3LowPrecisionAttnProcessor,
     disable_low_precision_attention,
     enable_low_precision_attention,
@@ -34,6 +36,8 @@ __all__ = [
     "MiniMaxH3LowPrecisionAttnProcessor",
     "MiniMaxH3VSAProcessor",
     "VSAConfig",
+    "FlashInferAttentionConfig",
+    "LowPrecisionAttentionConfig",
     "TilePlan",
     "build_tile_plan",
     "add_gate_compress",

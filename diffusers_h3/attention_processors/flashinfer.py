@@ -14,11 +14,12 @@ changes. Refiner calls and context parallelism (Ulysses) follow :class:`~.base.M
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
-from .._utils import cuda_capability
+from .._utils import config_from_call, cuda_capability
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_dense_attention,
@@ -38,7 +39,7 @@ def _check_precision(precision: str, backend: Optional[str] = None) -> None:
         raise ValueError(f"FlashInfer attention precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8" and backend is not None and backend != "fa3":
         raise ValueError(f"FlashInfer FP8 attention runs on FA3 (Hopper) only, not {backend!r}: use precision='bf16' "
-                         "or enable_low_precision_attention(pipe, 'fp8')")  # fmt: skip
+                         "or enable_low_precision_attention(pipe, LowPrecisionAttentionConfig('fp8'))")  # fmt: skip
 
 
 class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
@@ -70,9 +71,30 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
         return out
 
 
-def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto", precision: str = "bf16"):
+@dataclass(frozen=True)
+class FlashInferAttentionConfig:
+    """The options of :func:`enable_flashinfer_attention`.
+
+    Args:
+        backend (`str`, defaults to `"auto"`): ``"fa3"`` (Hopper), ``"fa2"`` (SM80+) or ``"auto"`` (FA3 where the GPU
+            runs it, else FA2).
+        precision (`str`, defaults to `"bf16"`): ``"bf16"`` (16-bit Q/K/V as they come, exact) or ``"fp8"`` (FA3's
+            FP8 kernel, Hopper only).
+    """
+
+    backend: str = "auto"
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        _check_precision(self.precision)
+
+
+def enable_flashinfer_attention(pipe_or_transformer, config: Optional[FlashInferAttentionConfig] = None, *args,
+                                **legacy):  # fmt: skip
     """Install one :class:`MiniMaxH3FlashInferProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor).
+    partition(s) or of one transformer (the token refiner keeps its processor), with the options of ``config`` (a
+    :class:`FlashInferAttentionConfig`; default: its defaults). ``backend=`` / ``precision=`` as separate arguments
+    still work for one release, with a ``FutureWarning``.
 
     Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be built
     (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and every model is on a CUDA GPU of SM80+ (``"fa3"`` needs
@@ -81,7 +103,9 @@ def enable_flashinfer_attention(pipe_or_transformer, backend: str = "auto", prec
     and the processor's ``describe_path`` line) is read from the processors with :func:`flashinfer_attention_state`.
     Undo with :func:`disable_flashinfer_attention`.
     """
-    _check_precision(precision)
+    config = config_from_call(FlashInferAttentionConfig, config, legacy, call="enable_flashinfer_attention",
+                              legacy_positional=("backend", "precision"), legacy_args=args)  # fmt: skip
+    backend, precision = config.backend, config.precision
     kernels = check_flashinfer_kernels()
     plans = []
     for _, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):

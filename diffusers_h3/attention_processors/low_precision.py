@@ -16,13 +16,14 @@ transformer block; the VSA processor delegates its dense calls to the same core.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 from .._hooks import partitions_of
-from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
+from .._utils import config_from_call, cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
 from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
 from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
@@ -247,28 +248,52 @@ def _models(pipe_or_transformer, who: str):
     return models
 
 
-def enable_low_precision_attention(
-    pipe_or_transformer,
-    precision: str = "fp8",
-    *,
-    smooth_k: bool = True,
-    pv_precision: str = "bf16",
-    fp4_p: Optional[str] = "two_level",
-    strict: bool = False,
-    backend: str = "auto",
-    kernel: str = "auto",
-):
+@dataclass(frozen=True)
+class LowPrecisionAttentionConfig:
+    """The options of :func:`enable_low_precision_attention`, those of :class:`MiniMaxH3LowPrecisionAttnProcessor`
+    (validated when built).
+
+    Args:
+        precision (`str`, defaults to `"fp8"`): ``"fp8"``, ``"int8"`` or ``"fp4"`` (emulated; see the module docstring).
+        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantizing (exact under softmax).
+        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (with an 8-bit ``precision``).
+        fp4_p (`str`, defaults to `"two_level"`): with ``precision="fp4"``, how P is emulated before P·V
+            (``"two_level"``, ``"single_level"`` or ``None``: 16-bit P).
+        strict (`bool`, defaults to `False`): raise when installing, instead of emulating with a one-time warning,
+            where the GPU lacks the precision's tensor cores.
+        backend (`str`, defaults to `"auto"`): ``"triton"``, ``"torch"`` (reference kernels) or ``"auto"``.
+        kernel (`str`, defaults to `"auto"`): ``"sm90"`` (Hopper Gluon kernel), ``"triton"`` or ``"auto"``.
+    """
+
+    precision: str = "fp8"
+    smooth_k: bool = True
+    pv_precision: str = "bf16"
+    fp4_p: Optional[str] = "two_level"
+    strict: bool = False
+    backend: str = "auto"
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        check_low_precision_options(self.precision, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
+                                    strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
+
+
+def enable_low_precision_attention(pipe_or_transformer, config: Optional[LowPrecisionAttentionConfig] = None, *args,
+                                   **legacy):  # fmt: skip
     """Install one :class:`MiniMaxH3LowPrecisionAttnProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor). Returns the argument; what was
+    partition(s) or of one transformer (the token refiner keeps its processor), with the options of ``config`` (a
+    :class:`LowPrecisionAttentionConfig`; default: its defaults, FP8). The precision as a string and the options as
+    separate keyword arguments still work for one release, with a ``FutureWarning``. Returns the argument; what was
     installed (number of blocks, the precision and options, one ``describe_path`` line) is read from the processors
     with :func:`low_precision_attention_state`. Undo with :func:`disable_low_precision_attention`."""
-    checked = {"pv_precision": pv_precision, "fp4_p": fp4_p, "strict": strict, "backend": backend, "kernel": kernel}
-    check_low_precision_options(precision, **checked)
-    options = {"smooth_k": smooth_k, **checked}
+    config = config_from_call(LowPrecisionAttentionConfig, config, legacy, call="enable_low_precision_attention",
+                              legacy_positional=("precision",), legacy_args=args)  # fmt: skip
+    options = {"smooth_k": config.smooth_k, "pv_precision": config.pv_precision, "fp4_p": config.fp4_p,
+               "strict": config.strict, "backend": config.backend, "kernel": config.kernel}  # fmt: skip
     for _, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
         for block in transformer_blocks(model, "enable_low_precision_attention"):
-            processor = MiniMaxH3LowPrecisionAttnProcessor(precision, **options)
-            if strict:
+            processor = MiniMaxH3LowPrecisionAttnProcessor(config.precision, **options)
+            if config.strict:
                 processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
             block.attn.set_processor(processor)
         install_forward_record_hook(model)

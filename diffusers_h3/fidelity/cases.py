@@ -98,17 +98,19 @@ def apply_case(pipe, case: FidelityCase, compile: bool = True) -> List[str]:
             model.enable_cache(cache_config(case.cache))
         applied.append(f"step cache: {case.cache}")
     if case.speed is not None:
-        from ..pipelines.speed_presets import speed_preset_record
+        from ..pipelines.speed_presets import SpeedPresetConfig, speed_preset_record
 
-        record = speed_preset_record(pipe.enable_speed_preset(case.speed, compile=compile)).describe()
+        record = speed_preset_record(pipe.enable_speed_preset(SpeedPresetConfig(case.speed, compile=compile)))
+        record = record.describe()
         # What ran, as the preset recorded it; its export settings are not the run's (the clips are written lossless).
         parts = [f"{key}: {_flat(record[key])}" for key in ("weights", "attention", "compile", "decode")]
         applied.append(f"speed preset {case.speed}: " + "; ".join(parts))
     if case.fp8_decode:
-        from ..hooks.fast_vae_decode import enable_fast_vae_decode
+        from ..hooks.fast_vae_decode import FastVAEDecodeConfig, enable_fast_vae_decode
 
         on_cuda = pipe.vae.device.type == "cuda"
-        enable_fast_vae_decode(pipe, batch_tiles=True, compile=compile and on_cuda, fp8_linears=True)
+        enable_fast_vae_decode(pipe, FastVAEDecodeConfig(batch_tiles=True, compile=compile and on_cuda,
+                                                         fp8_linears=True))  # fmt: skip
         applied.append("video decode: batched tiles, FP8 decoder linears" + (", compiled" if compile and on_cuda
                                                                               else ""))  # fmt: skip
     return applied or ["nothing: the pipeline as loaded"]

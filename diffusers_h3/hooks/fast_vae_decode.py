@@ -31,6 +31,7 @@ import torch
 from diffusers.utils import logging
 
 from .._hooks import H3_FAST_VAE_DECODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
+from .._utils import config_from_call
 from .._vae_tiles import decode_from_tiles, tile_layout
 
 
@@ -204,16 +205,11 @@ def chunk_decoder(vae) -> Callable[[torch.Tensor], torch.Tensor]:
     return decode_clip
 
 
-def enable_fast_vae_decode(
-    pipe_or_vae: Any,
-    batch_tiles: Union[bool, int] = True,
-    compile: bool = False,
-    fp8_linears: bool = False,
-) -> Any:
-    """Decode the MiniMax-H3 video VAE's tiles in batches; the pipeline's decode (`vae_decode`) uses it from now on.
+@dataclass(frozen=True)
+class FastVAEDecodeConfig:
+    """The options of :func:`enable_fast_vae_decode`.
 
     Args:
-        pipe_or_vae: A `MiniMaxH3Pipeline` (its `vae`) or an `AutoencoderKLMiniMaxH3`.
         batch_tiles (`bool` or `int`, defaults to `True`): Stack same-shaped tiles (of all temporal chunks) into one
             decoder call, at most `DEFAULT_TILES_PER_BATCH` per call for `True`, or at most this many for an int.
             The decoder's activation memory grows linearly with it.
@@ -225,6 +221,36 @@ def enable_fast_vae_decode(
             per-token activations; FP8 tensor cores on SM89+, elsewhere FP8Config's fallbacks) in place, once — an
             approximation (its measured speed and error: docs/vae.md). It cannot be undone: reload the VAE for bf16
             linears.
+    """
+
+    batch_tiles: Union[bool, int] = True
+    compile: bool = False
+    fp8_linears: bool = False
+
+    def __post_init__(self):
+        batch_tiles = self.batch_tiles
+        if not isinstance(batch_tiles, bool) and not (isinstance(batch_tiles, int) and batch_tiles >= 1):
+            raise ValueError(f"`batch_tiles` must be True, False or a positive int, got {batch_tiles!r}.")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"`compile` must be True or False, got {self.compile!r}.")
+        if not isinstance(self.fp8_linears, bool):
+            raise ValueError(f"`fp8_linears` must be True or False, got {self.fp8_linears!r}.")
+
+    @property
+    def tiles_per_batch(self) -> int:
+        if isinstance(self.batch_tiles, bool):
+            return DEFAULT_TILES_PER_BATCH if self.batch_tiles else 1
+        return self.batch_tiles
+
+
+def enable_fast_vae_decode(pipe_or_vae: Any, config: Optional[FastVAEDecodeConfig] = None, **legacy) -> Any:
+    """Decode the MiniMax-H3 video VAE's tiles in batches; the pipeline's decode (`vae_decode`) uses it from now on.
+
+    Args:
+        pipe_or_vae: A `MiniMaxH3Pipeline` (its `vae`) or an `AutoencoderKLMiniMaxH3`.
+        config (`FastVAEDecodeConfig`, *optional*): The options (default: batched tiles, no compile, bf16 linears).
+            `batch_tiles=` / `compile=` / `fp8_linears=` as separate arguments still work for one release, with a
+            `FutureWarning`.
 
     Returns the argument. The pipeline's decode takes the fast path; outside it, decode with `vae_decode(vae, z)`
     (`vae.decode` stays diffusers' own). What was enabled (and what the last decode ran) is the `FastVAEDecodeState`
@@ -232,17 +258,9 @@ def enable_fast_vae_decode(
     Enabling again replaces the earlier options. The tile geometry and blend are the VAE's own
     (`vae.enable_tiling(...)` still sets them). Undo with `disable_fast_vae_decode`.
     """
+    config = config_from_call(FastVAEDecodeConfig, config, legacy, call="enable_fast_vae_decode")
     vae = _vae_of(pipe_or_vae)
-    if isinstance(batch_tiles, bool):
-        tiles_per_batch = DEFAULT_TILES_PER_BATCH if batch_tiles else 1
-    elif isinstance(batch_tiles, int) and batch_tiles >= 1:
-        tiles_per_batch = batch_tiles
-    else:
-        raise ValueError(f"`batch_tiles` must be True, False or a positive int, got {batch_tiles!r}.")
-    if not isinstance(compile, bool):
-        raise ValueError(f"`compile` must be True or False, got {compile!r}.")
-    if not isinstance(fp8_linears, bool):
-        raise ValueError(f"`fp8_linears` must be True or False, got {fp8_linears!r}.")
+    tiles_per_batch, compile, fp8_linears = config.tiles_per_batch, config.compile, config.fp8_linears
     already_fp8 = decoder_is_fp8(vae)
     if already_fp8 and not fp8_linears:
         raise ValueError(
@@ -251,7 +269,7 @@ def enable_fast_vae_decode(
         )
     if tiles_per_batch == 1 and not compile:
         raise ValueError(
-            "enable_fast_vae_decode(batch_tiles=False, compile=False) would change nothing: enable one of them, or "
+            "FastVAEDecodeConfig(batch_tiles=False, compile=False) would change nothing: enable one of them, or "
             "call disable_fast_vae_decode."
         )
     if fp8_linears and not already_fp8:

@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .._hooks import H3_V100_MODE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
+from .._hooks import H3_V100_MODE_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook, remove_h3_hook
+from .._utils import config_from_call
 
 
 FP16_MAX = 65504.0
@@ -139,14 +140,14 @@ class V100Mode:
                 f"V100 mode: inf/NaN first appeared in the input of `{name}` ({type(module).__name__}): the operation "
                 "just before it produced it (the attention core for `to_out.0`, the SwiGLU product for `ff.net.2`). "
                 "Check the processor's describe_path(), or keep the enclosing module in fp32 with "
-                "enable_v100_mode(..., fp32_modules=[...]).",
+                "enable_v100_mode(..., V100ModeConfig(fp32_modules=(...))).",
                 name,
             )
         module = self.transformer.get_submodule(name) if name else self.transformer
         raise NonFiniteActivationError(
             f"V100 mode: inf/NaN first appeared in the output of `{name}` ({type(module).__name__}) while its inputs "
             f"were finite. Fixes: lower activation_limit (now {self.activation_limit:g}), or keep this module in fp32 "
-            f"with enable_v100_mode(..., fp32_modules=[{name!r}]).",
+            f"with enable_v100_mode(..., V100ModeConfig(fp32_modules=({name!r},))).",
             name,
         )
 
@@ -222,8 +223,6 @@ def v100_mode_of(transformer: nn.Module) -> Optional[V100Mode]:
 def disable_v100_mode(pipe_or_transformer):
     """Take V100 mode's hooks off a transformer or a pipeline's partitions (weights keep their dtypes; a no-op where
     it is not enabled); returns the argument."""
-    from .._hooks import partitions_of
-
     for _, model in partitions_of(pipe_or_transformer):
         mode = v100_mode_of(model)
         if mode is not None:
@@ -271,42 +270,62 @@ def _cast_weights(transformer: nn.Module, fp32_patterns: Sequence[str]) -> List[
                 if amax > FP16_MAX:
                     raise ValueError(
                         f"V100 mode: `{name}.{pname}` holds values up to {amax:.3g}, beyond fp16's {FP16_MAX:g}. Keep "
-                        f"its module in fp32: enable_v100_mode(..., fp32_modules=[{name!r}])."
+                        f"its module in fp32: enable_v100_mode(..., V100ModeConfig(fp32_modules=({name!r},)))."
                     )
                 param.data = param.data.half()
     # drop nested duplicates (a norm inside an fp32 module) from the report
     return [n for n in fp32_modules if not any(n.startswith(o + ".") for o in fp32_modules if o != n)]
 
 
-def enable_v100_mode(
-    transformer: nn.Module,
-    *,
-    attention: str = "fa_v100",
-    query_tile: int = 128,
-    allow_non_volta: bool = False,
-    activation_limit: float = 2048.0,
-    detect_non_finite: bool = True,
-    fp32_modules: Sequence[str] = (),
-    build_dir: Optional[Union[str, os.PathLike]] = None,
-) -> nn.Module:
-    """Make a MiniMax-H3 transformer run fp16 GEMMs safely (see the module docstring); returns ``transformer``. The
-    :class:`V100Mode` record (``v100_mode_of(transformer)``) says what was set up; :func:`disable_v100_mode` undoes the
-    hooks.
+@dataclasses.dataclass(frozen=True)
+class V100ModeConfig:
+    """The options of :func:`enable_v100_mode`.
 
     Args:
-        transformer: a ``MiniMaxH3Transformer3DModel`` (any dtype; bf16 checkpoints are converted).
-        attention: ``"fa_v100"`` installs :class:`MiniMaxH3FAV100Processor`; ``"keep"`` leaves processors alone.
-        query_tile, allow_non_volta, build_dir: passed to the FA-V100 processor.
-        activation_limit: rows of a GEMM input are scaled by a power of two to stay within this magnitude
-            (default 2048 = 2^11, leaving fp16 headroom for the GEMM's sums).
-        detect_non_finite: check every hooked linear's input and output and every attention / block / fp32 module's
-            output on the device (an extra read of each activation); one host sync per transformer forward.
-        fp32_modules: extra module names (or name fragments) to keep entirely in fp32.
+        attention (`str`, defaults to `"fa_v100"`): ``"fa_v100"`` installs :class:`MiniMaxH3FAV100Processor`;
+            ``"keep"`` leaves the attention processors alone.
+        query_tile (`int`), allow_non_volta (`bool`), build_dir (`str`, *optional*): passed to the FA-V100 processor.
+        activation_limit (`float`, defaults to `2048.0`): rows of a GEMM input are scaled by a power of two to stay
+            within this magnitude (2^11 leaves fp16 headroom for the GEMM's sums).
+        detect_non_finite (`bool`, defaults to `True`): check every hooked linear's input and output and every
+            attention / block / fp32 module's output on the device (an extra read of each activation); one host sync
+            per transformer forward.
+        fp32_modules (`tuple[str]`): extra module names (or name fragments) to keep entirely in fp32.
     """
-    if attention not in ("fa_v100", "keep"):
-        raise ValueError(f"attention must be 'fa_v100' or 'keep', got {attention!r}.")
-    if not activation_limit > 0 or activation_limit > FP16_MAX / 4:
-        raise ValueError(f"activation_limit must be in (0, {FP16_MAX / 4:g}], got {activation_limit}.")
+
+    attention: str = "fa_v100"
+    query_tile: int = 128
+    allow_non_volta: bool = False
+    activation_limit: float = 2048.0
+    detect_non_finite: bool = True
+    fp32_modules: Sequence[str] = ()
+    build_dir: Optional[Union[str, os.PathLike]] = None
+
+    def __post_init__(self):
+        if self.attention not in ("fa_v100", "keep"):
+            raise ValueError(f"attention must be 'fa_v100' or 'keep', got {self.attention!r}.")
+        if not self.activation_limit > 0 or self.activation_limit > FP16_MAX / 4:
+            raise ValueError(f"activation_limit must be in (0, {FP16_MAX / 4:g}], got {self.activation_limit}.")
+        object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+
+
+def enable_v100_mode(pipe_or_transformer, config: Optional[V100ModeConfig] = None, **legacy):
+    """Make a MiniMax-H3 transformer (or every transformer partition of a pipeline) run fp16 GEMMs safely (see the
+    module docstring) with the options of ``config`` (a :class:`V100ModeConfig`; default: its defaults); returns the
+    argument. The options as separate keyword arguments still work for one release, with a ``FutureWarning``. The
+    :class:`V100Mode` record (``v100_mode_of(transformer)``) says what was set up; :func:`disable_v100_mode` undoes
+    the hooks. ``transformer``: a ``MiniMaxH3Transformer3DModel`` (any dtype; bf16 checkpoints are converted)."""
+    config = config_from_call(V100ModeConfig, config, legacy, call="enable_v100_mode")
+    models = partitions_of(pipe_or_transformer)
+    if not models:
+        raise TypeError(f"enable_v100_mode expects a MiniMaxH3Transformer3DModel or a pipeline with a `transformer`, "
+                        f"got {type(pipe_or_transformer).__name__}.")  # fmt: skip
+    for _, model in models:
+        _enable_v100_mode(model, config)
+    return pipe_or_transformer
+
+
+def _enable_v100_mode(transformer: nn.Module, config: V100ModeConfig) -> None:
     if v100_mode_of(transformer) is not None:
         raise RuntimeError(
             "V100 mode is already enabled on this transformer; call disable_v100_mode(transformer) first."
@@ -320,15 +339,15 @@ def enable_v100_mode(
             f"{type(transformer).__name__}."
         )
 
-    kept = _cast_weights(transformer, _fp32_patterns(transformer, fp32_modules))
-    fp32_patterns = _fp32_patterns(transformer, fp32_modules)
+    kept = _cast_weights(transformer, _fp32_patterns(transformer, config.fp32_modules))
+    fp32_patterns = _fp32_patterns(transformer, config.fp32_modules)
 
-    if attention == "fa_v100":
+    if config.attention == "fa_v100":
         from ..attention_processors.fa_v100 import MiniMaxH3FAV100Processor
 
-        transformer.set_attn_processor(
-            MiniMaxH3FAV100Processor(query_tile=query_tile, allow_non_volta=allow_non_volta, build_dir=build_dir)
-        )
+        transformer.set_attn_processor(MiniMaxH3FAV100Processor(
+            query_tile=config.query_tile, allow_non_volta=config.allow_non_volta, build_dir=config.build_dir
+        ))  # fmt: skip
 
     # Linear-like modules of the block stack, the refiner and the output norm, outermost only.
     targets: Dict[str, nn.Module] = {}
@@ -342,9 +361,9 @@ def enable_v100_mode(
 
     mode = V100Mode(
         transformer=transformer,
-        activation_limit=float(activation_limit),
-        detect_non_finite=bool(detect_non_finite),
-        attention=attention,
+        activation_limit=float(config.activation_limit),
+        detect_non_finite=bool(config.detect_non_finite),
+        attention=config.attention,
         hooked_linears=list(targets),
         fp32_modules=kept,
     )
@@ -353,7 +372,7 @@ def enable_v100_mode(
     for name, module in targets.items():
         register_h3_hook(module, _ScaledFP16Linear(mode, name), H3_V100_MODE_HOOK, root=transformer)
 
-    if detect_non_finite:
+    if config.detect_non_finite:
         watched = set(targets)
         for name, module in transformer.named_modules():
             if not name or name in watched or any(name.startswith(t + ".") for t in targets):
@@ -364,4 +383,3 @@ def enable_v100_mode(
                     continue
                 watched.add(name)
                 register_h3_hook(module, _WatchOutput(mode, name), H3_V100_MODE_HOOK, root=transformer)
-    return transformer

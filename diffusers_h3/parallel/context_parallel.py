@@ -26,9 +26,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from diffusers import ContextParallelConfig
 from diffusers.hooks.context_parallel import ContextParallelGatherHook
 
 from .._hooks import H3_CONTEXT_PARALLEL_HOOK, H3Hook, h3_record, register_h3_hook, transformers_of
+from .._utils import config_from_call
 from ..attention_processors._ulysses import check_ulysses_heads
 
 
@@ -60,6 +62,15 @@ class ContextParallelRecord:
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Degrees:
+    """The two degrees `enable_context_parallel` took as separate arguments before it took a `ContextParallelConfig`
+    (kept for one release)."""
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
 
 
 class ContextParallelHook(H3Hook):
@@ -289,7 +300,7 @@ def _check_same_on_every_rank(description: Dict[str, Any]) -> None:
         )
 
 
-def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_degree: int = 1):
+def enable_context_parallel(pipe_or_transformer, config: Optional[ContextParallelConfig] = None, *args, **legacy):
     """Shard the DiT's packed sequence over the ranks of the default process group.
 
     Call it in every rank after the model is on its device (and, ideally, after `enable_vsa` or other processor
@@ -300,21 +311,38 @@ def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_d
     Args:
         pipe_or_transformer: a `MiniMaxH3Pipeline` (its `transformer` and `transformer_ref` are both configured) or a
             `MiniMaxH3Transformer3DModel`.
-        ulysses_degree: ranks exchanging heads by all-to-all; must divide the head count (56 for H3: 2, 4, 7, 8, ...).
-        ring_degree: ranks passing key/value blocks around a ring; needs a diffusers backend returning the
-            log-sum-exp (not `native`) and diffusers' own processor. `ulysses_degree * ring_degree` must equal the
-            world size.
+        config: diffusers' `ContextParallelConfig` (default: Ulysses over every rank, `ulysses_degree=<world size>`).
+            `ulysses_degree`: ranks exchanging heads by all-to-all; must divide the head count (56 for H3: 2, 4, 7,
+            8, ...). `ring_degree`: ranks passing key/value blocks around a ring; needs a diffusers backend returning
+            the log-sum-exp (not `native`) and diffusers' own processor. `ulysses_degree * ring_degree` must equal the
+            world size. Its `mesh` and `convert_to_fp32` are used as given; `ulysses_anything` / `ring_anything` are
+            set here (uneven shards: any packed length). `ulysses_degree=` / `ring_degree=` as separate arguments
+            still work for one release, with a `FutureWarning`.
 
     Returns:
         The argument, for chaining.
     """
-    if ulysses_degree < 1 or ring_degree < 1 or ulysses_degree * ring_degree == 1:
+    if isinstance(config, ContextParallelConfig) and (legacy or args):
+        raise TypeError("enable_context_parallel() takes the degrees in its ContextParallelConfig, not beside it")
+    if legacy or args or (config is not None and not isinstance(config, ContextParallelConfig)):
+        degrees = config_from_call(_Degrees, config, legacy, call="enable_context_parallel", legacy_args=args,
+                                   legacy_positional=("ulysses_degree", "ring_degree"),
+                                   config_name="ContextParallelConfig")  # fmt: skip
+        ulysses_degree, ring_degree = degrees.ulysses_degree, degrees.ring_degree
+        config = None
+    elif config is not None:
+        ulysses_degree, ring_degree = config.ulysses_degree, config.ring_degree
+    else:
+        ulysses_degree = ring_degree = None  # Ulysses over the world size, once the process group exists
+    if ulysses_degree is not None and (ulysses_degree < 1 or ring_degree < 1 or ulysses_degree * ring_degree == 1):
         raise ValueError(
             f"ulysses_degree={ulysses_degree}, ring_degree={ring_degree}: both must be >= 1 and their product > 1."
         )
     models = transformers_of(pipe_or_transformer, "enable_context_parallel")
     _ensure_process_group()
     world_size = dist.get_world_size()
+    if ulysses_degree is None:
+        ulysses_degree, ring_degree = world_size, 1
     if ulysses_degree * ring_degree != world_size:
         raise ValueError(
             f"ulysses_degree * ring_degree = {ulysses_degree} * {ring_degree} = {ulysses_degree * ring_degree} must "
@@ -335,16 +363,15 @@ def enable_context_parallel(pipe_or_transformer, ulysses_degree: int = 1, ring_d
         }
     )
 
-    from diffusers import ContextParallelConfig
-
     for model in models:
         # `*_anything` shards with `tensor_split`, so any packed length works (unified Ulysses x ring needs a length
-        # divisible by the world size: diffusers has no uneven mode for it).
+        # divisible by the world size: diffusers has no uneven mode for it). Each model sets up its own copy.
         cp_config = ContextParallelConfig(
             ulysses_degree=ulysses_degree,
             ring_degree=ring_degree,
             ulysses_anything=ulysses_degree > 1 and ring_degree == 1,
             ring_anything=ring_degree > 1 and ulysses_degree == 1,
+            **({} if config is None else {"convert_to_fp32": config.convert_to_fp32, "mesh": config.mesh}),
         )
         if torch.accelerator.device_count() > 0:
             model.enable_parallelism(config=cp_config)

@@ -34,6 +34,7 @@ import torch
 from diffusers.utils import logging
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
+from .._utils import config_from_call
 
 
 logger = logging.get_logger(__name__)
@@ -438,30 +439,41 @@ def check_weights_for_recipe(pipe, recipe: MemoryRecipe) -> None:
             )
 
 
-def enable_memory_budget(
-    pipe,
-    gpu_gib: Optional[float] = None,
-    host_gib: Optional[float] = None,
-    *,
-    device: Union[str, torch.device] = "cuda",
-    recipe: Union[str, MemoryRecipe, None] = None,
-    offload_folder: Union[str, os.PathLike, None] = None,
-    cap_gpu: bool = True,
-) -> MemoryRecipe:
-    """Place a pipeline (on the CPU, loaded in the recipe's weight formats) with the fastest recipe that fits.
+@dataclass(frozen=True)
+class MemoryBudgetConfig:
+    """The budget and options of :func:`enable_memory_budget`.
 
     Args:
-        pipe: a `MiniMaxH3Pipeline` on the CPU.
-        gpu_gib / host_gib: the budget in GiB (None: read the visible GPU / host memory).
-        device: where computation runs.
-        recipe: a recipe name or one from :func:`select_recipe`, instead of selecting one.
-        offload_folder: where the ``low_ram`` recipe writes the text encoder's offload files (default: a new folder
-            under the system's temporary directory; it must be on disk, not in a RAM-backed tmpfs).
-        cap_gpu: hold the allocator to ``gpu_gib`` (:func:`apply_gpu_cap`) as in the measurement.
+        gpu_gib / host_gib (`float`, *optional*): the budget in GiB (None: read the visible GPU / host memory).
+        device (`str` or `torch.device`, defaults to `"cuda"`): where computation runs.
+        recipe (`str` or `MemoryRecipe`, *optional*): a recipe name or one from :func:`select_recipe`, instead of
+            selecting one.
+        offload_folder (`str`, *optional*): where the ``low_ram`` recipe writes the text encoder's offload files
+            (default: a new folder under the system's temporary directory; it must be on disk, not in a RAM-backed
+            tmpfs).
+        cap_gpu (`bool`, defaults to `True`): hold the allocator to ``gpu_gib`` (:func:`apply_gpu_cap`) as in the
+            measurement.
+    """
+
+    gpu_gib: Optional[float] = None
+    host_gib: Optional[float] = None
+    device: Union[str, torch.device] = "cuda"
+    recipe: Union[str, "MemoryRecipe", None] = None
+    offload_folder: Union[str, os.PathLike, None] = None
+    cap_gpu: bool = True
+
+
+def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *args, **legacy) -> MemoryRecipe:
+    """Place a pipeline (on the CPU, loaded in the recipe's weight formats) with the fastest recipe that fits
+    ``config`` (a :class:`MemoryBudgetConfig`; default: the visible GPU's and host's memory). The budget and options
+    as separate arguments still work for one release, with a ``FutureWarning``.
 
     Returns:
         The recipe applied; `describe(pipe)["placement"]` says where each component lives and streams from.
     """
+    config = config_from_call(MemoryBudgetConfig, config, legacy, call="enable_memory_budget",
+                              legacy_positional=("gpu_gib", "host_gib"), legacy_args=args)  # fmt: skip
+    gpu_gib, host_gib, device, recipe = config.gpu_gib, config.host_gib, config.device, config.recipe
     from .placement import _record_placement, drop_unused_text_encoder_layers
 
     recipe = resolve_recipe(recipe, gpu_gib, host_gib, device)
@@ -470,9 +482,9 @@ def enable_memory_budget(
     if getattr(pipe, "text_encoder", None) is not None:
         drop_unused_text_encoder_layers(pipe)
     device = torch.device(device)
-    if cap_gpu and gpu_gib is not None and device.type == "cuda":
+    if config.cap_gpu and gpu_gib is not None and device.type == "cuda":
         apply_gpu_cap(gpu_gib, device)
-    place_for_recipe(pipe, recipe, device, offload_folder)
+    place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line())
     return recipe
 

@@ -23,6 +23,7 @@ import torch
 from diffusers.utils import logging
 
 from ..parallel.memory_budget import (
+    MemoryBudgetConfig,
     MemoryBudgetError,
     MemoryRecipe,
     apply_gpu_cap,
@@ -201,8 +202,8 @@ def load_for_memory_budget(
                 "convert the checkpoint once to stream it from disk (docs/memory.md)"
             )
         stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
-    enable_memory_budget(pipe, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder,
-                         cap_gpu=False)  # fmt: skip
+    enable_memory_budget(pipe, MemoryBudgetConfig(gpu_gib, host_gib, device=device, recipe=recipe,
+                                                  offload_folder=offload_folder, cap_gpu=False))  # fmt: skip
     return pipe
 
 

@@ -334,51 +334,42 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
         return enable_vsa(self, config, **options)
 
-    def enable_fast_vae_decode(self, **options):
-        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`.
-        Returns the pipeline."""
+    def enable_fast_vae_decode(self, config=None, **legacy):
+        """Decode the video VAE's tiles in batches (optionally compiled); see `diffusers_h3.enable_fast_vae_decode`
+        (`config` is a `diffusers_h3.FastVAEDecodeConfig`). Returns the pipeline."""
         from ..hooks.fast_vae_decode import enable_fast_vae_decode
 
-        return enable_fast_vae_decode(self, **options)
+        return enable_fast_vae_decode(self, config, **legacy)
 
-    def enable_v100_mode(self, **options):
+    def enable_v100_mode(self, config=None, **legacy):
         """Run a bf16-trained H3 in fp16 safely on Volta GPUs, on every loaded partition; see
-        `diffusers_h3.enable_v100_mode`. Returns the pipeline (`v100_mode_of(pipe.transformer)`: the record)."""
+        `diffusers_h3.enable_v100_mode` (`config` is a `diffusers_h3.V100ModeConfig`). Returns the pipeline
+        (`v100_mode_of(pipe.transformer)`: the record)."""
         from ..hooks.v100_mode import enable_v100_mode
 
-        for _, model in self._partitions():
-            enable_v100_mode(model, **options)
-        return self
+        return enable_v100_mode(self, config, **legacy)
 
-    def enable_speed_preset(self, preset: str, compile: bool = True, flashinfer: Optional[bool] = None,
-                            fullgraph: bool = False, quantize_text_encoder: Optional[bool] = None):
-        """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`) on the loaded transformer
-        partition(s) and the text encoder; see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the
-        pipeline (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
+    def enable_speed_preset(self, config=None, *args, **legacy):
+        """Turn on the fast paths of a speed preset (`"exact"`, `"fast"` or `"fastest"`, or a
+        `diffusers_h3.SpeedPresetConfig` with its options) on the loaded transformer partition(s) and the text
+        encoder; see `diffusers_h3.enable_speed_preset` and docs/speed.md. Returns the pipeline
+        (`diffusers_h3.speed_preset_record(pipe)`: what was turned on)."""
         from .speed_presets import enable_speed_preset
 
-        return enable_speed_preset(self, preset, compile=compile, flashinfer=flashinfer, fullgraph=fullgraph,
-                                   quantize_text_encoder=quantize_text_encoder)
+        return enable_speed_preset(self, config, *args, **legacy)
 
-    def enable_memory_budget(
-        self,
-        gpu_gib: Optional[float] = None,
-        host_gib: Optional[float] = None,
-        *,
-        device: Union[str, torch.device] = "cuda",
-        recipe: Optional[str] = None,
-        offload_folder: Optional[Union[str, os.PathLike]] = None,
-    ):
+    def enable_memory_budget(self, config=None, *args, **legacy):
         """Place this pipeline (loaded on the CPU in the recipe's weight formats) with the fastest measured recipe
-        that fits `gpu_gib` / `host_gib` (None: read the visible GPU / host memory); one `MemoryBudgetError` line
-        when nothing fits. Returns the recipe; `describe(pipe)["placement"]` says where each component lives.
+        that fits `config` (a `diffusers_h3.MemoryBudgetConfig`; default: the visible GPU / host memory); one
+        `MemoryBudgetError` line when nothing fits. Returns the recipe; `describe(pipe)["placement"]` says where each
+        component lives.
 
         To load the weights the way the recipe needs (quantized as they arrive, the text encoder streamed from disk
         before the DiT loads), use `diffusers_h3.load_for_memory_budget(path, gpu_gib=..., host_gib=...)` instead:
         docs/memory.md."""
         from ..parallel.memory_budget import enable_memory_budget
 
-        return enable_memory_budget(self, gpu_gib, host_gib, device=device, recipe=recipe, offload_folder=offload_folder)
+        return enable_memory_budget(self, config, *args, **legacy)
 
     @property
     def _execution_device(self) -> torch.device:

@@ -7,7 +7,7 @@
   regional ``torch.compile`` on CUDA with inductor's ``emulate_precision_casts`` (fused kernels round to bf16 where
   eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
-  dense 8-bit attention with INT8 Q/K (``enable_low_precision_attention(precision="int8")``: the same speed as our FP8
+  dense 8-bit attention with INT8 Q/K (``LowPrecisionAttentionConfig(precision="int8")``: the same speed as our FP8
   Q/K on Hopper with less Q/K rounding error, docs/attention.md), no sparsity; regional compile on CUDA. With ``flashinfer=True``
   (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``; on a FastH3 stack
@@ -29,22 +29,31 @@ one model without a pipeline (benchmarks/forward.py). docs/speed.md has the exac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from diffusers.utils import logging
 
 from .._hooks import moves_weights, partitions_of
-from .._utils import cuda_capability, has_fp8_tensor_cores
+from .._utils import config_from_call, cuda_capability, has_fp8_tensor_cores
 from .._video_encoding import DEFAULT_CRF, DEFAULT_PIX_FMT, DEFAULT_PRESET
 from ..attention_processors import (
+    FlashInferAttentionConfig,
+    LowPrecisionAttentionConfig,
+    VSAConfig,
     disable_low_precision_attention,
     enable_flashinfer_attention,
     enable_low_precision_attention,
     enable_vsa,
     flashinfer_attention_state,
 )
-from ..hooks.fast_vae_decode import FP8_LINEARS_NOTE, decoder_is_fp8, disable_fast_vae_decode, enable_fast_vae_decode
+from ..hooks.fast_vae_decode import (
+    FP8_LINEARS_NOTE,
+    FastVAEDecodeConfig,
+    decoder_is_fp8,
+    disable_fast_vae_decode,
+    enable_fast_vae_decode,
+)
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_kernel_source,
@@ -126,6 +135,54 @@ def check_speed_preset(preset: Any) -> str:
     if preset not in SPEED_PRESETS:
         raise ValueError(f"unknown speed preset {preset!r}: choose one of {', '.join(repr(p) for p in SPEED_PRESETS)}")
     return preset
+
+
+@dataclass(frozen=True)
+class SpeedPresetConfig:
+    r"""
+    A speed preset and its options, for :func:`enable_speed_preset` (a preset name alone is
+    ``SpeedPresetConfig(name)``).
+
+    Args:
+        preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"`` (see the module docstring and docs/speed.md).
+        compile (`bool`, defaults to `True`): regional ``torch.compile`` of the transformer blocks on CUDA (diffusers'
+            ``compile_repeated_blocks``; the first call compiles). Ignored with a log line on CPU.
+        flashinfer (`bool`, *optional*): FlashInfer's FlashAttention-3 kernels for the dense attention. ``"exact"``:
+            `None` (default) uses FA3 bf16 on Hopper when flashinfer-python is installed (it builds its kernels on
+            first use), `False` diffusers' backend (cuDNN). ``"fast"``: `True` runs FA3's FP8 kernel (Hopper) instead
+            of the INT8 attention (faster, less exact); `None` / `False` keep INT8. `True` requires it (an error if it
+            cannot run). ``"fastest"`` refuses `True`.
+        fullgraph (`bool`, defaults to `False`): compile each block as one graph (``compile_repeated_blocks(
+            fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
+            (every kernel is a custom op), so this only changes what happens if one appears.
+        quantize_text_encoder (`bool`, *optional*): ``"fast"`` / ``"fastest"`` quantize a bf16 text encoder that
+            sits on its device to weight-only INT8 (``W8A16Config``) by default (`None`): half its memory (the 32B
+            Qwen3-VL's 50 layers from ~50 to ~25 GiB), which is what lets the preset's whole request stay under 75 GiB
+            on one GPU; the prompt embeddings move by the error docs/speed.md states. `False` keeps it as loaded;
+            `True` requires it (an error for an offloaded text encoder, or with ``"exact"``, which never changes it).
+            A text encoder loaded quantized is kept. A pipeline's option: a transformer alone has no text encoder.
+    """
+
+    preset: str
+    compile: bool = True
+    flashinfer: Optional[bool] = None
+    fullgraph: bool = False
+    quantize_text_encoder: Optional[bool] = None
+
+    def __post_init__(self):
+        check_speed_preset(self.preset)
+
+
+def speed_preset_config(config: Union[str, SpeedPresetConfig, None], legacy_args, legacy, call: str) -> SpeedPresetConfig:
+    """The :class:`SpeedPresetConfig` of an ``enable_speed_preset*`` call: ``config`` (a preset name is
+    ``SpeedPresetConfig(name)``), with the options it took as separate arguments before (deprecated) applied."""
+    if isinstance(config, str):
+        config = SpeedPresetConfig(config)
+    if config is None and "preset" not in legacy:
+        raise TypeError(f"{call}() needs a preset: pass one of {', '.join(repr(p) for p in SPEED_PRESETS)} or a "
+                        "SpeedPresetConfig")  # fmt: skip
+    return config_from_call(SpeedPresetConfig, config, legacy, call=call, legacy_args=legacy_args,
+                            legacy_positional=("compile", "flashinfer", "fullgraph", "quantize_text_encoder"))
 
 
 def gemm_format(device: torch.device) -> str:
@@ -405,23 +462,30 @@ def _plan_text_encoder(
     return config, f"weight-only INT8 with 16-bit GEMMs ({type(config).__name__}): half the bf16 memory"
 
 
+@dataclass(frozen=True)
+class _TransformerPlan:
+    """What a preset will do to one transformer, checked before anything changes: its device, the quantization
+    config (``None``: keep its weights), what its weights will be, and the FlashInfer plan (``plan_flashinfer``)."""
+
+    device: torch.device
+    quantization: Optional[Any]
+    weights: str
+    flashinfer: str
+
+
 def _apply_to_transformer(
     record: SpeedPresetRecord,
     name: str,
     model: torch.nn.Module,
-    device: torch.device,
-    config: Optional[Any],
-    weights: str,
-    flashinfer: str,
-    preset: str,
-    compile: bool,
-    fullgraph: bool = False,
+    plan: _TransformerPlan,
+    config: SpeedPresetConfig,
     sparsity: float = FASTEST_SPARSITY,
 ) -> None:
-    """Turn ``preset``'s weights, attention and compile on for one transformer (planned by ``_plan_weights``) and
-    record it under ``name``."""
-    if config is not None:
-        quantize(model, config)
+    """Turn ``config``'s weights, attention and compile on for one transformer (as ``plan`` says) and record it
+    under ``name``."""
+    device, weights, flashinfer, preset = plan.device, plan.weights, plan.flashinfer, config.preset
+    if plan.quantization is not None:
+        quantize(model, plan.quantization)
     record.weights[name] = weights
 
     if preset == "exact":
@@ -435,7 +499,8 @@ def _apply_to_transformer(
         else:
             record.attention[name] = f"{dense}, diffusers' active backend (SDPA)"
         if flashinfer == "on":
-            resolved = flashinfer_attention_state(enable_flashinfer_attention(model))["backend"]
+            resolved = flashinfer_attention_state(enable_flashinfer_attention(model, FlashInferAttentionConfig()))
+            resolved = resolved["backend"]
             record.attention[name] = f"{dense}, FlashInfer {resolved.upper()} (single_prefill) in the blocks"
         elif flashinfer == "not installed":
             record.attention[name] += " (flashinfer-python not installed: with it, FlashInfer's faster FA3 kernel)"
@@ -443,17 +508,17 @@ def _apply_to_transformer(
             record.attention[name] += (" (flashinfer-python is installed but cannot build its kernels: no nvcc found; "
                                        "set CUDA_HOME or install flashinfer-jit-cache for its faster FA3 kernel)")
     elif preset == "fast" and flashinfer == "on":
-        enable_flashinfer_attention(model, backend="fa3", precision="fp8")
+        enable_flashinfer_attention(model, FlashInferAttentionConfig(backend="fa3", precision="fp8"))
         record.attention[name] = ("dense FP8, FlashInfer FA3 FP8 (single_prefill) in the blocks: E4M3 Q/K/V with one "
                                   "scale per head, K mean-centred, FP8 P·V")  # fmt: skip
     elif preset == "fast":
-        enable_low_precision_attention(model, precision=ATTENTION_PRECISION)
+        enable_low_precision_attention(model, LowPrecisionAttentionConfig(precision=ATTENTION_PRECISION))
         record.attention[name] = f"dense {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_low_precision_attention)"
         if flashinfer == "available":
             record.attention[name] += (" (flashinfer=True: FlashInfer's FA3 FP8 kernel, faster on this GPU, less "
                                        "exact: E4M3 Q/K/V and P; docs/speed.md)")
     else:
-        enable_vsa(model, sparsity=sparsity, precision=ATTENTION_PRECISION)
+        enable_vsa(model, VSAConfig(sparsity=sparsity, precision=ATTENTION_PRECISION))
         record.attention[name] = (
             f"VSA sparsity={sparsity} with {ATTENTION_PRECISION.upper()} Q/K + bf16 P·V (enable_vsa)"
             + ("" if sparsity == FASTEST_SPARSITY else ": the FastH3 stack's trained sparsity")
@@ -464,9 +529,9 @@ def _apply_to_transformer(
     # torch._dynamo.reset() before the switch starts from an empty cache).
     if _is_compiled(model):
         record.compile[name] = "regional torch.compile (blocks already compiled: kept)"
-    elif compile and device.type == "cuda":
-        record.compile[name] = compile_blocks(model, preset, fullgraph=fullgraph)
-    elif compile:
+    elif config.compile and device.type == "cuda":
+        record.compile[name] = compile_blocks(model, preset, fullgraph=config.fullgraph)
+    elif config.compile:
         record.compile[name] = f"off: regional torch.compile is applied on CUDA only (device {device})"
     else:
         record.compile[name] = "off (compile=False)"
@@ -481,42 +546,22 @@ def _apply_to_transformer(
 _RECORD_ATTRIBUTE = "_h3_speed_preset"
 
 
-def enable_speed_preset(
-    pipe,
-    preset: str,
-    compile: bool = True,
-    flashinfer: Optional[bool] = None,
-    fullgraph: bool = False,
-    quantize_text_encoder: Optional[bool] = None,
-):
+def enable_speed_preset(pipe, config: Union[str, SpeedPresetConfig, None] = None, *args, **legacy):
     r"""
     Turn on the fast paths of a speed preset on every loaded transformer partition of a `MiniMaxH3Pipeline`.
 
     Args:
         pipe (`MiniMaxH3Pipeline`): the pipeline (its components already on their devices: FP8 or W8A16 and the
             attention kernels are chosen for the transformer's device).
-        preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"`` (see the module docstring and docs/speed.md).
-        compile (`bool`, defaults to `True`): regional ``torch.compile`` of the transformer blocks on CUDA (diffusers'
-            ``compile_repeated_blocks``; the first call compiles). Ignored with a log line on CPU.
-        flashinfer (`bool`, *optional*): FlashInfer's FlashAttention-3 kernels for the dense attention. ``"exact"``:
-            `None` (default) uses FA3 bf16 on Hopper when flashinfer-python is installed (it builds its kernels on
-            first use), `False` diffusers' backend (cuDNN). ``"fast"``: `True` runs FA3's FP8 kernel (Hopper) instead
-            of the INT8 attention (faster, less exact); `None` / `False` keep INT8. `True` requires it (an error if it
-            cannot run). ``"fastest"`` refuses `True`.
-        fullgraph (`bool`, defaults to `False`): compile each block as one graph (``compile_repeated_blocks(
-            fullgraph=True)``): an error on any graph break instead of a split graph. The presets' blocks have none
-            (every kernel is a custom op), so this only changes what happens if one appears.
-        quantize_text_encoder (`bool`, *optional*): ``"fast"`` / ``"fastest"`` quantize a bf16 text encoder that
-            sits on its device to weight-only INT8 (``W8A16Config``) by default (`None`): half its memory (the 32B
-            Qwen3-VL's 50 layers from ~50 to ~25 GiB), which is what lets the preset's whole request stay under 75 GiB
-            on one GPU; the prompt embeddings move by the error docs/speed.md states. `False` keeps it as loaded;
-            `True` requires it (an error for an offloaded text encoder, or with ``"exact"``, which never changes it).
-            A text encoder loaded quantized is kept.
+        config (`SpeedPresetConfig` or `str`): the preset and its options; a preset name (``"exact"``, ``"fast"`` or
+            ``"fastest"``) is ``SpeedPresetConfig(name)``. ``compile=`` / ``flashinfer=`` / ``fullgraph=`` /
+            ``quantize_text_encoder=`` as separate arguments still work for one release, with a ``FutureWarning``.
 
     Returns the pipeline. What was turned on is the :class:`SpeedPresetRecord` read with
     :func:`speed_preset_record` (``diffusers_h3.describe(pipe)`` reports it as ``speed_preset``).
     """
-    check_speed_preset(preset)
+    config = speed_preset_config(config, args, legacy, "enable_speed_preset")
+    preset = config.preset
     if isinstance(pipe, torch.nn.Module) or not callable(getattr(pipe, "_device_of", None)):
         raise TypeError(f"enable_speed_preset expects a MiniMaxH3Pipeline, got {type(pipe).__name__}")
     models = partitions_of(pipe)
@@ -526,12 +571,13 @@ def enable_speed_preset(
     plans = {}
     for name, model in models:
         device = pipe._device_of(model)
-        plans[name] = (device, *_plan_weights(name, model, preset, device),
-                       plan_flashinfer(flashinfer, device, preset, attention_dtype(model)))  # fmt: skip
+        plans[name] = _TransformerPlan(device, *_plan_weights(name, model, preset, device),
+                                       plan_flashinfer(config.flashinfer, device, preset, attention_dtype(model)))
     text_encoder = getattr(pipe, "text_encoder", None)
-    text_encoder_config, text_encoder_weights = _plan_text_encoder(text_encoder, preset, quantize_text_encoder)
+    text_encoder_config, text_encoder_weights = _plan_text_encoder(text_encoder, preset, config.quantize_text_encoder)
     vae = getattr(pipe, "vae", None)
-    vae_plan = None if vae is None else plan_vae_decode(preset, pipe._device_of(vae), compile, decoder_is_fp8(vae))
+    vae_plan = (None if vae is None
+                else plan_vae_decode(preset, pipe._device_of(vae), config.compile, decoder_is_fp8(vae)))  # fmt: skip
 
     # A FastH3 stack (pipelines/fasth3.py) runs "fastest" at the sparsity it was trained for; dense attention (the other
     # presets) leaves its trained gates unused, which is said.
@@ -541,10 +587,10 @@ def enable_speed_preset(
         logger.warning(f"speed preset {preset!r} runs dense attention, which does not use the FastH3 stack's trained "
                        f"VSA gates ({stack.preset.name} was distilled with VSA {stack.preset.vsa_sparsity:g}): use "
                        "'fastest' (VSA at the stack's sparsity)")  # fmt: skip
-    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan[-1] for plan in plans.values()]),
+    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [p.flashinfer for p in plans.values()]),
                                export={**EXPORT_SETTINGS[preset], "source": EXPORT_SOURCE})  # fmt: skip
     for name, model in models:
-        _apply_to_transformer(record, name, model, *plans[name], preset, compile, fullgraph,
+        _apply_to_transformer(record, name, model, plans[name], config,
                               sparsity=stack_sparsity if name == "transformer" else FASTEST_SPARSITY)  # fmt: skip
     if text_encoder_config is not None:
         quantize(text_encoder, text_encoder_config)
@@ -557,7 +603,8 @@ def enable_speed_preset(
         record.decode, record.decode_compile = "no video VAE", "off (no video VAE)"
     else:
         if vae_plan.batched:
-            enable_fast_vae_decode(vae, batch_tiles=True, compile=vae_plan.compile, fp8_linears=vae_plan.fp8_linears)
+            enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=True, compile=vae_plan.compile,
+                                                            fp8_linears=vae_plan.fp8_linears))  # fmt: skip
         else:
             disable_fast_vae_decode(vae)
         record.decode, record.decode_compile = vae_plan.decode, vae_plan.decode_compile
@@ -568,12 +615,7 @@ def enable_speed_preset(
 
 
 def enable_speed_preset_on_transformer(
-    transformer: torch.nn.Module,
-    preset: str,
-    compile: bool = True,
-    name: str = "transformer",
-    flashinfer: Optional[bool] = None,
-    fullgraph: bool = False,
+    transformer: torch.nn.Module, config: Union[str, SpeedPresetConfig], name: str = "transformer"
 ) -> SpeedPresetRecord:
     r"""
     Turn on a speed preset's transformer part (weights, attention, regional compile) on one
@@ -582,26 +624,30 @@ def enable_speed_preset_on_transformer(
 
     Args:
         transformer (`MiniMaxH3Transformer3DModel`): the model, on the device it will run on.
-        preset (`str`): ``"exact"``, ``"fast"`` or ``"fastest"``.
-        compile (`bool`, defaults to `True`): regional ``torch.compile`` of the blocks on CUDA.
+        config (`SpeedPresetConfig` or `str`): the preset and its options, as for :func:`enable_speed_preset`
+            (``quantize_text_encoder`` is refused: there is no text encoder).
         name (`str`, defaults to ``"transformer"``): the key of the record's per-partition entries.
-        flashinfer (`bool`, *optional*): as for :func:`enable_speed_preset`.
-        fullgraph (`bool`, defaults to `False`): as for :func:`enable_speed_preset`.
 
     Returns a :class:`SpeedPresetRecord` (``decode`` says that no VAE was involved). Unlike :func:`enable_speed_preset`,
     not the target: a model keeps state only in registry hooks, and this record has no hook of its own to live in.
     """
-    check_speed_preset(preset)
+    config = SpeedPresetConfig(config) if isinstance(config, str) else config
+    if not isinstance(config, SpeedPresetConfig):
+        raise TypeError(f"enable_speed_preset_on_transformer takes a SpeedPresetConfig or a preset name, got "
+                        f"{type(config).__name__}")  # fmt: skip
+    if config.quantize_text_encoder is not None:
+        raise ValueError("quantize_text_encoder: enable_speed_preset_on_transformer has no text encoder to quantize; "
+                         "leave it None (or use enable_speed_preset on a pipeline)")  # fmt: skip
+    preset = config.preset
     weight = next(transformer.parameters(), None)
     if weight is None:
         weight = next(transformer.buffers(), None)
     device = weight.device if weight is not None else torch.device("cpu")
-    config, weights = _plan_weights(name, transformer, preset, device)
-    uses_flashinfer = plan_flashinfer(flashinfer, device, preset, attention_dtype(transformer))
-    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [uses_flashinfer]),
+    plan = _TransformerPlan(device, *_plan_weights(name, transformer, preset, device),
+                            plan_flashinfer(config.flashinfer, device, preset, attention_dtype(transformer)))
+    record = SpeedPresetRecord(preset=preset, determinism=_determinism(preset, [plan.flashinfer]),
                                decode="not applied (transformer only)")
-    _apply_to_transformer(record, name, transformer, device, config, weights, uses_flashinfer, preset, compile,
-                          fullgraph)
+    _apply_to_transformer(record, name, transformer, plan, config)
     return record
 
 
@@ -618,6 +664,7 @@ def speed_preset_record(pipe) -> Optional[SpeedPresetRecord]:
 
 __all__: List[str] = [
     "SPEED_PRESETS",
+    "SpeedPresetConfig",
     "SpeedPresetRecord",
     "VAEDecodePlan",
     "check_speed_preset",

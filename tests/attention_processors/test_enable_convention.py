@@ -9,11 +9,13 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3
+from diffusers_h3 import FlashInferAttentionConfig, LowPrecisionAttentionConfig
 from diffusers_h3._hooks import partitions_of
 from diffusers_h3.attention_processors import (
     MiniMaxH3FlashInferProcessor,
     MiniMaxH3LowPrecisionAttnProcessor,
     MiniMaxH3VSAProcessor,
+    VSAConfig,
     disable_flashinfer_attention,
     disable_low_precision_attention,
     disable_vsa,
@@ -54,13 +56,13 @@ def _processors(model):
     return [block.attn.processor for block in model.transformer_blocks]
 
 
-# (enable, keyword options, accessor, disable, processor class): every converted entry point.
+# (enable, config, accessor, disable, processor class): every converted entry point.
 ENTRY_POINTS = {
-    "vsa": (enable_vsa, {"sparsity": 0.5, "dense_layers": (1,), "dense_first_steps": 2}, vsa_state, disable_vsa,
+    "vsa": (enable_vsa, VSAConfig(sparsity=0.5, dense_layers=(1,), dense_first_steps=2), vsa_state, disable_vsa,
             MiniMaxH3VSAProcessor),
-    "low_precision": (enable_low_precision_attention, {"precision": "int8"}, low_precision_attention_state,
+    "low_precision": (enable_low_precision_attention, LowPrecisionAttentionConfig("int8"), low_precision_attention_state,
                       disable_low_precision_attention, MiniMaxH3LowPrecisionAttnProcessor),
-    "flashinfer": (enable_flashinfer_attention, {"precision": "bf16"}, flashinfer_attention_state,
+    "flashinfer": (enable_flashinfer_attention, FlashInferAttentionConfig(precision="bf16"), flashinfer_attention_state,
                    disable_flashinfer_attention, MiniMaxH3FlashInferProcessor),
 }  # fmt: skip
 
@@ -71,11 +73,11 @@ def test_enable_and_disable_return_their_target(entry, form, request, pipe):
     """Fails when a converted ``enable_*`` / ``disable_*`` returns anything but its argument (a summary, ``None``)."""
     if entry == "flashinfer":
         request.getfixturevalue("flashinfer_on_hopper")
-    enable, options, state_of, disable, cls = ENTRY_POINTS[entry]
+    enable, config, state_of, disable, cls = ENTRY_POINTS[entry]
     target = _model() if form == "model" else pipe
     models = _models(target)
     assert models and (form == "model" or len(models) == 2)  # the tiny pipeline: transformer and transformer_ref
-    returned = enable(target, **options)
+    returned = enable(target, config)
     assert returned is target, f"{enable.__name__} returned {type(returned).__name__}, not its target"
     for model in models:
         assert all(type(p) is cls for p in _processors(model))
@@ -105,13 +107,15 @@ def test_vsa_state_reports_the_old_summary():
     diffusers_h3.add_gate_compress(model)  # a zero gate on every block
     assert vsa_state(model)["gated_blocks"] == 2
     # Another processor on the blocks: no VSA state.
-    assert enable_low_precision_attention(model, "fp8") is model and vsa_state(model) is None
+    assert enable_low_precision_attention(model, LowPrecisionAttentionConfig("fp8")) is model
+    assert vsa_state(model) is None
 
 
 def test_low_precision_attention_state_reports_the_old_summary():
     model = _model()
     assert low_precision_attention_state(model) is None
-    enable_low_precision_attention(model, "fp4", smooth_k=False, fp4_p="single_level", backend="torch")
+    enable_low_precision_attention(model, LowPrecisionAttentionConfig("fp4", smooth_k=False, fp4_p="single_level",
+                                                                      backend="torch"))  # fmt: skip
     state = low_precision_attention_state(model)
     first = model.transformer_blocks[0].attn.processor
     assert state == {"blocks": 2, "precision": "fp4", "smooth_k": False, "pv_precision": "bf16",
@@ -127,7 +131,7 @@ def test_flashinfer_attention_state_reports_the_old_summary(flashinfer_on_hopper
 
     model = _model().to(torch.bfloat16)
     assert flashinfer_attention_state(model) is None
-    enable_flashinfer_attention(model, precision="fp8")
+    enable_flashinfer_attention(model, FlashInferAttentionConfig(precision="fp8"))
     first = model.transformer_blocks[0].attn.processor
     assert flashinfer_attention_state(model) == {
         "blocks": 2, "backend": "fa3", "precision": "fp8", "kernels": flashinfer_kernel_source(),
@@ -142,9 +146,32 @@ def test_accessors_read_what_ran(flashinfer_on_hopper):
     from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
     model = _model()
-    enable_low_precision_attention(model, "int8", backend="torch")
+    enable_low_precision_attention(model, LowPrecisionAttentionConfig("int8", backend="torch"))
     before = low_precision_attention_state(model)["path"]
     with torch.no_grad():
         model(**tiny_transformer_inputs(seed=3))
     after = low_precision_attention_state(model)["path"]
     assert "chosen on the first call" in before and "chosen on the first call" not in after
+
+
+def test_loose_arguments_still_work_for_one_release_with_a_future_warning(flashinfer_on_hopper):
+    """The ``enable_*`` hooks take one config object; the loose arguments they took before install the same thing,
+    with one ``FutureWarning`` naming the new call. Fails if a loose argument is dropped, silently accepted, or no
+    longer equal to its config field."""
+    cases = [
+        (enable_low_precision_attention, ("fp4",), {"smooth_k": False, "backend": "torch"},
+         LowPrecisionAttentionConfig("fp4", smooth_k=False, backend="torch"), low_precision_attention_state),
+        (enable_flashinfer_attention, (), {"precision": "fp8"}, FlashInferAttentionConfig(precision="fp8"),
+         flashinfer_attention_state),
+    ]  # fmt: skip
+    for enable, args, kwargs, config, state_of in cases:
+        new, old = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+        enable(new, config)
+        with pytest.warns(FutureWarning, match=rf"{enable.__name__}\(target, {type(config).__name__}\("):
+            assert enable(old, *args, **kwargs) is old
+        assert state_of(old) == state_of(new)
+    with pytest.raises(TypeError, match="unexpected argument"):
+        enable_low_precision_attention(_model(), precisionn="fp8")
+    for module in (diffusers_h3.FastVAEDecodeConfig, diffusers_h3.V100ModeConfig, diffusers_h3.SpeedPresetConfig,
+                   diffusers_h3.MemoryBudgetConfig):  # fmt: skip
+        assert module.__dataclass_params__.frozen, module

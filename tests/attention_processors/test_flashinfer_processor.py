@@ -12,6 +12,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3
+from diffusers_h3 import FlashInferAttentionConfig
 from diffusers_h3.attention_processors import (
     MiniMaxH3FlashInferProcessor,
     disable_flashinfer_attention,
@@ -189,14 +190,14 @@ def test_fp8_needs_fa3_and_known_precisions(monkeypatch, flashinfer_stand_in):
     before = [type(b.attn.processor) for b in model.transformer_blocks]
     monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="FA3 .Hopper. only"):  # an A100 resolves to FA2
-        enable_flashinfer_attention(model, precision="fp8")
+        enable_flashinfer_attention(model, FlashInferAttentionConfig(precision="fp8"))
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # the precision is checked before the package
     with pytest.raises(ValueError, match="precision must be one of"):
-        enable_flashinfer_attention(model, precision="int4")
+        enable_flashinfer_attention(model, FlashInferAttentionConfig(precision="int4"))
     assert [type(b.attn.processor) for b in model.transformer_blocks] == before
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_stand_in)
     monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
-    assert enable_flashinfer_attention(model, precision="fp8") is model
+    assert enable_flashinfer_attention(model, FlashInferAttentionConfig(precision="fp8")) is model
     summary = flashinfer_attention_state(model)
     assert summary["backend"] == "fa3" and summary["precision"] == "fp8"
     assert all(b.attn.processor.precision == "fp8" for b in model.transformer_blocks)

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor  # noqa: E402
 
+from diffusers_h3 import LowPrecisionAttentionConfig
 from diffusers_h3.attention_processors import (  # noqa: E402
     MiniMaxH3LowPrecisionAttnProcessor,
     disable_low_precision_attention,
@@ -31,7 +32,7 @@ def test_equals_vsa_sparsity_zero_bitwise(model, precision):  # noqa: F811
     ref = _run(model)
     enable_vsa(model, sparsity=0.0, precision=precision)
     via_vsa = _run(model)
-    assert enable_low_precision_attention(model, precision=precision) is model
+    assert enable_low_precision_attention(model, LowPrecisionAttentionConfig(precision=precision)) is model
     assert low_precision_attention_state(model)["blocks"] == 2
     assert all(isinstance(b.attn.processor, MiniMaxH3LowPrecisionAttnProcessor) for b in model.transformer_blocks)
     assert not isinstance(model.token_refiner.refiner_blocks[0].attn.processor, MiniMaxH3LowPrecisionAttnProcessor)
@@ -73,7 +74,7 @@ def test_options_are_validated_with_one_clear_line():
     with pytest.raises(NotImplementedError, match="strict=False"):
         MiniMaxH3LowPrecisionAttnProcessor("fp4", strict=True)
     with pytest.raises(TypeError, match="MiniMaxH3Transformer3DModel"):
-        enable_low_precision_attention(torch.nn.Linear(2, 2), precision="fp8")
+        enable_low_precision_attention(torch.nn.Linear(2, 2), LowPrecisionAttentionConfig(precision="fp8"))
     with pytest.raises(ValueError, match="no attention_mask"):
         MiniMaxH3LowPrecisionAttnProcessor("int8").core(*(torch.zeros(1, 4, 1, 16) for _ in range(3)),
                                                          attention_mask=torch.ones(4, 4, dtype=torch.bool))
@@ -85,7 +86,7 @@ def test_pipeline_like_objects_install_on_every_partition(model):  # noqa: F811
 
     _reset(model)
     pipe = Pipe()
-    assert enable_low_precision_attention(pipe, precision="int8") is pipe
+    assert enable_low_precision_attention(pipe, LowPrecisionAttentionConfig(precision="int8")) is pipe
     assert low_precision_attention_state(model)["precision"] == "int8"
     assert isinstance(model.transformer_blocks[1].attn.processor, MiniMaxH3LowPrecisionAttnProcessor)
     assert disable_low_precision_attention(pipe) is pipe

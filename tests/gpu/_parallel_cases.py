@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers import ContextParallelConfig
+
+from diffusers_h3 import LowPrecisionAttentionConfig, SpeedPresetConfig
 
 
 # 4 heads x 128 (the H3 head width, which the GPU attention kernels are built for); a video grid of whole and
@@ -95,8 +98,8 @@ def install_attention(name):
         "vsa_0.8_bf16": lambda m: enable_vsa(m, sparsity=0.8, precision="bf16"),
         "vsa_0.8_fp8": lambda m: enable_vsa(m, sparsity=0.8, precision="fp8"),
         "vsa_0.8_int8": lambda m: enable_vsa(m, sparsity=0.8, precision="int8"),
-        "dense_fp8": lambda m: enable_low_precision_attention(m, "fp8"),
-        "dense_int8": lambda m: enable_low_precision_attention(m, "int8"),
+        "dense_fp8": lambda m: enable_low_precision_attention(m, LowPrecisionAttentionConfig("fp8")),
+        "dense_int8": lambda m: enable_low_precision_attention(m, LowPrecisionAttentionConfig("int8")),
     }[name]
 
 
@@ -114,7 +117,8 @@ def rank_cp(device_type="cuda", cases=CP_CASES):
         single = tiny_model(device)
         install_attention(case)(single)
         reference = forward_outputs(single, inputs, layout)
-        parallel = enable_context_parallel(tiny_model(device), ulysses_degree=dist.get_world_size())
+        config = ContextParallelConfig(ulysses_degree=dist.get_world_size())
+        parallel = enable_context_parallel(tiny_model(device), config)
         install_attention(case)(parallel)  # installed after enabling: the processors take the parallel config
         results[case] = rel_l2(forward_outputs(parallel, inputs, layout), reference)
     return results
@@ -194,7 +198,7 @@ def install_real_shape_case(model, case):
         enable_vsa(model, sparsity=0.8, precision="fp8")
     elif case == "fastest_processors_fp8_gemms":
         # The preset's processors and weights without regional compile (the test times nothing).
-        enable_speed_preset_on_transformer(model, "fastest", compile=False)
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("fastest", compile=False))
     else:
         raise ValueError(f"unknown real-shape case {case!r}")
 
@@ -234,7 +238,7 @@ def rank_real_shape(device_type="cuda"):
     for case in REAL_SHAPE_CP_CASES:
         model = real_shape_model(device)
         install_real_shape_case(model, case)
-        enable_context_parallel(model, ulysses_degree=dist.get_world_size())
+        enable_context_parallel(model, ContextParallelConfig(ulysses_degree=dist.get_world_size()))
         outputs[("cp", case)] = forward_outputs(model, inputs, layout)
         del model
     for case in REAL_SHAPE_TP_CASES:
@@ -268,7 +272,7 @@ def rank_pipeline_to_mp4(out_dir, device_type="cuda"):
     from diffusers_h3.testing.tiny import tiny_pipeline
 
     pipe = tiny_pipeline(seed=2).to(rank_device(device_type))
-    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    enable_context_parallel(pipe, ContextParallelConfig(ulysses_degree=dist.get_world_size()))
     out = pipe(**PIPELINE_RUN, generator=torch.Generator().manual_seed(0))
     written = None
     if is_main_rank():
@@ -320,7 +324,7 @@ def rank_fails_inside_forward(failing_rank, device_type="cuda"):
     from diffusers_h3.parallel import enable_context_parallel
 
     device = rank_device(device_type)
-    model = enable_context_parallel(tiny_model(device), ulysses_degree=dist.get_world_size())
+    model = enable_context_parallel(tiny_model(device), ContextParallelConfig(ulysses_degree=dist.get_world_size()))
     inputs, layout = tiny_inputs(device)
     forward_outputs(model, inputs, layout)  # one good forward first: the group works
     if dist.get_rank() == failing_rank:

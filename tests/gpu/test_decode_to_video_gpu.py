@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusers_h3 import enable_fast_vae_decode
+from diffusers_h3 import FastVAEDecodeConfig, enable_fast_vae_decode
 from diffusers_h3.pipelines.export import _frames_to_uint8
 from diffusers_h3.testing.tiny import tiny_pipeline
 
@@ -29,7 +29,8 @@ def _pipe(dtype=torch.float32):
 @pytest.mark.parametrize("compile", [False, True])
 def test_bf16_batched_chunks_equal_the_whole_batched_decode(compile):
     pipe = _pipe(torch.bfloat16)
-    enable_fast_vae_decode(pipe, batch_tiles=6, compile=compile)  # one chunk's tiles per call, whole or streamed
+    # one chunk's tiles per call, whole or streamed
+    enable_fast_vae_decode(pipe, FastVAEDecodeConfig(batch_tiles=6, compile=compile))
     out = pipe(**CALL, output_type="latent", generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # as inside the pipeline's calls
         whole = pipe._decode_video(out.frames, "np", torch.device("cuda"))

@@ -15,6 +15,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from diffusers_h3 import V100ModeConfig  # noqa: E402
 from diffusers_h3.kernels.attention.fa_v100 import fa_v100_attention, fa_v100_reference, load_extension  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_transformer_inputs  # noqa: E402
 
@@ -143,7 +144,7 @@ def test_v100_mode_on_gpu_uses_kernel_and_stays_close_to_fp32():
     inputs = {k: v.cuda() for k, v in inputs.items()}
     with torch.no_grad():
         ref = model(**inputs).sample
-        mode = v100_mode_of(enable_v100_mode(model, allow_non_volta=True))
+        mode = v100_mode_of(enable_v100_mode(model, V100ModeConfig(allow_non_volta=True)))
         got = model(**inputs).sample
     assert torch.isfinite(got).all()
     assert _rel_l2(got, ref) < 2e-2

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from diffusers_h3 import SpeedPresetConfig
+
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,7 +77,7 @@ def test_exact_preset_takes_flashinfer_and_is_deterministic():
 
     fast = _tiny_model()
     expected = "fa3" if torch.cuda.get_device_capability()[0] == 9 else None
-    record = enable_speed_preset_on_transformer(fast, "exact", compile=False)
+    record = enable_speed_preset_on_transformer(fast, SpeedPresetConfig("exact", compile=False))
     if expected is None:
         pytest.skip("the exact preset takes FlashInfer on Hopper only")
     assert "FlashInfer FA3" in record.attention["transformer"]
@@ -93,7 +95,7 @@ def test_fast_preset_with_flashinfer_fp8_is_deterministic():
     from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
 
     fast = _tiny_model()
-    record = enable_speed_preset_on_transformer(fast, "fast", compile=False, flashinfer=True)
+    record = enable_speed_preset_on_transformer(fast, SpeedPresetConfig("fast", compile=False, flashinfer=True))
     assert "FlashInfer FA3 FP8" in record.attention["transformer"]
     assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in fast.transformer_blocks)
     first, second, ref = _forward(fast), _forward(fast), _native_forward()

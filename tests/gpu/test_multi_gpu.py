@@ -11,6 +11,7 @@ end to end, the parallel VAE decode and a failing rank.
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 from diffusers_h3.parallel._launch import launch
 
@@ -48,7 +49,7 @@ def _rank_pipeline_placed():
 
     pipe = tiny_pipeline(seed=2)
     placements = place_for_context_parallel(pipe, text_encoder="offload")  # cuda:<rank>; rank 0 streams the encoder
-    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    enable_context_parallel(pipe, ContextParallelConfig(ulysses_degree=dist.get_world_size()))
     run = {"prompt": "a drum", "height": 32, "width": 32, "num_frames": 124, "num_inference_steps": 3,
            "output_type": "latent"}  # fmt: skip
     out = pipe(**run, generator=torch.Generator().manual_seed(0))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import diffusers_h3
+from diffusers_h3 import SpeedPresetConfig
 from diffusers_h3.testing.tiny import tiny_pipeline
 
 
@@ -20,7 +21,7 @@ CALL = {"prompt": "a cat", "height": 64, "width": 96, "num_frames": 124, "num_in
 def test_two_identical_requests_are_bitwise_equal(preset):
     pipe = tiny_pipeline(seed=5, with_transformer_ref=False).to("cuda", torch.bfloat16)
     native = pipe(**CALL, generator=torch.Generator().manual_seed(0))
-    pipe.enable_speed_preset(preset, compile=True)
+    pipe.enable_speed_preset(SpeedPresetConfig(preset, compile=True))
     first = pipe(**CALL, generator=torch.Generator().manual_seed(0))
     second = pipe(**CALL, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(first.frames).all() and torch.isfinite(first.audio).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import diffusers_h3
-from diffusers_h3 import disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
+from diffusers_h3 import FastVAEDecodeConfig, disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
 from diffusers_h3.hooks.fast_vae_decode import DEFAULT_TILES_PER_BATCH, describe_vae_decode, fast_vae_decode_state
 from diffusers_h3.testing.tiny import tiny_vae
 
@@ -61,7 +61,7 @@ def test_batched_tiles_equal_the_native_tiled_decode(batch_tiles, expected_calls
     native, native_calls = _decode(vae, z)
     assert native_calls.calls == 16 and set(native_calls.batch_sizes) == {1}
 
-    enable_fast_vae_decode(vae, batch_tiles=batch_tiles)
+    enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=batch_tiles))
     fast, fast_calls = _decode(vae, z)
     assert fast.shape == native.shape == (1, 3, 30, 96, 144)
     assert _rel_l2(fast, native) <= 1e-6
@@ -132,11 +132,11 @@ def test_the_context_parallel_decode_is_reported_once_warned(h3_logs):
 def test_bad_options_raise_one_clear_error():
     vae = _random_vae()
     with pytest.raises(ValueError, match="positive int"):
-        enable_fast_vae_decode(vae, batch_tiles=0)
+        enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=0))
     with pytest.raises(ValueError, match="would change nothing"):
-        enable_fast_vae_decode(vae, batch_tiles=False)
+        enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=False))
     with pytest.raises(ValueError, match="`compile` must be True or False"):
-        enable_fast_vae_decode(vae, compile="yes")
+        enable_fast_vae_decode(vae, FastVAEDecodeConfig(compile="yes"))
     with pytest.raises(TypeError, match="pass `pipe` or `pipe.vae`"):
         enable_fast_vae_decode(torch.nn.Linear(2, 2))
     assert "_decode" not in vae.__dict__
@@ -153,7 +153,7 @@ def test_pipeline_decode_uses_it_and_describe_reports_it():
     latents = _latents((1, 4, 7, 3, 4), seed=9)
     # `_decode_video` is the pipeline's decode stage (denormalize latents, decode, back to [0, 1]).
     native = pipe._decode_video(latents, "pt", torch.device("cpu"))
-    pipe.enable_fast_vae_decode(batch_tiles=True)
+    pipe.enable_fast_vae_decode(FastVAEDecodeConfig(batch_tiles=True))
     counter = _CallCounter(pipe.vae.decoder)
     fast = pipe._decode_video(latents, "pt", torch.device("cpu"))
     counter.handle.remove()
@@ -170,7 +170,7 @@ def test_compiled_batched_decode_on_gpu_matches_native():
     vae = _random_vae(seed=10).cuda()
     z = _latents((1, 4, 9, 6, 9), seed=11).cuda()
     native, _ = _decode(vae, z)
-    state = fast_vae_decode_state(enable_fast_vae_decode(vae, batch_tiles=8, compile=True))
+    state = fast_vae_decode_state(enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=8, compile=True)))
     fast, calls = _decode(vae, z)
     again, _ = _decode(vae, z)
     assert calls.calls == 2 and state.compile_seconds is not None and state.compile_seconds > 0
@@ -187,11 +187,12 @@ def test_fp8_decoder_linears_are_the_fp8_quantization_of_the_decoder():
 
     by_hand = _random_vae()  # the same quantization applied by hand, decoded by the batched path without the option
     quantize(by_hand.decoder, FP8Config(modules_to_not_convert=["proj_in"]))
-    enable_fast_vae_decode(by_hand, batch_tiles=True, fp8_linears=True)  # already quantized: kept, not re-quantized
+    # already quantized: kept, not re-quantized
+    enable_fast_vae_decode(by_hand, FastVAEDecodeConfig(batch_tiles=True, fp8_linears=True))
     expected, _ = _decode(by_hand, z)
 
     vae = _random_vae()
-    state = fast_vae_decode_state(enable_fast_vae_decode(vae, batch_tiles=True, fp8_linears=True))
+    state = fast_vae_decode_state(enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=True, fp8_linears=True)))
     got, counter = _decode(vae, z)
     assert counter.calls == 1 and state.fp8_linears
     kinds = {name: type(m).__name__ for name, m in vae.decoder.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -204,6 +205,6 @@ def test_fp8_decoder_linears_are_the_fp8_quantization_of_the_decoder():
     disable_fast_vae_decode(vae)  # the tile batching goes; the FP8 linears stay, and the report says so
     assert "FP8 decoder linears" in describe_vae_decode(vae)
     with pytest.raises(ValueError, match="already quantized .* cannot be undone"):
-        enable_fast_vae_decode(vae, batch_tiles=True)
+        enable_fast_vae_decode(vae, FastVAEDecodeConfig(batch_tiles=True))
     with pytest.raises(ValueError, match="`fp8_linears` must be True or False"):
-        enable_fast_vae_decode(_random_vae(), fp8_linears="yes")
+        enable_fast_vae_decode(_random_vae(), FastVAEDecodeConfig(fp8_linears="yes"))

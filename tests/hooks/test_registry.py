@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import diffusers_h3
+from diffusers_h3 import FastVAEDecodeConfig, V100ModeConfig
 from diffusers_h3._hooks import (
     H3_CACHE_STATS_HOOK,
     H3_CONTEXT_PARALLEL_HOOK,
@@ -84,8 +85,8 @@ def test_every_behaviour_is_a_named_registry_hook_and_describe_reads_the_records
     refiner_runs = []
     probe = pipe.transformer.token_refiner.refiner_blocks[0].register_forward_hook(lambda *a: refiner_runs.append(1))
 
-    pipe.enable_v100_mode(attention="keep")
-    pipe.enable_fast_vae_decode(batch_tiles=2)
+    pipe.enable_v100_mode(V100ModeConfig(attention="keep"))
+    pipe.enable_fast_vae_decode(FastVAEDecodeConfig(batch_tiles=2))
     pipe.transformer.enable_cache(cache_config("first-block", threshold=1e9))
     _call(pipe, output_type="pt")
 

@@ -9,6 +9,7 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 import diffusers_h3._utils as h3_utils
+from diffusers_h3 import V100ModeConfig
 from diffusers_h3.hooks.v100_mode import enable_v100_mode
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
@@ -28,7 +29,7 @@ def test_every_block_sees_and_returns_fp32_hidden_states(attention):
     inputs = tiny_transformer_inputs(0)
     with torch.no_grad():
         ref = model(**inputs).sample
-    enable_v100_mode(model, attention=attention)
+    enable_v100_mode(model, V100ModeConfig(attention=attention))
     assert model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float16  # the mode is on
     seen = []
     blocks = list(model.transformer_blocks) + list(model.token_refiner.refiner_blocks)

@@ -10,6 +10,7 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 import diffusers_h3._utils as h3_utils
+from diffusers_h3 import V100ModeConfig
 from diffusers_h3._hooks import H3_V100_MODE_HOOK, hooked_modules
 from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
 from diffusers_h3.hooks.v100_mode import (
@@ -89,7 +90,7 @@ def test_v100_mode_matches_fp32_on_ordinary_inputs_with_diffusers_attention():
     model = _model(seed=1, hot=False)
     inputs = _inputs(seed=1)
     ref_video, ref_audio = _run(model, inputs)
-    enable_v100_mode(model, attention="keep")
+    enable_v100_mode(model, V100ModeConfig(attention="keep"))
     video, audio = _run(model, inputs)
     assert _rel(video, ref_video) < 5e-3 and _rel(audio, ref_audio) < 5e-3
     assert type(model.transformer_blocks[0].attn.processor).__name__ == "MiniMaxH3AttnProcessor"
@@ -148,7 +149,7 @@ def test_weight_beyond_fp16_is_named_and_can_stay_fp32():
         model.transformer_blocks[0].ff.net[0].proj.weight[3, 3] = 1e6
     with pytest.raises(ValueError, match=r"transformer_blocks\.0\.ff\.net\.0\.proj\.weight.*fp32_modules"):
         enable_v100_mode(copy.deepcopy(model))
-    mode = v100_mode_of(enable_v100_mode(model, fp32_modules=["transformer_blocks.0.ff"]))
+    mode = v100_mode_of(enable_v100_mode(model, V100ModeConfig(fp32_modules=["transformer_blocks.0.ff"])))
     assert model.transformer_blocks[0].ff.net[0].proj.weight.dtype == torch.float32
     assert "transformer_blocks.0.ff" in mode.fp32_modules
     video, _ = _run(model, _inputs())
@@ -168,9 +169,9 @@ def test_remove_and_double_enable():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="attention"):
-        enable_v100_mode(_model(hot=False), attention="flash")
+        enable_v100_mode(_model(hot=False), V100ModeConfig(attention="flash"))
     with pytest.raises(ValueError, match="activation_limit"):
-        enable_v100_mode(_model(hot=False), activation_limit=1e6)
+        enable_v100_mode(_model(hot=False), V100ModeConfig(activation_limit=1e6))
     with pytest.raises(TypeError, match="MiniMaxH3Transformer3DModel"):
         enable_v100_mode(torch.nn.Linear(2, 2))
 

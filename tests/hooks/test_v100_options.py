@@ -9,6 +9,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3._utils as h3_utils
+from diffusers_h3 import V100ModeConfig
 from diffusers_h3.attention_processors.fa_v100 import MiniMaxH3FAV100Processor
 from diffusers_h3.hooks.v100_mode import NonFiniteActivationError, enable_v100_mode, v100_mode_of
 
@@ -26,7 +27,7 @@ def quiet_fallback_warnings(monkeypatch):
 def test_detect_non_finite_off_lets_nan_through_silently():
     for detect in (True, False):
         model = _model(seed=3, hot=False)
-        mode = v100_mode_of(enable_v100_mode(model, attention="keep", detect_non_finite=detect))
+        mode = v100_mode_of(enable_v100_mode(model, V100ModeConfig(attention="keep", detect_non_finite=detect)))
         with torch.no_grad():
             model.transformer_blocks[1].attn.to_v.weight[0, 0] = float("nan")
         if detect:
@@ -55,7 +56,7 @@ def test_activation_limit_bounds_every_fp16_gemm_input(limit):
 
     # registered in the registry before V100 mode's hook, so inside it: sees the fp16 input the GEMM gets
     HookRegistry.check_if_exists_or_initialize(fc_in).register_hook(Probe(), "probe")
-    enable_v100_mode(model, attention="keep", activation_limit=limit)
+    enable_v100_mode(model, V100ModeConfig(attention="keep", activation_limit=limit))
     _run(model, inputs)
     x, y = raw["x"], scaled["x"]
     assert y.abs().max() <= limit
@@ -74,14 +75,15 @@ def test_attention_option_selects_the_processor():
     enable_v100_mode(model)
     assert isinstance(model.transformer_blocks[0].attn.processor, MiniMaxH3FAV100Processor)
     kept = _model(seed=5, hot=False)
-    enable_v100_mode(kept, attention="keep")
+    enable_v100_mode(kept, V100ModeConfig(attention="keep"))
     assert type(kept.transformer_blocks[0].attn.processor) is MiniMaxH3AttnProcessor
 
 
 def test_fp32_modules_keeps_the_named_module_in_fp32_and_only_it():
     default, extra = _model(seed=6, hot=False), _model(seed=6, hot=False)
-    enable_v100_mode(default, attention="keep")
-    mode = v100_mode_of(enable_v100_mode(extra, attention="keep", fp32_modules=["transformer_blocks.1.ff"]))
+    enable_v100_mode(default, V100ModeConfig(attention="keep"))
+    mode = v100_mode_of(enable_v100_mode(extra, V100ModeConfig(attention="keep",
+                                                               fp32_modules=["transformer_blocks.1.ff"])))  # fmt: skip
     assert default.transformer_blocks[1].ff.net[2].weight.dtype == torch.float16
     assert extra.transformer_blocks[1].ff.net[2].weight.dtype == torch.float32
     assert extra.transformer_blocks[0].ff.net[2].weight.dtype == torch.float16

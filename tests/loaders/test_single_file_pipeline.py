@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_h3 import MiniMaxH3Pipeline, describe, load_transformer_file
+from diffusers_h3 import MiniMaxH3Pipeline, SpeedPresetConfig, describe, load_transformer_file
 from diffusers_h3.loaders.single_file import is_gguf_linear
 from diffusers_h3.quantizers import FP8Linear, QuantizedLinear
 from diffusers_h3.testing.single_file import (
@@ -98,19 +98,19 @@ def test_speed_presets_keep_the_files_weights(pipe, gguf_file, tmp_path):
     path, _ = gguf_file
     loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
     gguf_layers = sum(map(is_gguf_linear, loaded.transformer.modules()))
-    loaded.enable_speed_preset("fast", compile=False)
+    loaded.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     weights = describe(loaded)["speed_preset"]["weights"]["transformer"]
     assert "GGUF file h3-Q8_0.gguf" in weights and "[the file's weights: kept]" in weights
     assert sum(map(is_gguf_linear, loaded.transformer.modules())) == gguf_layers
     assert not any(isinstance(m, QuantizedLinear) for m in loaded.transformer.modules())  # nothing quantized twice
     _latents(loaded)  # the preset's attention runs on the GGUF GEMMs
-    loaded.enable_speed_preset("exact", compile=False)
+    loaded.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert "exact attention on the file's quantized weights" in describe(loaded)["speed_preset"]["weights"]["transformer"]
     # an fp8-scaled file is kept too, also where the preset would pick another format (CPU: W8A16)
     fp8 = tmp_path / "h3_fp8.safetensors"
     write_fp8_scaled_safetensors(pipe.transformer, fp8)
     loaded = _with_transformer(pipe, load_transformer_file(fp8, TINY, dtype=torch.float32))
-    loaded.enable_speed_preset("fast", compile=False)
+    loaded.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert "fp8-scaled file h3_fp8.safetensors" in describe(loaded)["speed_preset"]["weights"]["transformer"]
     assert {m.quant_method for m in loaded.transformer.modules() if isinstance(m, QuantizedLinear)} == {"h3_fp8"}
 

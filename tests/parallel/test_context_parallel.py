@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
+
+from diffusers_h3 import LowPrecisionAttentionConfig
 
 from ._ranks import launch
 from ._tiny_cp import add_random_gates, cp_inputs, cp_transformer, forward, forward_with_layout, vsa_inputs
@@ -40,7 +43,7 @@ def _install_low_precision(precision):
     def install(model):
         from diffusers_h3.attention_processors import enable_low_precision_attention
 
-        enable_low_precision_attention(model, precision)
+        enable_low_precision_attention(model, LowPrecisionAttentionConfig(precision))
 
     return install
 
@@ -80,7 +83,7 @@ def _variant_forward(variant, shape, world_size=None):
     if world_size is not None:
         from diffusers_h3.parallel import enable_context_parallel
 
-        enable_context_parallel(model, ulysses_degree=world_size)
+        enable_context_parallel(model, ContextParallelConfig(ulysses_degree=world_size))
         if when == "after":
             install(model)
     if uses_layout:
@@ -114,19 +117,21 @@ def _rank_context_parallel(world_size):
             except Exception as error:  # reported per variant by the parent, with the others' results
                 results[(variant, shape)] = f"{type(error).__name__}: {error}"
 
-    results["bad_heads"] = _error_of(
-        lambda: enable_context_parallel(cp_transformer(num_attention_heads=3), ulysses_degree=world_size)
+    config = ContextParallelConfig(ulysses_degree=world_size)
+    results["bad_heads"] = _error_of(lambda: enable_context_parallel(cp_transformer(num_attention_heads=3), config))
+    results["world_mismatch"] = _error_of(
+        lambda: enable_context_parallel(cp_transformer(), ContextParallelConfig(ulysses_degree=2 * world_size))
     )
-    results["world_mismatch"] = _error_of(lambda: enable_context_parallel(cp_transformer(), ulysses_degree=2 * world_size))
     results["ring_native"] = _error_of(
-        lambda: enable_context_parallel(cp_transformer(), ulysses_degree=world_size // 2, ring_degree=2)
+        lambda: enable_context_parallel(cp_transformer(), ContextParallelConfig(ulysses_degree=world_size // 2,
+                                                                                ring_degree=2))  # fmt: skip
     )
     # Rank 1 loads a different model: every rank gets the same error, none hangs.
     ffn = 64 if dist.get_rank() != 1 else 96
     results["config_mismatch"] = _error_of(
-        lambda: enable_context_parallel(cp_transformer(ffn_dim=ffn), ulysses_degree=world_size)
+        lambda: enable_context_parallel(cp_transformer(ffn_dim=ffn), ContextParallelConfig(ulysses_degree=world_size))
     )
-    model = enable_context_parallel(cp_transformer(), ulysses_degree=world_size)
+    model = enable_context_parallel(cp_transformer(), ContextParallelConfig(ulysses_degree=world_size))
     model.transformer_blocks[1].attn.set_processor(_ProcessorWithoutCP())
     results["processor_without_cp"] = _error_of(lambda: forward(model, cp_inputs(5)))
     return results
@@ -193,7 +198,7 @@ def _rank_plain_gloo():
 
     assert str(dist.get_backend()) == "gloo"
     world_size = dist.get_world_size()
-    model = enable_context_parallel(cp_transformer(), ulysses_degree=world_size)
+    model = enable_context_parallel(cp_transformer(), ContextParallelConfig(ulysses_degree=world_size))
     config = model._parallel_config.context_parallel_config
     results = {
         "cp": forward(model, cp_inputs(5)),

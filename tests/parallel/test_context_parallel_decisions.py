@@ -7,6 +7,7 @@ which `enable_context_parallel` reaches only after every processor passed."""
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 from diffusers_h3.parallel import context_parallel
 
@@ -68,10 +69,10 @@ def test_ulysses_only_processors_are_refused_under_ring_attention(two_ranks, kin
     processor._attention_backend = backend  # what transformer.set_attention_backend(...) records on it
     with pytest.raises(ValueError, match=rf"ring_degree=2 needs attention that returns a log-sum-exp; "
                                          rf"{type(processor).__name__} .* runs Ulysses only"):
-        context_parallel.enable_context_parallel(_model_with(processor), ulysses_degree=1, ring_degree=2)
+        context_parallel.enable_context_parallel(_model_with(processor), ContextParallelConfig(ring_degree=2))
     # The same processor under Ulysses passes every processor check.
     with pytest.raises(_PassedTheProcessorChecks):
-        context_parallel.enable_context_parallel(_model_with(processor), ulysses_degree=2, ring_degree=1)
+        context_parallel.enable_context_parallel(_model_with(processor), ContextParallelConfig(ulysses_degree=2))
 
 
 def test_diffusers_processor_runs_ring_attention_only_on_a_log_sum_exp_backend(two_ranks):
@@ -79,7 +80,7 @@ def test_diffusers_processor_runs_ring_attention_only_on_a_log_sum_exp_backend(t
 
     processor = MiniMaxH3AttnProcessor()
     with pytest.raises(ValueError, match="needs an attention backend with log-sum-exp, but .* uses 'native'"):
-        context_parallel.enable_context_parallel(_model_with(processor), ulysses_degree=1, ring_degree=2)
+        context_parallel.enable_context_parallel(_model_with(processor), ContextParallelConfig(ring_degree=2))
     processor._attention_backend = "flash"  # what set_attention_backend("flash") records (no flash-attn needed)
     with pytest.raises(_PassedTheProcessorChecks):
-        context_parallel.enable_context_parallel(_model_with(processor), ulysses_degree=1, ring_degree=2)
+        context_parallel.enable_context_parallel(_model_with(processor), ContextParallelConfig(ring_degree=2))

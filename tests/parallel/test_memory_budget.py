@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffusers_h3 import cli
+from diffusers_h3 import MemoryBudgetConfig, cli
 from diffusers_h3.parallel import memory_budget as mb
 from diffusers_h3.pipelines import MiniMaxH3Pipeline
 from diffusers_h3.quantizers import NVFP4Config, QuantizedLinear, W8A16Config, quantize
@@ -247,11 +247,11 @@ def test_pipeline_method_places_with_the_recipe_and_describe_reports_it():
 
     pipe = tiny.tiny_pipeline(seed=0, with_transformer_ref=False)
     with pytest.raises(mb.MemoryBudgetError, match="no memory recipe fits"):
-        pipe.enable_memory_budget(1, 1, device="cpu")
+        pipe.enable_memory_budget(MemoryBudgetConfig(1, 1, device="cpu"))
     assert not getattr(pipe, "_diffusers_h3_placement", None)  # refused before anything moved
     for name in ("transformer", "text_encoder"):
         quantize(getattr(pipe, name), W8A16Config())
-    recipe = pipe.enable_memory_budget(device="cpu", recipe="offload")
+    recipe = pipe.enable_memory_budget(MemoryBudgetConfig(device="cpu", recipe="offload"))
     assert recipe.name == "offload"
     placement = describe(pipe)["placement"]
     assert "offload" in placement["memory_recipe"] and placement["transformer"].startswith("group offload")

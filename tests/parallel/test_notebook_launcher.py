@@ -32,8 +32,9 @@ KERNEL = textwrap.dedent(
         from tests.parallel._tiny_cp import cp_inputs, cp_transformer, forward
 
         torch.set_num_threads(1)
-        # No process group yet: enable_context_parallel creates it through Accelerate's PartialState.
-        model = enable_context_parallel(cp_transformer(), ulysses_degree=2)
+        # No process group yet: enable_context_parallel creates it through Accelerate's PartialState; no config:
+        # Ulysses over every rank of it.
+        model = enable_context_parallel(cp_transformer())
         video, audio = forward(model, cp_inputs(5))
         if dist.get_rank() == 0:
             torch.save({"video": video, "audio": audio, "world": dist.get_world_size()}, out_path)

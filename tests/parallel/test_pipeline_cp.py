@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
@@ -24,7 +25,7 @@ def _rank_pipeline():
     from diffusers_h3.parallel import enable_context_parallel
 
     pipe = tiny_pipeline(seed=2)
-    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    enable_context_parallel(pipe, ContextParallelConfig(ulysses_degree=dist.get_world_size()))
     calls = {}
     _counting(pipe._language_layers()[0], calls, "text_encoder")  # the encoder exits early: count its first layer
     _counting(pipe.transformer.context_embedder, calls, "context_embedder")
@@ -76,7 +77,7 @@ def _rank_placed_pipeline(text_encoder):
 
     pipe = tiny_pipeline(seed=2)
     placements = place_for_context_parallel(pipe, "cpu", text_encoder=text_encoder)
-    enable_context_parallel(pipe, ulysses_degree=dist.get_world_size())
+    enable_context_parallel(pipe, ContextParallelConfig(ulysses_degree=dist.get_world_size()))
     out = pipe(**SHORT_RUN, generator=torch.Generator().manual_seed(0))
     hooked = getattr(pipe.text_encoder, "_diffusers_hook", None) is not None
     return {"frames": out.frames, "audio": out.audio, "placements": placements, "text_encoder_hooked": hooked}

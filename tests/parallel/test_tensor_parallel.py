@@ -5,6 +5,7 @@ a torch import per rank)."""
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES
 
@@ -141,11 +142,13 @@ def _rank_errors(world_size):
             lambda: enable_tensor_parallel(_quantized("NVFP4Config", activation="nvfp4")(cp_transformer()), world_size)
         ),
         "cp_then_tp": _error_of(
-            lambda: enable_tensor_parallel(enable_context_parallel(cp_transformer(), world_size), world_size)
+            lambda: enable_tensor_parallel(
+                enable_context_parallel(cp_transformer(), ContextParallelConfig(ulysses_degree=world_size)), world_size
+            )
         ),
     }
     model = enable_tensor_parallel(cp_transformer(), world_size)
-    enable_context_parallel(model, ulysses_degree=world_size)
+    enable_context_parallel(model, ContextParallelConfig(ulysses_degree=world_size))
     errors["tp_then_cp"] = _error_of(lambda: forward(model, cp_inputs(5)))
     model = enable_tensor_parallel(cp_transformer(), world_size)
     errors["lora_after_tp"] = _error_of(lambda: _with_lora(model))

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout  # noqa: E402
-from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer  # noqa: E402
+from diffusers_h3.pipelines.speed_presets import SpeedPresetConfig, enable_speed_preset_on_transformer  # noqa: E402
 from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
 
     torch.manual_seed(0)
     model = tiny_transformer()
-    enable_speed_preset_on_transformer(model, preset, compile=False)
+    enable_speed_preset_on_transformer(model, SpeedPresetConfig(preset, compile=False))
     eager = _run(model)
     torch._dynamo.reset()
     counters.clear()

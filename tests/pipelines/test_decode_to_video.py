@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffusers_h3 import export_to_video
+from diffusers_h3 import FastVAEDecodeConfig, export_to_video
 from diffusers_h3.pipelines.export import _frames_to_uint8
 from diffusers_h3.pipelines.speed_presets import SpeedPresetRecord
 from diffusers_h3.testing.tiny import tiny_pipeline
@@ -154,7 +154,7 @@ def test_the_streamed_decode_takes_the_fast_decode_when_enabled(outputs):
     from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 
     pipe, latent, _ = outputs
-    enable_fast_vae_decode(pipe, batch_tiles=True, compile=False)
+    enable_fast_vae_decode(pipe, FastVAEDecodeConfig(batch_tiles=True, compile=False))
     try:
         with torch.no_grad():  # as inside the pipeline's calls
             whole = pipe._decode_video(latent.frames, "np", torch.device("cpu"))

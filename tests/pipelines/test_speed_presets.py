@@ -7,7 +7,13 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
 import diffusers_h3
-from diffusers_h3 import MiniMaxH3LowPrecisionAttnProcessor, MiniMaxH3VSAProcessor, QuantizedLinear
+from diffusers_h3 import (
+    FastVAEDecodeConfig,
+    MiniMaxH3LowPrecisionAttnProcessor,
+    MiniMaxH3VSAProcessor,
+    QuantizedLinear,
+    SpeedPresetConfig,
+)
 from diffusers_h3._hooks import H3_FAST_VAE_DECODE_HOOK, get_h3_hook
 from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
@@ -50,7 +56,7 @@ def test_unknown_preset_lists_presets():
 
 def test_exact_is_bitwise_the_native_output(native_frames):
     pipe = _pipe()
-    assert diffusers_h3.enable_speed_preset(pipe, "exact", compile=False) is pipe
+    assert diffusers_h3.enable_speed_preset(pipe, SpeedPresetConfig("exact", compile=False)) is pipe
     record = diffusers_h3.speed_preset_record(pipe)
     assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
     assert not _quantized(pipe)
@@ -64,7 +70,7 @@ def test_exact_is_bitwise_the_native_output(native_frames):
 @pytest.mark.parametrize("preset", ["fast", "fastest"])
 def test_fast_presets_turn_on_what_they_report(preset, native_frames):
     pipe = _pipe()
-    pipe.enable_speed_preset(preset, compile=True)  # CPU: compile is reported as off, not silently dropped
+    pipe.enable_speed_preset(SpeedPresetConfig(preset, compile=True))  # CPU: compile reported as off, not dropped
     processors = _block_processors(pipe)
     expected = MiniMaxH3LowPrecisionAttnProcessor if preset == "fast" else MiniMaxH3VSAProcessor
     assert processors and all(type(p) is expected for p in processors)
@@ -92,14 +98,14 @@ def test_fast_presets_turn_on_what_they_report(preset, native_frames):
 
 def test_switching_presets_never_quantizes_twice():
     pipe = _pipe()
-    pipe.enable_speed_preset("fast", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     layers = _quantized(pipe)
-    pipe.enable_speed_preset("fast", compile=False)  # re-applying keeps the quantized weights
-    pipe.enable_speed_preset("fastest", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))  # re-applying keeps the quantized weights
+    pipe.enable_speed_preset(SpeedPresetConfig("fastest", compile=False))
     assert _quantized(pipe) == layers
     assert all(type(p) is MiniMaxH3VSAProcessor for p in _block_processors(pipe))
     assert "already quantized: kept" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["transformer"]
-    pipe.enable_speed_preset("fast", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert all(type(p) is MiniMaxH3LowPrecisionAttnProcessor for p in _block_processors(pipe))
 
     with pytest.raises(ValueError, match=r"'exact' runs bf16 weights.*already quantized \(h3_w8a16\).*reload"):
@@ -124,7 +130,7 @@ def test_preset_logs_what_it_turned_on(caplog):
     level = logger.level
     logger.setLevel("INFO")
     try:
-        pipe.enable_speed_preset("fastest", compile=False)
+        pipe.enable_speed_preset(SpeedPresetConfig("fastest", compile=False))
     finally:
         logger.removeHandler(caplog.handler)
         logger.setLevel(level)
@@ -133,11 +139,11 @@ def test_preset_logs_what_it_turned_on(caplog):
 
 def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
     pipe = _pipe()
-    pipe.enable_speed_preset("fastest", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fastest", compile=False))
     assert get_h3_hook(pipe.vae, H3_FAST_VAE_DECODE_HOOK) is not None
     assert diffusers_h3.describe(pipe)["speed_preset"]["decode"].startswith("batched tiles")
     exact = _pipe()
-    exact.enable_speed_preset("exact", compile=False)
+    exact.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert get_h3_hook(exact.vae, H3_FAST_VAE_DECODE_HOOK) is None
     assert diffusers_h3.describe(exact)["speed_preset"]["decode"] == "diffusers' tiled decode"
 
@@ -206,7 +212,7 @@ def test_exact_runs_flashinfer_on_hopper_when_installed(monkeypatch, flashinfer_
     native = _tiny_bf16_transformer()
     native.set_attn_processor(MiniMaxH3AttnProcessor())
     model = _tiny_bf16_transformer()
-    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False))
     assert "FlashInfer FA3" in record.attention["transformer"]
     assert all(isinstance(b.attn.processor, MiniMaxH3FlashInferProcessor) for b in model.transformer_blocks)
     # The stand-in computes diffusers' SDPA call: the preset's glue must not change a bit.
@@ -222,14 +228,14 @@ def test_exact_without_flashinfer_says_what_it_would_gain(monkeypatch):
     _hopper(monkeypatch)
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
     model = _tiny_bf16_transformer()
-    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False))
     assert "flashinfer-python not installed" in record.attention["transformer"]
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
     # Asked for explicitly, a missing package is one clear error, and nothing changes.
     model = _tiny_bf16_transformer()
     before = [type(b.attn.processor) for b in model.transformer_blocks]
     with pytest.raises(ImportError, match="pip install flashinfer-python"):
-        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=True)
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False, flashinfer=True))
     assert [type(b.attn.processor) for b in model.transformer_blocks] == before
 
 
@@ -239,18 +245,18 @@ def test_flashinfer_choice_is_checked_before_anything_changes(flashinfer_stand_i
     model = _tiny_bf16_transformer()
     weights = {name: p.clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match="needs a CUDA GPU of SM80"):  # the CPU cannot run FlashInfer
-        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=True)
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False, flashinfer=True))
     with pytest.raises(ValueError, match="no FlashInfer kernel runs the 'fastest' preset's video sparse attention"):
-        enable_speed_preset_on_transformer(model, "fastest", compile=False, flashinfer=True)
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("fastest", compile=False, flashinfer=True))
     with pytest.raises(ValueError, match="needs a CUDA GPU of SM80"):
-        enable_speed_preset_on_transformer(model, "fast", compile=False, flashinfer=True)
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False, flashinfer=True))
     with pytest.raises(TypeError, match="None .automatic., True or False"):
-        enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer="yes")
+        enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False, flashinfer="yes"))
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     assert all(type(b.attn.processor) is not MiniMaxH3LowPrecisionAttnProcessor for b in model.transformer_blocks)
     # Automatic off the Hopper GPU: diffusers' attention, no note.
-    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False))
     assert "FlashInfer" not in record.attention["transformer"] and not flashinfer_stand_in.calls
 
 
@@ -261,13 +267,13 @@ def test_fast_runs_flashinfer_fp8_only_when_asked(monkeypatch, flashinfer_stand_
     _hopper(monkeypatch)
     # Automatic: INT8 attention (more exact), and the record says what flashinfer=True would run.
     model = _tiny_bf16_transformer()
-    record = enable_speed_preset_on_transformer(model, "fast", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False))
     assert all(type(b.attn.processor) is MiniMaxH3LowPrecisionAttnProcessor for b in model.transformer_blocks)
     assert "dense INT8" in record.attention["transformer"] and "flashinfer=True: FlashInfer's FA3 FP8" in (
         record.attention["transformer"])
     # Asked for: FA3's FP8 kernel in every block, and the forward runs through it.
     model = _tiny_bf16_transformer()
-    record = enable_speed_preset_on_transformer(model, "fast", compile=False, flashinfer=True)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False, flashinfer=True))
     assert "FlashInfer FA3 FP8" in record.attention["transformer"] and "INT8" not in record.attention["transformer"]
     processors = [b.attn.processor for b in model.transformer_blocks]
     assert all(isinstance(p, MiniMaxH3FlashInferProcessor) and p.precision == "fp8" for p in processors)
@@ -283,9 +289,9 @@ def test_pipeline_preset_passes_the_flashinfer_choice(monkeypatch, flashinfer_st
     _hopper(monkeypatch)
     pipe = _pipe()
     pipe.transformer.to(torch.bfloat16)  # FlashInfer runs bf16 / fp16 models only
-    pipe.enable_speed_preset("exact", compile=False, flashinfer=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("exact", compile=False, flashinfer=False))
     assert all(type(p) is MiniMaxH3AttnProcessor for p in _block_processors(pipe))
-    pipe.enable_speed_preset("exact", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert all(isinstance(p, MiniMaxH3FlashInferProcessor) for p in _block_processors(pipe))
     assert "FlashInfer FA3" in str(diffusers_h3.describe(pipe)["speed_preset"]["attention"])
 
@@ -300,11 +306,12 @@ def test_exact_keeps_cudnn_when_flashinfer_cannot_build(monkeypatch, tmp_path, f
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setattr(flashinfer_dense, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
     model = _tiny_bf16_transformer()
-    record = enable_speed_preset_on_transformer(model, "exact", compile=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False))
     assert "cannot build its kernels: no nvcc found" in record.attention["transformer"]
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
     with pytest.raises(RuntimeError, match="no nvcc was found"):  # asked for explicitly: one clear error
-        enable_speed_preset_on_transformer(_tiny_bf16_transformer(), "exact", compile=False, flashinfer=True)
+        enable_speed_preset_on_transformer(_tiny_bf16_transformer(), SpeedPresetConfig("exact", compile=False,
+                                                                                       flashinfer=True))  # fmt: skip
 
 
 def test_exact_sets_the_backend_on_its_processors_only(monkeypatch):
@@ -317,7 +324,8 @@ def test_exact_sets_the_backend_on_its_processors_only(monkeypatch):
     monkeypatch.setattr(speed_presets, "exact_attention_backend", lambda device, dtype: "_native_cudnn")
     before = _AttentionBackendRegistry.get_active_backend()[0]
     model = _tiny_bf16_transformer()
-    record = speed_presets.enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=False)
+    record = speed_presets.enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False,
+                                                                                       flashinfer=False))  # fmt: skip
     assert "'_native_cudnn'" in record.attention["transformer"]
     assert _AttentionBackendRegistry.get_active_backend()[0] == before
     processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
@@ -329,7 +337,7 @@ def test_presets_record_their_decode_and_export(preset):
     from diffusers_h3.pipelines.speed_presets import EXPORT_SETTINGS
 
     pipe = _pipe()
-    pipe.enable_speed_preset(preset, compile=True)
+    pipe.enable_speed_preset(SpeedPresetConfig(preset, compile=True))
     report = diffusers_h3.describe(pipe)["speed_preset"]
     if preset == "exact":
         assert report["decode"] == "diffusers' tiled decode" and fast_vae_decode_state(pipe.vae) is None
@@ -347,12 +355,12 @@ def test_presets_record_their_decode_and_export(preset):
 
 def test_fast_after_an_fp8_decoder_keeps_it_and_exact_refuses_it():
     pipe = _pipe()
-    diffusers_h3.enable_fast_vae_decode(pipe, fp8_linears=True)  # what "fastest" does on an FP8 GPU
+    diffusers_h3.enable_fast_vae_decode(pipe, FastVAEDecodeConfig(fp8_linears=True))  # "fastest" on an FP8 GPU
     with pytest.raises(ValueError, match=r"'exact' runs diffusers' own video decode.*already FP8"):
-        pipe.enable_speed_preset("exact", compile=False)
+        pipe.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert getattr(pipe, "_h3_speed_preset", None) is None and not _quantized(pipe)  # nothing changed
     assert fast_vae_decode_state(pipe.vae) is not None
-    pipe.enable_speed_preset("fast", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert fast_vae_decode_state(pipe.vae).fp8_linears and "already quantized: kept" in pipe._h3_speed_preset.decode
 
 
@@ -372,7 +380,7 @@ def _prompt_embeds(pipe):
 def test_fast_presets_quantize_the_text_encoder_to_w8a16(preset):
     pipe = _pipe()
     reference = _prompt_embeds(pipe)
-    pipe.enable_speed_preset(preset, compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig(preset, compile=False))
     quantized = _text_encoder_quantized(pipe)
     assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized)
     decoder_linears = [name for name, m in pipe.text_encoder.named_modules()
@@ -389,7 +397,7 @@ def test_fast_presets_quantize_the_text_encoder_to_w8a16(preset):
 def test_quantize_text_encoder_false_keeps_it_as_loaded():
     pipe = _pipe()
     reference = _prompt_embeds(pipe)
-    pipe.enable_speed_preset("fastest", compile=False, quantize_text_encoder=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fastest", compile=False, quantize_text_encoder=False))
     assert _quantized(pipe) and not _text_encoder_quantized(pipe)
     assert "quantize_text_encoder=False" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
     assert torch.equal(_prompt_embeds(pipe), reference)
@@ -398,20 +406,21 @@ def test_quantize_text_encoder_false_keeps_it_as_loaded():
 def test_exact_leaves_the_text_encoder_and_refuses_to_quantize_it():
     pipe = _pipe()
     with pytest.raises(ValueError, match=r"quantize_text_encoder=True: the 'exact' preset runs the text encoder as"):
-        pipe.enable_speed_preset("exact", compile=False, quantize_text_encoder=True)
+        pipe.enable_speed_preset(SpeedPresetConfig("exact", compile=False, quantize_text_encoder=True))
     assert getattr(pipe, "_h3_speed_preset", None) is None
-    pipe.enable_speed_preset("exact", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert not _text_encoder_quantized(pipe)
     assert "not quantized" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
     with pytest.raises(TypeError, match=r"quantize_text_encoder must be None \(automatic\), True or False"):
-        pipe.enable_speed_preset("fast", compile=False, quantize_text_encoder="yes")
+        pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False, quantize_text_encoder="yes"))
     assert not _quantized(pipe)  # nothing changed by the refused call
     without = _pipe()
     without.text_encoder = None
     with pytest.raises(ValueError, match=r"quantize_text_encoder=True: the pipeline has no text encoder"):
-        without.enable_speed_preset("fast", compile=False, quantize_text_encoder=True)
+        without.enable_speed_preset(SpeedPresetConfig("fast", compile=False, quantize_text_encoder=True))
     assert not _quantized(without)
-    without.enable_speed_preset("fast", compile=False)  # automatic: nothing to quantize, nothing recorded for it
+    # automatic: nothing to quantize, nothing recorded for it
+    without.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert "text_encoder" not in diffusers_h3.describe(without)["speed_preset"]["weights"]
 
 
@@ -419,7 +428,7 @@ def test_a_text_encoder_loaded_quantized_is_kept():
     pipe = _pipe()
     diffusers_h3.quantize(pipe.text_encoder, diffusers_h3.W8A16Config())
     layers = _text_encoder_quantized(pipe)
-    pipe.enable_speed_preset("fast", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert _text_encoder_quantized(pipe) == layers
     assert "already quantized: kept" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
 
@@ -430,8 +439,8 @@ def test_an_offloaded_text_encoder_is_left_as_placed():
     pipe = _pipe()
     add_hook_to_module(pipe.text_encoder, ModelHook())  # what enable_model_cpu_offload leaves on a component
     with pytest.raises(ValueError, match=r"the text encoder is offloaded .* cannot be quantized in place"):
-        pipe.enable_speed_preset("fast", compile=False, quantize_text_encoder=True)
+        pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False, quantize_text_encoder=True))
     assert not _quantized(pipe)
-    pipe.enable_speed_preset("fast", compile=False)
+    pipe.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert not _text_encoder_quantized(pipe)
     assert "offloaded (not quantized" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
+from diffusers_h3 import LowPrecisionAttentionConfig, SpeedPresetConfig
 from diffusers_h3.pipelines.speed_presets import (
     attention_dtype,
     enable_speed_preset_on_transformer,
@@ -52,9 +53,10 @@ def test_the_attention_dtype_is_the_blocks_and_the_exact_record_names_it():
     model = _tiny_transformer().to(torch.bfloat16)
     model.proj_in.float()  # diffusers keeps a few modules in float32 in a bf16 model
     assert next(model.parameters()).dtype == torch.float32 and attention_dtype(model) == torch.bfloat16
-    record = enable_speed_preset_on_transformer(_tiny_transformer(), "exact", compile=False, flashinfer=False)
+    record = enable_speed_preset_on_transformer(_tiny_transformer(), SpeedPresetConfig("exact", compile=False,
+                                                                                       flashinfer=False))  # fmt: skip
     assert record.attention["transformer"].startswith("dense float32, ")
-    record = enable_speed_preset_on_transformer(model, "exact", compile=False, flashinfer=False)
+    record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False, flashinfer=False))
     assert record.attention["transformer"].startswith("dense bfloat16, ")
 
 
@@ -70,7 +72,7 @@ def _tiny_transformer():
 def _int8_attention(model):
     from diffusers_h3.attention_processors import enable_low_precision_attention
 
-    enable_low_precision_attention(model, "int8")
+    enable_low_precision_attention(model, LowPrecisionAttentionConfig("int8"))
 
 
 def _flashinfer_attention(model):
@@ -87,7 +89,7 @@ def test_exact_restores_diffusers_processor_on_every_block(install):
     install(model)
     assert not any(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
 
-    enable_speed_preset_on_transformer(model, "exact", compile=False)
+    enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False))
 
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
     refiner_after = {name: type(p) for name, p in model.attn_processors.items() if name.startswith("token_refiner")}

@@ -387,14 +387,14 @@ def _chunks(module, prefix="", limit=CHUNK_BYTES):
 def _randomize(module, own_only):
     """Random weights where ``to_empty`` left garbage: norms 1, biases 0, other matrices N(0, 0.02); quantized
     layers quantize a random bf16 weight (one layer at a time, on the device)."""
-    from diffusers_h3.quantizers import QuantizedLinear
+    from diffusers_h3.quantizers import is_quantized_linear
 
     modules = [module] if own_only else list(module.modules())
     for sub in modules:
-        if isinstance(sub, QuantizedLinear):
-            dense = torch.randn(sub.out_features, sub.in_features, device=sub.bias.device if sub.bias is not None
-                                else next(iter(sub.buffers())).device, dtype=torch.bfloat16) * 0.02  # fmt: skip
-            sub.requantize_(dense)
+        if is_quantized_linear(sub):
+            dense = torch.randn(sub.out_features, sub.in_features, device=sub.weight.device,
+                                dtype=torch.bfloat16) * 0.02  # fmt: skip
+            sub.weight.copy_(dense)  # quantizes
             if sub.bias is not None:
                 sub.bias.zero_()
             continue
@@ -408,29 +408,37 @@ def _randomize(module, own_only):
 
 
 def swap_to_quantized_on_meta(model, config, keep_in_fp32=()):
-    """Empty (meta) quantized layers in place of the Linears ``config`` selects, as a pre-quantized load does."""
-    from diffusers_h3.quantizers import linears_to_quantize
-    from diffusers_h3.quantizers.registry import layer_class_for
+    """Empty (meta) quantized weights on the Linears ``config`` selects, as a pre-quantized load leaves them."""
+    from diffusers_h3.quantizers import install_quantized_weight, linears_to_quantize
+    from diffusers_h3.quantizers.registry import weight_class_for
 
-    cls = layer_class_for(config)
+    cls = weight_class_for(config)
     for name in linears_to_quantize(model, config, keep_in_fp32):
         linear = model.get_submodule(name)
-        parent, _, child = name.rpartition(".")
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    compute_dtype=torch.bfloat16, device="meta", **config.layer_kwargs())  # fmt: skip
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        options = cls.full_options(config.layer_kwargs())
+        empty = {name: torch.empty(shape, dtype=dtype, device="meta")
+                 for name, (shape, dtype) in cls.storage_spec(linear.out_features, linear.in_features, options).items()}
+        install_quantized_weight(linear, cls.from_storage(empty, linear.out_features, linear.in_features,
+                                                          torch.bfloat16, **options))  # fmt: skip
+        if linear.bias is not None:
+            linear.bias = torch.nn.Parameter(linear.bias.to(torch.bfloat16), requires_grad=False)
     return model
 
 
 def _move_storage(piece, own_only, device):
+    from diffusers_h3.quantizers import QuantizedTensor
+
     """Uninitialized storage on ``device`` for every parameter and buffer of ``piece`` (of the piece alone when
-    ``own_only``), set directly: ``to_empty`` would go through the quantized layers' ``_apply``, which copies."""
+    ``own_only``), set directly: ``to_empty`` would allocate and copy."""
     for sub in [piece] if own_only else piece.modules():
         for table in (sub._parameters, sub._buffers):
             for name, tensor in table.items():
                 if tensor is None:
                     continue
-                empty = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, QuantizedTensor):
+                    empty = tensor._map(lambda t: torch.empty_like(t, device=device), share_merge=False)
+                else:
+                    empty = torch.empty_like(tensor, device=device)
                 table[name] = torch.nn.Parameter(empty, requires_grad=False) if table is sub._parameters else empty
 
 

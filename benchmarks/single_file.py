@@ -5,7 +5,7 @@
     python benchmarks/single_file.py --memory-only --out benchmarks/results/single_file_memory.json   # CPU: memory
 
 Cases ``<format>_<gemm>`` for format in bf16 (``nn.Linear``, cuBLAS), the GGUF types Q8_0 / Q6_K / Q5_K / Q4_K
-(diffusers' ``GGUFLinear``: every call dequantizes the weight, then a 16-bit matmul) and fp8_scaled (``FP8Linear``
+(diffusers' ``GGUFLinear``: every call dequantizes the weight, then a 16-bit matmul) and fp8_scaled (``FP8Tensor``
 holding a ComfyUI fp8-scaled layer, one scale per tensor: per-token FP8 activations + ``torch._scaled_mm``), and gemm
 in qkv (5376->21504), out (7168->5376), ffn_up (5376->28672), ffn_down (14336->5376), at M = 38,222 rows, measured in
 the same run: warm-up, then the median of CUDA-event timings; ``ratio`` = bf16 ms / case ms; ``rel_l2`` against the
@@ -19,6 +19,7 @@ where their width does not block (the 2688-wide AdaLN of K-quant files: Q5_0 for
 the refiner and the text projection F16, 1-D tensors and the float32 modules F32; ComfyUI's fp8-scaled: the block linears E4M3 + one scale each, the
 rest bf16 / float32).
 """
+
 
 from __future__ import annotations
 
@@ -53,14 +54,17 @@ def gguf_layer(kind: str, k: int, n: int, dtype, device, rng):
 
 
 def fp8_scaled_layer(k: int, n: int, dtype, device):
-    """An ``FP8Linear`` loaded as from a ComfyUI fp8-scaled file (E4M3 codes, one float32 scale), and its weight."""
-    from diffusers_h3.quantizers import FP8Linear
+    """An ``nn.Linear`` with an FP8 weight loaded as from a ComfyUI fp8-scaled file (E4M3 codes, one float32
+    scale), and its dequantized weight."""
+    from diffusers_h3.quantizers import FP8Tensor, install_quantized_weight
 
     dense = torch.randn(n, k, device=device) * 0.02
     scale = dense.abs().amax() / 448.0
-    layer = FP8Linear(k, n, bias=False, compute_dtype=dtype, device=device)
-    layer.load_quantized_({"weight": (dense / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(1)})
-    return layer, layer.dequantize(dtype)
+    layer = torch.nn.Linear(k, n, bias=False, device="meta")
+    weight = FP8Tensor.from_storage({"weight": (dense / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(1)},
+                                    n, k, dtype)  # fmt: skip
+    install_quantized_weight(layer, weight)
+    return layer, weight.dequantize(dtype)
 
 
 def time_ms(fn, device, reps):
@@ -105,6 +109,8 @@ def weight_memory(config=None) -> dict:
 
 
 def main(argv=None) -> int:
+    from diffusers_h3.quantizers import describe_layer
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--tiny", action="store_true", help="small shapes on the CPU (a smoke run, not a measurement)")
@@ -148,7 +154,7 @@ def main(argv=None) -> int:
                 ms = time_ms(lambda layer=layer: layer(x), device, args.reps)
                 out = layer(x)
             peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
-            path = layer.describe_path() if hasattr(layer, "describe_path") else "GGUFLinear: dequantize + matmul"
+            path = describe_layer(layer) or "GGUFLinear: dequantize + matmul"
             cases[f"{fmt}_{gemm}"] = {"ms": ms, "baseline": base_ms, "ratio": base_ms / ms,
                                       "rel_l2": rel_l2(out, reference), "peak_gib": peak, "path": path}  # fmt: skip
             del layer, weight, reference, out

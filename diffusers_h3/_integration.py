@@ -35,8 +35,6 @@ from .pipelines.loading import (
 )
 from .pipelines.pipeline_minimax_h3 import MiniMaxH3Pipeline
 from .quantizers import register_quantizers
-from .quantizers.fused_projections import install_quantized_projection_fusion
-from .quantizers.peft_dispatch import install_add_adapter_dispatch
 
 
 logger = logging.get_logger(__name__)
@@ -128,9 +126,6 @@ def _register_with_diffusers() -> None:
     """Expose `MiniMaxH3Pipeline` as `diffusers.MiniMaxH3Pipeline` and install the dispatch, unless diffusers ships a
     class of that name (then diffusers' class keeps the name and `DiffusionPipeline.from_pretrained`, and one warning
     says so); register the quantizers and cache hooks in every case, so saved checkpoints still load."""
-    # Quantized layers under diffusers' own `add_adapter` / `fuse_qkv_projections`, whichever pipeline class wins.
-    install_add_adapter_dispatch()
-    install_quantized_projection_fusion()
     existing = getattr(diffusers, "MiniMaxH3Pipeline", None)
     if existing is None or existing is MiniMaxH3Pipeline:
         diffusers.MiniMaxH3Pipeline = MiniMaxH3Pipeline

@@ -1,6 +1,6 @@
 """``diffusers_h3.describe(pipe)``: which path every attention processor and quantized layer runs.
 
-Processors and quantized layers of this package implement ``describe_path() -> str`` (one line: kernel or fallback,
+Processors and quantized weights of this package implement ``describe_path() -> str`` (one line: kernel or fallback,
 and why; "not run on hardware" where that applies). Anything else is reported by class name. What an ``enable_*``
 attached to a model is read from the records its hooks hold in the model's diffusers ``HookRegistry``
 (``diffusers_h3._hooks``), never re-derived: the report says what was set up and, where the hook records it, what ran.
@@ -27,6 +27,7 @@ from ._hooks import (
 from .hooks.cache import describe_cache
 from .hooks.fast_vae_decode import describe_vae_decode
 from .loaders.single_file import describe_transformer_file
+from .quantizers import describe_layer
 
 
 def _path_of(obj: Any) -> str:
@@ -52,8 +53,8 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(module, "set_processor"):
             attention[_path_of(processor)] += 1
-        elif hasattr(module, "describe_path"):
-            linears[_path_of(module)] += 1
+        elif describe_layer(module) is not None:  # an nn.Linear (or a PEFT layer over one) with a quantized weight
+            linears[describe_layer(module)] += 1
     info: Dict[str, Any] = {"class": type(model).__name__}
     try:
         param = next(model.parameters())

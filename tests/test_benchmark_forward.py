@@ -208,8 +208,8 @@ def test_kernel_breakdown_sums_and_ranks(monkeypatch):
 
 def test_the_per_transformer_preset_checks_before_changing_anything():
     """The benchmark applies presets to the transformer alone; the pipeline call's checks hold there too."""
-    from diffusers_h3 import QuantizedLinear
     from diffusers_h3.pipelines.speed_presets import enable_speed_preset_on_transformer
+    from diffusers_h3.quantizers import is_quantized_linear
     from diffusers_h3.testing.tiny import tiny_transformer
 
     model = tiny_transformer()
@@ -218,8 +218,8 @@ def test_the_per_transformer_preset_checks_before_changing_anything():
     record = enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False))
     assert record.describe()["compile"] == {"transformer": "off (compile=False)"}
     assert record.decode == "not applied (transformer only)"
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
     assert layers
     with pytest.raises(ValueError, match=r"'exact' runs bf16 weights.*already quantized \(h3_w8a16\)"):
         enable_speed_preset_on_transformer(model, "exact")
-    assert [m for m in model.modules() if isinstance(m, QuantizedLinear)] == layers
+    assert [m for m in model.modules() if is_quantized_linear(m)] == layers

@@ -23,11 +23,7 @@ SECTION = "## Attributes of other libraries' classes the package replaces"
 # The attributes `import diffusers_h3` may replace; docs/diffusers_compat.md says why for each.
 ALLOWED = {"diffusers.pipelines.pipeline_utils.DiffusionPipeline.from_pretrained"}
 # Replaced today but on their way out (#42): allowed whether or not they are still replaced.
-PENDING_REMOVAL = {
-    "diffusers.loaders.peft.PeftAdapterMixin.add_adapter",
-    "diffusers.models.attention.AttentionModuleMixin.fuse_projections",
-    "diffusers.models.attention.AttentionMixin.fuse_qkv_projections",
-}
+PENDING_REMOVAL = set()
 # Added by another library itself while the pipeline is built: transformers' `PreTrainedModel.initialize_weights`
 # sets `torch.nn.Module.smart_apply` the first time a transformers model initializes its weights.
 NOT_OURS = {"torch.nn.Module.smart_apply"}

@@ -393,6 +393,7 @@ def test_int8_dense_attention_quantizes_q_k_to_int8_not_e4m3():
 
 def test_describe_counts_every_attention_module_and_quantized_layer():
     from diffusers_h3 import W8A16Config, describe, enable_vsa, quantize
+    from diffusers_h3.quantizers import describe_layer
     from diffusers_h3.testing.tiny import tiny_transformer
 
     model = tiny_transformer()
@@ -404,6 +405,6 @@ def test_describe_counts_every_attention_module_and_quantized_layer():
     vsa = {path: count for path, count in attention.items() if "VSA" in path}
     assert sum(vsa.values()) == blocks and sum(attention.values()) == len(attention_modules)
     quantize(model, W8A16Config())
-    quantized = [m for m in model.modules() if hasattr(m, "describe_path") and not hasattr(m, "set_processor")]
+    quantized = [m for m in model.modules() if describe_layer(m) is not None]
     assert len(quantized) > 1
     assert sum(describe(model)["model"]["quantized_layers"].values()) == len(quantized)

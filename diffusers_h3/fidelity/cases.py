@@ -63,9 +63,9 @@ def get_case(name: str) -> FidelityCase:
 
 
 def _quantized_method(module: torch.nn.Module) -> Optional[str]:
-    from ..quantizers import QuantizedLinear
+    from ..quantizers import quantized_weight
 
-    return next((m.quant_method for m in module.modules() if isinstance(m, QuantizedLinear)), None)
+    return next((quantized_weight(m).quant_method for m in module.modules() if quantized_weight(m) is not None), None)
 
 
 def _ensure_format(module: torch.nn.Module, fmt: str, what: str) -> None:

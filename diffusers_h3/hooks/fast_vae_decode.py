@@ -46,9 +46,9 @@ FP8_KEEP = ("proj_in",)
 
 def decoder_is_fp8(vae) -> bool:
     """Whether the VAE decoder's linears are quantized (``fp8_linears=True`` earlier; it cannot be undone)."""
-    from ..quantizers import QuantizedLinear
+    from ..quantizers import is_quantized_linear
 
-    return any(isinstance(m, QuantizedLinear) for m in vae.decoder.modules())
+    return any(is_quantized_linear(m) for m in vae.decoder.modules())
 
 
 @dataclass

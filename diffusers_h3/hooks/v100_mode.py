@@ -7,7 +7,7 @@ V100 (sm_70) has fp16 tensor cores but no usable bf16, so H3 runs there as fp16 
 1. **Weights.** fp16 for the linear layers of the block stack and the token refiner; fp32 for what the reference
    keeps in fp32 (``_keep_in_fp32_modules``: patch projections, timestep MLP, output heads, rope), for every norm, and
    for ``context_embedder`` (its input, text-encoder features, can exceed fp16). H3 quantized layers
-   (``QuantizedLinear``) keep their packed storage and compute in fp16 (the W8A16 dequantize + cuBLAS path on V100).
+   (``nn.Linear`` with a quantized weight tensor) keep their packed storage and compute in fp16 (the W8A16 dequantize + cuBLAS path on V100).
    A weight that does not fit fp16 raises an error naming it (keep its module in fp32 with ``fp32_modules``).
 2. **fp32 residual stream.** The embedders are fp32 and every hooked linear returns fp32 (step 3), so the residual
    adds, norms, AdaLN modulation, gates and the SwiGLU product run in fp32 with no cast at the block inputs.
@@ -54,7 +54,9 @@ class NonFiniteActivationError(FloatingPointError):
 
 
 def _is_quantized_layer(module: nn.Module) -> bool:
-    return callable(getattr(module, "dequantize", None)) and hasattr(module, "compute_dtype")
+    from ..quantizers import is_quantized_linear
+
+    return is_quantized_linear(module)
 
 
 def _is_linear_like(module: nn.Module) -> bool:

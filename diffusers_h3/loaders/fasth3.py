@@ -35,7 +35,7 @@ import torch
 from diffusers.utils import logging
 
 from ..attention_processors import add_gate_compress
-from ..quantizers import QuantizedLinear
+from ..quantizers import is_quantized_linear
 
 
 logger = logging.get_logger(__name__)
@@ -310,7 +310,7 @@ def _parameter(model: torch.nn.Module, path: str) -> Tuple[Optional[torch.nn.Mod
             module = model.get_submodule(candidate)
         except AttributeError:
             continue
-        if isinstance(module, QuantizedLinear) and name == "weight":
+        if is_quantized_linear(module) and name == "weight":
             return module, None, "is a quantized layer's packed weight (apply payloads to the 16-bit DiT, then quantize)"
         param = module._parameters.get(name)
         if param is not None:

@@ -1,4 +1,4 @@
-"""The NVFP4 Qwen3-VL text encoder of FastH3 stacks, loaded into :class:`~diffusers_h3.quantizers.NVFP4Linear`.
+"""The NVFP4 Qwen3-VL text encoder of FastH3 stacks, loaded into :class:`~diffusers_h3.quantizers.NVFP4Tensor` weights.
 
 FastVideo's serialized NVFP4 text encoder (``fastvideo/models/encoders/minimax_h3_checkpoint_nvfp4.py``) is a
 transformers ``Qwen3VLForConditionalGeneration`` folder whose ``config.json`` carries
@@ -26,8 +26,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
-from ..quantizers import NVFP4Config, NVFP4Linear
-from ..quantizers._replace import set_submodule
+from ..quantizers import NVFP4Config, NVFP4Tensor, install_quantized_weight
 from ..quantizers.apply import _attach_to_model
 
 
@@ -128,8 +127,6 @@ def load_nvfp4_text_encoder(folder: Union[str, Path], dtype: torch.dtype = torch
         if linear.out_features % 128 or linear.in_features % 64:
             raise ValueError(f"{name} is {linear.out_features}x{linear.in_features}: the serialized NVFP4 layout needs "
                              "out % 128 == 0 and in % 64 == 0")  # fmt: skip
-        set_submodule(model, name, NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                               compute_dtype=dtype, device="meta"))  # fmt: skip
 
     parts: Dict[str, Dict[str, torch.Tensor]] = {}
     expected = set(model.state_dict())
@@ -159,11 +156,11 @@ def load_nvfp4_text_encoder(folder: Union[str, Path], dtype: torch.dtype = torch
                              f"{(layer.out_features, layer.in_features // 16)}")  # fmt: skip
         if global_scale.numel() != 1 or not torch.isfinite(global_scale).all() or float(global_scale) <= 0:
             raise ValueError(f"{name}.weight_global_scale must be one positive finite number, got {global_scale}")
-        layer.load_quantized_({
+        install_quantized_weight(layer, NVFP4Tensor.from_storage({
             "weight": packed.view(torch.uint8),
             "weight_scale": unswizzle_128x4(scale, layer.out_features, layer.in_features // 16).view(torch.float8_e4m3fn),
             "weight_scale_2": (1.0 / global_scale.float()).reshape(()),
-        })  # fmt: skip
+        }, layer.out_features, layer.in_features, dtype))  # fmt: skip
         for key in list(expected):
             if key.startswith(f"{name}.") and key.rsplit(".", 1)[-1] in ("weight", "weight_scale", "weight_scale_2"):
                 expected.discard(key)

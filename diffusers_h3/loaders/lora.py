@@ -5,10 +5,10 @@ strict key matching and step-distillation presets.
 two-partition routing rule, PEFT injection, ``set_adapters`` / ``fuse_lora`` / ``unfuse_lora`` /
 ``unload_lora_weights`` / hotswap) with:
 
-- **Quantized layers.** Layers from ``diffusers_h3.quantizers`` (W8A16, NVFP4, FP8) get a PEFT LoRA layer of their
-  own (``diffusers_h3.quantizers.peft_dispatch.QuantizedLoraLinear``): the base weight stays quantized, LoRA runs on
-  the unquantized input, and ``fuse_lora`` re-quantizes ``W + BA`` while ``unfuse_lora`` restores the original
-  quantized tensors exactly.
+- **Quantized layers.** Layers quantized by ``diffusers_h3.quantizers`` (W8A16, NVFP4, FP8) stay ``nn.Linear`` with
+  a quantized weight tensor, so PEFT wraps them with its own ``lora.Linear``: the base product runs the quantized
+  kernel, LoRA runs on the unquantized input, ``fuse_lora`` re-quantizes ``W + BA`` (the weight's ``add_``) and
+  ``unfuse_lora`` restores the quantized tensors from before the first fuse exactly (the weight's last ``sub_``).
 - **Key report.** ``load_lora_weights`` returns a :class:`LoraLoadReport` (also logged at INFO): detected layout,
   matched modules per partition (and how many are quantized), rank and alpha per adapter, where the alpha came from,
   unmatched keys, the distillation preset. Zero matched modules is an error; unmatched keys are an error unless
@@ -50,7 +50,7 @@ from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 from diffusers.utils import logging
 from torch import nn
 
-from ..quantizers.peft_dispatch import is_quantized_linear, quantized_lora_dispatch
+from ..quantizers import quantized_weight
 from ..tasks import partition_for_task, partition_for_tasks
 from .lora_presets import (
     LoraDistillationPreset,
@@ -207,7 +207,7 @@ def _lora_target(module: nn.Module) -> Optional[nn.Module]:
 
     if isinstance(module, BaseTunerLayer):
         module = module.get_base_layer()
-    if isinstance(module, nn.Linear) or is_quantized_linear(module):
+    if isinstance(module, nn.Linear):
         return module
     return None
 
@@ -527,30 +527,28 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     @classmethod
     def load_lora_into_transformer(cls, state_dict, transformer, adapter_name=None, _pipeline=None,
                                    low_cpu_mem_usage=False, hotswap: bool = False, metadata=None):
-        """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
+        """diffusers' loader, keeping the offload hooks."""
         if metadata is None:
             metadata = _PENDING_METADATA.get()
         _pipeline, regroup = _offload_toggle(transformer, _pipeline)
-        with quantized_lora_dispatch(transformer):
-            super().load_lora_into_transformer(
-                state_dict, transformer, adapter_name=adapter_name, _pipeline=_pipeline,
-                low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
-            )
+        super().load_lora_into_transformer(
+            state_dict, transformer, adapter_name=adapter_name, _pipeline=_pipeline,
+            low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
+        )
         if regroup:
             _rebuild_offload_groups(transformer)
 
     @classmethod
     def load_lora_into_transformer_ref(cls, state_dict, transformer_ref, prefix, adapter_name=None, _pipeline=None,
                                        low_cpu_mem_usage=False, hotswap: bool = False, metadata=None):
-        """diffusers' loader, with diffusers-h3 quantized layers dispatched to PEFT LoRA layers of their own."""
+        """diffusers' loader, keeping the offload hooks."""
         if metadata is None:
             metadata = _PENDING_METADATA.get()
         _pipeline, regroup = _offload_toggle(transformer_ref, _pipeline)
-        with quantized_lora_dispatch(transformer_ref):
-            super().load_lora_into_transformer_ref(
-                state_dict, transformer_ref, prefix, adapter_name=adapter_name, _pipeline=_pipeline,
-                low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
-            )
+        super().load_lora_into_transformer_ref(
+            state_dict, transformer_ref, prefix, adapter_name=adapter_name, _pipeline=_pipeline,
+            low_cpu_mem_usage=low_cpu_mem_usage, hotswap=hotswap, metadata=metadata,
+        )
         if regroup:
             _rebuild_offload_groups(transformer_ref)
 
@@ -771,7 +769,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             modules.append(name)
             ranks[layer.r[adapter]] += 1
             alphas[float(layer.lora_alpha[adapter])] += 1
-            base = layer.get_base_layer()
-            if is_quantized_linear(base):
-                quantized[str(base.quant_method)] += 1
+            weight = quantized_weight(layer.get_base_layer())
+            if weight is not None:
+                quantized[str(weight.quant_method)] += 1
         return LoraComponentReport(component, sorted(modules), dict(quantized), dict(ranks), dict(alphas))

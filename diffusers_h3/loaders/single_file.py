@@ -9,7 +9,7 @@
   ``forward_native``);
 - **"fp8 scaled"** safetensors (``float8_e4m3fn`` weights with one scale per layer: ComfyUI's ``<layer>.weight_scale``
   + ``<layer>.comfy_quant`` layout, or the older ``<layer>.scale_weight`` + ``scaled_fp8`` marker layout): the codes
-  go straight into :class:`~diffusers_h3.quantizers.FP8Linear` layers with the file's scale as their (per-row)
+  go straight into :class:`~diffusers_h3.quantizers.FP8Tensor` weights of ``nn.Linear`` layers with the file's scale as their (per-row)
   ``weight_scale``, without a bf16 round trip;
 - **pruned DiTs**: with fewer blocks (the block count is read from the keys; ``num_layers`` of the config is replaced
   by it), or in ComfyUI's curve form (an ``adaln_t_table`` replaces the time embedder, the AdaLN projections are
@@ -545,8 +545,7 @@ def _fp8_rows(plan, tensors, qkv_layout) -> Tuple[Dict[str, torch.Tensor], Dict[
 def _load_fp8_scaled(plan, tensors, dtype, device, qkv_layout, backend: str) -> MiniMaxH3Transformer3DModel:
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
-    from ..quantizers import FP8Config, FP8Linear
-    from ..quantizers._replace import swap_to_empty_quantized
+    from ..quantizers import FP8Config, FP8Tensor, install_quantized_weight, is_quantized_linear
     from ..quantizers.apply import _attach_to_model
     from ..quantizers.config import module_name_matches
 
@@ -558,16 +557,16 @@ def _load_fp8_scaled(plan, tensors, dtype, device, qkv_layout, backend: str) -> 
     fp32_modules = sorted(name for name in codes if module_name_matches(name, keep))
     fp8_modules = sorted(set(codes) - set(fp32_modules))
     config = FP8Config(compute_dtype=dtype, backend=backend)
-    swap_to_empty_quantized(model, fp8_modules, FP8Linear, config, dtype)
     for name in fp8_modules:
-        model.get_submodule(name).load_quantized_(
-            {"weight": codes[name].to(device), "weight_scale": scales[name].to(device)}
-        )
+        linear = model.get_submodule(name)
+        weight = FP8Tensor.from_storage({"weight": codes[name].to(device), "weight_scale": scales[name].to(device)},
+                                        linear.out_features, linear.in_features, dtype, **config.layer_kwargs())
+        install_quantized_weight(linear, weight)
     state_dict = _convert(plan, tensors, qkv_layout)
     for name in fp32_modules:  # a float32 module of the model: dequantized once (E4M3 x scale is exact in float32)
         state_dict[f"{name}.weight"] = codes[name].float() * scales[name][:, None]
     load_model_dict_into_meta(model, state_dict, dtype=dtype, device_map={"": device}, keep_in_fp32_modules=keep)
-    dense = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    dense = [n for n, m in model.named_modules() if type(m) is nn.Linear and not is_quantized_linear(m)]
     # The file decides which layers are FP8: an explicit list of the dense ones, so that save_pretrained /
     # from_pretrained reproduce exactly this selection.
     config.modules_to_not_convert = dense

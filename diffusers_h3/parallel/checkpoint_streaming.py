@@ -51,6 +51,8 @@ from .._hooks import (
     register_h3_hook,
 )
 from .._utils import SAFETENSORS_DTYPES, move_non_persistent_buffers
+from ..quantizers import QuantizedTensor
+from ..quantizers.tensors import STORAGE_ATTRS
 
 
 STREAM_HOOK_NAME = H3_CHECKPOINT_STREAM_HOOK
@@ -421,8 +423,22 @@ class _StreamModelHook(H3Hook):
         self.streamer = streamer
 
 
+def _packed_weight(module: torch.nn.Module, name: str) -> Optional[QuantizedTensor]:
+    """The quantized weight whose packed tensor ``name`` (``weight``, ``weight_scale``...) is, or ``None``."""
+    weight = module._parameters.get("weight") if name in STORAGE_ATTRS else None
+    return weight if isinstance(weight, QuantizedTensor) else None
+
+
+def _get_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    packed = _packed_weight(module, name)
+    return packed.storage()[name] if packed is not None else getattr(module, name)
+
+
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
-    if is_param:
+    packed = _packed_weight(module, name)
+    if packed is not None:  # one packed tensor of a quantized weight (the checkpoint stores them one by one)
+        packed.data = packed._with({STORAGE_ATTRS[name]: value})
+    elif is_param:
         module._parameters[name].data = value  # keep the Parameter object: optimizers, PEFT and ties hold it
     else:
         module._buffers[name] = value
@@ -471,7 +487,9 @@ def _plan(model: torch.nn.Module, stored: Dict[str, _Stored], folder, hold: bool
     adapters: List[_Entry] = []
     for path, module in model.named_modules():
         owner = next((o for o in owners if path == o or path.startswith(o + ".")), path)
-        own = [(n, t, True) for n, t in module._parameters.items() if t is not None]
+        own = [(n, t, True) for n, t in module._parameters.items() if t is not None and not isinstance(t, QuantizedTensor)]
+        own += [(n, t, True) for q in module._parameters.values() if isinstance(q, QuantizedTensor)
+                for n, t in q.storage().items()]  # fmt: skip
         persistent = [(n, t, False) for n, t in module._buffers.items()
                       if t is not None and n not in module._non_persistent_buffers_set]  # fmt: skip
         for name, tensor, is_param in own + persistent:
@@ -537,7 +555,7 @@ def stream_from_checkpoint(
         _layout(group)
     kept = 0
     for entry in [e for g in resident for e in g.entries] + adapters:
-        tensor = getattr(entry.module, entry.name)
+        tensor = _get_tensor(entry.module, entry.name)
         # a copy even on the same device: a loaded tensor may be a view of the file's mapping, which must go
         _set_tensor(entry.module, entry.name, tensor.to(device, copy=True), entry.is_param)
         kept += tensor.numel() * tensor.element_size()

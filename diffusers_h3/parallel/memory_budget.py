@@ -35,6 +35,7 @@ from diffusers.utils import logging
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
 from .._utils import config_from_call
+from ..quantizers import is_quantized_linear
 
 
 logger = logging.get_logger(__name__)
@@ -567,10 +568,18 @@ def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=N
                 raise MemoryBudgetError(f"offload_folder {offload_folder} already holds {len(stale)} offload files; "
                                         "pass an empty folder (files of another model would be read as this one's)")
         text_encoder.to("cpu")
-        options = {"onload_device": device, "offload_device": torch.device("cpu"), "use_stream": device.type == "cuda",
-                   "low_cpu_mem_usage": True, "offload_to_disk_path": offload_folder}  # fmt: skip
-        _offload_leaf_level(text_encoder, options)
         source = offload_folder
+        if any(is_quantized_linear(m) for m in text_encoder.modules()):
+            # diffusers' disk offload writes plain tensors only: the quantized weights are written once in their
+            # packed checkpoint layout and streamed from those files like a pre-quantized checkpoint
+            from .checkpoint_streaming import stream_from_checkpoint
+
+            text_encoder.save_pretrained(offload_folder)
+            stream_from_checkpoint(text_encoder, offload_folder, device)
+        else:
+            options = {"onload_device": device, "offload_device": torch.device("cpu"), "low_cpu_mem_usage": True,
+                       "use_stream": device.type == "cuda", "offload_to_disk_path": offload_folder}  # fmt: skip
+            _offload_leaf_level(text_encoder, options)
     register_h3_hook(text_encoder, StreamFromDiskHook(StreamFromDiskRecord(source, checkpoint_folder is not None)),
                      H3_STREAM_FROM_DISK_HOOK)  # fmt: skip
     if text_encoder is not pipe_or_text_encoder:

@@ -15,8 +15,8 @@ the plan lives here and the split is done in place on whatever layer type sits a
   block stack, so the same split serves every modality. The token refiner is split the same way as the blocks: its
   weights are a block's worth each, and it is the only other place with heads.
 
-Layers: dense `nn.Linear` (any dtype), diffusers-h3 quantized layers (`QuantizedLinear.shard_` slices the stored
-codes with their scales; scale groups never straddle a shard), and PEFT LoRA layers over either (column parallel
+Layers: `nn.Linear` (any dtype, or a diffusers-h3 quantized weight, whose slices keep the codes with their scales;
+scale groups never straddle a shard), and PEFT LoRA layers over either (column parallel
 splits `lora_B`'s rows, row parallel `lora_A`'s columns). LoRA is loaded BEFORE `enable_tensor_parallel`; loading one
 afterwards is refused with one error line.
 
@@ -44,6 +44,7 @@ from .._hooks import (
     register_h3_hook,
     transformers_of,
 )
+from ..quantizers import FP8Tensor, quantized_weight
 from .context_parallel import context_parallel_state
 
 
@@ -124,7 +125,8 @@ def _ranges(features: int, rank: int, world: int, chunks: int) -> List[Tuple[int
 
 
 def _slice(tensor: torch.Tensor, dim: int, ranges) -> torch.Tensor:
-    return torch.cat([tensor.narrow(dim, a, b - a) for a, b in ranges], dim).contiguous()
+    pieces = [tensor.narrow(dim, a, b - a) for a, b in ranges]
+    return (torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]).contiguous()
 
 
 def _check_layer(path: str, layer: nn.Module, dim: int, world: int, chunks: int) -> None:
@@ -141,12 +143,16 @@ def _check_layer(path: str, layer: nn.Module, dim: int, world: int, chunks: int)
         features = _features(base, dim)
         if features % (chunks * world):
             raise ValueError(f"`{path}`: {features} features do not split into {chunks} x {world} equal shards.")
-    elif callable(getattr(base, "shard_ranges", None)):
-        base.shard_ranges(dim, 0, world, chunks)  # raises for a degree that would split a scale group
+        weight = quantized_weight(base)
+        for rank in range(world) if weight is not None else ():
+            for start, stop in _ranges(features, rank, world, chunks):
+                problem = weight.slice_problem(dim, start, stop)
+                if problem is not None:
+                    raise ValueError(f"`{path}` ({weight.layer_label}) cannot be split {world} ways: {problem}.")
     else:
         raise TypeError(
-            f"`{path}` is a {type(base).__name__}, which tensor parallelism cannot split; it handles nn.Linear, "
-            "diffusers-h3 quantized layers (QuantizedLinear) and PEFT LoRA layers over them."
+            f"`{path}` is a {type(base).__name__}, which tensor parallelism cannot split; it handles nn.Linear "
+            "(dense or with a diffusers-h3 quantized weight) and PEFT LoRA layers over it."
         )
 
 
@@ -181,8 +187,6 @@ def _shard_linear(layer: nn.Module, dim: int, rank: int, world: int, chunks: int
             layer.out_features = layer.weight.shape[0]
         else:
             layer.in_features = layer.weight.shape[1]
-    else:
-        layer.shard_(dim, rank, world, chunks)
     if dim == 1 and layer.bias is not None:
         moved_bias = layer.bias.detach()
         layer.bias = None
@@ -317,9 +321,9 @@ def _apply_tensor_parallel(model, rank: int, tp_degree: int, group, reduce_dtype
             _shard_linear(model.get_submodule(path), 0, rank, tp_degree, chunks)
         row_biases = {path: _shard_linear(model.get_submodule(path), 1, rank, tp_degree, 1) for path in plan["row"]}
     for path in plan["row"]:
-        base = _base_of(model.get_submodule(path))
-        if hasattr(base, "input_shard_group"):  # FP8: per-token activation scales from the whole row
-            base.input_shard_group = group if group is not None else dist.group.WORLD
+        weight = quantized_weight(_base_of(model.get_submodule(path)))
+        if isinstance(weight, FP8Tensor):  # FP8: per-token activation scales from the whole row
+            weight.input_shard_group = group if group is not None else dist.group.WORLD
     for path in plan["attention"]:
         attn = model.get_submodule(path)
         attn.heads //= tp_degree

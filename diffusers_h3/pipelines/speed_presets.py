@@ -61,7 +61,7 @@ from ..kernels.attention.flashinfer_dense import (
     resolve_backend,
 )
 from ..loaders.single_file import transformer_file_record
-from ..quantizers import FP8Config, QuantizedLinear, W8A16Config, get_format, quantize
+from ..quantizers import FP8Config, W8A16Config, get_format, quantize, quantized_weight
 from .fasth3 import fasth3_record
 
 
@@ -358,7 +358,7 @@ class SpeedPresetRecord:
 
 
 def _quantized_method(model: torch.nn.Module) -> Optional[str]:
-    methods = {str(m.quant_method) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    methods = {str(quantized_weight(m).quant_method) for m in model.modules() if quantized_weight(m) is not None}
     return ", ".join(sorted(methods)) if methods else None
 
 

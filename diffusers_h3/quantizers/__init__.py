@@ -1,5 +1,5 @@
-"""Weight quantization for diffusers-h3: the formats W8A16, NVFP4 and FP8 (configs, quantized Linear layers, their
-diffusers and transformers quantizers), one registry of formats (:mod:`.registry`) and ``quantize(module, config)``."""
+"""Weight quantization for diffusers-h3: the formats W8A16, NVFP4 and FP8 (configs, quantized weight tensors held by
+plain ``nn.Linear`` layers, their diffusers and transformers quantizers), one registry of formats (:mod:`.registry`) and ``quantize(module, config)``."""
 
 from ._replace import linears_to_quantize
 from .apply import quantization_summary, quantize
@@ -13,7 +13,7 @@ from .config import (
     W8A16Config,
 )
 from .diffusers_quantizer import QuantizerBase
-from .layers import FP8Linear, NVFP4Linear, QuantizedLinear, W8A16Linear
+from .layers import describe_layer, install_quantized_weight, is_quantized_linear, quantized_weight
 from .registry import (
     QuantFormat,
     format_names,
@@ -23,29 +23,34 @@ from .registry import (
     register_quantizers,
     unregister_format,
 )
+from .tensors import FP8Tensor, NVFP4Tensor, QuantizedTensor, W8A16Tensor
 from .transformers_quantizer import TransformersQuantizerBase
 
 
 __all__ = [
     "DEFAULT_MODULES_TO_NOT_CONVERT",
     "FP8Config",
-    "FP8Linear",
+    "FP8Tensor",
     "NVFP4Config",
-    "NVFP4Linear",
+    "NVFP4Tensor",
     "QuantFormat",
     "QuantMethod",
     "QuantizationConfigBase",
-    "QuantizedLinear",
+    "QuantizedTensor",
     "QuantizerBase",
     "TransformersQuantizerBase",
     "W8A16Config",
-    "W8A16Linear",
+    "W8A16Tensor",
+    "describe_layer",
     "check_checkpoint_quantization",
     "format_names",
     "formats",
     "get_format",
+    "install_quantized_weight",
+    "is_quantized_linear",
     "linears_to_quantize",
     "quantization_summary",
+    "quantized_weight",
     "quantize",
     "register_format",
     "register_quantizers",

@@ -1,16 +1,17 @@
-"""Module surgery shared by ``quantize()`` and the diffusers / transformers quantizers: which ``nn.Linear`` layers a
-config selects, putting a new module at a dotted path, the empty quantized layers a loader fills, the checks after
-loading, and dequantizing back to ``nn.Linear``."""
+"""Model surgery shared by ``quantize()`` and the diffusers / transformers quantizers: which ``nn.Linear`` layers a
+config selects, the staged layout a loader fills (packed tensors in the checkpoint's names), folding it into
+quantized weights after loading, the checks after loading, and dequantizing back to dense weights."""
 
 from __future__ import annotations
 
-from typing import Iterable, List, Type
+from typing import Dict, Iterable, List, Type
 
 import torch
 from torch import nn
 
 from .config import QuantizationConfigBase
-from .layers import QuantizedLinear
+from .layers import install_quantized_weight, is_quantized_linear
+from .tensors import QuantizedTensor
 
 
 def set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -28,45 +29,72 @@ def linears_to_quantize(
     return [name for name, sub in module.named_modules() if name and config.should_quantize(name, sub, extra_skip)]
 
 
-def swap_to_empty_quantized(
-    model: nn.Module,
-    names: Iterable[str],
-    layer_cls: Type[QuantizedLinear],
-    config: QuantizationConfigBase,
+def stage_for_loading(
+    model: nn.Module, names: Iterable[str], weight_cls: Type[QuantizedTensor], config: QuantizationConfigBase,
     compute_dtype: torch.dtype,
 ) -> None:
-    """Put empty quantized layers (meta device) at ``names``; a loader fills their storage from a checkpoint."""
+    """Give the ``nn.Linear`` layers at ``names`` empty (meta) packed tensors under the checkpoint's names
+    (``weight``, ``weight_scale``...), for a loader to fill; :func:`finish_loading` folds them into quantized weights."""
+    options = weight_cls.full_options(config.layer_kwargs())
     for name in names:
         linear = model.get_submodule(name)
-        with torch.device("meta"):
-            layer = layer_cls(
-                linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
-                **config.layer_kwargs(),
-            )  # fmt: skip
-        set_submodule(model, name, layer)
+        weight_cls.check_options(linear.out_features, linear.in_features, options)
+        for tensor_name, (shape, dtype) in weight_cls.storage_spec(linear.out_features, linear.in_features,
+                                                                   options).items():  # fmt: skip
+            empty = torch.empty(shape, dtype=dtype, device="meta")
+            if tensor_name == "weight":
+                linear.weight = nn.Parameter(empty, requires_grad=False)
+            else:
+                linear.register_buffer(tensor_name, empty)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(torch.empty_like(linear.bias, device="meta", dtype=compute_dtype),
+                                       requires_grad=False)  # fmt: skip
+
+
+def staged_tensors(linear: nn.Linear, weight_cls: Type[QuantizedTensor], config) -> Dict[str, torch.Tensor]:
+    options = weight_cls.full_options(config.layer_kwargs())
+    spec = weight_cls.storage_spec(linear.out_features, linear.in_features, options)
+    return {name: linear.weight if name == "weight" else linear._buffers[name] for name in spec}
+
+
+def finish_loading(model: nn.Module, names: Iterable[str], weight_cls: Type[QuantizedTensor], config,
+                   compute_dtype: torch.dtype) -> List[str]:  # fmt: skip
+    """Fold the staged packed tensors of the layers at ``names`` into quantized weights; return the state-dict keys
+    that were never loaded (still on the meta device)."""
+    missing = []
+    for name in names:
+        linear = model.get_submodule(name)
+        if is_quantized_linear(linear):
+            continue
+        tensors = staged_tensors(linear, weight_cls, config)
+        absent = [f"{name}.{key}" for key, t in tensors.items() if t.is_meta]
+        if absent:
+            missing += absent
+            continue
+        for key in tensors:
+            if key != "weight":
+                del linear._buffers[key]
+        weight = weight_cls.from_storage({k: t.detach() for k, t in tensors.items()}, linear.out_features,
+                                         linear.in_features, compute_dtype, **config.layer_kwargs())  # fmt: skip
+        install_quantized_weight(linear, weight)
+    return missing
+
+
+def match_bias_dtype(model: nn.Module) -> None:
+    """Biases of quantized layers in the compute dtype (a loader may have loaded them in another dtype)."""
+    for module in model.modules():
+        if is_quantized_linear(module) and module.bias is not None and module.bias.dtype != module.weight.dtype:
+            module.bias = nn.Parameter(module.bias.detach().to(module.weight.dtype), requires_grad=False)
 
 
 def storage_keys(model: nn.Module) -> List[str]:
     """State-dict keys of the packed storage (codes and scales) of every quantized layer of ``model``."""
     return [
-        f"{name}.{buffer}"
+        f"{name}.{key}"
         for name, module in model.named_modules()
-        if isinstance(module, QuantizedLinear)
-        for buffer in module._storage_spec()
+        if is_quantized_linear(module)
+        for key in module.weight.storage()
     ]
-
-
-def storage_mismatch(layer: QuantizedLinear, tensor_name: str, shape, dtype) -> str:
-    """The one-line error for a checkpoint tensor of the wrong shape / dtype for ``layer`` ("" when it fits)."""
-    expected_shape, expected_dtype = layer._storage_spec()[tensor_name]
-    if tuple(shape) == tuple(expected_shape) and dtype == expected_dtype:
-        return ""
-    return (
-        f"the checkpoint holds shape {tuple(shape)} ({dtype}) but a {layer.quant_method} layer of this model "
-        f"({layer.out_features}x{layer.in_features}) expects {tuple(expected_shape)} ({expected_dtype}). The checkpoint "
-        "was quantized with another method or for another model config; load it with the config it was saved with "
-        "(config.json 'quantization_config')."
-    )
 
 
 def raise_if_missing(missing: Iterable[str]) -> None:
@@ -80,14 +108,11 @@ def raise_if_missing(missing: Iterable[str]) -> None:
 
 
 def dequantize_layers(model: nn.Module, dtype=None) -> nn.Module:
-    """Replace every quantized layer of ``model`` by a dense ``nn.Linear`` holding its dequantized weight."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, QuantizedLinear):
-            dense_dtype = dtype or module.compute_dtype
-            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.weight.device, dtype=dense_dtype)  # fmt: skip
-            dense.weight.data = module.dequantize(dense_dtype)
+    """Give every quantized layer of ``model`` a dense weight (its dequantized weight)."""
+    for module in model.modules():
+        if is_quantized_linear(module):
+            dense_dtype = dtype or module.weight.dtype
+            module.weight = nn.Parameter(module.weight.dequantize(dense_dtype))
             if module.bias is not None:
-                dense.bias.data = module.bias.detach().to(dense_dtype).clone()
-            set_submodule(model, name, dense)
+                module.bias = nn.Parameter(module.bias.detach().to(dense_dtype).clone())
     return model

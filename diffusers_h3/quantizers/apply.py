@@ -15,17 +15,18 @@ from diffusers import ModelMixin
 from torch import nn
 from transformers import PreTrainedModel
 
-from ._replace import linears_to_quantize, set_submodule
+from ._replace import linears_to_quantize
 from .config import QuantizationConfigBase
-from .layers import QuantizedLinear
-from .registry import format_names, layer_class_for, quantizer_for, transformers_quantizer_for
+from .layers import is_quantized_linear, quantize_linear_
+from .registry import format_names, quantizer_for, transformers_quantizer_for, weight_class_for
 
 
 @torch.no_grad()
 def quantize(
     module: nn.Module, config: QuantizationConfigBase, keep_in_fp32_modules: Optional[Iterable[str]] = None
 ) -> nn.Module:
-    """Replace the selected ``nn.Linear`` layers of ``module`` by quantized layers (in place; returns ``module``).
+    """Quantize the weights of the selected ``nn.Linear`` layers of ``module`` (in place; returns ``module``): each
+    keeps its class and gets a quantized tensor as its ``weight``.
 
     ``keep_in_fp32_modules`` (default: the model's ``_keep_in_fp32_modules`` if it has one) is always skipped, also
     with an explicit ``config.modules_to_not_convert``.
@@ -35,15 +36,16 @@ def quantize(
             f"quantize() expects the config of a registered format ({', '.join(format_names())}: e.g. W8A16Config), "
             f"got {type(config).__name__}. For other methods use diffusers' / transformers' own quantizers."
         )
-    if any(isinstance(m, QuantizedLinear) for m in module.modules()):
+    if any(is_quantized_linear(m) for m in module.modules()):
         raise ValueError("This module already contains quantized layers; quantize the original dense module instead.")
     if keep_in_fp32_modules is None:
         keep_in_fp32_modules = getattr(module, "_keep_in_fp32_modules", None) or []
-    cls = layer_class_for(config)
-    names = linears_to_quantize(module, config, keep_in_fp32_modules)
-    for name in names:
+    cls = weight_class_for(config)
+    for name in linears_to_quantize(module, config, keep_in_fp32_modules):
         linear = module.get_submodule(name)
-        set_submodule(module, name, cls.from_linear(linear, config))
+        if linear.weight.device.type == "meta":
+            raise ValueError(f"Cannot quantize {name}: its weight is on the meta device; load its weight first.")
+        quantize_linear_(linear, cls, config.compute_dtype, **config.layer_kwargs())
     _attach_to_model(module, config)
     return module
 
@@ -64,9 +66,9 @@ def _attach_to_model(module: nn.Module, config: QuantizationConfigBase) -> None:
 
 def quantization_summary(module: nn.Module) -> Dict[str, object]:
     """Counts and bytes: quantized layers, their packed storage, and everything else (memory accounting)."""
-    quantized = [m for m in module.modules() if isinstance(m, QuantizedLinear)]
-    q_bytes = sum(m.quantized_nbytes() for m in quantized)
-    q_ids = {id(m.get_buffer(n)) for m in quantized for n in m._storage_spec()}
+    quantized = [m for m in module.modules() if is_quantized_linear(m)]
+    q_bytes = sum(m.weight.quantized_nbytes() for m in quantized)
+    q_ids = {id(m.weight) for m in quantized}
     other = 0
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in q_ids:
@@ -76,5 +78,5 @@ def quantization_summary(module: nn.Module) -> Dict[str, object]:
         "quantized_weight_bytes": q_bytes,
         "other_bytes": other,
         "total_bytes": q_bytes + other,
-        "methods": sorted({m.quant_method for m in quantized}),
+        "methods": sorted({m.weight.quant_method for m in quantized}),
     }

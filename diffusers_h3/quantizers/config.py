@@ -126,8 +126,8 @@ class QuantizationConfigBase(QuantizationConfigMixin, TransformersQuantizationCo
     # -- selection -------------------------------------------------------------------------------------------------
     def should_quantize(self, name: str, module: torch.nn.Module, extra_skip: Iterable[str] = ()) -> bool:
         """Whether the module at dotted path ``name`` is replaced by a quantized layer."""
-        if type(module) is not torch.nn.Linear:
-            return False
+        if type(module) is not torch.nn.Linear or type(module.weight) not in (torch.Tensor, torch.nn.Parameter):
+            return False  # not a dense nn.Linear (a subclass, or already quantized)
         # `extra_skip`: the model's `_keep_in_fp32_modules`, kept whatever the list says (as diffusers' quantizers do).
         if module_name_matches(name, list(extra_skip)):
             return False

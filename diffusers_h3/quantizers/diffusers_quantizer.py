@@ -3,8 +3,9 @@ subclass that fixes its config and layer classes (``register_format`` makes it; 
 
 Loading with ``Model.from_pretrained(..., quantization_config=W8A16Config())`` on a dense checkpoint quantizes each
 selected ``nn.Linear`` as its weight arrives (``create_quantized_param``), so the dense model never exists in full.
-Loading a checkpoint written by ``save_pretrained`` of a quantized model (``config.json`` holds the config) swaps the
-layers on the meta device and installs the packed tensors as they are: no re-quantization, bit-exact.
+Loading a checkpoint written by ``save_pretrained`` of a quantized model (``config.json`` holds the config) gives the
+selected layers empty packed tensors in the checkpoint's names, fills them as they are (no re-quantization,
+bit-exact) and folds each layer's tensors into its quantized weight after loading.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from torch import nn
 
 from ._replace import (
     dequantize_layers,
+    finish_loading,
     linears_to_quantize,
+    match_bias_dtype,
     raise_if_missing,
-    set_submodule,
-    storage_keys,
-    storage_mismatch,
-    swap_to_empty_quantized,
+    stage_for_loading,
 )
 from .config import QuantizationConfigBase
-from .layers import QuantizedLinear
+from .layers import install_quantized_weight
+from .tensors import QuantizedTensor
 
 
 logger = logging.get_logger(__name__)
@@ -66,8 +67,8 @@ def _as_device(device) -> torch.device:
 
 def check_quantizer_config(quantizer, quantization_config) -> None:
     """A format's quantizer (diffusers' or transformers') takes the config of its own format only."""
-    if type(quantizer).layer_class is QuantizedLinear:
-        raise TypeError(f"{type(quantizer).__name__} has no layer class: use the quantizer of a registered format.")
+    if type(quantizer).weight_class is QuantizedTensor:
+        raise TypeError(f"{type(quantizer).__name__} has no weight class: use the quantizer of a registered format.")
     if not isinstance(quantization_config, quantizer.config_class):
         raise TypeError(
             f"{type(quantizer).__name__} needs a {quantizer.config_class.__name__}, got "
@@ -89,12 +90,12 @@ def default_dtype(dtype, what: str) -> torch.dtype:
 
 
 class QuantizerBase(DiffusersQuantizer):
-    """Shared implementation; a format's subclass only fixes ``config_class`` and ``layer_class``."""
+    """Shared implementation; a format's subclass only fixes ``config_class`` and ``weight_class``."""
 
     use_keep_in_fp32_modules = True
     requires_calibration = False
     config_class = QuantizationConfigBase
-    layer_class = QuantizedLinear
+    weight_class = QuantizedTensor
 
     def __init__(self, quantization_config, **kwargs):
         check_quantizer_config(self, quantization_config)
@@ -137,13 +138,13 @@ class QuantizerBase(DiffusersQuantizer):
         return model
 
     def _swap_to_empty_quantized(self, model, names) -> None:
-        """Pre-quantized checkpoint: put empty (meta) quantized layers in place; the loader fills their storage."""
+        """Pre-quantized checkpoint: empty (meta) packed tensors on the selected layers; the loader fills them."""
         self._quantized_names = set(names)
-        swap_to_empty_quantized(model, names, self.layer_class, self.quantization_config, self._compute_dtype())
+        stage_for_loading(model, names, self.weight_class, self.quantization_config, self._compute_dtype())
 
     def maybe_update_state_dict(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """Pre-quantized: protect the tensors of quantized layers from the loader's dtype casts (the scales must stay
-        fp32, and a tensor of the wrong dtype must reach :meth:`QuantizedLinear.load_quantized_` to be reported).
+        fp32, and a tensor of the wrong dtype must reach :meth:`create_quantized_param` to be reported).
 
         A checkpoint without our ``quantization_config`` whose layers already carry ``weight_scale`` tensors (a
         ModelOpt-style export: ``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale``) is read as
@@ -173,20 +174,31 @@ class QuantizerBase(DiffusersQuantizer):
     def check_if_quantized_param(self, model, param_value, param_name, state_dict, **kwargs) -> bool:
         module_name, _, tensor_name = param_name.rpartition(".")
         if self.pre_quantized:
-            module = model.get_submodule(module_name) if module_name else model
-            return isinstance(module, QuantizedLinear) and tensor_name in module._storage_spec()
+            return module_name in self._quantized_names and tensor_name in self._spec(model, module_name)
         return tensor_name == "weight" and module_name in self._to_quantize
+
+    def _spec(self, model, module_name):
+        linear = model.get_submodule(module_name)
+        options = self.weight_class.full_options(self.quantization_config.layer_kwargs())
+        return self.weight_class.storage_spec(linear.out_features, linear.in_features, options)
+
+    def _mismatch(self, model, module_name, tensor_name, value) -> str:
+        linear = model.get_submodule(module_name)
+        options = self.weight_class.full_options(self.quantization_config.layer_kwargs())
+        value = self.weight_class.normalize_loaded(tensor_name, value, linear.out_features)
+        return self.weight_class.storage_mismatch(linear.out_features, linear.in_features, options, tensor_name,
+                                                  value.shape, value.dtype)  # fmt: skip
 
     def check_quantized_param_shape(self, param_name, current_param, loaded_param):
         module_name, _, tensor_name = param_name.rpartition(".")
-        module = self._model.get_submodule(module_name) if self._model is not None else None
-        if isinstance(module, QuantizedLinear):
+        if self._model is not None and module_name in self._quantized_names:
             # equivalent layouts of other exporters (e.g. a [1] global scale, [N, 1] channel scales) are accepted
-            if tuple(module.normalize_loaded(tensor_name, loaded_param).shape) == tuple(current_param.shape):
+            linear = self._model.get_submodule(module_name)
+            normalized = self.weight_class.normalize_loaded(tensor_name, loaded_param, linear.out_features)
+            if tuple(normalized.shape) == tuple(current_param.shape):
                 return True
-            raise ValueError(
-                f"{param_name}: " + storage_mismatch(module, tensor_name, loaded_param.shape, loaded_param.dtype)
-            )
+            problem = self._mismatch(self._model, module_name, tensor_name, loaded_param)
+            raise ValueError(f"{param_name}: {problem}")
         raise ValueError(
             f"{param_name}: the checkpoint holds shape {tuple(loaded_param.shape)} but this model expects "
             f"{tuple(current_param.shape)}; the checkpoint was saved for another model config."
@@ -198,27 +210,28 @@ class QuantizerBase(DiffusersQuantizer):
         device = _as_device(target_device)
         if isinstance(param_value, _KeepDtypeTensor):
             param_value = param_value.as_subclass(torch.Tensor)
-        if self.pre_quantized:
-            module = model.get_submodule(module_name)
-            module.load_quantized_({tensor_name: param_value.to(device)})
-            return
         linear = model.get_submodule(module_name)
+        if self.pre_quantized:
+            problem = self._mismatch(model, module_name, tensor_name, param_value)
+            if problem:
+                raise ValueError(f"{param_name}: {problem}")
+            value = self.weight_class.normalize_loaded(tensor_name, param_value, linear.out_features).to(device)
+            if tensor_name == "weight":
+                linear.weight = nn.Parameter(value, requires_grad=False)
+            else:
+                linear._buffers[tensor_name] = value
+            return
         config = self.quantization_config
         dense = param_value.to(device)
-        compute_dtype = config.compute_dtype or dense.dtype
-        layer = self.layer_class(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
-            device=device, **config.layer_kwargs(),
-        )  # fmt: skip
-        layer.requantize_(dense)
-        if linear.bias is not None and linear.bias.device.type != "meta":
-            layer.bias.data = linear.bias.detach().to(device, compute_dtype)
-        set_submodule(model, module_name, layer)
+        weight = self.weight_class.from_float(dense, config.compute_dtype or dense.dtype, **config.layer_kwargs())
+        install_quantized_weight(linear, weight)
         self._to_quantize.discard(module_name)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        missing = [key for key in storage_keys(model) if model.get_buffer(key).device.type == "meta"]
+        missing = finish_loading(model, sorted(self._quantized_names), self.weight_class, self.quantization_config,
+                                 self._compute_dtype())  # fmt: skip
         raise_if_missing(missing or [f"{name}.weight" for name in self._to_quantize])
+        match_bias_dtype(model)
         model.register_to_config(quantization_config=self.quantization_config)
         self._model = None
         return model

@@ -1,10 +1,10 @@
 """The one table of quantization formats.
 
 A format is registered once, with :func:`register_format`; everything else reads it from here: ``quantize()`` (which
-layer replaces an ``nn.Linear``), the diffusers quantizer (``from_pretrained(..., quantization_config=...)`` and
+weight class an ``nn.Linear`` gets), the diffusers quantizer (``from_pretrained(..., quantization_config=...)`` and
 pre-quantized checkpoints, through diffusers' ``AUTO_QUANTIZER_MAPPING`` / ``AUTO_QUANTIZATION_CONFIG_MAPPING``), the
 transformers quantizer (the same for the text encoder, through transformers' ``register_quantizer`` /
-``register_quantization_config``) and the CLI's ``--quantize`` choices. Adding a format is a config, a layer, a kernel and one ``register_format(...)``
+``register_quantization_config``) and the CLI's ``--quantize`` choices. Adding a format is a config, a weight tensor class, a kernel and one ``register_format(...)``
 line at the bottom of this file (see docs/quantization.md, "Adding a format").
 """
 
@@ -18,7 +18,7 @@ from transformers.quantizers import auto as _transformers_auto
 
 from .config import FP8Config, NVFP4Config, QuantizationConfigBase, QuantMethod, W8A16Config
 from .diffusers_quantizer import QuantizerBase
-from .layers import FP8Linear, NVFP4Linear, QuantizedLinear, W8A16Linear
+from .tensors import FP8Tensor, NVFP4Tensor, QuantizedTensor, W8A16Tensor
 from .transformers_quantizer import TransformersQuantizerBase
 
 
@@ -29,7 +29,8 @@ class QuantFormat:
     - ``name``: the short name of the CLI (``--quantize w8a16``);
     - ``method``: the ``quant_method`` written to ``config.json`` (prefixed so it clashes with no diffusers /
       transformers method);
-    - ``config_cls`` / ``layer_cls``: its :class:`QuantizationConfigBase` and :class:`QuantizedLinear` subclasses;
+    - ``config_cls`` / ``weight_cls``: its :class:`QuantizationConfigBase` and :class:`QuantizedTensor` subclasses (the
+      weight a quantized ``nn.Linear`` holds);
     - ``quantizer_cls``: its diffusers :class:`QuantizerBase` subclass (made by :func:`register_format` when not
       given);
     - ``transformers_quantizer_cls``: its transformers :class:`TransformersQuantizerBase` subclass (likewise).
@@ -38,7 +39,7 @@ class QuantFormat:
     name: str
     method: str
     config_cls: Type[QuantizationConfigBase]
-    layer_cls: Type[QuantizedLinear]
+    weight_cls: Type[QuantizedTensor]
     quantizer_cls: Optional[Type[QuantizerBase]] = None
     transformers_quantizer_cls: Optional[Type[TransformersQuantizerBase]] = None
 
@@ -47,7 +48,7 @@ _FORMATS: Dict[str, QuantFormat] = {}  # by name, in registration order
 _installed_in_diffusers = False
 
 
-def _check_new_format(name, method, config_cls, layer_cls, quantizer_cls) -> None:
+def _check_new_format(name, method, config_cls, weight_cls, quantizer_cls) -> None:
     if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
         raise ValueError(f"register_format: name must be a lowercase identifier such as 'w8a16', got {name!r}.")
     if name in _FORMATS:
@@ -65,12 +66,12 @@ def _check_new_format(name, method, config_cls, layer_cls, quantizer_cls) -> Non
             )
     if not (isinstance(config_cls, type) and issubclass(config_cls, QuantizationConfigBase)):
         raise TypeError(f"register_format: config_cls must subclass QuantizationConfigBase, got {config_cls!r}.")
-    if not (isinstance(layer_cls, type) and issubclass(layer_cls, QuantizedLinear)):
-        raise TypeError(f"register_format: layer_cls must subclass QuantizedLinear, got {layer_cls!r}.")
+    if not (isinstance(weight_cls, type) and issubclass(weight_cls, QuantizedTensor)):
+        raise TypeError(f"register_format: weight_cls must subclass QuantizedTensor, got {weight_cls!r}.")
     if quantizer_cls is not None and not (isinstance(quantizer_cls, type) and issubclass(quantizer_cls, QuantizerBase)):
         raise TypeError(f"register_format: quantizer_cls must subclass QuantizerBase, got {quantizer_cls!r}.")
-    for cls in (config_cls, layer_cls, quantizer_cls):
-        bound = [fmt.name for fmt in _FORMATS.values() if cls in (fmt.config_cls, fmt.layer_cls, fmt.quantizer_cls)]
+    for cls in (config_cls, weight_cls, quantizer_cls):
+        bound = [fmt.name for fmt in _FORMATS.values() if cls in (fmt.config_cls, fmt.weight_cls, fmt.quantizer_cls)]
         if cls is not None and bound:
             raise ValueError(f"register_format: {cls.__name__} already serves format {bound[0]!r}.")
 
@@ -79,17 +80,17 @@ def register_format(
     name: str,
     method: str,
     config_cls: Type[QuantizationConfigBase],
-    layer_cls: Type[QuantizedLinear],
+    weight_cls: Type[QuantizedTensor],
     quantizer_cls: Optional[Type[QuantizerBase]] = None,
 ) -> QuantFormat:
     """Register a quantization format (see :class:`QuantFormat`) and return its record.
 
-    Sets ``config_cls.quant_method`` and ``layer_cls.quant_method`` to ``method``, makes the diffusers quantizer
+    Sets ``config_cls.quant_method`` and ``weight_cls.quant_method`` to ``method``, makes the diffusers quantizer
     ``<Config name without "Config">Quantizer`` and the transformers quantizer ``<...>HfQuantizer``, and adds the
     method to diffusers' and transformers' auto maps if :func:`register_quantizers` already ran (it runs when
     ``diffusers_h3`` is imported).
     """
-    _check_new_format(name, method, config_cls, layer_cls, quantizer_cls)
+    _check_new_format(name, method, config_cls, weight_cls, quantizer_cls)
     stem = config_cls.__name__[: -len("Config")] if config_cls.__name__.endswith("Config") else config_cls.__name__
     if quantizer_cls is None:
         quantizer_cls = type(
@@ -104,10 +105,10 @@ def register_format(
     )
     for cls in (quantizer_cls, transformers_quantizer_cls):
         cls.config_class = config_cls
-        cls.layer_class = layer_cls
+        cls.weight_class = weight_cls
     config_cls.quant_method = QuantMethod(method)
-    layer_cls.quant_method = method
-    fmt = QuantFormat(name, method, config_cls, layer_cls, quantizer_cls, transformers_quantizer_cls)
+    weight_cls.quant_method = method
+    fmt = QuantFormat(name, method, config_cls, weight_cls, quantizer_cls, transformers_quantizer_cls)
     _FORMATS[name] = fmt
     if _installed_in_diffusers:
         _install(fmt)
@@ -128,7 +129,7 @@ def unregister_format(name: str) -> QuantFormat:
         if mapping.get(fmt.method) is cls:
             del mapping[fmt.method]  # transformers has no unregister function
     fmt.config_cls.quant_method = None
-    fmt.layer_cls.quant_method = ""
+    fmt.weight_cls.quant_method = ""
     return fmt
 
 
@@ -181,8 +182,8 @@ def format_for_config(config: QuantizationConfigBase) -> QuantFormat:
     )
 
 
-def layer_class_for(config: QuantizationConfigBase) -> Type[QuantizedLinear]:
-    return format_for_config(config).layer_cls
+def weight_class_for(config: QuantizationConfigBase) -> Type[QuantizedTensor]:
+    return format_for_config(config).weight_cls
 
 
 def quantizer_for(config: QuantizationConfigBase, pre_quantized: bool = True) -> QuantizerBase:
@@ -194,6 +195,6 @@ def transformers_quantizer_for(config: QuantizationConfigBase, pre_quantized: bo
 
 
 # -- built-in formats: one line each --------------------------------------------------------------------------------
-register_format(name="fp8", method="h3_fp8", config_cls=FP8Config, layer_cls=FP8Linear)
-register_format(name="w8a16", method="h3_w8a16", config_cls=W8A16Config, layer_cls=W8A16Linear)
-register_format(name="nvfp4", method="h3_nvfp4", config_cls=NVFP4Config, layer_cls=NVFP4Linear)
+register_format(name="fp8", method="h3_fp8", config_cls=FP8Config, weight_cls=FP8Tensor)
+register_format(name="w8a16", method="h3_w8a16", config_cls=W8A16Config, weight_cls=W8A16Tensor)
+register_format(name="nvfp4", method="h3_nvfp4", config_cls=NVFP4Config, weight_cls=NVFP4Tensor)

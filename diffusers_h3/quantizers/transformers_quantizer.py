@@ -3,14 +3,15 @@ format gets a subclass (``register_format`` makes it; ``register_quantizers`` ad
 ``register_quantizer`` / ``register_quantization_config``), so a transformers model -- the Qwen3-VL text encoder --
 takes our configs like any transformers quantization method:
 
-- ``Model.from_pretrained(dense_folder, quantization_config=W8A16Config())`` puts empty quantized layers in place of
-  the selected ``nn.Linear`` layers and quantizes each weight as it arrives (transformers loads sequentially when it
+- ``Model.from_pretrained(dense_folder, quantization_config=W8A16Config())`` gives the selected ``nn.Linear`` layers
+  empty packed tensors and quantizes each weight into them as it arrives (transformers loads sequentially when it
   quantizes on the fly): the dense model never exists in full, in RAM or on the GPU;
 - ``save_pretrained`` writes the packed tensors and ``config.json`` carries ``quantization_config``;
-- ``from_pretrained(saved_folder)`` rebuilds the quantized layers and installs the packed tensors as stored (no cast,
-  no re-quantization: bit-exact). A tensor of the wrong shape or dtype, or one that is missing, fails with one line.
+- ``from_pretrained(saved_folder)`` loads the packed tensors as stored (no cast, no re-quantization: bit-exact). A
+  tensor of the wrong shape or dtype, or one that is missing, fails with one line.
 
-Layer selection, the empty layers, the checks and dequantization are those of the diffusers quantizer
+After loading, each layer's packed tensors become its quantized weight. Layer selection, the staged layout, the
+checks and dequantization are those of the diffusers quantizer
 (:mod:`._replace`).
 """
 
@@ -25,15 +26,15 @@ from transformers.quantizers.base import HfQuantizer
 from .._utils import SAFETENSORS_DTYPES
 from ._replace import (
     dequantize_layers,
+    finish_loading,
     linears_to_quantize,
+    match_bias_dtype,
     raise_if_missing,
-    storage_keys,
-    storage_mismatch,
-    swap_to_empty_quantized,
+    stage_for_loading,
 )
 from .config import QuantizationConfigBase
 from .diffusers_quantizer import check_quantizer_config, default_dtype
-from .layers import QuantizedLinear
+from .tensors import QuantizedTensor
 
 
 def _shape_and_dtype(tensor):
@@ -45,7 +46,7 @@ def _shape_and_dtype(tensor):
 
 
 class QuantizeOnLoad(ConversionOps):
-    """transformers' quantization op: turns one dense ``weight`` into the packed tensors of its (empty) layer."""
+    """transformers' quantization op: turns one dense ``weight`` into the packed tensors of its (staged) layer."""
 
     def __init__(self, quantizer: "TransformersQuantizerBase"):
         self.quantizer = quantizer
@@ -56,19 +57,20 @@ class QuantizeOnLoad(ConversionOps):
         for key, value in input_dict.items():
             dense = value[0] if isinstance(value, list) else value
             module_name = key.rpartition(".")[0]
-            layer = model.get_submodule(module_name)
-            layer.requantize_(dense)
-            out.update({f"{module_name}.{name}": layer.get_buffer(name) for name in layer._storage_spec()})
+            weight_cls = self.quantizer.weight_class
+            options = weight_cls.full_options(self.quantizer.quantization_config.layer_kwargs())
+            packed = weight_cls.pack(dense, options)
+            out.update({f"{module_name}.{name}": tensor for name, tensor in packed.items()})
             self.quantizer._to_quantize.discard(module_name)
         return out
 
 
 class TransformersQuantizerBase(HfQuantizer):
-    """Shared implementation; a format's subclass only fixes ``config_class`` and ``layer_class``."""
+    """Shared implementation; a format's subclass only fixes ``config_class`` and ``weight_class``."""
 
     requires_calibration = False
     config_class = QuantizationConfigBase
-    layer_class = QuantizedLinear
+    weight_class = QuantizedTensor
 
     def __init__(self, quantization_config, **kwargs):
         check_quantizer_config(self, quantization_config)
@@ -77,6 +79,8 @@ class TransformersQuantizerBase(HfQuantizer):
         self.modules_to_not_convert = []
         self._to_quantize = set()  # on the fly: layers whose dense weight has not arrived yet
         self._expected = {}  # pre-quantized: storage key -> its layer, until the key arrives
+        self._staged = []  # the layers given packed tensors to fill
+        self._compute_dtype = None
 
     def update_dtype(self, dtype):
         self.dtype = default_dtype(dtype, self.quantization_config.quant_method)
@@ -95,10 +99,17 @@ class TransformersQuantizerBase(HfQuantizer):
         self.modules_to_not_convert = [
             n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n not in chosen
         ]
-        compute_dtype = config.compute_dtype or dtype or self.dtype or torch.get_default_dtype()
-        swap_to_empty_quantized(model, names, self.layer_class, config, compute_dtype)
+        self._compute_dtype = config.compute_dtype or dtype or self.dtype or torch.get_default_dtype()
+        stage_for_loading(model, names, self.weight_class, config, self._compute_dtype)
+        self._staged = names
         if self.pre_quantized:
-            self._expected = {key: model.get_submodule(key.rpartition(".")[0]) for key in storage_keys(model)}
+            options = self.weight_class.full_options(config.layer_kwargs())
+            self._expected = {
+                f"{name}.{key}": model.get_submodule(name)
+                for name in names
+                for key in self.weight_class.storage_spec(model.get_submodule(name).out_features,
+                                                          model.get_submodule(name).in_features, options)
+            }  # fmt: skip
         else:
             self._to_quantize = chosen
         return model
@@ -119,13 +130,18 @@ class TransformersQuantizerBase(HfQuantizer):
         if layer is None:
             return super().get_new_dtype(converter, param, dtype)
         shape, stored_dtype = _shape_and_dtype(param)
-        problem = storage_mismatch(layer, key.rpartition(".")[2], shape, stored_dtype)
+        options = self.weight_class.full_options(self.quantization_config.layer_kwargs())
+        problem = self.weight_class.storage_mismatch(layer.out_features, layer.in_features, options,
+                                                     key.rpartition(".")[2], shape, stored_dtype)  # fmt: skip
         if problem:
             raise ValueError(f"{key}: {problem}")
         return None
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         raise_if_missing(list(self._expected) + [f"{name}.weight" for name in self._to_quantize])
+        raise_if_missing(finish_loading(model, self._staged, self.weight_class, self.quantization_config,
+                                        self._compute_dtype))  # fmt: skip
+        match_bias_dtype(model)
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -1,5 +1,5 @@
 """Shared helpers for the LoRA tests (tiny pipeline stand-in, random LoRAs written in every layout, an int8 stand-in
-for the quantized-layer interface), plus tests of the layout detector.
+for a quantized layer), plus tests of the layout detector.
 
 Every LoRA file is generated here from the tiny transformer's own module names: a *canonical* LoRA in diffusers names
 (``{module: (A, B)}``, q/k/v sharing ``A`` as a fused-QKV LoRA does) is rewritten into each layout with the inverse of
@@ -13,11 +13,11 @@ import re
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from diffusers import DiffusionPipeline, MiniMaxH3Transformer3DModel
 from torch import nn
 
 from diffusers_h3.loaders.lora import MiniMaxH3LoraMixin
+from diffusers_h3.quantizers import is_quantized_linear
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
 
 
@@ -162,56 +162,6 @@ def assert_deltas(model: nn.Module, lora: LoRA, adapter: str, scale: float = 1.0
         torch.testing.assert_close(loaded_delta(model, name, adapter), expected, atol=atol, rtol=1e-5, msg=name)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Quantized-layer stand-in (the QuantizedLinear interface, with a per-row int8 weight)
-# ----------------------------------------------------------------------------------------------------------------------
-class Int8StandIn(nn.Module):
-    """Per-output-row symmetric int8 weight, float compute: the QuantizedLinear interface in 30 lines."""
-
-    quant_method = "test-int8"
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, compute_dtype=torch.float32):
-        super().__init__()
-        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.ones(out_features, 1, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype)) if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, config=None, compute_dtype=None):
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    compute_dtype or linear.weight.dtype)
-        layer.requantize_(linear.weight.detach())
-        if linear.bias is not None:
-            layer.bias.data.copy_(linear.bias.detach())
-        return layer
-
-    @torch.no_grad()
-    def requantize_(self, dense_weight: torch.Tensor) -> None:
-        w = dense_weight.float()
-        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127.0
-        self.qweight.copy_(torch.round(w / scale).clamp(-127, 127).to(torch.int8))
-        self.scale.copy_(scale)
-
-    def dequantize(self, dtype=None) -> torch.Tensor:
-        return (self.qweight.float() * self.scale).to(dtype or self.compute_dtype)
-
-    def forward(self, x):
-        return F.linear(x.to(self.compute_dtype), self.dequantize(), self.bias)
-
-    def describe_path(self) -> str:
-        return "test int8 stand-in (emulation)"
-
-
-def quantize_linears(model: nn.Module, factory=Int8StandIn.from_linear) -> nn.Module:
-    """Replace every nn.Linear of ``model`` in place by ``factory(linear)``."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, factory(module))
-    return model
-
-
 def dense_twin(quantized_model: nn.Module, seed: int = 0, **overrides) -> nn.Module:
     """An unquantized copy of ``quantized_model`` whose linears hold the dequantized weights."""
     twin = tiny_transformer(seed, **overrides).to(next(quantized_model.parameters()).dtype)
@@ -220,7 +170,8 @@ def dense_twin(quantized_model: nn.Module, seed: int = 0, **overrides) -> nn.Mod
         for name, module in twin.named_modules():
             if isinstance(module, nn.Linear):
                 q = modules[name]
-                module.weight.copy_(q.weight if isinstance(q, nn.Linear) else q.dequantize(module.weight.dtype))
+                weight = q.weight
+                module.weight.copy_(weight.dequantize(module.weight.dtype) if is_quantized_linear(q) else weight)
                 if module.bias is not None:
                     module.bias.copy_(q.bias)
     return twin

@@ -83,21 +83,21 @@ def test_distillation_lora_sets_the_schedule(pipe, tmp_path, h3_logs):
 def test_lora_on_quantized_transformer_matches_dequantized_dense_end_to_end(pipe, tmp_path):
     import copy
 
-    from diffusers_h3.quantizers import QuantizedLinear, W8A16Config, quantize
+    from diffusers_h3.quantizers import W8A16Config, is_quantized_linear, quantize
 
     original = pipe.transformer
     quantized, dense = copy.deepcopy(original), copy.deepcopy(original)
     quantize(quantized, W8A16Config())
     with torch.no_grad():
         for name, module in quantized.named_modules():
-            if isinstance(module, QuantizedLinear):
-                dense.get_submodule(name).weight.copy_(module.dequantize(torch.float32))
+            if is_quantized_linear(module):
+                dense.get_submodule(name).weight.copy_(module.weight.dequantize(torch.float32))
     path = save_lora(tmp_path / "l.safetensors", write_layout(_lora_for(dense, seed=52), "ai_toolkit"))
     try:
         pipe.register_modules(transformer=quantized)
         base_q, _ = _run(pipe)
         report = pipe.load_lora_weights(path, "q")
-        num_quantized = sum(isinstance(m, QuantizedLinear) for m in quantized.modules())
+        num_quantized = sum(is_quantized_linear(m) for m in quantized.modules())
         assert num_quantized > 10
         assert report.components["transformer"].quantized_modules == {"h3_w8a16": num_quantized}
         frames_q, audio_q = _run(pipe)

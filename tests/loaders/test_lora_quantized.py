@@ -1,26 +1,20 @@
-"""LoRA on quantized linears through PEFT custom dispatch: numerics vs. the dequantized dense layer, fuse / unfuse,
-set_adapters, hotswap, unload, and the real diffusers-h3 quantized layers when they are available."""
+"""LoRA on quantized linears through PEFT's own ``lora.Linear`` (a quantized layer is an ``nn.Linear`` whose weight is
+a quantized tensor): numerics vs. the dequantized dense layer, fuse / unfuse, set_adapters, hotswap, unload."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
-from diffusers_h3.quantizers.peft_dispatch import (
-    QuantizedLoraLinear,
-    is_quantized_linear,
-    quantized_lora_dispatch,
-    register_quantized_lora_modules,
-)
+from diffusers_h3.quantizers import W8A16Config, describe_layer, is_quantized_linear, quantize
 
 from ._lora_helpers import (
-    Int8StandIn,
     TinyLoraPipeline,
     assert_deltas,
     canonical_lora,
     dense_twin,
-    quantize_linears,
     save_lora,
     tiny_transformer,
     write_layout,
@@ -46,7 +40,8 @@ def _outputs(model, inputs):
 
 def _quantized_pipe(seed=0, dtype=torch.float32):
     model = tiny_transformer(seed)
-    model = quantize_linears(model if dtype == torch.float32 else model.to(dtype))
+    model = quantize(model if dtype == torch.float32 else model.to(dtype), W8A16Config(modules_to_not_convert=[]),
+                     keep_in_fp32_modules=[])
     return model, TinyLoraPipeline(transformer=model)
 
 
@@ -61,11 +56,10 @@ def test_lora_on_quantized_equals_lora_on_dequantized_dense(tmp_path, layout):
     report = qpipe.load_lora_weights(path, "a")
     dpipe.load_lora_weights(path, "a")
 
-    assert report.components["transformer"].quantized_modules == {"test-int8": len(lora)}
+    assert report.components["transformer"].quantized_modules == {"h3_w8a16": len(lora)}
     wrapped = qmodel.transformer_blocks[0].attn.to_q
-    assert isinstance(wrapped, QuantizedLoraLinear)
-    assert isinstance(wrapped.get_base_layer(), Int8StandIn)
-    assert wrapped.get_base_layer().qweight.dtype == torch.int8  # the base weight stays quantized
+    assert isinstance(wrapped, LoraLinear) and is_quantized_linear(wrapped.get_base_layer())
+    assert wrapped.get_base_layer().weight.qdata.dtype == torch.int8  # the base weight stays quantized
     assert_deltas(qmodel, lora, "a")
 
     inputs = _layer_inputs(dmodel, lora, seed=1)
@@ -75,7 +69,7 @@ def test_lora_on_quantized_equals_lora_on_dequantized_dense(tmp_path, layout):
     # and the LoRA really contributes
     base = {n: qmodel.get_submodule(n).get_base_layer()(x) for n, x in inputs.items()}
     assert all((q_out[n] - base[n]).abs().max() > 1e-3 for n in inputs)
-    assert "LoRA [a(r=" in wrapped.describe_path() and "test int8 stand-in" in wrapped.describe_path()
+    assert describe_layer(wrapped).startswith("W8A16Linear[h3_w8a16] on cpu")
 
 
 def test_bf16_quantized_lora_within_bf16_tolerance():
@@ -103,9 +97,8 @@ def test_fuse_requantizes_and_unfuse_restores_bitwise():
 
     pipe.fuse_lora()
     layer = qmodel.transformer_blocks[1].ff.net[2]
-    assert layer.merged and "fused into the re-quantized weight" in layer.describe_path()
-    assert layer.get_base_layer().qweight.dtype == torch.int8
-    assert not torch.equal(layer.get_base_layer().qweight, before["transformer_blocks.1.ff.net.2.base_layer.qweight"])
+    assert layer.merged and layer.get_base_layer().weight.qdata.dtype == torch.int8
+    assert not torch.equal(layer.get_base_layer().weight.qdata, before["transformer_blocks.1.ff.net.2.base_layer.weight"])
     fused = _outputs(qmodel, inputs)
     for name in inputs:
         # fused = requantize(W + BA): equal to the unfused LoRA output up to int8 rounding of the new weight
@@ -160,7 +153,7 @@ def test_set_adapters_weights_disable_and_unload_on_quantized():
     pipe.enable_lora()
 
     pipe.unload_lora_weights()
-    assert isinstance(qmodel.transformer_blocks[0].attn.to_q, Int8StandIn)
+    assert is_quantized_linear(qmodel.transformer_blocks[0].attn.to_q)
     for name, o in _outputs(qmodel, inputs).items():
         torch.testing.assert_close(o, plain[name], atol=0, rtol=0)
 
@@ -184,37 +177,23 @@ def test_low_cpu_mem_usage_false_and_manual_add_adapter():
     pipe.load_lora_weights(write_layout(lora, "diffusers"), "slow", low_cpu_mem_usage=False)
     assert_deltas(qmodel, lora, "slow")
 
-    # Building the LoraConfig yourself: diffusers' add_adapter takes it as is (the mapping is added on the way);
-    # PEFT's own inject_adapter_in_model takes it through register_quantized_lora_modules.
+    # Building the LoraConfig yourself: diffusers' add_adapter and PEFT's own inject_adapter_in_model take it as is.
     from peft import LoraConfig, inject_adapter_in_model
 
-    model = quantize_linears(tiny_transformer(6))
+    model = quantize(tiny_transformer(6), W8A16Config())
     model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]), adapter_name="plain")
-    assert isinstance(model.transformer_blocks[0].attn.to_q, QuantizedLoraLinear)
-    model = quantize_linears(tiny_transformer(6))
-    config = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"])
-    inject_adapter_in_model(register_quantized_lora_modules(config, model), model, adapter_name="custom")
-    assert isinstance(model.transformer_blocks[0].attn.to_q, QuantizedLoraLinear)
-
-
-def test_dispatch_context_restores_diffusers():
-    import diffusers.loaders.peft as dp
-
-    assert is_quantized_linear(Int8StandIn(16, 8)) and not is_quantized_linear(nn.Linear(16, 8))
-
-    original = dp._create_lora_config
-    with quantized_lora_dispatch(quantize_linears(tiny_transformer())):
-        assert dp._create_lora_config is not original
-    assert dp._create_lora_config is original
+    assert isinstance(model.transformer_blocks[0].attn.to_q, LoraLinear)
+    model = quantize(tiny_transformer(6), W8A16Config())
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]), model, adapter_name="c")
+    assert isinstance(model.transformer_blocks[0].attn.to_q, LoraLinear)
 
 
 def test_unsupported_variants_raise_clearly():
     qmodel, pipe = _quantized_pipe()
     from peft import LoraConfig
 
-    config = register_quantized_lora_modules(LoraConfig(r=2, target_modules=["to_q"], use_dora=True), qmodel)
-    with pytest.raises(ValueError, match="DoRA"):
-        qmodel.add_adapter(config, adapter_name="dora")
+    with pytest.raises(NotImplementedError, match="quantized weight"):
+        qmodel.add_adapter(LoraConfig(r=2, target_modules=["to_q"], use_dora=True), adapter_name="dora")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -228,13 +207,12 @@ def _real_config(method):
 
 @pytest.mark.parametrize("method", ["w8a16", "nvfp4", "fp8"])
 def test_real_quantized_layers(tmp_path, method):
-    from diffusers_h3.quantizers import QuantizedLinear, quantize
 
     qmodel = quantize(tiny_transformer(7), _real_config(method))
     pipe = TinyLoraPipeline(transformer=qmodel)
     dense = dense_twin(qmodel, seed=7)
     lora = canonical_lora(dense, seed=40)
-    quantized_names = [n for n, m in qmodel.named_modules() if isinstance(m, QuantizedLinear)]
+    quantized_names = [n for n, m in qmodel.named_modules() if is_quantized_linear(m)]
     assert quantized_names  # the tiny model has quantized and dense (kept) linears: one adapter spans both
     before = {k: v.clone() for k, v in qmodel.state_dict().items()}
 
@@ -255,8 +233,7 @@ def test_real_quantized_layers(tmp_path, method):
             if method != "fp8":  # weight-only: also equal to LoRA on the dequantized dense layer
                 d_layer = dense.get_submodule(name)
                 torch.testing.assert_close(out[name], d_layer(x) + x @ (B @ A).T, atol=1e-4, rtol=1e-4, msg=name)
-    path = qmodel.get_submodule(quantized_names[0]).describe_path()
-    assert path.startswith("LoRA [a(r=") and f"h3_{method}" in path
+    assert f"[h3_{method}] on cpu" in describe_layer(qmodel.get_submodule(quantized_names[0]))
 
     # fuse re-quantizes W + BA; unfuse restores the packed tensors bit-exactly
     pipe.fuse_lora()
@@ -271,7 +248,7 @@ def test_real_quantized_layers(tmp_path, method):
             assert torch.equal(value, before[key]), key  # packed storage: bit-exact
         else:
             torch.testing.assert_close(value, before[key], atol=1e-6, rtol=0, msg=key)  # dense: B@A subtracted
-    assert all(isinstance(qmodel.get_submodule(n), QuantizedLinear) for n in quantized_names)
+    assert all(is_quantized_linear(qmodel.get_submodule(n)) for n in quantized_names)
 
 
 def test_hotswap_with_different_rank_after_enable_lora_hotswap():
@@ -291,7 +268,6 @@ def test_hotswap_with_different_rank_after_enable_lora_hotswap():
 
 
 def test_quantized_transformer_ref_partition(tmp_path):
-    from diffusers_h3.quantizers import QuantizedLinear, quantize
 
     fl2v = tiny_transformer(0)
     ref = quantize(tiny_transformer(8), _real_config("fp8"))
@@ -299,7 +275,7 @@ def test_quantized_transformer_ref_partition(tmp_path):
     lora = canonical_lora(dense_twin(ref, seed=8), seed=43)
     report = pipe.load_lora_weights(write_layout(lora, "diffusers_ref"), "r")
     assert list(report.components) == ["transformer_ref"]
-    num_quantized = sum(isinstance(m, QuantizedLinear) for m in ref.modules())
+    num_quantized = sum(is_quantized_linear(m) for m in ref.modules())
     assert report.components["transformer_ref"].quantized_modules == {"h3_fp8": num_quantized}
     assert_deltas(ref, lora, "r")
     assert not hasattr(fl2v, "peft_config")
@@ -343,18 +319,10 @@ def _dequantized_twin(model):
     """A copy of ``model`` whose quantized linears are plain nn.Linear holding ``dequantize()`` (and the bias)."""
     import copy
 
-    from diffusers_h3.quantizers import QuantizedLinear
-
     twin = copy.deepcopy(model)
-    for name, module in list(twin.named_modules()):
-        if isinstance(module, QuantizedLinear):
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(module.dequantize(torch.float32))
-                if module.bias is not None:
-                    linear.bias.copy_(module.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(twin.get_submodule(parent), child, linear)
+    for module in twin.modules():
+        if is_quantized_linear(module):
+            module.weight = nn.Parameter(module.weight.dequantize(torch.float32))
     return twin
 
 
@@ -374,7 +342,7 @@ def _dit_loss(model, inputs):
 def test_add_adapter_on_quantized_dit_forward_and_gradients(method):
     """diffusers' add_adapter with a plain LoraConfig on a W8A16 / FP8 / NVFP4 DiT: forward equals LoRA on the
     dequantized dense layers (diffusers + PEFT's own nn.Linear LoRA), and backward reaches the LoRA factors only."""
-    from diffusers_h3.quantizers import FP8Config, QuantizedLinear, quantize
+    from diffusers_h3.quantizers import FP8Config
     from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
     # FP8 with the dequantize backend: weight-only numerics, so that the plain-Linear reference is exact (the LoRA
@@ -386,8 +354,8 @@ def test_add_adapter_on_quantized_dit_forward_and_gradients(method):
     reference.add_adapter(qmodel.peft_config["tuned"].__class__(r=4, lora_alpha=4, target_modules=_TARGETS),
                           adapter_name="tuned")
     _copy_lora(qmodel, reference)
-    wrapped = [m for m in qmodel.modules() if isinstance(m, QuantizedLoraLinear)]
-    assert wrapped and all(isinstance(m.get_base_layer(), QuantizedLinear) for m in wrapped)
+    wrapped = [m for m in qmodel.modules() if isinstance(m, LoraLinear) and is_quantized_linear(m.get_base_layer())]
+    assert wrapped and all(is_quantized_linear(m.get_base_layer()) for m in wrapped)
 
     inputs = tiny_transformer_inputs(seed=13)
     q_video, q_audio, q_loss = _dit_loss(qmodel, inputs)
@@ -404,7 +372,7 @@ def test_add_adapter_on_quantized_dit_forward_and_gradients(method):
     grads = {n: p.grad for n, p in qmodel.named_parameters() if p.grad is not None}
     assert grads and all(".lora_A." in n or ".lora_B." in n for n in grads), sorted(grads)[:4]
     assert all(p.grad is not None for n, p in qmodel.named_parameters() if ".lora_" in n)
-    assert all(not b.requires_grad for m in qmodel.modules() if isinstance(m, QuantizedLinear) for b in m.buffers())
+    assert all(not m.weight.requires_grad for m in qmodel.modules() if is_quantized_linear(m))
     ref_grads = dict(reference.named_parameters())
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -412,7 +380,6 @@ def test_add_adapter_on_quantized_dit_forward_and_gradients(method):
 
 def test_add_adapter_set_disable_delete_fuse_on_quantized_dit():
     """The rest of diffusers' adapter API on adapters added with add_adapter to a W8A16 DiT."""
-    from diffusers_h3.quantizers import QuantizedLinear, W8A16Config, quantize
     from diffusers_h3.testing.tiny import tiny_transformer_inputs
 
     qmodel = quantize(tiny_transformer(14), W8A16Config())
@@ -440,7 +407,7 @@ def test_add_adapter_set_disable_delete_fuse_on_quantized_dit():
 
     qmodel.fuse_lora()  # re-quantizes W + BA (docs/lora.md): equal up to int8 rounding of the new weight
     layer = qmodel.transformer_blocks[0].attn.to_q
-    assert layer.merged and isinstance(layer.get_base_layer(), QuantizedLinear)
+    assert layer.merged and is_quantized_linear(layer.get_base_layer())
     assert ((run() - both).abs().max() / both.abs().max()) < 5e-2
     qmodel.unfuse_lora()
     torch.testing.assert_close(run(), both, atol=1e-6, rtol=0)

@@ -8,7 +8,7 @@ import torch
 
 from diffusers_h3 import MiniMaxH3Pipeline, SpeedPresetConfig, describe, load_transformer_file
 from diffusers_h3.loaders.single_file import is_gguf_linear
-from diffusers_h3.quantizers import FP8Linear, QuantizedLinear
+from diffusers_h3.quantizers import FP8Tensor, is_quantized_linear
 from diffusers_h3.testing.single_file import (
     dense_reference,
     write_comfy_safetensors,
@@ -102,7 +102,7 @@ def test_speed_presets_keep_the_files_weights(pipe, gguf_file, tmp_path):
     weights = describe(loaded)["speed_preset"]["weights"]["transformer"]
     assert "GGUF file h3-Q8_0.gguf" in weights and "[the file's weights: kept]" in weights
     assert sum(map(is_gguf_linear, loaded.transformer.modules())) == gguf_layers
-    assert not any(isinstance(m, QuantizedLinear) for m in loaded.transformer.modules())  # nothing quantized twice
+    assert not any(is_quantized_linear(m) for m in loaded.transformer.modules())  # nothing quantized twice
     _latents(loaded)  # the preset's attention runs on the GGUF GEMMs
     loaded.enable_speed_preset(SpeedPresetConfig("exact", compile=False))
     assert "exact attention on the file's quantized weights" in describe(loaded)["speed_preset"]["weights"]["transformer"]
@@ -112,7 +112,7 @@ def test_speed_presets_keep_the_files_weights(pipe, gguf_file, tmp_path):
     loaded = _with_transformer(pipe, load_transformer_file(fp8, TINY, dtype=torch.float32))
     loaded.enable_speed_preset(SpeedPresetConfig("fast", compile=False))
     assert "fp8-scaled file h3_fp8.safetensors" in describe(loaded)["speed_preset"]["weights"]["transformer"]
-    assert {m.quant_method for m in loaded.transformer.modules() if isinstance(m, QuantizedLinear)} == {"h3_fp8"}
+    assert {m.weight.quant_method for m in loaded.transformer.modules() if is_quantized_linear(m)} == {"h3_fp8"}
 
 
 def test_lora_on_gguf_layers_runs_unfused_and_refuses_to_fuse(gguf_file, tmp_path):
@@ -143,14 +143,14 @@ def test_lora_on_fp8_scaled_layers(pipe, tmp_path):
     lora = save_lora(tmp_path / "lora.safetensors", write_layout(canonical_lora(reference), "diffusers"))
     for target in (model, reference):
         TinyLoraPipeline(transformer=target).load_lora_weights(lora, adapter_name="x", network_alpha=4)
-    assert isinstance(model.transformer_blocks[0].attn.to_q.base_layer, FP8Linear)
+    assert isinstance(getattr(model.transformer_blocks[0].attn.to_q.base_layer, "weight", None), FP8Tensor)
     unfused = _run(model)
     assert torch.equal(unfused, _run(reference))  # LoRA on the unquantized input, added to the FP8 layer's output
-    codes = {n: b.clone() for n, b in model.named_buffers() if b.dtype == torch.float8_e4m3fn}
+    codes = {n: b.clone() for n, b in model.state_dict().items() if b.dtype == torch.float8_e4m3fn}
     lora_pipe = TinyLoraPipeline(transformer=model)
     lora_pipe.fuse_lora()  # W + BA re-quantized to E4M3 with the layer's own scales
     assert _rel_l2(_run(model), unfused) < 0.05
-    assert any(not torch.equal(b, codes[n]) for n, b in model.named_buffers() if n in codes)
+    assert any(not torch.equal(b, codes[n]) for n, b in model.state_dict().items() if n in codes)
     lora_pipe.unfuse_lora()
-    assert all(torch.equal(b, codes[n]) for n, b in model.named_buffers() if n in codes)  # the file's codes, exactly
+    assert all(torch.equal(b, codes[n]) for n, b in model.state_dict().items() if n in codes)  # the file's codes, exactly
     assert _rel_l2(_run(model), unfused) < 1e-5  # (the dense layers' LoRA is subtracted in floating point)

@@ -25,12 +25,8 @@ def _quantized(config_name, **kwargs):
 def _with_lora(model, seed=3):
     from peft import LoraConfig
 
-    from diffusers_h3.quantizers.peft_dispatch import register_quantized_lora_modules
-
     targets = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2", "adaln_proj.linear", "proj_out"]
-    config = register_quantized_lora_modules(
-        LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False), model
-    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config)

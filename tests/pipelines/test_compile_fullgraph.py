@@ -39,17 +39,27 @@ def _run(model, step=None):
 
 
 class _GraphRecorder:
-    """A dynamo backend that keeps every graph it is given and runs it eagerly."""
+    """A dynamo backend that keeps every graph it is given and the ATen graph AOTAutograd makes of it (where a
+    quantized weight's ``F.linear`` becomes its GEMM op), and runs that eagerly."""
 
     def __init__(self):
         self.graphs = []
+        self.aten_graphs = []
 
     def __call__(self, gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
         self.graphs.append(gm)
-        return gm.forward
+
+        def keep(aten_gm, _inputs):
+            self.aten_graphs.append(aten_gm)
+            return aten_gm.forward
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
 
     def ops(self):
-        return {str(node.target) for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"}
+        graphs = self.graphs + self.aten_graphs
+        return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
 
 
 # The custom ops each preset's blocks must call on this CPU (W8A16 GEMMs: no FP8 tensor cores here).

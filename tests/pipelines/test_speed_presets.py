@@ -11,11 +11,11 @@ from diffusers_h3 import (
     FastVAEDecodeConfig,
     MiniMaxH3LowPrecisionAttnProcessor,
     MiniMaxH3VSAProcessor,
-    QuantizedLinear,
     SpeedPresetConfig,
 )
 from diffusers_h3._hooks import H3_FAST_VAE_DECODE_HOOK, get_h3_hook
 from diffusers_h3.hooks.fast_vae_decode import fast_vae_decode_state
+from diffusers_h3.quantizers import is_quantized_linear
 from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline
 
 
@@ -38,7 +38,7 @@ def _block_processors(pipe):
 
 
 def _quantized(pipe):
-    return [m for m in pipe.transformer.modules() if isinstance(m, QuantizedLinear)]
+    return [m for m in pipe.transformer.modules() if is_quantized_linear(m)]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_fast_presets_turn_on_what_they_report(preset, native_frames):
     if preset == "fastest":
         assert all(p.sparsity == 0.8 for p in processors)
     quantized = _quantized(pipe)
-    assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized)  # no FP8 tensor cores on a CPU
+    assert quantized and all(m.weight.quant_method == "h3_w8a16" for m in quantized)  # no FP8 tensor cores on a CPU
 
     report = diffusers_h3.describe(pipe)
     assert report["speed_preset"]["preset"] == preset
@@ -252,7 +252,7 @@ def test_flashinfer_choice_is_checked_before_anything_changes(flashinfer_stand_i
         enable_speed_preset_on_transformer(model, SpeedPresetConfig("fast", compile=False, flashinfer=True))
     with pytest.raises(TypeError, match="None .automatic., True or False"):
         enable_speed_preset_on_transformer(model, SpeedPresetConfig("exact", compile=False, flashinfer="yes"))
-    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert not any(is_quantized_linear(m) for m in model.modules())
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     assert all(type(b.attn.processor) is not MiniMaxH3LowPrecisionAttnProcessor for b in model.transformer_blocks)
     # Automatic off the Hopper GPU: diffusers' attention, no note.
@@ -368,7 +368,7 @@ def test_fast_after_an_fp8_decoder_keeps_it_and_exact_refuses_it():
 
 
 def _text_encoder_quantized(pipe):
-    return [m for m in pipe.text_encoder.modules() if isinstance(m, QuantizedLinear)]
+    return [m for m in pipe.text_encoder.modules() if is_quantized_linear(m)]
 
 
 def _prompt_embeds(pipe):
@@ -382,11 +382,11 @@ def test_fast_presets_quantize_the_text_encoder_to_w8a16(preset):
     reference = _prompt_embeds(pipe)
     pipe.enable_speed_preset(SpeedPresetConfig(preset, compile=False))
     quantized = _text_encoder_quantized(pipe)
-    assert quantized and all(m.quant_method == "h3_w8a16" for m in quantized)
+    assert quantized and all(m.weight.quant_method == "h3_w8a16" for m in quantized)
     decoder_linears = [name for name, m in pipe.text_encoder.named_modules()
-                       if ".layers." in name and isinstance(m, (torch.nn.Linear, QuantizedLinear))]  # fmt: skip
+                       if ".layers." in name and isinstance(m, torch.nn.Linear)]  # fmt: skip
     assert decoder_linears and all(
-        isinstance(pipe.text_encoder.get_submodule(name), QuantizedLinear) for name in decoder_linears
+        is_quantized_linear(pipe.text_encoder.get_submodule(name)) for name in decoder_linears
     )
     assert "W8A16Config" in diffusers_h3.describe(pipe)["speed_preset"]["weights"]["text_encoder"]
     embeds = _prompt_embeds(pipe)

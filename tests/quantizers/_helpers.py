@@ -2,11 +2,11 @@
 
 import torch
 
-from diffusers_h3.quantizers import FP8Config, FP8Linear, NVFP4Config, NVFP4Linear, W8A16Config, W8A16Linear
+from diffusers_h3.quantizers import FP8Config, FP8Tensor, NVFP4Config, NVFP4Tensor, W8A16Config, W8A16Tensor
 
 
 CONFIGS = {"w8a16": W8A16Config, "nvfp4": NVFP4Config, "fp8": FP8Config}
-LAYERS = {"w8a16": W8A16Linear, "nvfp4": NVFP4Linear, "fp8": FP8Linear}
+WEIGHTS = {"w8a16": W8A16Tensor, "nvfp4": NVFP4Tensor, "fp8": FP8Tensor}
 # rel-L2 of a tiny transformer's output vs its dense twin (random weights; NVFP4 and FP8-with-activations are coarse)
 MODEL_TOL = {"w8a16": 0.03, "nvfp4": 0.35, "fp8": 0.12}
 

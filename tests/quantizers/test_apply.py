@@ -4,9 +4,17 @@ memory accounting and clear errors."""
 import pytest
 import torch
 
-from diffusers_h3.quantizers import FP8Config, NVFP4Config, W8A16Config, W8A16Linear, quantization_summary, quantize
+from diffusers_h3.quantizers import (
+    FP8Config,
+    NVFP4Config,
+    W8A16Config,
+    W8A16Tensor,
+    is_quantized_linear,
+    quantization_summary,
+    quantize,
+)
 
-from ._helpers import CONFIGS, LAYERS, rel
+from ._helpers import CONFIGS, WEIGHTS, rel
 
 
 def test_bad_configs_raise():
@@ -32,24 +40,25 @@ def test_quantize_any_module_and_layer_interface(method):
     ref = net(x)
     quantize(net, CONFIGS[method]())
     layer = net[0]
-    assert isinstance(layer, LAYERS[method]) and layer.quant_method == f"h3_{method}"
+    assert isinstance(layer.weight, WEIGHTS[method]) and layer.weight.quant_method == f"h3_{method}"
     assert (layer.in_features, layer.out_features) == (48, 64) and layer.bias is not None and net[2].bias is None
-    assert layer.dequantize().shape == (64, 48) and layer.dequantize().dtype == torch.float32
-    assert layer.weight.device == layer.bias.device and not layer.weight.is_floating_point() or method == "fp8"
-    assert "cpu" in layer.describe_path() and layer.describe_path().count("\n") == 0
+    assert layer.weight.dequantize().shape == (64, 48) and layer.weight.dequantize().dtype == torch.float32
+    assert layer.weight.device == layer.bias.device and layer.weight.is_floating_point() and not layer.weight.qdata.is_floating_point() or method == "fp8"
+    assert set(net.state_dict()) >= {"0.weight", "0.weight_scale", "0.bias"} and net.state_dict()["0.weight"].dtype != torch.float32
+    assert "cpu" in layer.weight.describe_path() and layer.weight.describe_path().count("\n") == 0
     out = net(x)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert rel(out, ref) < {"w8a16": 0.02, "nvfp4": 0.2, "fp8": 0.08}[method]
     # effective weight == what forward uses (weight-only methods: exactly the dense GEMM on dequantize())
     if method != "fp8":
-        dense_out = torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
+        dense_out = torch.nn.functional.linear(x, layer.weight.dequantize(), layer.bias)
         assert rel(layer(x), dense_out) < 1e-5
     # requantize_ from a dense weight (LoRA fuse / unfuse)
     new_w = torch.randn(64, 48)
-    layer.requantize_(new_w)
-    assert rel(layer.dequantize(), new_w) < {"w8a16": 0.01, "nvfp4": 0.15, "fp8": 0.05}[method]
+    layer.weight.copy_(new_w)
+    assert rel(layer.weight.dequantize(), new_w) < {"w8a16": 0.01, "nvfp4": 0.15, "fp8": 0.05}[method]
     with pytest.raises(ValueError, match="shape"):
-        layer.requantize_(torch.randn(48, 64))
+        layer.weight.copy_(torch.randn(48, 64))
     with pytest.raises(ValueError, match="input features"):
         layer(torch.randn(2, 47))
 
@@ -72,9 +81,9 @@ def test_quantize_qwen3vl_text_encoder():
     with torch.no_grad():
         ref = te.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
     quantize(te, W8A16Config())
-    lm_linears = [m for n, m in te.named_modules() if n.startswith("model.language_model") and isinstance(m, W8A16Linear)]
+    lm_linears = [m for n, m in te.named_modules() if n.startswith("model.language_model") and isinstance(getattr(m, "weight", None), W8A16Tensor)]
     assert len(lm_linears) == 3 * 7
-    assert type(te.lm_head) is torch.nn.Linear  # output head kept
+    assert not is_quantized_linear(te.lm_head)  # output head kept
     with torch.no_grad():
         out = te.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
     assert rel(out, ref) < 0.05

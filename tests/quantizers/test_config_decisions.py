@@ -5,8 +5,7 @@ blocks 10 and 11; `to_q` keeps `to_q`, not `to_qkv`)."""
 import torch
 from torch import nn
 
-from diffusers_h3.quantizers import W8A16Config, quantize
-from diffusers_h3.quantizers.layers import QuantizedLinear
+from diffusers_h3.quantizers import W8A16Config, is_quantized_linear, quantize
 
 
 def _blocks(count):
@@ -22,7 +21,7 @@ def test_modules_to_not_convert_matches_whole_dotted_components():
     model = _blocks(12)
     quantize(model, W8A16Config(modules_to_not_convert=["transformer_blocks.1", "to_q", "ff"]))
     kept = {name for name, m in model.named_modules() if type(m) is nn.Linear}
-    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    quantized = {name for name, m in model.named_modules() if is_quantized_linear(m)}
 
     block_1 = {f"transformer_blocks.1.{leaf}" for leaf in ("to_q", "to_qkv", "ff.net", "ff_context")}
     assert block_1 <= kept  # a dotted sub-path keeps everything under it
@@ -47,10 +46,10 @@ def test_an_explicit_list_still_keeps_the_fp32_modules_and_shapes_the_format_can
                     any(part in keep for part in name.split("."))}  # fmt: skip
     assert fp32_linears  # proj_in, time_embedder.linear_1, proj_out, ...
     quantize(model, W8A16Config(modules_to_not_convert=["adaln_proj"]))
-    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    quantized = {name for name, m in model.named_modules() if is_quantized_linear(m)}
     assert not quantized & fp32_linears, sorted(quantized & fp32_linears)
     assert not any("adaln_proj" in name for name in quantized) and any(".to_q" in name for name in quantized)
     # NVFP4 packs 16-value blocks: an 8-feature layer is left dense, as without a list.
     model = nn.ModuleDict({"narrow": nn.Linear(8, 8), "wide": nn.Linear(64, 64)})
     quantize(model, NVFP4Config(modules_to_not_convert=["other"]))
-    assert type(model["narrow"]) is nn.Linear and isinstance(model["wide"], QuantizedLinear)
+    assert not is_quantized_linear(model["narrow"]) and is_quantized_linear(model["wide"])

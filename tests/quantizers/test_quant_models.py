@@ -12,10 +12,10 @@ from diffusers.quantizers import PipelineQuantizationConfig
 from diffusers_h3.quantizers import (
     FP8Config,
     NVFP4Config,
-    NVFP4Linear,
-    QuantizedLinear,
+    NVFP4Tensor,
     W8A16Config,
-    W8A16Linear,
+    W8A16Tensor,
+    is_quantized_linear,
     quantize,
     register_quantizers,
 )
@@ -27,7 +27,7 @@ from diffusers_h3.testing.tiny import (
     tiny_transformer,
 )
 
-from ._helpers import CONFIGS, LAYERS, MODEL_TOL, rel, run_transformer
+from ._helpers import CONFIGS, MODEL_TOL, WEIGHTS, rel, run_transformer
 
 
 register_quantizers()
@@ -37,12 +37,12 @@ register_quantizers()
 def test_from_pretrained_quantizes_the_right_layers(dense_dir, method):
     dense = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir)
     model = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=CONFIGS[method]())
-    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert all(isinstance(model.get_submodule(n), LAYERS[method]) for n in quantized)
+    quantized = {n for n, m in model.named_modules() if is_quantized_linear(m)}
+    assert all(isinstance(model.get_submodule(n).weight, WEIGHTS[method]) for n in quantized)
     # kept: fp32 modules / projections / embedders / norms
     for kept in ("proj_in", "audio_proj_in", "context_embedder", "time_embedder.linear_1", "proj_out",
                  "audio_proj_out", "norm_out.linear"):  # fmt: skip
-        assert type(model.get_submodule(kept)) is torch.nn.Linear, kept
+        assert not is_quantized_linear(model.get_submodule(kept)), kept
     # quantized: attention, FFN, AdaLN projection, refiner
     for q in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2", "transformer_blocks.0.adaln_proj.linear",
               "token_refiner.refiner_blocks.0.attn.to_out.0"):  # fmt: skip
@@ -56,11 +56,11 @@ def test_modules_to_not_convert_overrides_defaults(dense_dir):
     model = MiniMaxH3Transformer3DModel.from_pretrained(
         dense_dir, quantization_config=W8A16Config(modules_to_not_convert=["adaln_proj", "transformer_blocks.1"])
     )
-    assert type(model.transformer_blocks[0].adaln_proj.linear) is torch.nn.Linear
-    assert isinstance(model.transformer_blocks[0].attn.to_q, W8A16Linear)
-    assert not any(isinstance(m, QuantizedLinear) for m in model.transformer_blocks[1].modules())
+    assert not is_quantized_linear(model.transformer_blocks[0].adaln_proj.linear)
+    assert isinstance(model.transformer_blocks[0].attn.to_q.weight, W8A16Tensor)
+    assert not any(is_quantized_linear(m) for m in model.transformer_blocks[1].modules())
     # explicit list replaces the defaults: the output head is quantized now (keep_in_fp32 still applies via the loader)
-    assert isinstance(model.get_submodule("norm_out.linear"), W8A16Linear)
+    assert isinstance(model.get_submodule("norm_out.linear").weight, W8A16Tensor)
 
 
 @pytest.mark.parametrize("method", list(CONFIGS))
@@ -73,7 +73,7 @@ def test_save_load_round_trip_is_bit_exact_without_requantizing(dense_dir, tmp_p
     def _no_requant(*a, **k):
         raise AssertionError("reload must not re-quantize")
 
-    monkeypatch.setattr(LAYERS[method], "_quantize", _no_requant)
+    monkeypatch.setattr(WEIGHTS[method], "pack", _no_requant)
     reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path)
     sd, sd2 = model.state_dict(), reloaded.state_dict()
     assert sd.keys() == sd2.keys()
@@ -85,8 +85,8 @@ def test_save_load_round_trip_is_bit_exact_without_requantizing(dense_dir, tmp_p
     # torch_dtype does not touch the fp32 scales
     half = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
     layer = half.transformer_blocks[0].attn.to_q
-    assert layer.compute_dtype == torch.bfloat16 and layer.weight_scale.dtype == model.transformer_blocks[0].attn.to_q.weight_scale.dtype
-    assert torch.equal(layer.weight_scale.float(), model.transformer_blocks[0].attn.to_q.weight_scale.float())
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.scale.dtype == model.transformer_blocks[0].attn.to_q.weight.scale.dtype
+    assert torch.equal(layer.weight.scale.float(), model.transformer_blocks[0].attn.to_q.weight.scale.float())
 
 
 def test_device_map_auto_without_dtype_loads_in_the_dense_default(dense_dir):
@@ -94,7 +94,7 @@ def test_device_map_auto_without_dtype_loads_in_the_dense_default(dense_dir):
     model = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=W8A16Config(), device_map="auto")
     dense = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir)
     layer = model.transformer_blocks[0].attn.to_q
-    assert isinstance(layer, W8A16Linear) and layer.compute_dtype == dense.dtype
+    assert isinstance(layer.weight, W8A16Tensor) and layer.weight.dtype == dense.dtype
     assert rel(run_transformer(model), run_transformer(dense)) < MODEL_TOL["w8a16"]
 
 
@@ -181,7 +181,7 @@ def test_tiny_pipeline_runs_with_each_method(pipe_dir, method):
     dense = MiniMaxH3Pipeline.from_pretrained(pipe_dir)
     pq = PipelineQuantizationConfig(quant_mapping={"transformer": CONFIGS[method]()})
     pipe = MiniMaxH3Pipeline.from_pretrained(pipe_dir, quantization_config=pq)
-    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, LAYERS[method])
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q.weight, WEIGHTS[method])
     quantize(pipe.text_encoder, CONFIGS[method]())  # the text encoder goes through quantize()
     ref, out = _latents(dense), _latents(pipe)
     assert torch.isfinite(out).all() and out.shape == ref.shape
@@ -202,7 +202,7 @@ def test_reads_modelopt_style_nvfp4_export(dense_dir, tmp_path):
 
     dense_sd = load_file(str(dense_dir / "diffusion_pytorch_model.safetensors"))
     reference = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=NVFP4Config())
-    names = {n for n, m in reference.named_modules() if isinstance(m, NVFP4Linear)}
+    names = {n for n, m in reference.named_modules() if isinstance(getattr(m, "weight", None), NVFP4Tensor)}
     export = {}
     for key, value in dense_sd.items():
         module = key.rpartition(".")[0]
@@ -230,13 +230,13 @@ def test_reads_modelopt_style_nvfp4_export(dense_dir, tmp_path):
 
     from unittest import mock
 
-    with mock.patch.object(NVFP4Linear, "_quantize", _no_requant):
+    with mock.patch.object(NVFP4Tensor, "pack", _no_requant):
         loaded = MiniMaxH3Transformer3DModel.from_pretrained(out_dir, quantization_config=NVFP4Config())
     layer = loaded.transformer_blocks[0].attn.to_q
-    assert isinstance(layer, NVFP4Linear) and layer.weight_scale_2.dim() == 0
+    assert isinstance(layer.weight, NVFP4Tensor) and layer.weight.scale_2.dim() == 0
     key = "transformer_blocks.0.attn.to_q"
-    assert torch.equal(layer.weight, export[f"{key}.weight"])
-    assert torch.equal(layer.weight_scale.view(torch.uint8), export[f"{key}.weight_scale"].view(torch.uint8))
+    assert torch.equal(layer.weight.qdata, export[f"{key}.weight"])
+    assert torch.equal(layer.weight.scale.view(torch.uint8), export[f"{key}.weight_scale"].view(torch.uint8))
     # Same recipe as our quantizer: identical outputs to on-the-fly NVFP4
     assert torch.equal(run_transformer(loaded), run_transformer(reference))
 
@@ -265,8 +265,8 @@ def test_checkpoint_saved_by_earlier_versions_loads(dense_dir, tmp_path, method,
     def _no_requant(*a, **k):
         raise AssertionError("a pre-quantized checkpoint must not be re-quantized")
 
-    monkeypatch.setattr(LAYERS[method], "_quantize", _no_requant)
+    monkeypatch.setattr(WEIGHTS[method], "pack", _no_requant)
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path)
     assert type(loaded.config.quantization_config) is CONFIGS[method]
-    assert isinstance(loaded.transformer_blocks[0].attn.to_q, LAYERS[method])
+    assert isinstance(loaded.transformer_blocks[0].attn.to_q.weight, WEIGHTS[method])
     assert torch.equal(run_transformer(loaded), run_transformer(model))

@@ -11,14 +11,14 @@ from diffusers_h3 import cli
 from diffusers_h3.kernels.gemm import w8a16_dequantize, w8a16_linear, w8a16_quantize
 from diffusers_h3.quantizers import (
     FP8Config,
-    FP8Linear,
+    FP8Tensor,
     NVFP4Config,
-    NVFP4Linear,
+    NVFP4Tensor,
     QuantizationConfigBase,
-    QuantizedLinear,
+    QuantizedTensor,
     QuantizerBase,
     W8A16Config,
-    W8A16Linear,
+    W8A16Tensor,
     format_names,
     formats,
     get_format,
@@ -35,23 +35,23 @@ from ._helpers import rel, run_transformer
 register_quantizers()
 
 BUILTIN = {
-    "fp8": ("h3_fp8", FP8Config, FP8Linear),
-    "w8a16": ("h3_w8a16", W8A16Config, W8A16Linear),
-    "nvfp4": ("h3_nvfp4", NVFP4Config, NVFP4Linear),
+    "fp8": ("h3_fp8", FP8Config, FP8Tensor),
+    "w8a16": ("h3_w8a16", W8A16Config, W8A16Tensor),
+    "nvfp4": ("h3_nvfp4", NVFP4Config, NVFP4Tensor),
 }
 
 
 def test_builtin_formats_table():
     assert format_names()[:3] == ("fp8", "w8a16", "nvfp4")
-    for name, (method, config_cls, layer_cls) in BUILTIN.items():
+    for name, (method, config_cls, weight_cls) in BUILTIN.items():
         fmt = get_format(name)
-        assert (fmt.method, fmt.config_cls, fmt.layer_cls) == (method, config_cls, layer_cls)
+        assert (fmt.method, fmt.config_cls, fmt.weight_cls) == (method, config_cls, weight_cls)
         assert issubclass(fmt.quantizer_cls, QuantizerBase)
         assert fmt.quantizer_cls.__name__ == config_cls.__name__.replace("Config", "Quantizer")
-        assert (fmt.quantizer_cls.config_class, fmt.quantizer_cls.layer_class) == (config_cls, layer_cls)
+        assert (fmt.quantizer_cls.config_class, fmt.quantizer_cls.weight_class) == (config_cls, weight_cls)
         # the registration is the one place that names the method: config and layer read it from there
         assert config_cls().quant_method == method and config_cls().quant_method.value == method
-        assert layer_cls.quant_method == method
+        assert weight_cls.quant_method == method
         assert format_for_config(config_cls()) is fmt
     with pytest.raises(KeyError, match="registered formats"):
         get_format("int3")
@@ -73,7 +73,7 @@ def test_registered_with_diffusers_and_no_name_clash():
 
 def test_exports_and_cli_follow_the_registry():
     for fmt in formats():
-        for cls in (fmt.config_cls, fmt.layer_cls):
+        for cls in (fmt.config_cls, fmt.weight_cls):
             assert getattr(diffusers_h3.quantizers, cls.__name__) is cls
             assert cls.__name__ in diffusers_h3.quantizers.__all__
         assert getattr(diffusers_h3, fmt.config_cls.__name__) is fmt.config_cls
@@ -90,17 +90,17 @@ def test_register_format_refuses_bad_registrations():
         pass
 
     with pytest.raises(ValueError, match="already registered"):
-        register_format(name="w8a16", method="h3_other", config_cls=LooseConfig, layer_cls=W8A16Linear)
+        register_format(name="w8a16", method="h3_other", config_cls=LooseConfig, weight_cls=W8A16Tensor)
     with pytest.raises(ValueError, match="already belongs to format 'w8a16'"):
-        register_format(name="other", method="h3_w8a16", config_cls=LooseConfig, layer_cls=W8A16Linear)
+        register_format(name="other", method="h3_w8a16", config_cls=LooseConfig, weight_cls=W8A16Tensor)
     with pytest.raises(ValueError, match="diffusers' own"):
-        register_format(name="other", method="torchao", config_cls=LooseConfig, layer_cls=W8A16Linear)
+        register_format(name="other", method="torchao", config_cls=LooseConfig, weight_cls=W8A16Tensor)
     with pytest.raises(ValueError, match="lowercase identifier"):
-        register_format(name="Other-Format", method="h3_other", config_cls=LooseConfig, layer_cls=W8A16Linear)
+        register_format(name="Other-Format", method="h3_other", config_cls=LooseConfig, weight_cls=W8A16Tensor)
     with pytest.raises(TypeError, match="config_cls must subclass"):
-        register_format(name="other", method="h3_other", config_cls=dict, layer_cls=W8A16Linear)
-    with pytest.raises(ValueError, match="W8A16Linear already serves format 'w8a16'"):
-        register_format(name="other", method="h3_other", config_cls=LooseConfig, layer_cls=W8A16Linear)
+        register_format(name="other", method="h3_other", config_cls=dict, weight_cls=W8A16Tensor)
+    with pytest.raises(ValueError, match="W8A16Tensor already serves format 'w8a16'"):
+        register_format(name="other", method="h3_other", config_cls=LooseConfig, weight_cls=W8A16Tensor)
     # an unregistered config class has no method: one clear error, no half-made config
     with pytest.raises(TypeError, match="register its format"):
         LooseConfig()
@@ -114,30 +114,33 @@ class ToyInt8Config(QuantizationConfigBase):
     """Per-channel int8 weights, run by the W8A16 torch reference."""
 
 
-class ToyInt8Linear(QuantizedLinear):
-    def _storage_spec(self):
-        return {
-            "weight": ((self.out_features, self.in_features), torch.int8),
-            "weight_scale": ((self.out_features,), torch.float32),
-        }
+class ToyInt8Linear(QuantizedTensor):
+    """The toy format's weight: per-channel int8 codes + fp32 scales."""
 
-    def _quantize(self, dense):
+    layer_label = "ToyInt8Linear"
+
+    @classmethod
+    def storage_spec(cls, out_features, in_features, options):
+        return {"weight": ((out_features, in_features), torch.int8), "weight_scale": ((out_features,), torch.float32)}
+
+    @classmethod
+    def pack(cls, dense, options):
         q, s = w8a16_quantize(dense)
         return {"weight": q, "weight_scale": s}
 
     def dequantize(self, dtype=None):
-        return w8a16_dequantize(self.weight, self.weight_scale, dtype or self.compute_dtype)
+        return w8a16_dequantize(self.qdata, self.scale, dtype or self.dtype)
 
     def _select(self, device):
         return "torch", "toy format: the W8A16 torch reference"
 
-    def _run(self, x, backend):
-        return w8a16_linear(x, self.weight, self.weight_scale, self.bias, backend="torch")
+    def _run(self, x, bias):
+        return w8a16_linear(x, self.qdata, self.scale, bias, backend="torch")
 
 
 @pytest.fixture
 def toy_format():
-    fmt = register_format(name="toyint8", method="h3test_toy_int8", config_cls=ToyInt8Config, layer_cls=ToyInt8Linear)
+    fmt = register_format(name="toyint8", method="h3test_toy_int8", config_cls=ToyInt8Config, weight_cls=ToyInt8Linear)
     try:
         yield fmt
     finally:
@@ -156,18 +159,18 @@ def test_a_registered_format_reaches_every_entry_point(toy_format, dense_dir, tm
     x = torch.randn(5, 32)
     ref = net(x)
     quantize(net, ToyInt8Config())
-    assert isinstance(net[0], ToyInt8Linear) and isinstance(net[2], ToyInt8Linear)
-    assert net[0].quant_method == "h3test_toy_int8" and "toy format" in net[0].describe_path()
+    assert isinstance(net[0].weight, ToyInt8Linear) and isinstance(net[2].weight, ToyInt8Linear)
+    assert net[0].weight.quant_method == "h3test_toy_int8" and "toy format" in net[0].weight.describe_path()
     assert rel(net(x), ref) < 0.02
 
     # the diffusers quantizer: on-the-fly quantization while loading, then save / reload through config.json
     assert diffusers_auto.AUTO_QUANTIZER_MAPPING["h3test_toy_int8"] is toy_format.quantizer_cls
     assert type(quantizer_for(ToyInt8Config())) is toy_format.quantizer_cls
     model = MiniMaxH3Transformer3DModel.from_pretrained(dense_dir, quantization_config=ToyInt8Config())
-    assert isinstance(model.transformer_blocks[0].attn.to_q, ToyInt8Linear)
+    assert isinstance(model.transformer_blocks[0].attn.to_q.weight, ToyInt8Linear)
     model.save_pretrained(tmp_path)
     reloaded = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path)
-    assert isinstance(reloaded.transformer_blocks[0].attn.to_q, ToyInt8Linear)
+    assert isinstance(reloaded.transformer_blocks[0].attn.to_q.weight, ToyInt8Linear)
     assert type(reloaded.config.quantization_config) is ToyInt8Config
     assert torch.equal(run_transformer(reloaded), run_transformer(model))
 
@@ -182,7 +185,7 @@ def test_a_registered_format_reaches_every_entry_point(toy_format, dense_dir, tm
 
 
 def test_unregistered_format_leaves_no_trace():
-    register_format(name="toyint8", method="h3test_toy_int8", config_cls=ToyInt8Config, layer_cls=ToyInt8Linear)
+    register_format(name="toyint8", method="h3test_toy_int8", config_cls=ToyInt8Config, weight_cls=ToyInt8Linear)
     unregister_format("toyint8")
     assert "toyint8" not in format_names()
     assert "h3test_toy_int8" not in diffusers_auto.AUTO_QUANTIZER_MAPPING

@@ -1,5 +1,5 @@
-"""`QuantizedLinear.shard_`: a tensor-parallel slice keeps exactly its rows / columns of the effective weight, scales
-included, and refuses a split through a scale group."""
+"""Slices of a quantized weight (tensor-parallel shards, fused projections): a slice keeps exactly its rows / columns
+of the effective weight, scales included, and a split through a scale group is refused in one line."""
 
 import pytest
 import torch
@@ -16,38 +16,30 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dim,chunks", [(0, 1), (0, 2), (1, 1)])
-def test_shard_keeps_its_slice_of_the_effective_weight(name, dim, chunks):
+@pytest.mark.parametrize("dim,ranges", [(0, [(24, 48)]), (0, [(12, 24), (36, 48)]), (1, [(32, 64)])])
+def test_slices_keep_their_part_of_the_effective_weight(name, dim, ranges):
     torch.manual_seed(0)
-    layer = quantize(torch.nn.Sequential(torch.nn.Linear(64, 48)), CONFIGS[name])[0]
-    full = layer.dequantize(torch.float32)
-    world, rank = 2, 1
-    ranges = layer.shard_ranges(dim, rank, world, chunks)
+    weight = quantize(torch.nn.Sequential(torch.nn.Linear(64, 48)), CONFIGS[name])[0].weight
+    full = weight.dequantize(torch.float32)
+    pieces = [weight.narrow(dim, a, b - a) for a, b in ranges]
+    sliced = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
     expected = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
-    bias = layer.bias.detach().clone()
-    layer.shard_(dim, rank, world, chunks)
-    assert torch.equal(layer.dequantize(torch.float32), expected)
-    assert (layer.out_features, layer.in_features) == tuple(expected.shape)
-    if dim == 0:
-        assert torch.equal(layer.bias, torch.cat([bias[a:b] for a, b in ranges]))
-    x = torch.randn(3, layer.in_features)
-    assert layer(x).shape == (3, layer.out_features)
+    assert type(sliced) is type(weight) and tuple(sliced.shape) == tuple(expected.shape)
+    assert torch.equal(sliced.dequantize(torch.float32), expected)
+    x = torch.randn(3, sliced.shape[1])
+    out, dense = torch.nn.functional.linear(x, sliced), torch.nn.functional.linear(x, expected)
+    assert ((out - dense).norm() / dense.norm()).item() < (1e-5 if name != "fp8" else 0.08)
 
 
-@pytest.mark.parametrize(
-    "config,group",
-    [(W8A16Config(group_size=32), 32), (NVFP4Config(), 16)],
-)
-def test_shard_refuses_to_split_a_scale_group(config, group):
-    layer = quantize(torch.nn.Sequential(torch.nn.Linear(64, 16)), config)[0]
+@pytest.mark.parametrize("config,group", [(W8A16Config(group_size=32), 32), (NVFP4Config(), 16)])
+def test_slices_refuse_to_split_a_scale_group(config, group):
+    weight = quantize(torch.nn.Sequential(torch.nn.Linear(64, 16)), config)[0].weight
     with pytest.raises(ValueError, match=f"would split a weight_scale group of {group}"):
-        layer.shard_(1, 0, 8)  # 8-wide shards
-    with pytest.raises(ValueError, match="do not split into"):
-        layer.shard_(0, 0, 3)
+        weight[:, 8:16]
 
 
 def test_w4a4_refuses_an_input_split():
-    layer = quantize(torch.nn.Sequential(torch.nn.Linear(64, 16)), NVFP4Config(activation="nvfp4"))[0]
+    weight = quantize(torch.nn.Sequential(torch.nn.Linear(64, 16)), NVFP4Config(activation="nvfp4"))[0].weight
     with pytest.raises(ValueError, match="activation='nvfp4'"):
-        layer.shard_(1, 0, 2)
-    layer.shard_(0, 0, 2)  # output rows are independent
+        weight[:, :32]
+    assert weight[:8].shape == (8, 64)  # output rows are independent

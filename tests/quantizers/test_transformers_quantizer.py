@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3VLForConditionalGeneration
 
-from diffusers_h3.quantizers import QuantizedLinear, check_checkpoint_quantization, quantize, register_quantizers
+from diffusers_h3.quantizers import check_checkpoint_quantization, is_quantized_linear, quantize, register_quantizers
 from diffusers_h3.testing.tiny import tiny_text_encoder
 
-from ._helpers import CONFIGS, LAYERS
+from ._helpers import CONFIGS, WEIGHTS
 
 
 register_quantizers()
@@ -49,18 +49,17 @@ def assert_state_dicts_identical(a, b):
 def test_quantizes_each_linear_as_its_weight_arrives(te_dense, method, monkeypatch):
     dense, path = te_dense
     materialized = []
-    requantize = QuantizedLinear.requantize_
+    quantize_weight = WEIGHTS[method].pack
 
-    def spy(layer, weight):
-        # the layer was swapped in empty before loading: no dense Linear is ever built, one dense weight at a time
-        assert layer.weight.is_meta
-        materialized.append(weight.shape)
-        return requantize(layer, weight)
+    def spy(dense, options):
+        # one dense weight at a time, as it arrives
+        materialized.append(dense.shape)
+        return quantize_weight(dense, options)
 
-    monkeypatch.setattr(QuantizedLinear, "requantize_", spy)
+    monkeypatch.setattr(WEIGHTS[method], "pack", spy)
     model = Qwen3VLForConditionalGeneration.from_pretrained(path, quantization_config=CONFIGS[method]())
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(type(m) is LAYERS[method] for m in layers)
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
+    assert layers and all(type(m.weight) is WEIGHTS[method] for m in layers)
     assert len(materialized) == len(layers)
     monkeypatch.undo()
     # the same layers and bits as quantize() on the dense model
@@ -78,7 +77,7 @@ def test_save_load_round_trip_is_bit_exact_without_requantizing(te_dense, tmp_pa
     def no_requantize(*args, **kwargs):
         raise AssertionError("reload must not re-quantize")
 
-    monkeypatch.setattr(LAYERS[method], "_quantize", no_requantize)
+    monkeypatch.setattr(WEIGHTS[method], "pack", no_requantize)
     reloaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path)
     assert_state_dicts_identical(model, reloaded)
     assert torch.equal(_hidden(model), _hidden(reloaded))
@@ -132,11 +131,11 @@ def test_direct_transformers_load_of_a_stripped_folder_is_the_documented_gap(te_
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
     loaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path)
-    assert not any(isinstance(m, QuantizedLinear) for m in loaded.modules())  # the gap: codes read as floats
+    assert not any(is_quantized_linear(m) for m in loaded.modules())  # the gap: codes read as floats
     with pytest.raises(ValueError, match="has no quantization_config"):
         check_checkpoint_quantization(tmp_path)
     docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "quantization.md").read_text().split())
-    assert "Not checked: a quantized text-encoder folder loaded with transformers' own classes." in docs
+    assert "Not checked: a quantized component folder loaded with diffusers' or transformers' own classes." in docs
     assert "`diffusers_h3.quantizers.check_checkpoint_quantization(folder)`" in docs
 
 
@@ -147,8 +146,8 @@ def test_quantize_on_load_and_round_trip_on_cuda(te_dense, tmp_path, method):
         pytest.skip("needs a CUDA GPU")
     kwargs = {"dtype": torch.bfloat16, "device_map": "cuda"}
     model = Qwen3VLForConditionalGeneration.from_pretrained(te_dense[1], quantization_config=CONFIGS[method](), **kwargs)
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(m.weight.is_cuda and m.compute_dtype == torch.bfloat16 for m in layers)
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
+    assert layers and all(m.weight.is_cuda and m.weight.dtype == torch.bfloat16 for m in layers)
     model.save_pretrained(tmp_path)
     reloaded = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path, **kwargs)
     assert_state_dicts_identical(model, reloaded)

@@ -30,7 +30,6 @@ H3_V100_MODE_HOOK = "diffusers_h3.v100_mode"  # transformer (record, inf/NaN che
 H3_CONTEXT_PARALLEL_HOOK = "diffusers_h3.context_parallel"  # on the transformer: CP record, processor config sync
 H3_TENSOR_PARALLEL_HOOK = "diffusers_h3.tensor_parallel"  # on the transformer: TP record, the TP-and-CP refusal
 H3_TENSOR_PARALLEL_REDUCE_HOOK = "diffusers_h3.tensor_parallel_reduce"  # on each attention / FFN module
-H3_OFFLOAD_BUFFERS_HOOK = "diffusers_h3.offload_buffers"  # on a group-offloaded component: its groups return buffers
 H3_CHECKPOINT_STREAM_HOOK = "diffusers_h3.checkpoint_stream"  # on each group streamed from its checkpoint files
 H3_CHECKPOINT_STREAM_MODEL_HOOK = "diffusers_h3.checkpoint_stream_model"  # on a streamed model: record and reader
 H3_FEED_FORWARD_CHUNKS_HOOK = "diffusers_h3.feed_forward_chunks"  # on each DiT block's feed-forward: rows in chunks
@@ -46,7 +45,6 @@ H3_HOOK_NAMES = (
     H3_CONTEXT_PARALLEL_HOOK,
     H3_TENSOR_PARALLEL_HOOK,
     H3_TENSOR_PARALLEL_REDUCE_HOOK,
-    H3_OFFLOAD_BUFFERS_HOOK,
     H3_CHECKPOINT_STREAM_HOOK,
     H3_CHECKPOINT_STREAM_MODEL_HOOK,
     H3_FEED_FORWARD_CHUNKS_HOOK,
@@ -159,7 +157,6 @@ def transformers_of(pipe_or_transformer: Any, who: str) -> List[torch.nn.Module]
 
 # Hooks of ours that move weights (the others only compute differently or record what ran).
 _PLACEMENT_HOOKS = (
-    H3_OFFLOAD_BUFFERS_HOOK,
     H3_CHECKPOINT_STREAM_HOOK,
     H3_CHECKPOINT_STREAM_MODEL_HOOK,
     H3_STREAM_FROM_DISK_HOOK,

@@ -12,21 +12,17 @@ Each recipe is one call around diffusers / Accelerate machinery (quantization co
 Peak memory of the single-GPU recipes is measured by `benchmarks/placement.py` (`placement_h200.json`).
 """
 
-import weakref
-from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
 import torch
 
 from .._hooks import (
     H3_CHECKPOINT_STREAM_MODEL_HOOK,
-    H3_OFFLOAD_BUFFERS_HOOK,
     H3_STREAM_FROM_DISK_HOOK,
     PARTITIONS,
-    H3Hook,
     get_h3_hook,
-    register_h3_hook,
 )
+from ..quantizers import tensor_nbytes
 
 
 def single_gpu_resident_kwargs(transformer: str = "fp8", text_encoder: str = "w8a16") -> Dict[str, Any]:
@@ -61,9 +57,7 @@ def drop_unused_text_encoder_layers(pipe) -> Dict[str, Any]:
     layers = language_model.layers
     keep = int(pipe.config.text_encoder_layer) + 1
     removed = list(layers)[keep:]
-    freed = sum(
-        t.numel() * t.element_size() for layer in removed for t in list(layer.parameters()) + list(layer.buffers())
-    )
+    freed = sum(tensor_nbytes(t) for layer in removed for t in list(layer.parameters()) + list(layer.buffers()))
     if removed:
         language_model.layers = torch.nn.ModuleList(list(layers)[:keep])
         text_config = text_encoder.config.text_config
@@ -121,85 +115,6 @@ def _has_weight_norm(module: torch.nn.Module) -> bool:
         if hasattr(sub, "weight_g") or getattr(sub, "parametrizations", None) is not None:
             return True
     return False
-
-
-@dataclass
-class OffloadBuffersRecord:
-    """Offload groups of a component whose `_offload_to_memory` also returns the buffers (counted over refreshes)."""
-
-    groups_changed: int = 0
-
-
-class OffloadBuffersHook(H3Hook):
-    """Marks a component whose stream-prefetched offload groups get the buffer fix (`H3_OFFLOAD_BUFFERS_HOOK`), so
-    that :func:`refresh_low_memory_offload` re-checks it before each request. Adds nothing to the forward."""
-
-    def __init__(self) -> None:
-        super().__init__(OffloadBuffersRecord())
-
-
-# diffusers' ModuleGroup objects (not modules: no registry) whose `_offload_to_memory` was wrapped.
-_GROUPS_RETURNING_BUFFERS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _offload_group_buffers_too(component: torch.nn.Module) -> int:
-    """Make stream-prefetched offload groups send their modules' buffers back to the CPU as well; returns the number
-    of groups changed. Registers :class:`OffloadBuffersHook` on `component`, so that
-    :func:`refresh_low_memory_offload` re-checks it before each request.
-
-    diffusers 0.42.1's `ModuleGroup._offload_to_memory` (stream path) restores the CPU copies of the group modules'
-    parameters only, while onloading moves their buffers too: buffers onloaded once stay on the GPU for good. The
-    quantized layers keep their packed weights in buffers, so a quantized DiT would end up wholly resident.
-    """
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
-
-    marker = get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK)
-    if marker is None:
-        marker = register_h3_hook(component, OffloadBuffersHook(), H3_OFFLOAD_BUFFERS_HOOK)
-    changed, seen = 0, set()
-    for module in component.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
-        group = getattr(hook, "group", None)
-        if group is None or id(group) in seen or group.stream is None or group.offload_to_disk_path:
-            continue
-        seen.add(id(group))
-        if group in _GROUPS_RETURNING_BUFFERS:  # already changed (a refresh after diffusers rebuilt others)
-            continue
-        if not callable(getattr(group, "_offload_to_memory", None)) or not isinstance(group.cpu_param_dict, dict):
-            raise RuntimeError(
-                "enable_low_memory_offload: this diffusers version's ModuleGroup has no _offload_to_memory / "
-                "cpu_param_dict (written for diffusers 0.42.1); pass use_stream=False to offload without streams"
-            )
-        buffers = [b for m in group.modules for b in m.buffers() if b in group.cpu_param_dict]
-        if not buffers:
-            continue
-        offload_parameters = group._offload_to_memory
-
-        def offload_parameters_and_buffers(offload_parameters=offload_parameters, group=group, buffers=buffers):
-            offload_parameters()  # synchronizes with the compute stream before swapping (without record_stream)
-            for buffer in buffers:
-                buffer.data = group.cpu_param_dict[buffer]
-
-        group._offload_to_memory = offload_parameters_and_buffers
-        _GROUPS_RETURNING_BUFFERS.add(group)
-        changed += 1
-    marker.record.groups_changed += changed
-    return changed
-
-
-def refresh_low_memory_offload(pipe) -> int:
-    """Re-apply the buffer fix of :func:`enable_low_memory_offload` to offload groups that diffusers rebuilt since.
-
-    diffusers re-applies group offloading from its config, with new groups, whenever a LoRA is loaded, unloaded or
-    deleted (`_maybe_remove_and_reapply_group_offloading`); the new groups would again keep quantized weights on the
-    GPU. The pipeline calls this before every request; returns the number of groups changed (0 when none were new).
-    """
-    changed = 0
-    for component in getattr(pipe, "components", {}).values():
-        if isinstance(component, torch.nn.Module) and get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK) is not None:
-            changed += _offload_group_buffers_too(component)
-    return changed
 
 
 def _offload_leaf_level(component: torch.nn.Module, options: Dict[str, Any]) -> None:
@@ -278,8 +193,6 @@ def enable_low_memory_offload(
             else:
                 _offload_leaf_level(component, common)
                 placements[name] = f"group offload (leaf level, {settings})"
-            if use_stream:
-                _offload_group_buffers_too(component)
         else:
             _, previous_hook = cpu_offload_with_hook(component, device, prev_module_hook=previous_hook)
             reason = " (weight norm: no group offload)" if group_offloaded else ""
@@ -340,8 +253,6 @@ def place_for_context_parallel(
                        "low_cpu_mem_usage": True}  # fmt: skip
             component.to("cpu")
             _offload_leaf_level(component, options)
-            if use_stream:
-                _offload_group_buffers_too(component)
             placements[name] = f"group offload (leaf level, stream={use_stream}, low_cpu_mem_usage=True), rank 0"
     _record_placement(pipe, **placements)
     return placements

@@ -44,7 +44,7 @@ from .._hooks import (
     register_h3_hook,
     transformers_of,
 )
-from ..quantizers import FP8Tensor, quantized_weight
+from ..quantizers import FP8Tensor, quantized_weight, tensor_nbytes
 from .context_parallel import context_parallel_state
 
 
@@ -277,7 +277,7 @@ def _check_not_context_parallel(model):
 # ----------------------------------------------------------------------------------------------------------------------
 def _bytes_of(module: nn.Module) -> int:
     tensors = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(tensor_nbytes(t) for t in tensors.values())
 
 
 def _check_degree(model: nn.Module, tp_degree: int) -> None:

@@ -63,7 +63,6 @@ from ..loaders.lora import MiniMaxH3LoraMixin
 from ..loaders.single_file import check_saveable
 from ..packing import check_layout_matches_indices
 from ..parallel.checkpoint_streaming import release_streamed_weights, streaming_of
-from ..parallel.placement import refresh_low_memory_offload
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
@@ -809,9 +808,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             output_type=output_type, attention_kwargs=attention_kwargs, callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, task=spec,
         )  # fmt: skip
-        # A LoRA loaded or unloaded since enable_low_memory_offload made diffusers rebuild the offload groups.
-        refresh_low_memory_offload(self)
-
         # H3 packs one request into one sequence: a batch runs one clip after another, stacked like diffusers.
         outputs = [self._generate(request, clip) for clip in request.clips]
         frames, audio = _stack_outputs(outputs, output_type)

@@ -13,7 +13,7 @@ from .config import (
     W8A16Config,
 )
 from .diffusers_quantizer import QuantizerBase
-from .layers import describe_layer, install_quantized_weight, is_quantized_linear, quantized_weight
+from .layers import describe_layer, install_quantized_weight, is_quantized_linear, quantized_weight, tensor_nbytes
 from .registry import (
     QuantFormat,
     format_names,
@@ -54,5 +54,6 @@ __all__ = [
     "quantize",
     "register_format",
     "register_quantizers",
+    "tensor_nbytes",
     "unregister_format",
 ]

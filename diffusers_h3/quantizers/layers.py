@@ -55,6 +55,13 @@ def _load_packed(module, state_dict, prefix, local_metadata, strict, missing_key
     )
 
 
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: the packed codes and scales for a quantized weight (not its dense shape)."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.quantized_nbytes()
+    return tensor.numel() * tensor.element_size()
+
+
 def install_quantized_weight(linear: nn.Linear, weight: QuantizedTensor) -> nn.Linear:
     """Make ``weight`` the weight of ``linear`` (an ``nn.Parameter`` without gradient) and register the state-dict
     hooks of the packed layout on this instance (once)."""

@@ -14,7 +14,6 @@ from diffusers_h3._hooks import (
     H3_CONTEXT_PARALLEL_HOOK,
     H3_FAST_VAE_DECODE_HOOK,
     H3_HOOK_NAMES,
-    H3_OFFLOAD_BUFFERS_HOOK,
     H3_REFINE_TEXT_ONCE_HOOK,
     H3_TENSOR_PARALLEL_HOOK,
     H3_TENSOR_PARALLEL_REDUCE_HOOK,
@@ -129,7 +128,6 @@ def test_every_behaviour_is_a_named_registry_hook_and_describe_reads_the_records
 
 
 def test_tensor_parallel_and_offload_hooks_are_registry_hooks():
-    from diffusers_h3.parallel.placement import _offload_group_buffers_too
     from diffusers_h3.parallel.tensor_parallel import _apply_tensor_parallel, tensor_parallel_state
 
     model = tiny_transformer()
@@ -144,10 +142,6 @@ def test_tensor_parallel_and_offload_hooks_are_registry_hooks():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     remove_h3_hook(model, H3_TENSOR_PARALLEL_HOOK, recurse=False)
     assert "load_lora_adapter" not in model.__dict__  # removing the hook lifts the refusal
-
-    component = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    assert _offload_group_buffers_too(component) == 0
-    assert get_h3_hook(component, H3_OFFLOAD_BUFFERS_HOOK) is not None and moves_weights(component)
 
 
 def test_context_parallel_record_is_read_from_its_hook():

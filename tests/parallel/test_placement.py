@@ -199,72 +199,26 @@ def _stream_group(block, config=None):
     return group, config
 
 
-def _pretend_onloaded(block):  # what onloading leaves behind: other storage for every tensor of the group
-    block.weight.data = block.weight.data.clone()
-    block.packed.data = block.packed.data.clone()
+def test_stream_offload_moves_quantized_weights_as_parameters():
+    """A quantized layer's packed codes and scales live in its weight parameter, so diffusers' own stream path (onload:
+    `param.data = moved`, offload: `param.data = cpu_param_dict[param]`) moves them: no fix of diffusers needed."""
+    from diffusers_h3.quantizers import W8A16Config, quantize
 
-
-def test_stream_offload_groups_send_buffers_back():
-    """diffusers 0.42.1's stream path restores only parameters on offload; ours restores the group modules' buffers
-    too (the packed weights of quantized layers)."""
-    from diffusers_h3.parallel.placement import _offload_group_buffers_too
-
-    block = torch.nn.Linear(4, 4)
-    block.register_buffer("packed", torch.arange(4.0))
-    model = torch.nn.Sequential(block)
+    torch.manual_seed(0)
+    block = quantize(torch.nn.Sequential(torch.nn.Linear(32, 16)), W8A16Config())[0]
+    x = torch.randn(3, 32)
+    expected = block(x)
     group, _ = _stream_group(block)
-    host_weight, host_buffer = group.cpu_param_dict[block.weight], group.cpu_param_dict[block.packed]
-
-    _pretend_onloaded(block)
-    group._offload_to_memory()  # diffusers' own offload: the buffer stays where onloading put it
-    assert block.weight.data.data_ptr() == host_weight.data_ptr()
-    assert block.packed.data.data_ptr() != host_buffer.data_ptr()
-
-    assert _offload_group_buffers_too(model) == 1
-    _pretend_onloaded(block)
-    group._offload_to_memory()
-    assert block.weight.data.data_ptr() == host_weight.data_ptr()
-    assert block.packed.data.data_ptr() == host_buffer.data_ptr()
-    assert _offload_group_buffers_too(model) == 0  # already changed: not wrapped twice
-    assert _offload_group_buffers_too(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0  # nothing offloaded: no change
-
-
-def test_groups_diffusers_rebuilds_get_the_buffer_fix_again():
-    """Loading or unloading a LoRA makes diffusers re-apply group offloading with new groups; the pipeline's
-    refresh before each request gives those the fix too, and only components the recipe set up are touched."""
-    from types import SimpleNamespace
-
-    from diffusers_h3._hooks import H3_OFFLOAD_BUFFERS_HOOK, register_h3_hook
-    from diffusers_h3.parallel.placement import OffloadBuffersHook, refresh_low_memory_offload
-
-    block = torch.nn.Linear(4, 4)
-    block.register_buffer("packed", torch.arange(4.0))
-    model = torch.nn.Sequential(block)
-    _, config = _stream_group(block)
-    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    other[0].register_buffer("packed", torch.arange(4.0))
-    _stream_group(other[0])  # group-offloaded by the user, not by enable_low_memory_offload
-    register_h3_hook(model, OffloadBuffersHook(), H3_OFFLOAD_BUFFERS_HOOK)  # what enable_low_memory_offload leaves
-    pipe = SimpleNamespace(components={"transformer": model, "other": other, "scheduler": object()})
-    assert refresh_low_memory_offload(pipe) == 1
-    assert refresh_low_memory_offload(pipe) == 0
-
-    rebuilt, _ = _stream_group(block, config)  # what _maybe_remove_and_reapply_group_offloading leaves
-    host_buffer = rebuilt.cpu_param_dict[block.packed]
-    assert refresh_low_memory_offload(pipe) == 1
-    _pretend_onloaded(block)
-    rebuilt._offload_to_memory()
-    assert block.packed.data.data_ptr() == host_buffer.data_ptr()
-
-
-def test_every_request_refreshes_the_offload_fix(monkeypatch):
-    import diffusers_h3.pipelines.pipeline_minimax_h3 as module
-
-    calls = []
-    monkeypatch.setattr(module, "refresh_low_memory_offload", lambda pipe: calls.append(pipe) or 0)
-    pipe = tiny_pipeline(seed=2)
-    pipe(**{**RUN, "num_inference_steps": 2}, output_type="latent", generator=torch.Generator().manual_seed(0))
-    assert calls == [pipe]
+    host = group.cpu_param_dict[block.weight]
+    assert type(host) is type(block.weight) and not block.weight.is_pinned()
+    block.weight.data = block.weight.data.clone()  # what onloading leaves: other storage for the packed tensors
+    assert block.weight.qdata.data_ptr() != host.qdata.data_ptr()
+    group._offload_to_memory()  # diffusers' own offload
+    assert block.weight.qdata.data_ptr() == host.qdata.data_ptr()
+    assert block.weight.scale.data_ptr() == host.scale.data_ptr()
+    group.record_stream = False  # no CUDA stream to record on here
+    group._transfer_tensor_to_device(block.weight, host, None)  # diffusers' own onload of a parameter (CPU here)
+    assert torch.equal(torch.nn.functional.linear(x, block.weight, block.bias), expected)  # (the hook is the group's)
 
 
 def test_lora_into_a_transformer_split_onto_cpu_and_disk_is_refused_before_loading(tmp_path):

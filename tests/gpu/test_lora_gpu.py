@@ -45,26 +45,26 @@ def _time_ms(fn, iters=20):
 @pytest.mark.parametrize("tokens", [1, 1037])
 def test_lora_on_quantized_layer_gpu(method, tokens):
     from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
 
-    from diffusers_h3.quantizers import QuantizedLinear, quantize
-    from diffusers_h3.quantizers.peft_dispatch import QuantizedLoraLinear, register_quantized_lora_modules
+    from diffusers_h3.quantizers import describe_layer, is_quantized_linear, quantize
 
     torch.manual_seed(0)
     hidden, rank = 2048, 64
     model = nn.Sequential(nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(3 * hidden, hidden)).cuda().bfloat16()
     quantize(model, _config(method))
-    assert all(isinstance(m, QuantizedLinear) for m in model)
+    assert all(is_quantized_linear(m) for m in model)
     dense = [nn.Linear(m.in_features, m.out_features).cuda().bfloat16() for m in model]
     for d, q in zip(dense, model):
-        d.weight.data.copy_(q.dequantize(torch.bfloat16))
+        d.weight.data.copy_(q.weight.dequantize(torch.bfloat16))
         d.bias = None if q.bias is None else nn.Parameter(q.bias.data.clone())
 
-    config = register_quantized_lora_modules(LoraConfig(r=rank, lora_alpha=rank / 2, target_modules=["0", "1"]), model)
+    config = LoraConfig(r=rank, lora_alpha=rank / 2, target_modules=["0", "1"])
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(config, model, adapter_name="a")
     for layer in model:
-        assert isinstance(layer, QuantizedLoraLinear)
+        assert isinstance(layer, LoraLinear) and is_quantized_linear(layer.get_base_layer())
         nn.init.normal_(layer.lora_A["a"].weight, std=0.02)
         nn.init.normal_(layer.lora_B["a"].weight, std=0.02)
 
@@ -86,7 +86,7 @@ def test_lora_on_quantized_layer_gpu(method, tokens):
             lora_ms = _time_ms(lambda: layer(x))
             print(f"\n{method} {layer.in_features}x{layer.out_features} tokens={tokens}: base {base_ms:.3f} ms, "
                   f"with unfused LoRA r={rank} {lora_ms:.3f} ms ({lora_ms / base_ms:.2f}x); "
-                  f"{layer.describe_path()}")
+                  f"{describe_layer(layer)}")
 
     before = [{k: v.clone() for k, v in layer.get_base_layer().state_dict().items()} for layer in model]
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

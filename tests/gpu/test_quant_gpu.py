@@ -135,7 +135,7 @@ def test_layers_pick_kernels_on_gpu(method, rows):
     ref = dense(x)
     q = quantize(dense, cfg)
     layer = q[0]
-    path = layer.describe_path()
+    path = layer.weight.describe_path()
     assert ("triton" in path.lower()) or ("scaled_mm" in path)
     out = q(x)
     assert out.dtype == torch.bfloat16

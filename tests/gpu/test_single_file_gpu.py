@@ -1,5 +1,5 @@
 """GPU checks of single-file DiTs: the GGUF GEMM path (diffusers' GGUFLinear, dequantize + bf16 matmul) and the
-fp8-scaled path (FP8Linear: per-token FP8 activations + torch._scaled_mm on SM89+), against the dense weights each
+fp8-scaled path (FP8Tensor weights: per-token FP8 activations + torch._scaled_mm on SM89+), against the dense weights each
 file decodes to; a GGUF DiT under model CPU offload and under the low-memory group offload.
 
 Run on the device machine: ``python -m pytest tests/gpu/test_single_file_gpu.py -m gpu -q``.
@@ -85,7 +85,7 @@ def test_fp8_scaled_dit_on_gpu_takes_the_fp8_gemm(tmp_path):
     written = write_fp8_scaled_safetensors(model, path, dtype=torch.bfloat16)
     loaded = load_transformer_file(path, KQUANT, dtype=torch.bfloat16, device="cuda")
     fp8 = loaded.transformer_blocks[0].attn.to_q
-    assert "scaled_mm" in fp8.describe_path()
+    assert "scaled_mm" in fp8.weight.describe_path()
     dequantized = {n: t.float() * written[n.replace(".weight", ".weight_scale")] if t.dtype == torch.float8_e4m3fn else t
                    for n, t in written.items() if not n.endswith((".weight_scale", ".comfy_quant"))}  # fmt: skip
     reference = dense_reference(KQUANT, dequantized).cuda()

@@ -119,3 +119,51 @@ def test_quantized_layers_under_cuda_autocast_compute_as_without_it(config):
     with torch.autocast("cuda", torch.float16):
         out = model(x)
     assert torch.isfinite(out).all() and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["w8a16", "w8a16_group16", "nvfp4", "fp8"])
+def test_linear_on_a_quantized_weight_is_the_format_kernel(name):
+    """F.linear on the weight runs the format's GEMM entry point on the packed tensors (bitwise), at odd shapes."""
+    import copy
+
+    from diffusers_h3.kernels.gemm import fp8_linear, nvfp4_linear, w8a16_linear
+
+    config = {"w8a16": W8A16Config(), "w8a16_group16": W8A16Config(group_size=16), "nvfp4": NVFP4Config(),
+              "fp8": FP8Config()}[name]  # fmt: skip
+    torch.manual_seed(3)
+    layer = quantize(torch.nn.Sequential(torch.nn.Linear(48, 37)), config)[0]
+    assert type(layer) is torch.nn.Linear and isinstance(layer.weight, torch.nn.Parameter)
+    w, x = layer.weight, torch.randn(3, 5, 48)
+    kernel = {
+        "w8a16": lambda: w8a16_linear(x, w.qdata, w.scale, layer.bias),
+        "w8a16_group16": lambda: w8a16_linear(x, w.qdata, w.scale, layer.bias),
+        "nvfp4": lambda: nvfp4_linear(x, w.qdata, w.scale, w.scale_2, layer.bias),
+        "fp8": lambda: fp8_linear(x, w.qdata, w.scale, layer.bias),
+    }[name]
+    assert torch.equal(layer(x), kernel())
+    # the state dict is the ModelOpt layout, and a deep copy keeps it (the hooks sit on the layer instance)
+    expected = {"weight", "weight_scale", "bias"} | ({"weight_scale_2"} if name == "nvfp4" else set())
+    assert set(layer.state_dict()) == expected == set(copy.deepcopy(layer).state_dict())
+    assert layer.state_dict()["weight"].dtype == w.qdata.dtype
+
+
+def test_quantized_weight_ops():
+    layer = quantize(torch.nn.Sequential(torch.nn.Linear(32, 16)), W8A16Config())[0]
+    w = layer.weight
+    assert w.detach().qdata.data_ptr() == w.qdata.data_ptr()  # an alias
+    clone = w.clone()
+    assert clone.qdata.data_ptr() != w.qdata.data_ptr() and torch.equal(clone.dequantize(), w.dequantize())
+    half = w.to(torch.float16)
+    assert half.dtype == torch.float16 and half.qdata.dtype == torch.int8 and torch.equal(half.qdata, w.qdata)
+    with pytest.raises(TypeError, match="floating compute dtype"):
+        w.to(torch.int8)
+    other = quantize(torch.nn.Sequential(torch.nn.Linear(32, 16)), FP8Config())[0].weight
+    with pytest.raises(TypeError, match="Cannot copy a FP8Tensor into a W8A16Tensor"):
+        w.copy_(other)
+    with pytest.raises(TypeError, match="would dequantize it"):
+        torch.zeros(4, 4).copy_(w[:4, :4])
+    with pytest.raises(NotImplementedError, match=r"does not implement aten\.exp.*dequantize\(\)"):
+        torch.exp(w)
+    # `.data = other` (how PEFT and diffusers' group offloading move parameters) takes other's packed tensors
+    layer.weight.data = clone
+    assert layer.weight.qdata.data_ptr() == clone.qdata.data_ptr()

@@ -26,7 +26,7 @@ later presets find them compiled and keep the compiled wrappers ("blocks already
 would re-trace the blocks for the swapped processors and quantized linears on their own, but every preset case here
 starts with ``torch._dynamo.reset()``: the cache is empty, nothing stale can run and no re-trace is lost to
 ``recompile_limit``, so the first call traces (and inductor compiles) the blocks with that preset's processors and
-``QuantizedLinear`` layers. Per case ``dynamo`` records the graphs traced and graph breaks during the warm-up with
+quantized weights. Per case ``dynamo`` records the graphs traced and graph breaks during the warm-up with
 their reasons (``graph_break_reasons``; the kernels are ``torch.library`` custom ops, so the presets' blocks should
 trace as one graph each: 0 breaks), and whether anything was (re)compiled during the timed forwards (it should not).
 ``--fullgraph`` compiles the blocks with ``compile_repeated_blocks(fullgraph=True)`` (a graph break fails the case).

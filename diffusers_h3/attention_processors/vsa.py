@@ -580,8 +580,8 @@ def add_gate_compress(
         if not 0 <= i < len(blocks):
             raise ValueError(f"checkpoint has to_gate_compress for block {i} but the transformer has {len(blocks)}")
         attn = blocks[i].attn
-        ref = attn.to_q.weight  # on a quantized DiT the packed storage: its device, not its shape or dtype
-        dtype = getattr(attn.to_q, "compute_dtype", ref.dtype)
+        ref = attn.to_q.weight  # a quantized weight has the compute dtype as its dtype
+        dtype = ref.dtype
         gate = torch.nn.Linear(attn.to_q.in_features, attn.heads * attn.head_dim, bias="bias" in tensors,
                                device=ref.device, dtype=dtype)
         torch.nn.init.zeros_(gate.weight)

@@ -69,7 +69,8 @@ def test_lora_on_quantized_equals_lora_on_dequantized_dense(tmp_path, layout):
     # and the LoRA really contributes
     base = {n: qmodel.get_submodule(n).get_base_layer()(x) for n, x in inputs.items()}
     assert all((q_out[n] - base[n]).abs().max() > 1e-3 for n in inputs)
-    assert describe_layer(wrapped).startswith("W8A16Linear[h3_w8a16] on cpu")
+    line = describe_layer(wrapped)
+    assert line.startswith("LoRA [a(r=") and "over W8A16Linear[h3_w8a16] on cpu" in line and "unfused" in line
 
 
 def test_bf16_quantized_lora_within_bf16_tolerance():
@@ -98,6 +99,7 @@ def test_fuse_requantizes_and_unfuse_restores_bitwise():
     pipe.fuse_lora()
     layer = qmodel.transformer_blocks[1].ff.net[2]
     assert layer.merged and layer.get_base_layer().weight.qdata.dtype == torch.int8
+    assert "fused into the re-quantized weight (a)" in describe_layer(layer)
     assert not torch.equal(layer.get_base_layer().weight.qdata, before["transformer_blocks.1.ff.net.2.base_layer.weight"])
     fused = _outputs(qmodel, inputs)
     for name in inputs:

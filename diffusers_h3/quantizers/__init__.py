@@ -13,7 +13,14 @@ from .config import (
     W8A16Config,
 )
 from .diffusers_quantizer import QuantizerBase
-from .layers import describe_layer, install_quantized_weight, is_quantized_linear, quantized_weight, tensor_nbytes
+from .layers import (
+    describe_layer,
+    install_quantized_weight,
+    is_quantized_linear,
+    quantized_weight,
+    register_packed_state_dict,
+    tensor_nbytes,
+)
 from .registry import (
     QuantFormat,
     format_names,
@@ -53,6 +60,7 @@ __all__ = [
     "quantized_weight",
     "quantize",
     "register_format",
+    "register_packed_state_dict",
     "register_quantizers",
     "tensor_nbytes",
     "unregister_format",

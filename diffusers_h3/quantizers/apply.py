@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ._replace import linears_to_quantize
 from .config import QuantizationConfigBase
-from .layers import is_quantized_linear, quantize_linear_
+from .layers import is_quantized_linear, quantize_linear_, register_packed_state_dict
 from .registry import format_names, quantizer_for, transformers_quantizer_for, weight_class_for
 
 
@@ -46,12 +46,14 @@ def quantize(
         if linear.weight.device.type == "meta":
             raise ValueError(f"Cannot quantize {name}: its weight is on the meta device; load its weight first.")
         quantize_linear_(linear, cls, config.compute_dtype, **config.layer_kwargs())
+    register_packed_state_dict(module)
     _attach_to_model(module, config)
     return module
 
 
 def _attach_to_model(module: nn.Module, config: QuantizationConfigBase) -> None:
     """Make a quantized diffusers / transformers model serializable like one loaded with ``quantization_config=``."""
+    register_packed_state_dict(module)
     if isinstance(module, ModelMixin):
         module.hf_quantizer = quantizer_for(config, pre_quantized=False)
         module.register_to_config(quantization_config=config)

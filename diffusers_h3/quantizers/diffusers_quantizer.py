@@ -26,7 +26,7 @@ from ._replace import (
     stage_for_loading,
 )
 from .config import QuantizationConfigBase
-from .layers import install_quantized_weight
+from .layers import install_quantized_weight, register_packed_state_dict
 from .tensors import QuantizedTensor
 
 
@@ -232,6 +232,7 @@ class QuantizerBase(DiffusersQuantizer):
                                  self._compute_dtype())  # fmt: skip
         raise_if_missing(missing or [f"{name}.weight" for name in self._to_quantize])
         match_bias_dtype(model)
+        register_packed_state_dict(model)
         model.register_to_config(quantization_config=self.quantization_config)
         self._model = None
         return model

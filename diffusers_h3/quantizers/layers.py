@@ -40,6 +40,20 @@ def _packed_state_dict(module, state_dict, prefix, local_metadata):
             state_dict[prefix + name] = tensor if tensor.is_meta else tensor.detach()
 
 
+def _packed_model_state_dict(module, state_dict, prefix, local_metadata):
+    """state_dict post-hook of a quantized model: quantized weights of layers built after quantization (diffusers'
+    ``fuse_qkv_projections`` makes ``to_qkv`` from the quantized q/k/v weights) are written as packed tensors too."""
+    for key in [k for k, v in state_dict.items() if isinstance(v, QuantizedTensor)]:
+        layer_prefix = key[: -len("weight")]
+        _packed_state_dict(None, state_dict, layer_prefix, local_metadata)
+
+
+def register_packed_state_dict(model: nn.Module) -> None:
+    """Make ``model.state_dict()`` write every quantized weight in the packed layout, also of layers made later."""
+    if _packed_model_state_dict not in model._state_dict_hooks.values():
+        model.register_state_dict_post_hook(_packed_model_state_dict)
+
+
 def _load_packed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """load_state_dict pre-hook: packed tensors become one quantized weight (copied into the layer's)."""
     weight = module.weight

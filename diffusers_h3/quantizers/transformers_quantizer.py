@@ -34,6 +34,7 @@ from ._replace import (
 )
 from .config import QuantizationConfigBase
 from .diffusers_quantizer import check_quantizer_config, default_dtype
+from .layers import register_packed_state_dict
 from .tensors import QuantizedTensor
 
 
@@ -142,6 +143,7 @@ class TransformersQuantizerBase(HfQuantizer):
         raise_if_missing(finish_loading(model, self._staged, self.weight_class, self.quantization_config,
                                         self._compute_dtype))  # fmt: skip
         match_bias_dtype(model)
+        register_packed_state_dict(model)
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -86,6 +86,9 @@ def test_fuse_qkv_projections_on_a_quantized_dit(method):
         fused = model(**inputs, return_dict=False)
     for a, b in zip(fused, unfused):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    packed = model.state_dict()  # the fused layers are written in the packed layout too
+    assert packed["transformer_blocks.0.attn.to_qkv.weight"].dtype == packed["transformer_blocks.0.attn.to_q.weight"].dtype
+    assert "transformer_blocks.0.attn.to_qkv.weight_scale" in packed
     model.unfuse_qkv_projections()
     assert not any(a.fused_projections or hasattr(a, "to_qkv") for a in attentions)
 

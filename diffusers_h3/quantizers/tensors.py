@@ -306,6 +306,8 @@ class QuantizedTensor(torch.Tensor):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(weight, QuantizedTensor) and not isinstance(x, QuantizedTensor):
                 return weight.linear(x, bias)
+        if func in (torch.isfinite, torch.Tensor.isfinite) and isinstance(args[0], QuantizedTensor):
+            return torch.isfinite(args[0].dequantize(torch.float32))  # PEFT's safe merge checks the merged weight
         if func is torch.Tensor.copy_ and _takes_quantized_copy(args[0], args[1]):
             # A new dense parameter filled from quantized weights (diffusers' fuse_projections builds the fused
             # nn.Linear and copies the concatenated weights into it): the parameter becomes the quantized weight.

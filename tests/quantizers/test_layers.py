@@ -165,6 +165,7 @@ def test_quantized_weight_ops():
         w.copy_(other)
     with pytest.raises(TypeError, match="would dequantize it"):
         torch.zeros(4, 4).copy_(w[:4, :4])
+    assert torch.isfinite(w).all()  # PEFT's safe merge checks the merged weight
     with pytest.raises(NotImplementedError, match=r"does not implement aten\.exp.*dequantize\(\)"):
         torch.exp(w)
     # `.data = other` (how PEFT and diffusers' group offloading move parameters) takes other's packed tensors

@@ -81,7 +81,7 @@ def test_flashinfer_case_applies_the_fast_preset_with_flashinfer(tmp_path, monke
 
     applied = []
     monkeypatch.setattr(diffusers_h3, "enable_speed_preset",
-                        lambda pipe, preset, compile, flashinfer: applied.append((preset, flashinfer)))  # fmt: skip
+                        lambda pipe, config: applied.append((config.preset, config.flashinfer)))  # fmt: skip
     monkeypatch.setattr(module, "warm_up", lambda *args, **kwargs: None)
     record = {"ms": 1.0, "stages": {"forwards": 1.0}, "peak_gib": None, "forwards": 1, "forwards_timed": 1}
     monkeypatch.setattr(module, "request", lambda *args, **kwargs: dict(record))

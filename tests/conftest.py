@@ -13,6 +13,9 @@ import torch.nn.functional as F
 # Run Triton kernels through the interpreter on machines without a GPU (CI). Must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests run offline: transformers (5.25+) kernelizes every model it loads with kernels fetched from the Hub when the
+# `kernels` package is installed, which fails without a network (and would test the Hub's kernels, not ours).
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
 

@@ -372,7 +372,11 @@ class _Streamer:
         for tensor_owner in group.module.modules():
             for table in (tensor_owner._parameters, tensor_owner._buffers):
                 for name, tensor in table.items():
-                    if tensor is not None and tensor.numel() and tensor.device != self.device:
+                    if tensor is None or not tensor.numel() or isinstance(tensor, QuantizedTensor):
+                        continue  # a quantized weight's packed tensors are entries of its group, placed above
+                    if tensor.device.type != self.device.type or (
+                        self.device.index is not None and tensor.device.index != self.device.index
+                    ):  # "cuda" asked for, "cuda:0" found: already there
                         _set_tensor(tensor_owner, name, tensor.to(self.device), table is tensor_owner._parameters)
 
     def release(self, group: _Group, force: bool = False) -> None:

@@ -583,7 +583,8 @@ def stream_text_encoder_from_disk(pipe_or_text_encoder, device, offload_folder=N
     register_h3_hook(text_encoder, StreamFromDiskHook(StreamFromDiskRecord(source, checkpoint_folder is not None)),
                      H3_STREAM_FROM_DISK_HOOK)  # fmt: skip
     if text_encoder is not pipe_or_text_encoder:
-        _record_placement(pipe_or_text_encoder, text_encoder=text_encoder_stream_placement(source, checkpoint_folder))
+        _record_placement(pipe_or_text_encoder,
+                          text_encoder=text_encoder_stream_placement(source, checkpoint_folder, text_encoder))
     return source
 
 
@@ -606,8 +607,13 @@ def streams_from_disk(text_encoder: torch.nn.Module) -> Optional[str]:
     return None if record is None else record.source
 
 
-def text_encoder_stream_placement(source: str, checkpoint_folder=None) -> str:
+def text_encoder_stream_placement(source: str, checkpoint_folder=None, text_encoder=None) -> str:
     """How ``describe()`` names a text encoder that :func:`stream_text_encoder_from_disk` streams from ``source``."""
     if checkpoint_folder is not None:
         return f"streamed from its checkpoint files (leaf level, {source}; nothing copied)"
+    from .checkpoint_streaming import streaming_of
+
+    if text_encoder is not None and streaming_of(text_encoder) is not None:
+        return (f"written once to {source} in its packed checkpoint layout (quantized weights), streamed from those "
+                "files by decoder layer")  # fmt: skip
     return f"group offload to disk (leaf level, streamed from {source})"

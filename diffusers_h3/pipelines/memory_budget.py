@@ -190,7 +190,7 @@ def load_for_memory_budget(
     if "text_encoder" in components:
         from ..parallel.placement import _record_placement
 
-        _record_placement(pipe, text_encoder=text_encoder_stream_placement(where, checkpoint_folder))
+        _record_placement(pipe, text_encoder=text_encoder_stream_placement(where, checkpoint_folder, text_encoder))
     if recipe.spec.transformer_placement == "offload" and recipe.spec.text_encoder_placement == "disk":
         # A converted checkpoint holds the DiT as it runs: read it from its files at every forward instead of
         # keeping it in host memory (and the VAEs once per stage), with the activations the recipe chunks.

@@ -111,6 +111,14 @@ def cuda_capability(device: Optional[torch.device] = None) -> Optional[Tuple[int
 
 
 @functools.lru_cache(maxsize=None)
+def with_device_index(device) -> torch.device:
+    """``device`` with its index: ``"cuda"`` means the current CUDA device (tensors on it report ``cuda:N``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def is_package_available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 

@@ -50,7 +50,7 @@ from .._hooks import (
     h3_record,
     register_h3_hook,
 )
-from .._utils import SAFETENSORS_DTYPES, move_non_persistent_buffers
+from .._utils import SAFETENSORS_DTYPES, move_non_persistent_buffers, with_device_index
 from ..quantizers import QuantizedTensor
 from ..quantizers.tensors import STORAGE_ATTRS
 
@@ -229,7 +229,7 @@ class _Streamer:
 
     def __init__(self, groups: List[_Group], device: torch.device, config: StreamingConfig, record: StreamRecord):
         self.groups = groups
-        self.device = device
+        self.device = with_device_index(device)  # compared with tensors' devices, which carry the index
         self.config = config
         self.record = record
         self.successor = {g.index: groups[(i + 1) % len(groups)].index for i, g in enumerate(groups)}
@@ -374,9 +374,7 @@ class _Streamer:
                 for name, tensor in table.items():
                     if tensor is None or not tensor.numel() or isinstance(tensor, QuantizedTensor):
                         continue  # a quantized weight's packed tensors are entries of its group, placed above
-                    if tensor.device.type != self.device.type or (
-                        self.device.index is not None and tensor.device.index != self.device.index
-                    ):  # "cuda" asked for, "cuda:0" found: already there
+                    if tensor.device != self.device:
                         _set_tensor(tensor_owner, name, tensor.to(self.device), table is tensor_owner._parameters)
 
     def release(self, group: _Group, force: bool = False) -> None:

@@ -34,7 +34,7 @@ import torch
 from diffusers.utils import logging
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
-from .._utils import config_from_call
+from .._utils import config_from_call, with_device_index
 from ..quantizers import is_quantized_linear
 
 
@@ -402,9 +402,7 @@ def select_recipe(
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
     """Hold PyTorch's caching allocator to ``gpu_gib`` on ``device`` (the condition the recipes were measured under);
     returns the fraction set, None when the budget is the whole device or more."""
-    device = torch.device(device)
-    if device.index is None:  # "cuda" means the current device; the allocator's cap needs its index
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = with_device_index(device)  # the allocator's cap needs the index
     total = torch.cuda.get_device_properties(device).total_memory
     if gpu_gib * GiB >= total:
         return None

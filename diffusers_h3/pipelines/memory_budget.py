@@ -23,6 +23,7 @@ import torch
 from diffusers.utils import logging
 
 from ..parallel.memory_budget import (
+    GiB,
     MemoryBudgetConfig,
     MemoryBudgetError,
     MemoryRecipe,
@@ -215,9 +216,11 @@ def _check_host_for_transformer_file(recipe: MemoryRecipe, transformer_file, hos
     path = check_transformer_file_path(transformer_file)
     if recipe.spec.transformer_placement == "resident":
         return  # the DiT moves to the GPU: the recipe's GPU need already counts it
-    file_gib = path.stat().st_size / 2**30
-    budget, source = (host_gib, "the budget given") if host_gib is not None else (visible_host_gib()[0], "the host "
-                                                                                 "memory visible")  # fmt: skip
+    file_gib = path.stat().st_size / GiB
+    if host_gib is not None:
+        budget, source = host_gib, "the budget given"
+    else:
+        budget, source = visible_host_gib()[0], "the host memory visible"
     need = recipe.host_gib + file_gib
     if need > budget:
         raise MemoryBudgetError(

@@ -56,9 +56,11 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 from request import (
     HEIGHT,
+    NUM_FRAMES,
     PROMPT_TOKENS,
     QWEN3_VL_32B_TEXT,
     TEXT_ENCODER_LAYER,
@@ -76,7 +78,7 @@ from _common import DeviceMemorySampler, device_peak_fields, result_header, writ
 
 
 CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb", "low_ram_16gb", "low_ram_24gb",
-         "pc_12gb_32gib", "pc_8gb_16gib")
+         "pc_12gb_32gib", "pc_8gb_16gib", "pc_12gb_ref2va")
 # case -> (recipe, cap in GiB on a CUDA device)
 CASE_SETUP = {
     "resident_80gb": ("resident", 78.5),
@@ -87,11 +89,14 @@ CASE_SETUP = {
     "low_ram_24gb": ("low_ram", 22.5),
     "pc_12gb_32gib": ("low_ram", 10.3),
     "pc_8gb_16gib": ("low_ram", 6.4),
+    "pc_12gb_ref2va": ("low_ram", 10.3),  # one Ref2VA request (3 image + 1 video references) under the 12 GB recipe
 }
 # The PC cases' caps bound the allocator so that the whole process stays within what the card gives a program
 # (8 GB: 7.3 GiB, 12 GB: 11.2 GiB, as the card counts it): the CUDA context, cuBLAS workspaces and lazily loaded kernels
 # held 0.6-0.75 GiB outside the allocator during the fl2va forwards, so the caps leave 0.9 GiB below those bounds.
-CARD_BOUND_GIB = {"pc_12gb_32gib": 11.2, "pc_8gb_16gib": 7.3}
+CARD_BOUND_GIB = {"pc_12gb_32gib": 11.2, "pc_8gb_16gib": 7.3, "pc_12gb_ref2va": 11.2}
+REF2VA_CASE = "pc_12gb_ref2va"
+REF2VA_IMAGES, REF2VA_VIDEO_FRAMES = 3, 48
 # The low_ram cases' streaming and activation settings (``recipe_settings``; the recipe table carries them) and the
 # host budget each is for (a cgroup ``memory.max`` where the machine lets us make one; the record says).
 CASE_SETTINGS = {
@@ -99,8 +104,10 @@ CASE_SETTINGS = {
     "low_ram_24gb": {"read_ahead": 2},
     "pc_12gb_32gib": {"read_ahead": 2},
     "pc_8gb_16gib": {"read_ahead": 1, "ffn_chunk_rows": 8192},
+    "pc_12gb_ref2va": {"read_ahead": 2},
 }
-CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0}
+CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0,
+                        "pc_12gb_ref2va": 20.0}
 # fl2va with the LightX2V 4-step schedule and a LoRA of that adapter's layout (random, rank below) loaded unfused:
 # the request the PC recipes are practical with (docs/memory.md).
 LIGHT4_CASE = "fl2va_light4_fastest"
@@ -649,6 +656,60 @@ def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
     return record
 
 
+def ref2va_request(pipe, device, settings, sampler):
+    """One Ref2VA request at the released canvas and 124 frames with three image references and one video reference
+    (random pixels, no soundtrack): one forward, both decodes; its peaks, or the out-of-memory error it met."""
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from PIL import Image
+
+    tiny = device.type != "cuda"
+    height, width, frames = (64, 96, num_frames(True)) if tiny else (HEIGHT, WIDTH, NUM_FRAMES)
+    side = 64 if tiny else 1024
+    rng = np.random.default_rng(0)
+    references = [MiniMaxH3ImageReference(image=Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)))
+                  for _ in range(REF2VA_IMAGES)]  # fmt: skip
+    references.append(MiniMaxH3VideoReference(frames=rng.integers(0, 256, (REF2VA_VIDEO_FRAMES, height, width, 3),
+                                                                  dtype=np.uint8), fps=24.0))  # fmt: skip
+    kwargs = {"prompt": ("A street drummer plays under neon lights. " * 16)[:PROMPT_TOKENS], "references": references,
+              "height": height, "width": width, "num_frames": frames, "num_inference_steps": SIGMA_POINTS,
+              "output_type": "np"}  # fmt: skip
+    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=PROMPT_TOKENS, references=(REF2VA_IMAGES, 1))
+    window = sampler.window("ref2va") if sampler is not None else contextlib.nullcontext()
+    start = time.perf_counter()
+    with window, StageTimer(pipe, device, sampler=sampler) as timer:
+        try:
+            out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(1))
+            record["fits"] = out.frames is not None
+        except torch.OutOfMemoryError as error:
+            timer.mark("at_failure")
+            record.update(fits=False, error=f"OutOfMemoryError: {str(error).splitlines()[0][:300]}")
+    record.update(ms=round((time.perf_counter() - start) * 1000, 1),
+                  stages={k: round(v, 1) for k, v in timer.stages.items()})  # fmt: skip
+    if device.type == "cuda":
+        peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
+        record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
+                      stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
+        if sampler is not None:
+            record.update(device_peak_fields(sampler.windows["ref2va"], record["peak_reserved_gib"], sampler.source))
+    return record
+
+
+def ref2va_checkpoint(checkpoint, work):
+    """The low_ram checkpoint seen with a Ref2VA partition: links to its folders, ``transformer_ref`` to the same DiT
+    files (random weights: the memory a request needs does not depend on their values)."""
+    folder = Path(work) / "checkpoint_ref2va"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for item in Path(checkpoint).iterdir():
+        if item.name != "model_index.json":
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / "transformer_ref").symlink_to((Path(checkpoint) / "transformer").resolve())
+    index = json.loads((Path(checkpoint) / "model_index.json").read_text())
+    index["transformer_ref"] = index["transformer"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=1))
+    return folder
+
+
 def vm_hwm_bytes():
     """This process's peak resident set size (``VmHWM``), pinned and file-backed pages included."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -791,8 +852,21 @@ def child_main(args):
     recipe = dataclasses.replace(resolve_recipe("low_ram", None, None, device), case=case, cap_gib=cap_gib,
                                  settings=dict(CASE_SETTINGS.get(case, {})))  # fmt: skip
     started = time.perf_counter()
-    pipe = load_for_memory_budget(args.checkpoint, task="t2va", recipe=recipe, device=device,
+    task = "ref2va" if case == REF2VA_CASE else "t2va"
+    pipe = load_for_memory_budget(args.checkpoint, task=task, recipe=recipe, device=device,
                                   offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
+    if task == "ref2va":
+        load_window.__exit__(None, None, None)
+        record = {"recipe_name": "low_ram", "recipe": RECIPE_LINES["low_ram"], "cap_gib": cap_gib,
+                  "settings": recipe.settings, "load_s": round(time.perf_counter() - started, 1),
+                  "ref2va": ref2va_request(pipe, device, recipe.settings, sampler)}  # fmt: skip
+        sampler.stop() if sampler is not None else None
+        record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+        if sampler is not None:
+            record.update(device_peak_fields(sampler.peak_bytes, record["ref2va"].get("peak_reserved_gib"),
+                                             sampler.source), card_bound_gib=CARD_BOUND_GIB[case])  # fmt: skip
+        Path(args.child_out).write_text(json.dumps(record, indent=1))
+        return
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - started
     load_peak = vm_hwm_bytes()
@@ -977,13 +1051,18 @@ def run_low_ram_cases(args, cases, header, previous, results, notes, layers, dev
         return
     for case in cases:
         try:
-            record = run_child(args, case, checkpoint, work)
+            source = ref2va_checkpoint(checkpoint, work) if case == REF2VA_CASE else checkpoint
+            record = run_child(args, case, source, work)
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
             results[case] = failed_record("low_ram", CASE_SETUP[case][1], device)
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
             print(f"{case:14s} {notes[case]}", flush=True)
         else:
             results[case] = {**record, "checkpoint": written, "commit": header["commit"], "date": header["date"]}
+            if case == REF2VA_CASE:
+                print(f"{case:14s} {record['ref2va']}, device peak {record.get('device_peak_gib')} GiB", flush=True)
+                write_report(args, header, previous, results, notes, layers, device)
+                continue
             print(f"{case:14s} load {record['load_s']} s, request {record['ms'] / 1000:.2f} s (1 forward; "
                   f"{record['request_s_extrapolated']} s with 49), peak reserved {record['peak_reserved_gib']} GiB, "
                   f"host peak RSS {record['host_peak_rss_gib']} GiB (wait4 {record['host_peak_rss_wait4_gib']}), "

@@ -281,7 +281,7 @@ class StageTimer:
             self.mark("forwards")
             self.forwards.append((time.perf_counter() - self._start) * 1000)
 
-        transformer = self.pipe.transformer
+        transformer = self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_ref
         self._handles = [
             transformer.register_forward_pre_hook(before, with_kwargs=True),
             transformer.register_forward_hook(after, with_kwargs=True),

@@ -348,7 +348,25 @@ def test_stack_without_gates_is_refused_before_the_preset(stack, tmp_path):
     copy = tmp_path / "stack"
     shutil.copytree(root, copy)
     MiniMaxH3Transformer3DModel.from_pretrained(root / "transformer").save_pretrained(copy / "transformer")  # no gates
-    with pytest.raises(ValueError, match="0 to_gate_compress tensors for 2 blocks"):
+    with pytest.raises(ValueError, match=r"gates \(to_gate_compress.weight\) for 0 of 2 blocks, none for blocks 0-1: "):
+        MiniMaxH3Pipeline.from_pretrained(copy)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["weights", "weights-and-biases"])
+def test_stack_with_gates_for_only_some_blocks_is_refused_naming_them(stack, tmp_path, with_bias):
+    """A VSA stack needs a trained gate in every block: one with gates for block 0 only is refused, naming block 1,
+    however many tensors each gate has."""
+    root, gates = stack
+    copy = tmp_path / "stack"
+    shutil.copytree(root, copy)
+    dit = MiniMaxH3Transformer3DModel.from_pretrained(root / "transformer")  # the class drops the gates
+    partial = {"transformer_blocks.0.attn.to_gate_compress.weight": gates[0]}
+    if with_bias:  # two tensors for one block: as many as the stack has blocks
+        partial["transformer_blocks.0.attn.to_gate_compress.bias"] = torch.ones(gates[0].shape[0])
+    assert add_gate_compress(dit, partial) == (0,)
+    dit.save_pretrained(copy / "transformer")
+    with pytest.raises(ValueError, match=r"for 1 of 2 blocks, none for block 1: a VSA-distilled FastH3 DiT carries "
+                                         r"one per block"):  # fmt: skip
         MiniMaxH3Pipeline.from_pretrained(copy)
 
 

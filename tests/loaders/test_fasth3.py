@@ -143,6 +143,24 @@ def test_payload_strength_scales_deltas_and_new_gates():
     assert torch.equal(gate, raw["transformer_blocks.1.attn.to_gate_compress.set_weight"] * 0.5)
 
 
+@pytest.mark.parametrize("strength", [0.0, 0.5, 1.5])
+def test_set_weight_at_a_strength_moves_the_base_weight_towards_the_set_one(strength):
+    """`.set_weight` on a weight the DiT already has (not a gate created at zero, where both readings agree):
+    strength s writes base + s·(w − base), so 0 keeps the base and 1 gives w, not s·w."""
+    model = tiny_transformer()
+    target = model.transformer_blocks[0].attn.to_k
+    base = target.weight.detach().double().clone()
+    assert base.abs().max() > 0.01  # a real base: s·w and the interpolation differ
+    w = torch.randn(target.weight.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    payload, _ = split_fasth3_state_dict({"transformer_blocks.0.attn.to_k.set_weight": w.float()})
+    report = apply_fasth3_payload(model, payload, strength=strength)
+    assert (report.replaced, report.gates_created) == (1, ())
+    expected = base + strength * (w.float().double() - base)
+    got = target.weight.detach().double()
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5), (got - expected).abs().max()
+    assert not torch.allclose(got, strength * w.float().double(), rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [

@@ -912,6 +912,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             for t, t_audio in zip(timesteps, audio_timesteps)
         ]
 
+        # The (sigma, next sigma) each step spans, published with the layout (a PDD head bank mixes its heads by it).
+        video_sigmas, audio_sigmas = self.scheduler.sigmas.tolist(), self.audio_scheduler.sigmas.tolist()
+        intervals = [((video_sigmas[i], video_sigmas[i + 1]), (audio_sigmas[i], audio_sigmas[i + 1]))
+                     for i in range(len(timesteps))]  # fmt: skip
+
         # 8. Denoise: one transformer forward per step; only the generated rows are stepped.
         # The token refiner is timestep-free: it refines the prompt once per request, not once per step.
         with self.progress_bar(total=len(timesteps)) as progress_bar, refine_text_once(transformer):
@@ -920,8 +925,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     continue
                 unique_timesteps, timestep_indices = row_plan[i]
                 # cache_context tells diffusers' step-caching hooks (FirstBlockCache, MagCache, TaylorSeer) the step.
-                step = {"step_index": i, "sigma": float(self.scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
-                with use_packed_layout(layout.at_step(i, len(timesteps))), transformer.cache_context("cond", **step):
+                step = {"step_index": i, "sigma": video_sigmas[i], "num_inference_steps": len(timesteps)}
+                step_layout = layout.at_step(i, len(timesteps), *intervals[i])
+                with use_packed_layout(step_layout), transformer.cache_context("cond", **step):
                     noise_pred, audio_noise_pred = transformer(
                         hidden_states=latents[None],
                         audio_hidden_states=audio_latents[None],

@@ -504,8 +504,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             raise ValueError(
                 f"{new} is a step-reduction recipe and {present[0]} is already loaded: step recipes (LightX2V "
                 "Turbo, PDD, FastH3, VDN) are alternatives, each distilled for its own schedule, not a stack. Unload "
-                "the first (unload_lora_weights(), delete_adapters(), disable_fasth3_preset()), or pass "
-                "allow_step_recipe_stacking=True (CLI: --allow-step-recipe-stacking) to load both."
+                "the first (unload_lora_weights(), delete_adapters(), disable_fasth3_preset(pipe)), or pass "
+                "`allow_step_recipe_stacking=True` to load both."
             )
         logger.warning(f"Stacking step recipes: {new} on top of {', '.join(present)} (allow_step_recipe_stacking=True); "
                        "the schedule of one of them runs, which the other was not distilled for.")  # fmt: skip

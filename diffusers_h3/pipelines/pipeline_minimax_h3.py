@@ -66,7 +66,7 @@ from ..parallel.checkpoint_streaming import release_streamed_weights, streaming_
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
-from .fasth3 import resolve_fasth3_schedule, save_fasth3_contract
+from .fasth3 import fasth3_record, resolve_fasth3_schedule, save_fasth3_contract
 from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
@@ -411,6 +411,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def _partitions(self):
         return partitions_of(self)
+
+    def _active_step_recipes(self) -> List[Tuple[str, str]]:
+        """The LoRA mixin's step recipes (distillation LoRAs, PDD) plus a FastH3 stack's preset."""
+        recipes = super()._active_step_recipes()
+        record = fasth3_record(self)
+        if record is not None:
+            recipes.append(("fasth3", f"FastH3 stack ({record.preset.name})"))
+        return recipes
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks

@@ -283,3 +283,50 @@ def test_hotswap_and_a_second_bank_are_refused(tmp_path):
         pipe.load_lora_weights(path, adapter_name="one", hotswap=True)
     with pytest.raises(ValueError, match="already holds the PDD head bank of adapter 'one'"):
         pipe.load_lora_weights(path, adapter_name="two", allow_step_recipe_stacking=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Through the pipeline
+# ---------------------------------------------------------------------------------------------------------------------
+CALL = {"prompt": "a fox in the snow", "height": 32, "width": 64, "num_frames": 22, "output_type": "latent"}
+
+
+def test_the_pipeline_runs_the_file_schedule_and_mixes_each_steps_block(tmp_path, monkeypatch):
+    from diffusers_h3 import describe
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    schedule = {"num_inference_steps": 9, "flow_shift": 12.0, "audio_flow_shift": 3.0}
+
+    def run(**kwargs):
+        out = pipe(**CALL, **kwargs, generator=torch.Generator().manual_seed(0))
+        return out.frames, out.audio
+
+    base = run(**schedule)
+    sd, _ = alibaba_state_dict(pipe.transformer, seed=11)
+    pipe.load_lora_weights(save_lora(tmp_path / FL2VA_FILE, sd, METADATA), adapter_name="pdd")
+
+    calls = []
+    original = pdd.head_weights
+
+    def spy(sigma, next_sigma, num_heads, shift):
+        weights = original(sigma, next_sigma, num_heads, shift)
+        calls.append((shift, sigma, next_sigma, torch.nonzero(weights).flatten().tolist()))
+        return weights
+
+    monkeypatch.setattr(pdd, "head_weights", spy)
+    run()  # the schedule comes from the file: 9 sigma points, shifts 12 / 3
+    assert len(calls) == 16  # 8 forwards x (video head, audio head)
+    for shift in (12.0, 3.0):
+        expected = published_sigmas(shift, 9)
+        steps = [c for c in calls if c[0] == shift]
+        assert [c[1:3] for c in steps] == [pytest.approx((expected[i], expected[i + 1]), abs=1e-6) for i in range(8)]
+        assert [c[3] for c in steps] == [list(range(BLOCK * i, BLOCK * (i + 1))) for i in range(8)]
+
+    report = describe(pipe)
+    text = str(report)
+    assert "PDD head bank of adapter 'pdd': 32 video heads" in text and "8 forwards of 4 heads" in text
+
+    pipe.unload_lora_weights()
+    frames, audio = run(**schedule)
+    assert torch.equal(frames, base[0]) and torch.equal(audio, base[1])

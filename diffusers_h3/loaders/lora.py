@@ -339,6 +339,13 @@ def _first_lora_layer(model: nn.Module, adapter: str) -> Optional[nn.Module]:
     return None
 
 
+def _regroup_if_group_offloaded(model: nn.Module) -> None:
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    if _is_group_offload_enabled(model):
+        _rebuild_offload_groups(model)
+
+
 def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
     """Every number in an adapter weight spec (a float, a list, or diffusers' per-component / per-block dicts) is
     finite."""
@@ -474,6 +481,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             raise ValueError(f"{where}: its backbone loaded into {sorted(report.components)}, not `{component}` "
                              "where its head bank goes")  # fmt: skip
         _pdd.install_head_bank(model, pdd, report.adapter_name, _first_lora_layer(model, report.adapter_name))
+        _regroup_if_group_offloaded(model)  # the offload groups hold the heads' old tensors
         report.layout = pdd.layout
         report.pdd = f"backbone rank {pdd.rank}; {pdd.schedule.describe()} on `{component}`"
         logger.info(f"PDD head bank of {report.adapter_name!r} on `{component}`: {pdd.schedule.describe()}")
@@ -660,7 +668,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     def unload_lora_weights(self, *args, **kwargs):
         super().unload_lora_weights(*args, **kwargs)
         for model in self._lora_partitions().values():
-            _pdd.remove_head_banks(model)  # the base heads back, bit for bit
+            if _pdd.remove_head_banks(model):  # the base heads back, bit for bit
+                _regroup_if_group_offloaded(model)
         self._lora_preset_registry().clear()
 
     def set_adapters(
@@ -677,7 +686,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         super().delete_adapters(adapter_names)
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         for model in self._lora_partitions().values():
-            _pdd.remove_head_banks(model, names)
+            if _pdd.remove_head_banks(model, names):
+                _regroup_if_group_offloaded(model)
         for name in names:
             self._lora_preset_registry().pop(name, None)
 

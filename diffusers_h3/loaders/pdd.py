@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -419,5 +419,11 @@ def _restored(saved: torch.Tensor, device: torch.device) -> nn.Parameter:
     return nn.Parameter(saved.to(device), requires_grad=saved.requires_grad)
 
 
-def describe_head_banks(model: nn.Module) -> Dict[str, Any]:
-    return {record.modality: record.describe() for record in head_bank_records(model)}
+def check_no_head_bank(pipe_or_model) -> None:
+    """Refuse, in one line, to save a partition whose heads hold a PDD bank (the saved heads would be the bank)."""
+    from .._hooks import partitions_of
+
+    for name, model in partitions_of(pipe_or_model):
+        for record in head_bank_records(model):
+            raise ValueError(f"`{name}` holds the PDD head bank of adapter {record.adapter!r} in place of its heads, "
+                             "which a saved checkpoint cannot describe: unload_lora_weights() before saving")  # fmt: skip

@@ -60,6 +60,7 @@ from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
+from ..loaders.pdd import check_no_head_bank
 from ..loaders.single_file import check_saveable
 from ..packing import check_layout_matches_indices
 from ..parallel.checkpoint_streaming import release_streamed_weights, streaming_of
@@ -271,8 +272,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """diffusers' `save_pretrained` (and `push_to_hub=True`), with its parameters, plus a Hub model card
         (`README.md`) for the saved checkpoint when the folder has none: metadata (library, pipeline tag, base model,
         quantization and fused-LoRA tags) and a usage snippet that loads exactly this checkpoint. A partition holding
-        GGUF layers (loaded from a .gguf file) is refused in one line before anything is written."""
+        GGUF layers (loaded from a .gguf file) or a PDD head bank is refused in one line before anything is written."""
         check_saveable(self)
+        check_no_head_bank(self)
 
         def save(pipe, directory, **options):  # a FastH3 preset is saved as its contract, so that it reloads
             result = DiffusionPipeline.save_pretrained(pipe, directory, **options)

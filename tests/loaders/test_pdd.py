@@ -330,3 +330,28 @@ def test_the_pipeline_runs_the_file_schedule_and_mixes_each_steps_block(tmp_path
     pipe.unload_lora_weights()
     frames, audio = run(**schedule)
     assert torch.equal(frames, base[0]) and torch.equal(audio, base[1])
+
+
+def test_pdd_under_the_low_memory_offload_equals_the_plain_pipeline(tmp_path):
+    from diffusers_h3.parallel.placement import enable_low_memory_offload
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    sd, _ = alibaba_state_dict(tiny_transformer(seed=1), seed=12)
+    path = save_lora(tmp_path / FL2VA_FILE, sd, METADATA)
+
+    def run(pipe):
+        out = pipe(**CALL, generator=torch.Generator().manual_seed(0))
+        return out.frames, out.audio
+
+    plain = tiny_pipeline(seed=2, with_transformer_ref=False)
+    base = run(plain)
+    plain.load_lora_weights(path, adapter_name="pdd")
+    expected = run(plain)
+    offloaded = tiny_pipeline(seed=2, with_transformer_ref=False)
+    enable_low_memory_offload(offloaded, "cpu")
+    offloaded.load_lora_weights(path, adapter_name="pdd")
+    got = run(offloaded)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    offloaded.unload_lora_weights()
+    restored = run(offloaded)
+    assert torch.equal(restored[0], base[0]) and torch.equal(restored[1], base[1])

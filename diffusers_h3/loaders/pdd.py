@@ -371,10 +371,22 @@ def check_head_bank_fits(model: nn.Module, pdd: PDDFile, component: str, where: 
     for record in head_bank_records(model):
         raise ValueError(f"`{component}` already holds the PDD head bank of adapter {record.adapter!r}: one bank per "
                          "partition; unload_lora_weights() or delete_adapters() first")  # fmt: skip
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    regrouped = _is_group_offload_enabled(model)  # its hooks are put back around the bank's after loading
     for name, (weight, _) in pdd.heads.items():
         head = getattr(model, name, None)
         if not isinstance(head, nn.Linear):
             raise ValueError(f"{where}: `{component}` has no {name} linear for the head bank")
+        registry = getattr(head, "_diffusers_hook", None)
+        foreign = [] if registry is None or regrouped else list(registry._hook_order)
+        if getattr(head, "_hf_hook", None) is not None or foreign:
+            hooks = foreign or ["an Accelerate hook (sequential CPU offload or a device map)"]
+            raise ValueError(
+                f"{where}: `{component}.{name}` carries {hooks}, which the head bank's forward would bypass: load "
+                "the PDD file before enabling context parallelism, and on a transformer without sequential offload "
+                "or a device map (model offload and enable_low_memory_offload are fine)"
+            )
         if tuple(weight.shape[1:]) != (head.out_features, head.in_features):
             raise ValueError(
                 f"{where}: the {name} bank holds heads of shape {tuple(weight.shape[1:])} but `{component}.{name}` "

@@ -355,3 +355,16 @@ def test_pdd_under_the_low_memory_offload_equals_the_plain_pipeline(tmp_path):
     offloaded.unload_lora_weights()
     restored = run(offloaded)
     assert torch.equal(restored[0], base[0]) and torch.equal(restored[1], base[1])
+
+
+def test_a_head_with_hooks_the_bank_would_bypass_is_refused(tmp_path):
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model = tiny_transformer(seed=8)
+    pipe = TinyLoraPipeline(transformer=model)
+    HookRegistry.check_if_exists_or_initialize(model.audio_proj_out).register_hook(ModelHook(), "gather_output")
+    sd, _ = alibaba_state_dict(tiny_transformer(seed=8))
+    with pytest.raises(ValueError, match=r"`transformer.audio_proj_out` carries \['gather_output'\], which the head "
+                                         "bank's forward would bypass"):  # fmt: skip
+        pipe.load_lora_weights(save_lora(tmp_path / FL2VA_FILE, sd, METADATA), adapter_name="pdd")
+    assert pipe.get_list_adapters() in ({}, {"transformer": []})

@@ -440,7 +440,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         preset = _select_preset(distillation_preset, source.file_name, source.file_metadata)
         if preset is not None and not hotswap:
             label = f"distillation LoRA {source.file_name or adapter_name or 'state dict'} ({preset.name})"
-            self._check_one_step_recipe(label, allow_step_recipe_stacking)
+            for component in matched:
+                self._check_one_step_recipe(label, allow_step_recipe_stacking, component)
         name = self._load_with_peft(kept, metadata, adapter_name, hotswap, load_into_transformer_ref, low_cpu_mem_usage)
         report = self._report_loaded(name, layout, matched, unmatched, alpha_source, preset, hotswap)
         logger.info(str(report))
@@ -467,7 +468,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         _pdd.check_head_bank_fits(model, pdd, component, where)
         preset = pdd.preset() if isinstance(distillation_preset, str) and distillation_preset == "auto" else (
             _select_preset(distillation_preset, source.file_name, {}))  # fmt: skip
-        self._check_one_step_recipe(f"PDD Acc-LoRA {source.file_name or 'state dict'}", allow_step_recipe_stacking)
+        self._check_one_step_recipe(f"PDD Acc-LoRA {source.file_name or 'state dict'}", allow_step_recipe_stacking,
+                                    component)  # fmt: skip
         if network_alpha is None and not pdd.layout.startswith("PDD Acc-LoRA, ComfyUI"):
             network_alpha = pdd.alpha
         load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
@@ -487,25 +489,31 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         logger.info(f"PDD head bank of {report.adapter_name!r} on `{component}`: {pdd.schedule.describe()}")
         return report
 
-    def _active_step_recipes(self) -> List[Tuple[str, str]]:
-        """``[(kind, label)]`` of the step-reduction recipes on the pipeline: ``"pdd"`` and ``"lora"`` (distillation
-        LoRAs) here; the pipeline adds its own (FastH3 stacks)."""
-        loaded = {a for adapters in self.get_list_adapters().values() for a in adapters}
-        banks = {r.adapter for model in self._lora_partitions().values() for r in _pdd.head_bank_records(model)}
+    def _active_step_recipes(self) -> List[Tuple[str, str, str]]:
+        """``[(kind, label, partition)]`` of the step-reduction recipes on the pipeline: ``"pdd"`` and ``"lora"``
+        (distillation LoRAs) here; the pipeline adds its own (FastH3 stacks)."""
         registry = self._lora_preset_registry()
+        adapters = self.get_list_adapters()
         recipes = []
-        for adapter in sorted(loaded | banks):
-            preset = registry.get(adapter)
-            if adapter in banks:
-                recipes.append(("pdd", f"PDD Acc-LoRA {adapter!r}" + (f" ({preset.name})" if preset else "")))
-            elif preset is not None:
-                recipes.append(("lora", f"distillation LoRA {adapter!r} ({preset.name})"))
+        for component, model in self._lora_partitions().items():
+            banks = {r.adapter for r in _pdd.head_bank_records(model)}
+            for adapter in sorted(set(adapters.get(component, [])) | banks):
+                preset = registry.get(adapter)
+                if adapter in banks:
+                    label = f"PDD Acc-LoRA {adapter!r}" + (f" ({preset.name})" if preset else "")
+                    recipes.append(("pdd", label, component))
+                elif preset is not None:
+                    recipes.append(("lora", f"distillation LoRA {adapter!r} ({preset.name})", component))
         return recipes
 
-    def _check_one_step_recipe(self, new: str, allow: bool, exclude: Sequence[str] = ()) -> None:
-        """Refuse ``new`` (a step-reduction recipe about to load) while another one is on the pipeline, unless
-        ``allow`` (then warn). ``exclude``: recipe kinds ``new`` replaces rather than stacks on."""
-        present = [label for kind, label in self._active_step_recipes() if kind not in exclude]
+    def _check_one_step_recipe(self, new: str, allow: bool, partition: str, exclude: Sequence[str] = ()) -> None:
+        """Refuse ``new`` (a step-reduction recipe about to load onto ``partition``) while another one is on that
+        partition (each partition runs its own tasks), unless ``allow`` (then warn). ``exclude``: recipe kinds
+        ``new`` replaces rather than stacks on."""
+        present = [
+            f"{label} on `{where}`" for kind, label, where in self._active_step_recipes()
+            if where == partition and kind not in exclude
+        ]  # fmt: skip
         if not present:
             return
         if not allow:

@@ -110,7 +110,7 @@ def _check_one_step_recipe(pipe, new: str, allow: bool) -> None:
     an earlier one rather than stacking on it."""
     check = getattr(pipe, "_check_one_step_recipe", None)
     if check is not None:
-        check(new, allow, exclude=("fasth3",))
+        check(new, allow, "transformer", exclude=("fasth3",))
 
 
 def _gated_blocks(transformer) -> int:

@@ -414,12 +414,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     def _partitions(self):
         return partitions_of(self)
 
-    def _active_step_recipes(self) -> List[Tuple[str, str]]:
-        """The LoRA mixin's step recipes (distillation LoRAs, PDD) plus a FastH3 stack's preset."""
+    def _active_step_recipes(self) -> List[Tuple[str, str, str]]:
+        """The LoRA mixin's step recipes (distillation LoRAs, PDD) plus a FastH3 stack's preset (on `transformer`)."""
         recipes = super()._active_step_recipes()
         record = fasth3_record(self)
         if record is not None:
-            recipes.append(("fasth3", f"FastH3 stack ({record.preset.name})"))
+            recipes.append(("fasth3", f"FastH3 stack ({record.preset.name})", "transformer"))
         return recipes
 
     # ------------------------------------------------------------------------------------------------------------

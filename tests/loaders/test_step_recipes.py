@@ -37,7 +37,7 @@ def test_turbo_then_pdd_and_pdd_then_turbo_are_refused_naming_both(tmp_path):
     message = str(error.value)
     assert "\n" not in message
     assert f"PDD Acc-LoRA {tmp_path / FL2VA_FILE}" in message
-    assert "distillation LoRA 'turbo' (lightx2v-fl2v-turbo-4step-768p) is already loaded" in message
+    assert "distillation LoRA 'turbo' (lightx2v-fl2v-turbo-4step-768p) on `transformer` is already loaded" in message
     assert "allow_step_recipe_stacking=True" in message
     assert _adapters(pipe) == ["turbo"]  # nothing of the PDD file loaded
     assert pipe.transformer.proj_out.weight.shape[0] == pipe.transformer.proj_out.out_features
@@ -45,7 +45,7 @@ def test_turbo_then_pdd_and_pdd_then_turbo_are_refused_naming_both(tmp_path):
     pipe.unload_lora_weights()
     pipe.load_lora_weights(_pdd(tmp_path, pipe.transformer), adapter_name="pdd")
     with pytest.raises(ValueError, match=r"distillation LoRA .*turbo_4step.* is a step-reduction recipe and PDD "
-                                         r"Acc-LoRA 'pdd' \(pdd-acc-8step-fl2va\) is already loaded"):  # fmt: skip
+                                         r"Acc-LoRA 'pdd' \(pdd-acc-8step-fl2va\) on `transformer` is already loaded"):  # fmt: skip
         pipe.load_lora_weights(_turbo(tmp_path, pipe.transformer), adapter_name="turbo")
     assert _adapters(pipe) == ["pdd"]
 
@@ -62,6 +62,15 @@ def test_two_distillation_loras_are_refused_and_ordinary_loras_are_not(tmp_path)
     pipe.delete_adapters("turbo")
     pipe.load_lora_weights(eight, adapter_name="eight")  # the first one is gone
     assert _adapters(pipe) == ["eight", "style", "style2"]
+
+
+def test_each_partition_has_its_own_recipe(tmp_path):
+    pipe = TinyLoraPipeline(transformer=tiny_transformer(seed=1), transformer_ref=tiny_transformer(seed=1))
+    ref_turbo = _turbo(tmp_path, pipe.transformer, name="minimax_h3_ref2v_turbo_8step_v1.0.safetensors")
+    pipe.load_lora_weights(ref_turbo, adapter_name="ref", load_into_transformer_ref=True)
+    pipe.load_lora_weights(_pdd(tmp_path, pipe.transformer), adapter_name="pdd")  # t2va / fl2va run `transformer`
+    with pytest.raises(ValueError, match="'ref' .* on `transformer_ref` is already loaded"):
+        pipe.load_lora_weights(ref_turbo, adapter_name="ref2", load_into_transformer_ref=True)
 
 
 def test_opting_in_stacks_with_a_warning(tmp_path, h3_logs):
@@ -82,7 +91,7 @@ def test_fasth3_preset_and_distillation_loras_exclude_each_other(tmp_path):
     enable_fasth3_preset(pipe, "fasth3-4step-preview-dense")
     enable_fasth3_preset(pipe, "fasth3-4step-preview-dense")  # a FastH3 preset replaces the previous one
     turbo = _turbo(tmp_path, pipe.transformer)
-    with pytest.raises(ValueError, match=r"is a step-reduction recipe and FastH3 stack \(fasth3-4step-preview-dense\)"):
+    with pytest.raises(ValueError, match=r"is a step-reduction recipe and FastH3 stack \(fasth3-4step-preview-dense\) on `transformer`"):
         pipe.load_lora_weights(turbo, adapter_name="turbo")
     assert _adapters(pipe) == []
     pipe.load_lora_weights(turbo, adapter_name="turbo", allow_step_recipe_stacking=True)

@@ -293,11 +293,13 @@ class PDDHeadBankRecord:
     base_weight: torch.Tensor  # the head's parameters before the bank replaced them, restored as they were
     base_bias: Optional[torch.Tensor]
     probe: Optional[nn.Module] = None  # a PEFT layer of the backbone: its adapter state gates the bank
+    backbone_rank: int = 0
 
     def describe(self) -> str:
         return (
-            f"PDD head bank of adapter {self.adapter!r}: {self.schedule.num_heads} {self.modality} heads of "
-            f"{self.out_features} outputs; {self.schedule.describe()}"
+            f"PDD head bank of adapter {self.adapter!r} (backbone rank {self.backbone_rank}): "
+            f"{self.schedule.num_heads} {self.modality} heads of {self.out_features} outputs; "
+            f"{self.schedule.describe()}"
         )
 
 
@@ -403,7 +405,7 @@ def install_head_bank(model: nn.Module, pdd: PDDFile, adapter: str, probe: Optio
         device = base_weight.device
         bank_weight = weight.to(device=device, dtype=dtype).reshape(-1, weight.shape[-1])
         record = PDDHeadBankRecord(adapter, _MODALITY[name], pdd.schedule, head.out_features, base_weight, base_bias,
-                                   probe)  # fmt: skip
+                                   probe, pdd.rank)  # fmt: skip
         head.weight = nn.Parameter(bank_weight, requires_grad=False)
         head.bias = nn.Parameter(bias.to(device=device, dtype=dtype).reshape(-1), requires_grad=False)
         register_h3_hook(head, PDDHeadBankHook(record), H3_PDD_HEAD_BANK_HOOK, root=model)

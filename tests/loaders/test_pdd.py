@@ -162,7 +162,7 @@ def test_load_mixes_the_heads_and_unload_restores_the_base_bitwise(tmp_path):
     assert model.proj_out.weight.shape == (NUM_HEADS * model.proj_out.out_features, model.proj_out.in_features)
     assert model.audio_proj_out.bias.shape == (NUM_HEADS * model.audio_proj_out.out_features,)
     summary = "\n".join(pipe.lora_summary())
-    assert "PDD head bank of adapter 'pdd': 32 video heads" in summary and "32 audio heads" in summary
+    assert "PDD head bank of adapter 'pdd' (backbone rank 4): 32 video heads" in summary and "32 audio heads" in summary
 
     # the heads of one step: the Δσ-weighted mean of its block, computed here from the file's tensors
     hidden = torch.randn(5, model.proj_out.in_features)
@@ -325,7 +325,7 @@ def test_the_pipeline_runs_the_file_schedule_and_mixes_each_steps_block(tmp_path
 
     report = describe(pipe)
     text = str(report)
-    assert "PDD head bank of adapter 'pdd': 32 video heads" in text and "8 forwards of 4 heads" in text
+    assert "PDD head bank of adapter 'pdd' (backbone rank 4): 32 video heads" in text and "8 forwards of 4 heads" in text
 
     pipe.unload_lora_weights()
     frames, audio = run(**schedule)

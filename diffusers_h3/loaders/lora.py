@@ -470,7 +470,10 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             _select_preset(distillation_preset, source.file_name, {}))  # fmt: skip
         self._check_one_step_recipe(f"PDD Acc-LoRA {source.file_name or 'state dict'}", allow_step_recipe_stacking,
                                     component)  # fmt: skip
-        if network_alpha is None and not pdd.layout.startswith("PDD Acc-LoRA, ComfyUI"):
+        alpha_from_metadata = network_alpha is None and pdd.alpha is not None and not any(
+            k.endswith(".alpha") for k in pdd.backbone
+        )  # per-module `.alpha` tensors (the ComfyUI conversion) are folded in by diffusers' converter
+        if alpha_from_metadata:
             network_alpha = pdd.alpha
         load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
         report = self.load_lora_weights(
@@ -485,6 +488,8 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         _pdd.install_head_bank(model, pdd, report.adapter_name, _first_lora_layer(model, report.adapter_name))
         _regroup_if_group_offloaded(model)  # the offload groups hold the heads' old tensors
         report.layout = pdd.layout
+        if alpha_from_metadata:
+            report.alpha_source = f"file __metadata__ lora_alpha={pdd.alpha:g}: scale alpha / rank per module"
         report.pdd = f"backbone rank {pdd.rank}; {pdd.schedule.describe()} on `{component}`"
         logger.info(f"PDD head bank of {report.adapter_name!r} on `{component}`: {pdd.schedule.describe()}")
         return report

@@ -153,6 +153,7 @@ def test_load_mixes_the_heads_and_unload_restores_the_base_bitwise(tmp_path):
     # what loaded
     assert report.layout.startswith("PDD Acc-LoRA, alibaba-pai")
     assert report.components["transformer"].ranks == {4: len(factors)}
+    assert report.alpha_source.startswith("file __metadata__ lora_alpha=8")
     assert "backbone rank 4" in report.pdd and "32 interval heads" in report.pdd and "8 forwards" in report.pdd
     preset = pipe.get_lora_distillation_presets()["pdd"]
     assert (preset.num_inference_steps, preset.flow_shift, preset.audio_flow_shift) == (9, 12.0, 3.0)

@@ -251,7 +251,7 @@ def _refused(tmp_path, sd, metadata, match, name=FL2VA_FILE):
     with pytest.raises(ValueError, match=match) as error:
         pipe.load_lora_weights(save_lora(tmp_path / name, sd, metadata), adapter_name="bad")
     assert "\n" not in str(error.value)
-    assert not any(True for _ in pipe.get_list_adapters().values() if _)  # nothing loaded
+    assert all(not adapters for adapters in pipe.get_list_adapters().values())  # nothing loaded
     assert all(torch.equal(model.state_dict()[k], v[0]) for k, v in before.items())
 
 

@@ -100,3 +100,27 @@ def test_tiny_pipeline_on_the_gpu_runs_pdd_and_unloads_bitwise(tmp_path):
     after = pipe.transformer.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], v) and after[k].device == v.device for k, v in before.items())
+
+
+def test_pdd_under_the_low_memory_offload_on_the_gpu_equals_the_resident_pipeline(tmp_path):
+    """The offload groups are rebuilt around the bank: with the heads onloaded by their group, a PDD request equals
+    the same request with the whole pipeline resident on the GPU."""
+    from diffusers_h3.parallel.placement import enable_low_memory_offload
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    from ..loaders._lora_helpers import save_lora, tiny_transformer
+    from ..loaders.test_pdd import CALL, FL2VA_FILE, METADATA, alibaba_state_dict
+
+    sd, _ = alibaba_state_dict(tiny_transformer(seed=1), seed=4)
+    path = save_lora(tmp_path / FL2VA_FILE, sd, METADATA)
+    resident = tiny_pipeline(seed=2, with_transformer_ref=False).to("cuda")
+    resident.load_lora_weights(path, adapter_name="pdd")
+    expected = resident(**CALL, generator=torch.Generator().manual_seed(0))
+    offloaded = tiny_pipeline(seed=2, with_transformer_ref=False)
+    enable_low_memory_offload(offloaded, "cuda")
+    offloaded.load_lora_weights(path, adapter_name="pdd")
+    got = offloaded(**CALL, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.frames, expected.frames, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.audio, expected.audio, atol=1e-5, rtol=1e-5)
+    offloaded.unload_lora_weights()
+    assert offloaded.transformer.proj_out.weight.shape[0] == offloaded.transformer.proj_out.out_features

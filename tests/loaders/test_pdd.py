@@ -369,3 +369,21 @@ def test_a_head_with_hooks_the_bank_would_bypass_is_refused(tmp_path):
                                          "bank's forward would bypass"):  # fmt: skip
         pipe.load_lora_weights(save_lora(tmp_path / FL2VA_FILE, sd, METADATA), adapter_name="pdd")
     assert pipe.get_list_adapters() in ({}, {"transformer": []})
+
+
+def test_cli_generate_with_a_pdd_file(tmp_path, monkeypatch, capsys):
+    from diffusers_h3.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sd, _ = alibaba_state_dict(tiny_transformer(seed=1), seed=13)
+    path = save_lora(tmp_path / FL2VA_FILE, sd, METADATA)
+    calls = []
+    original = pdd.head_weights
+    monkeypatch.setattr(pdd, "head_weights", lambda *a: calls.append(a) or original(*a))
+    out = tmp_path / "pdd.mp4"
+    assert main(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--lora", path]) == 0
+    assert out.is_file()
+    printed = capsys.readouterr()
+    assert "PDD Acc-LoRA, alibaba-pai" in printed.err and "backbone rank 4" in printed.err
+    assert "8 forwards of 4 heads (9 sigma points), shifts 12 / 3" in printed.err  # the load report
+    assert len(calls) == 16  # the file's schedule: 8 forwards, each mixing its video and its audio heads

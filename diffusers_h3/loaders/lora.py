@@ -81,6 +81,8 @@ _KEY_RE = re.compile(
 )
 _PENDING_METADATA: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_pending_lora_metadata", default=None)
 _DEFAULT_ALPHA_NOTE = "default alpha == rank (scale 1.0): the file records no alpha"
+# Set while a PDD file loads its backbone: the file was already checked against the other step recipes as a whole.
+_RECIPE_CHECKED: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_step_recipe_checked", default=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -438,7 +440,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys
         )
         preset = _select_preset(distillation_preset, source.file_name, source.file_metadata)
-        if preset is not None and not hotswap:
+        if preset is not None and not hotswap and not _RECIPE_CHECKED.get():
             label = f"distillation LoRA {source.file_name or adapter_name or 'state dict'} ({preset.name})"
             for component in matched:
                 self._check_one_step_recipe(label, allow_step_recipe_stacking, component)
@@ -476,11 +478,15 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         if alpha_from_metadata:
             network_alpha = pdd.alpha
         load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
-        report = self.load_lora_weights(
-            pdd.backbone, adapter_name=adapter_name, load_into_transformer_ref=load_into_transformer_ref,
-            allow_unmatched_keys=allow_unmatched_keys, network_alpha=network_alpha, distillation_preset=preset,
-            allow_step_recipe_stacking=True, **load_args,
-        )  # fmt: skip
+        token = _RECIPE_CHECKED.set(True)
+        try:
+            report = self.load_lora_weights(
+                pdd.backbone, adapter_name=adapter_name, load_into_transformer_ref=load_into_transformer_ref,
+                allow_unmatched_keys=allow_unmatched_keys, network_alpha=network_alpha, distillation_preset=preset,
+                **load_args,
+            )  # fmt: skip
+        finally:
+            _RECIPE_CHECKED.reset(token)
         if set(report.components) != {component}:
             self.delete_adapters(report.adapter_name)
             raise ValueError(f"{where}: its backbone loaded into {sorted(report.components)}, not `{component}` "

@@ -58,7 +58,9 @@ def _layout(interval=None, audio_interval=None, step=0):
 
 
 def _snapshot(model: nn.Module):
-    return {name: (t.detach().clone(), t.dtype, t.device) for name, t in model.state_dict(keep_vars=True).items()}
+    """Every parameter and buffer (non-persistent ones included), by name."""
+    tensors = {**dict(model.named_parameters()), **{f"buffer:{n}": b for n, b in model.named_buffers()}}
+    return {name: (t.detach().clone(), t.dtype, t.device) for name, t in tensors.items()}
 
 
 def _model_inputs(model: nn.Module, seed: int = 0):
@@ -252,7 +254,7 @@ def _refused(tmp_path, sd, metadata, match, name=FL2VA_FILE):
         pipe.load_lora_weights(save_lora(tmp_path / name, sd, metadata), adapter_name="bad")
     assert "\n" not in str(error.value)
     assert all(not adapters for adapters in pipe.get_list_adapters().values())  # nothing loaded
-    assert all(torch.equal(model.state_dict()[k], v[0]) for k, v in before.items())
+    assert all(torch.equal(_snapshot(model)[k][0], v[0]) for k, v in before.items())
 
 
 def test_broken_files_are_refused_in_one_line(tmp_path):

@@ -326,8 +326,7 @@ def test_the_pipeline_runs_the_file_schedule_and_mixes_each_steps_block(tmp_path
         assert [c[1:3] for c in steps] == [pytest.approx((expected[i], expected[i + 1]), abs=1e-6) for i in range(8)]
         assert [c[3] for c in steps] == [list(range(BLOCK * i, BLOCK * (i + 1))) for i in range(8)]
 
-    report = describe(pipe)
-    text = str(report)
+    text = "\n".join(describe(pipe)["pipeline"]["lora"])
     assert "PDD head bank of adapter 'pdd' (backbone rank 4): 32 video heads" in text and "8 forwards of 4 heads" in text
 
     pipe.unload_lora_weights()

@@ -54,6 +54,7 @@ _PYTHON_TO_FLAGS = (
     ("`height` and `width`", "--height and --width"),
     ("height=", "--height "),
     (", width=", " --width "),
+    ("`strict_duration=True`", "--strict-duration"),
     ("`num_frames`=", "--frames "),
     ("`num_frames`", "--frames"),
     ("`references`", "--reference"),
@@ -467,12 +468,12 @@ def _check_request(args, task: str, conditioning):
         from diffusers_h3.testing import tiny
 
         config = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {partition: tiny.TINY_TRANSFORMER_CONFIG},
-                                            tiny.DEMO_PIPELINE_CONFIG)  # fmt: skip
+                                            tiny.demo_pipeline_config())  # fmt: skip
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
         H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width, num_frames=args.frames,
-                        task=task, **conditioning)  # fmt: skip
+                        task=task, strict_duration=args.strict_duration or None, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
     return config
@@ -861,6 +862,7 @@ def cmd_generate(args) -> int:
     call = dict(
         prompt=args.prompt,
         num_frames=args.frames,
+        strict_duration=args.strict_duration or None,
         num_inference_steps=args.steps,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type="latent",  # decoded by decode_to_video, which encodes each video chunk while the next decodes
@@ -983,8 +985,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "on the tiny demo)" % DEMO_CANVAS)  # fmt: skip
     gen.add_argument("--width", type=int, default=None, help="canvas width in pixels (see --height)")
     gen.add_argument("--frames", "--num-frames", dest="frames", type=_ranged(int, 1, what="--frames"), default=124,
-                     help="frames at 24 fps, rounded up to 17n+5 (the VAE's chunks), 5-15 s after rounding: "
-                          "108-345 frames, which round up to 124-345 (default: %(default)s = 5.2 s)")  # fmt: skip
+                     help="frames at 24 fps, rounded up to 17n+5 (whole VAE chunks: at least 22 frames); the "
+                          "released model is trained for 5-15 s (124-345 frames after rounding): outside that range "
+                          "the clip is generated after a warning (default: %(default)s = 5.2 s)")  # fmt: skip
+    gen.add_argument("--strict-duration", action="store_true",
+                     help="refuse --frames outside the checkpoint's recommended durations instead of warning")
     gen.add_argument("--steps", type=_ranged(int, 2, MAX_STEPS + 1, what="--steps", bounds=STEPS_BOUNDS), default=None,
                      help=f"sigma grid points including the final 0 (STEPS-1 transformer forwards), {STEPS_BOUNDS} "
                           "(default: 50, or the schedule of a step-distillation LoRA)")  # fmt: skip

@@ -451,9 +451,16 @@ def _check_transformer_file_contents(args, task: str) -> None:
                          f"--quantize {quantize} would quantize it twice", "drop --quantize")  # fmt: skip
 
 
-def _check_request(args, task: str, conditioning):
+class CheckedRequest:
+    """The `H3Request` the CLI checked and the `RequestConfig` it was checked against."""
+
+    def __init__(self, request, config):
+        self.request, self.config = request, config
+
+
+def _check_request(args, task: str, conditioning) -> CheckedRequest:
     """The pipeline's own request checks (sizes, aspect, frames, conditioning): the `H3Request` the pipeline would
-    build, on the checkpoint's configs read from its folder (no weights). Returns that `RequestConfig`."""
+    build, on the checkpoint's configs read from its folder (no weights)."""
     from diffusers_h3.pipelines.request import H3Request, RequestConfig
     from diffusers_h3.tasks import partition_for_task
 
@@ -472,11 +479,12 @@ def _check_request(args, task: str, conditioning):
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
-        H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width, num_frames=args.frames,
-                        task=task, strict_duration=args.strict_duration or None, **conditioning)  # fmt: skip
+        request = H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width,
+                                  num_frames=args.frames, task=task, strict_duration=getattr(args, "strict_duration", False) or None,
+                                  **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
-    return config
+    return CheckedRequest(request, config)
 
 
 def _check_prompt_length(args, config) -> None:
@@ -533,14 +541,11 @@ def _check_memory_option(args) -> None:
     args.memory_budget = (gpu, host)
 
 
-def _check_memory(args) -> None:
-    """`--memory`: the recipe that fits, chosen (and printed on one line) before anything loads. The recipes place
-    the model on a CUDA GPU: without one, `--memory` is refused rather than run on the CPU."""
+def _check_memory_device(args) -> None:
+    """`--memory` places the model on a CUDA GPU: without one it is refused rather than run on the CPU."""
     if getattr(args, "memory", None) is None:
         return
     import torch
-
-    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, select_recipe
 
     if not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
@@ -549,8 +554,52 @@ def _check_memory(args) -> None:
     if not _device(args).startswith("cuda"):
         raise UsageError(f"--memory places the model on a CUDA GPU, but --device {args.device} asks for another "
                          "device", "drop --device or --memory")  # fmt: skip
+
+
+def _lora_rank(args) -> int:
+    """The rank of `--lora` (the largest of its down / A matrices) read from a local safetensors file's header; the
+    measured Light4 LoRA's 64 for a file not on this disk; 0 without `--lora`."""
+    if args.lora is None:
+        return 0
+    path = _local_path(args.lora, "--lora")
+    if path is None or not path.is_file() or path.suffix.lower() != ".safetensors":
+        return 64
+    from safetensors import safe_open
+
+    ranks = [0]
+    with safe_open(str(path), framework="pt") as handle:
+        for key in handle.keys():
+            if "lora_a" in key.lower() or "lora_down" in key.lower():
+                ranks.append(min(handle.get_slice(key).get_shape()))
+    return max(ranks)
+
+
+def request_shape(checked: CheckedRequest, lora_rank: int = 0):
+    """The `RequestShape` (memory model) of a checked request: its task, canvas, frames and references; its text rows
+    bounded by the prompt's UTF-8 bytes (the tokenizer is byte-level) and `max_prompt_tokens`."""
+    from diffusers_h3.parallel.memory_model import RequestShape
+
+    request = checked.request
+    prompt = request.clips[0].prompt or ""
+    kinds = [reference.kind for reference in (request.conditioning.get("references") or ())]
+    keyframes = sum(request.conditioning.get(name) is not None for name in ("image", "last_image"))
+    return RequestShape(task=request.task, height=request.height, width=request.width, num_frames=request.num_frames,
+                        prompt_tokens=min(len(prompt.encode("utf-8")), checked.config.max_prompt_tokens),
+                        reference_images=kinds.count("image"), reference_videos=kinds.count("video"),
+                        lora_rank=lora_rank, keyframes=keyframes or None)  # fmt: skip
+
+
+def _check_memory(args, checked: CheckedRequest) -> None:
+    """`--memory`: the recipe that fits this request's shape, chosen (and printed on one line) before anything
+    loads; when none fits, one line naming the longest clip at this canvas and the largest canvas at this length
+    that fit."""
+    if getattr(args, "memory", None) is None:
+        return
+    from diffusers_h3.parallel.memory_recipes import MemoryBudgetError, select_recipe
+
+    args.request_shape = request_shape(checked, _lora_rank(args))
     try:
-        args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args))
+        args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args), shape=args.request_shape)
     except MemoryBudgetError as error:
         raise UsageError(_as_flags(error.what), error.fix or "see docs/memory.md") from None
     print(args.memory_recipe.line(), file=sys.stderr)
@@ -587,6 +636,9 @@ def check_arguments(args) -> None:
     if args.command in FIDELITY_COMMANDS:
         _check_fidelity_arguments(args)
         return
+    if args.command == "plan":
+        _check_plan_arguments(args)
+        return
     if args.command == "describe":
         if args.demo and args.model is not None:
             raise UsageError("--demo and --model name two pipelines", "pass one of them")
@@ -613,7 +665,7 @@ def check_generate(args):
     check_arguments(args)
     _check_flashinfer(args)
     _check_device(args)
-    _check_memory(args)
+    _check_memory_device(args)
     for flag, value in (("--model", args.model), ("--lora", args.lora)):
         if value is not None and _local_path(value, flag) is None:
             check_hub_reachable(value, flag, file="model_index.json" if flag == "--model" else None)
@@ -639,8 +691,10 @@ def check_generate(args):
         )
     _check_choices(args)
     _check_transformer_file_contents(args, task)
-    _check_prompt_length(args, _check_request(args, task, conditioning))
+    request = _check_request(args, task, conditioning)
+    _check_prompt_length(args, request.config)
     args.task = task
+    _check_memory(args, request)
     return conditioning
 
 
@@ -677,8 +731,8 @@ def _load_pipeline(args):
     else:
         model = args.model
     if getattr(args, "memory_recipe", None) is not None:  # --memory: the recipe loads and places everything
-        from diffusers_h3.parallel.memory_budget import MemoryBudgetError
-        from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+        from diffusers_h3.parallel.memory_recipes import MemoryBudgetError
+        from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
         try:  # the checkpoint's formats are checked against the recipe's before any weight is read
             return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args),
@@ -1057,8 +1111,94 @@ def build_parser() -> argparse.ArgumentParser:
     des.add_argument("--demo", action="store_true", help="load and describe the embedded tiny demo pipeline")
     des.add_argument("--json", action="store_true", help="print the report as JSON")
     des.set_defaults(func=cmd_describe)
+    _add_plan_command(sub)
     _add_fidelity_commands(sub)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# plan: which recipe a request runs as on a machine, its predicted peaks and times (docs/memory.md)
+# ---------------------------------------------------------------------------------------------------------------------
+PLAN_TASKS = ("t2va", "fl2va", "ref2va")
+
+
+def _add_plan_command(sub) -> None:
+    plan = sub.add_parser("plan", help="the memory recipe a request runs as on this machine or a named one, with its "
+                                       "predicted device and host peaks and times; loads nothing")  # fmt: skip
+    plan.add_argument("--task", choices=PLAN_TASKS, default="t2va", help="the request's task (default: t2va)")
+    plan.add_argument("--height", type=_ranged(int, 32, what="--height"), default=768,
+                      help="canvas height in pixels, a multiple of 32 (default: %(default)s)")
+    plan.add_argument("--width", type=_ranged(int, 32, what="--width"), default=1344,
+                      help="canvas width in pixels, a multiple of 32 (default: %(default)s)")
+    plan.add_argument("--frames", "--num-frames", dest="frames", type=_ranged(int, 1, what="--frames"), default=124,
+                      help="frames at 24 fps, rounded up to 17n+5 as `generate` does (default: %(default)s)")
+    plan.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512,
+                      help="text rows: the prompt's tokens, plus the vision tokens of keyframes and references "
+                           "(default: %(default)s)")  # fmt: skip
+    plan.add_argument("--keyframes", type=int, choices=(1, 2), default=None, help="fl2va: keyframes (default: 1)")
+    plan.add_argument("--reference-images", type=_ranged(int, 0, 10, what="--reference-images"), default=0,
+                      help="ref2va: image references (each encoded at a 2048-pixel short edge)")
+    plan.add_argument("--reference-videos", type=_ranged(int, 0, 4, what="--reference-videos"), default=0,
+                      help="ref2va: video references (counted as long as the clip, with a soundtrack)")
+    plan.add_argument("--lora-rank", type=_ranged(int, 0, what="--lora-rank"), default=0,
+                      help="rank of the LoRA loaded (0: none; the LightX2V 4-step LoRA's is 64)")
+    plan.add_argument("--gpu", default=None, metavar="GB|NAME",
+                      help="plan for a card of this many GB (e.g. 8) or named as the consumer-GPU model lists it "
+                           "(e.g. 'RTX 4070'); default: this machine's visible GPU")  # fmt: skip
+    plan.add_argument("--ram", type=_ranged(float, 0.0, what="--ram"), default=None, metavar="GIB",
+                      help="the machine's host memory in GiB (the recipe may use all but 4 GiB); default: this "
+                           "machine's available memory")  # fmt: skip
+    plan.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    plan.set_defaults(func=cmd_plan)
+
+
+def _check_plan_arguments(args) -> None:
+    if args.height % 32 or args.width % 32:
+        raise UsageError(f"--height {args.height} --width {args.width}: not multiples of 32",
+                         f"pass e.g. --height {round(args.height / 32) * 32 or 32} --width "
+                         f"{round(args.width / 32) * 32 or 32}")  # fmt: skip
+    refs = args.reference_images + args.reference_videos
+    if args.task == "ref2va" and not refs:
+        raise UsageError("--task ref2va needs at least one reference", "add --reference-images N or "
+                         "--reference-videos N")  # fmt: skip
+    if args.task != "ref2va" and refs:
+        raise UsageError(f"--task {args.task} takes no references", "pass --task ref2va")
+    if args.keyframes is not None and args.task != "fl2va":
+        raise UsageError(f"--keyframes with --task {args.task}", "keyframes belong to --task fl2va")
+    if args.ram is not None and args.ram <= 4.0:
+        raise UsageError(f"--ram {args.ram:g}: the recipes leave 4 GiB of host memory to the system",
+                         "give the machine's memory in GiB, e.g. --ram 16")  # fmt: skip
+
+
+def cmd_plan(args) -> int:
+    check_arguments(args)
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames
+
+    from diffusers_h3.parallel.memory_model import RequestShape
+    from diffusers_h3.parallel.memory_recipes import HOST_HEADROOM_GIB, MemoryBudgetError, plan_request
+
+    shape = RequestShape(task=args.task, height=args.height, width=args.width,
+                         num_frames=max(22, align_num_frames(args.frames, 17, 5)), prompt_tokens=args.prompt_tokens,
+                         reference_images=args.reference_images, reference_videos=args.reference_videos,
+                         lora_rank=args.lora_rank, keyframes=args.keyframes)  # fmt: skip
+    host = None if args.ram is None else args.ram - HOST_HEADROOM_GIB
+    try:
+        if args.gpu is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("plan reads this machine's GPU, and none is visible",
+                                 "name a card: --gpu 8 (its memory in GB) or --gpu 'RTX 4070'")  # fmt: skip
+        plan = plan_request(shape, host_gib=host, gpu=args.gpu)
+    except MemoryBudgetError as error:
+        print(_as_flags(error.what) + (f" — {error.fix}" if error.fix else ""))
+        return 1
+    for line in plan.lines():
+        print(line)
+    if not 124 <= shape.num_frames <= 345:
+        print(f"note: {shape.num_frames} frames ({shape.num_frames / 24:.1f} s) is outside the 5-15 s the released "
+              "model was trained for: generate warns, --strict-duration refuses")  # fmt: skip
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1248,7 +1388,7 @@ def cmd_fidelity(args) -> int:
         request = argparse.Namespace(**{**vars(args), "prompt": prompt})
         try:
             _check_prompt_text(prompt)
-            _check_prompt_length(request, _check_request(request, "t2va", {}))
+            _check_prompt_length(request, _check_request(request, "t2va", {}).config)
         except UsageError as error:
             raise UsageError(f"--prompts {args.prompts} prompt {number}: {error}".split(" — ")[0],
                              str(error).partition(" — ")[2] or "fix the prompt") from None  # fmt: skip

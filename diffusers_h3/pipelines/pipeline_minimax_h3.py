@@ -371,7 +371,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         To load the weights the way the recipe needs (quantized as they arrive, the text encoder streamed from disk
         before the DiT loads), use `diffusers_h3.load_for_memory_budget(path, gpu_gib=..., host_gib=...)` instead:
         docs/memory.md."""
-        from ..parallel.memory_budget import enable_memory_budget
+        from ..parallel.memory_recipes import enable_memory_budget
 
         return enable_memory_budget(self, config, *args, **legacy)
 

@@ -4,7 +4,7 @@ written, and a model that does not match its files is refused before anything is
 import pytest
 import torch
 
-from diffusers_h3.parallel import memory_budget as mb
+from diffusers_h3.parallel import memory_recipes as mb
 from diffusers_h3.parallel.checkpoint_streaming import (
     STREAM_HOOK_NAME,
     CheckpointMismatchError,

@@ -125,6 +125,7 @@ class MemoryRecipe:
     request: Optional[str] = None  # the request the needs are for (None: the measured requests)
     needs_basis: str = ""
     time_scale: float = 1.0  # the request's time over the measured request's (predicted from the forward's FLOPs)
+    whole_device: bool = False  # gpu_gib counts the whole process's device memory (the memory model's), not the allocator
 
     @property
     def name(self) -> str:
@@ -143,8 +144,9 @@ class MemoryRecipe:
         else:
             return None
         scale = time_scale(shape, MEASURED_SHAPES[0])
+        whole_device = memory_model is not None and memory_model.has(self.case)
         return dataclasses.replace(self, gpu_gib=gpu, host_gib=host, request=shape.label(), needs_basis=basis,
-                                   time_scale=scale)  # fmt: skip
+                                   time_scale=scale, whole_device=whole_device)  # fmt: skip
 
     def line(self) -> str:
         """The one line that says which recipe runs and why: what it needs, the budget it was compared with and the
@@ -329,6 +331,10 @@ class MemoryBudget:
     gpu_name: Optional[str] = None
     gpu_capability: Optional[Tuple[int, int]] = None
     gpu_sms: Optional[int] = None
+    # The margin taken off free memory for what a process holds outside PyTorch's allocator (read budgets only): a
+    # whole-device need (the memory model's, the CUDA context included) is compared without it, since this process's
+    # context is already missing from the free memory read.
+    gpu_margin_gib: float = 0.0
 
 
 def visible_host_gib(headroom_gib: float = HOST_HEADROOM_GIB) -> Tuple[float, str]:
@@ -368,7 +374,7 @@ def visible_gpu(device: Union[str, torch.device, None] = None, margin_gib: float
     basis = f"{usable / GiB:.2f} GiB free on the {properties.name} less {margin_gib:g} GiB margin"
     return MemoryBudget(gpu_gib=max(usable / GiB - margin_gib, 0), host_gib=math.nan, gpu_basis=basis,
                         gpu_name=properties.name, gpu_capability=(properties.major, properties.minor),
-                        gpu_sms=properties.multi_processor_count)  # fmt: skip
+                        gpu_sms=properties.multi_processor_count, gpu_margin_gib=margin_gib)  # fmt: skip
 
 
 def read_budget(gpu_gib: Optional[float] = None, host_gib: Optional[float] = None, device=None) -> MemoryBudget:
@@ -382,7 +388,7 @@ def read_budget(gpu_gib: Optional[float] = None, host_gib: Optional[float] = Non
     if gpu_gib is None:
         budget = visible_gpu(device)
     elif on_cuda and torch.cuda.is_available():
-        budget = dataclasses.replace(visible_gpu(device), gpu_gib=float(gpu_gib), gpu_basis="given")
+        budget = dataclasses.replace(visible_gpu(device), gpu_gib=float(gpu_gib), gpu_basis="given", gpu_margin_gib=0.0)
     else:
         budget = MemoryBudget(gpu_gib=float(gpu_gib), host_gib=math.nan)
     if host_gib is None:
@@ -419,7 +425,10 @@ def bounded_by_measured(shape: RequestShape) -> bool:
 
 
 def _fits(recipe: Optional[MemoryRecipe], budget: MemoryBudget) -> bool:
-    return recipe is not None and recipe.gpu_gib <= budget.gpu_gib and recipe.host_gib <= budget.host_gib
+    if recipe is None:
+        return False
+    gpu = budget.gpu_gib + (budget.gpu_margin_gib if recipe.whole_device else 0.0)
+    return recipe.gpu_gib <= gpu and recipe.host_gib <= budget.host_gib
 
 
 def _canvas(shape: RequestShape, short_edge: int) -> Tuple[int, int]:
@@ -516,6 +525,9 @@ def select_recipe(
     best = min(fitting, key=lambda r: (r.request_s, r.gpu_gib, r.host_gib))
     which = "the only table entry that fits" if len(fitting) == 1 else f"the fastest of {len(fitting)} that fit"
     reason = f"chosen for {gpu_said} and {host_said}: {which}" + _few_step_hint(best, budget, predictions)
+    if best.whole_device and budget.gpu_margin_gib:
+        reason += (f"; its device need counts the CUDA context, which the free memory already lacks: compared "
+                   f"without the {budget.gpu_margin_gib:g} GiB margin")  # fmt: skip
     return dataclasses.replace(best, reason=reason)
 
 

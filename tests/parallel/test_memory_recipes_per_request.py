@@ -167,3 +167,30 @@ def test_load_for_memory_budget_chooses_for_the_shape_before_loading(monkeypatch
     with pytest.raises(mb.MemoryBudgetError, match="at 768x1344 up to"):
         recipe_loading.load_for_memory_budget("x", "t2va", 9.0, 32.0, device="cpu",
                                               shape=RequestShape(num_frames=frames_of_seconds(45)))  # fmt: skip
+
+
+def test_auto_compares_a_whole_device_need_without_the_allocator_margin(monkeypatch):
+    """A memory-model need counts the CUDA context (already missing from the free memory read), so `auto` compares it
+    with the free memory itself; a measured allocator need keeps the margin."""
+    from tests.parallel.test_memory_recipes_decisions import fake_machine
+
+    fake_machine(monkeypatch, gpu_free_gib=7.6, mem_total_gib=32.0, mem_available_gib=30.0)
+    need = _device_need("pc_8gb_16gib", MEASURED)
+    assert 7.6 - mb.GPU_MARGIN_GIB < need <= 7.6
+    chosen = mb.select_recipe(table=TABLE[2:], shape=MEASURED, memory_model=MODEL)
+    assert chosen.case == "pc_8gb_16gib" and "without the 0.5 GiB margin" in chosen.line()
+    measured = (_entry("pc_8gb_16gib", need, 7.5, 700.0),)  # the same need, measured by the allocator
+    with pytest.raises(mb.MemoryBudgetError):
+        mb.select_recipe(table=measured, shape=MEASURED, memory_model=MemoryModel(cases={}))
+
+
+def test_cli_reads_the_loras_rank_from_its_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "style.safetensors"
+    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(16, 64),
+               "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 16)}, str(path))  # fmt: skip
+    args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--lora", str(path)])
+    assert cli._lora_rank(args) == 16
+    assert cli._lora_rank(cli.build_parser().parse_args(["generate", "--prompt", "a cat"])) == 0

@@ -505,8 +505,8 @@ def select_recipe(
             raise MemoryBudgetError(
                 f"no memory recipe is measured or modelled for{request}: the table's entries were measured at "
                 "768x1344x124 and the memory model covers none of them for larger requests",
-                "shorten the clip or lower the resolution to at most 768x1344x124, or fit the memory model "
-                "(docs/memory.md)",
+                "make the request no larger than the measured ones (a shorter clip, a smaller canvas, fewer "
+                "references), or fit the memory model (docs/memory.md)",
             )
         least_gpu = min(candidates, key=lambda r: (r.gpu_gib, r.host_gib))
         least_host = min(candidates, key=lambda r: (r.host_gib, r.gpu_gib))
@@ -595,9 +595,11 @@ class RequestPlan:
             f"machine: {self.budget.gpu_gib:.2f} GiB of GPU memory ({self.budget.gpu_basis}), "
             f"{self.budget.host_gib:.2f} GiB of host memory ({self.budget.host_basis})",
             f"recipe: {self.recipe.name!r} as {self.recipe.case} ({settings}{cap})",
-            f"peaks (predicted): {self.recipe.gpu_gib:.2f} GiB device, {self.recipe.host_gib:.2f} GiB host "
-            f"({self.recipe.needs_basis})",
-            f"time (predicted): 50 steps about {_minutes(self.seconds)}{few} ({self.time_basis})",
+            (f"peaks (predicted): {self.recipe.gpu_gib:.2f} GiB device, {self.recipe.host_gib:.2f} GiB host "
+             f"({self.recipe.needs_basis})" if self.recipe.whole_device else
+             f"needs (measured): {self.recipe.gpu_gib:.2f} GiB GPU (the allocator's peak, without the CUDA context), "
+             f"{self.recipe.host_gib:.2f} GiB host ({self.recipe.needs_basis})"),
+            f"time: 50 steps about {_minutes(self.seconds)}{few} ({self.time_basis})",
         ]
 
 
@@ -638,7 +640,8 @@ def plan_request(
         seconds, few, basis = predicted["t2va_s"] * scale, predicted["t2va_4step_s"] * scale, predicted["basis"]
     else:
         seconds, few = chosen.request_s * scale, None
-        basis = f"the {chosen.case} request measured on an H200"
+        basis = (f"the {chosen.case} request measured on an H200, not this card: name a card the consumer-GPU model "
+                 "lists for its predicted time")  # fmt: skip
     return RequestPlan(recipe=chosen, budget=budget, shape=shape, seconds=seconds, few_step_seconds=few,
                        time_basis=basis + scaled)  # fmt: skip
 

@@ -127,7 +127,7 @@ def test_plan_gives_recipe_peaks_and_predicted_times():
     assert plan.recipe.case == expected and len(lines) == 5
     assert lines[0].startswith("request: t2va 768x1344x259") and "packed rows" in lines[0]
     assert "peaks (predicted)" in lines[3] and f"{_device_need(expected, LONG):.2f} GiB device" in lines[3]
-    assert lines[4].startswith("time (predicted): 50 steps") and "x " in lines[4]  # scaled from the measured shape
+    assert lines[4].startswith("time: 50 steps") and "x " in lines[4] and "measured on an H200" in lines[4]
     seconds = {e.case: e.request_s for e in TABLE}[expected]
     assert plan.seconds == pytest.approx(seconds * plan.recipe.time_scale) and plan.recipe.time_scale > 2
 
@@ -137,7 +137,7 @@ def test_plan_command_on_a_named_machine(monkeypatch, capsys):
     monkeypatch.setattr(mb, "load_recipe_table", lambda path=None: TABLE)
     assert cli.main(["plan", "--gpu", "12", "--ram", "16", "--frames", "259"]) == 0
     out = capsys.readouterr().out
-    assert f"'low_ram' as {_expected(mb.usable_card_gib(12), LONG)}" in out and "time (predicted)" in out
+    assert f"'low_ram' as {_expected(mb.usable_card_gib(12), LONG)}" in out and "peaks (predicted)" in out
     assert "note: 259 frames" not in out
     assert cli.main(["plan", "--gpu", "8", "--ram", "16", "--frames", "1081"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
@@ -194,3 +194,13 @@ def test_cli_reads_the_loras_rank_from_its_file(tmp_path):
     args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--lora", str(path)])
     assert cli._lora_rank(args) == 16
     assert cli._lora_rank(cli.build_parser().parse_args(["generate", "--prompt", "a cat"])) == 0
+
+
+def test_plan_on_a_listed_gpu_gives_its_predicted_times_scaled_to_the_request():
+    predictions = mb.load_predictions()
+    cuda_name, entry = next((n, g) for n, g in predictions["gpus"].items() if g["memory_gib"] >= 16 and g["cases"])
+    plan = mb.plan_request(LONG, host_gib=28.0, gpu=cuda_name, table=TABLE, memory_model=MODEL, predictions=predictions)
+    times = mb.predicted_seconds(plan.recipe, cuda_name, predictions=predictions)
+    assert times is not None and "not measured" in plan.lines()[4] and "4 forwards" in plan.lines()[4]
+    assert plan.seconds == pytest.approx(times["t2va_s"] * plan.recipe.time_scale)
+    assert plan.few_step_seconds == pytest.approx(times["t2va_4step_s"] * plan.recipe.time_scale)

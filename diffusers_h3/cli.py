@@ -574,21 +574,6 @@ def _lora_rank(args) -> int:
     return max(ranks)
 
 
-def request_shape(checked: CheckedRequest, lora_rank: int = 0):
-    """The `RequestShape` (memory model) of a checked request: its task, canvas, frames and references; its text rows
-    bounded by the prompt's UTF-8 bytes (the tokenizer is byte-level) and `max_prompt_tokens`."""
-    from diffusers_h3.parallel.memory_model import RequestShape
-
-    request = checked.request
-    prompt = request.clips[0].prompt or ""
-    kinds = [reference.kind for reference in (request.conditioning.get("references") or ())]
-    keyframes = sum(request.conditioning.get(name) is not None for name in ("image", "last_image"))
-    return RequestShape(task=request.task, height=request.height, width=request.width, num_frames=request.num_frames,
-                        prompt_tokens=min(len(prompt.encode("utf-8")), checked.config.max_prompt_tokens),
-                        reference_images=kinds.count("image"), reference_videos=kinds.count("video"),
-                        lora_rank=lora_rank, keyframes=keyframes or None)  # fmt: skip
-
-
 def _check_memory(args, checked: CheckedRequest) -> None:
     """`--memory`: the recipe that fits this request's shape, chosen (and printed on one line) before anything
     loads; when none fits, one line naming the longest clip at this canvas and the largest canvas at this length
@@ -596,8 +581,9 @@ def _check_memory(args, checked: CheckedRequest) -> None:
     if getattr(args, "memory", None) is None:
         return
     from diffusers_h3.parallel.memory_recipes import MemoryBudgetError, select_recipe
+    from diffusers_h3.pipelines.request import memory_shape
 
-    args.request_shape = request_shape(checked, _lora_rank(args))
+    args.request_shape = memory_shape(checked.request, _lora_rank(args), checked.config.max_prompt_tokens)
     try:
         args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args), shape=args.request_shape)
     except MemoryBudgetError as error:

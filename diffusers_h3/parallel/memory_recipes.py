@@ -126,6 +126,7 @@ class MemoryRecipe:
     needs_basis: str = ""
     time_scale: float = 1.0  # the request's time over the measured request's (predicted from the forward's FLOPs)
     whole_device: bool = False  # gpu_gib counts the whole process's device memory (the memory model's), not the allocator
+    budget: Optional["MemoryBudget"] = dataclasses.field(default=None, compare=False)  # what select_recipe compared
 
     @property
     def name(self) -> str:
@@ -415,6 +416,36 @@ def _few_step_hint(recipe: MemoryRecipe, budget: MemoryBudget, predictions=None)
     return f"; {said or f'{seconds / 60:.0f} min per 50-step t2va'}: over {PRACTICAL_REQUEST_S / 60:.0f} min, {lora}"
 
 
+def check_request_fits(recipe: MemoryRecipe, shape: RequestShape, memory_model: Optional[MemoryModel] = None) -> None:
+    """Refuse (one :class:`MemoryBudgetError` line) a request that the recipe a pipeline was placed with does not fit
+    in the budget it was chosen for, as the memory model predicts; a request neither modelled nor bounded by the
+    measurements is logged once and left to run. Nothing is checked for a recipe named directly (no budget)."""
+    if recipe.budget is None:
+        return
+    memory_model = load_memory_model() if memory_model is None else memory_model
+    needs = recipe.for_request(shape, memory_model)
+    if needs is None:
+        key = (recipe.case, shape)
+        if key not in _UNMODELLED_WARNED:
+            _UNMODELLED_WARNED.add(key)
+            logger.warning(f"memory recipe {recipe.name!r} ({recipe.case}) is neither modelled nor measured for "
+                           f"{shape.label()}: running it unchecked (docs/memory.md)")  # fmt: skip
+        return
+    if _fits(needs, recipe.budget):
+        return
+    suggestion = _suggestion((recipe,), recipe.budget, shape, memory_model)
+    raise MemoryBudgetError(
+        f"{shape.label()} needs {needs.gpu_gib:.2f} GiB GPU / {needs.host_gib:.2f} GiB host under memory recipe "
+        f"{recipe.name!r} ({recipe.case}, {needs.needs_basis}), more than the {recipe.budget.gpu_gib:.2f} GiB GPU / "
+        f"{recipe.budget.host_gib:.2f} GiB host it was placed for; with it {suggestion}",
+        "shorten the clip or lower the resolution, or load for this request's shape "
+        "(load_for_memory_budget(..., shape=RequestShape(...)))",
+    )
+
+
+_UNMODELLED_WARNED = set()
+
+
 def bounded_by_measured(shape: RequestShape) -> bool:
     """Whether the measured requests (:data:`MEASURED_SHAPES`) bound ``shape``'s needs: no more packed rows, canvas
     pixels or LoRA rank than the largest of them."""
@@ -528,7 +559,7 @@ def select_recipe(
     if best.whole_device and budget.gpu_margin_gib:
         reason += (f"; its device need counts the CUDA context, which the free memory already lacks: compared "
                    f"without the {budget.gpu_margin_gib:g} GiB margin")  # fmt: skip
-    return dataclasses.replace(best, reason=reason)
+    return dataclasses.replace(best, reason=reason, budget=budget)
 
 
 # -- planning a request on a machine, named or this one ------------------------------------------------------------
@@ -732,6 +763,7 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
         apply_gpu_cap(gpu_gib, device)
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line())
+    pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)
     return recipe
 
 

@@ -85,6 +85,7 @@ from .request import (
     check_prompt_tokens,
     check_text_encoder_loaded,
     latent_geometry,
+    memory_shape,
 )
 
 
@@ -818,6 +819,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, task=spec,
             strict_duration=strict_duration,
         )  # fmt: skip
+        self._check_memory_for_request(request)
         # H3 packs one request into one sequence: a batch runs one clip after another, stacked like diffusers.
         outputs = [self._generate(request, clip) for clip in request.clips]
         frames, audio = _stack_outputs(outputs, output_type)
@@ -826,6 +828,19 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         if not return_dict:
             return (frames, audio, self.audio_sampling_rate)
         return MiniMaxH3PipelineOutput(frames=frames, audio=audio, sampling_rate=self.audio_sampling_rate)
+
+    def _check_memory_for_request(self, request: H3Request) -> None:
+        """A pipeline placed by a memory recipe refuses, in one line before anything runs, a request the recipe is
+        predicted not to fit in the budget it was chosen for (`check_request_fits`)."""
+        recipe = getattr(self, "_h3_memory_recipe", None)
+        if recipe is None:
+            return
+        from ..parallel.memory_recipes import check_request_fits
+
+        transformer = getattr(self, request.spec.partition)
+        ranks = [getattr(config, "r", 0) for config in (getattr(transformer, "peft_config", None) or {}).values()]
+        shape = memory_shape(request, max(ranks, default=0), self.request_config().max_prompt_tokens)
+        check_request_fits(recipe, shape)
 
     def _generate(self, request: H3Request, clip: H3Clip):
         """One clip of a checked request: returns `(frames, audio)` with a batch axis of 1."""

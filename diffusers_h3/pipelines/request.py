@@ -669,3 +669,22 @@ class H3Request:
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=tuple(callback_on_step_end_tensor_inputs or ()),
         )
+
+
+def memory_shape(request: H3Request, lora_rank: int = 0, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS):
+    """The memory model's `RequestShape` of `request`: its task, canvas, frames, references and keyframes, `lora_rank`,
+    and its text rows: the given embeddings' length, else the longest prompt's UTF-8 bytes (the tokenizer is
+    byte-level: a token holds at least one byte), at most `max_prompt_tokens`."""
+    from ..parallel.memory_model import RequestShape
+
+    rows = [
+        clip.prompt_embeds.shape[1] if clip.prompt_embeds is not None else len(clip.prompt.encode("utf-8"))
+        for clip in request.clips
+    ]
+    kinds = [reference.kind for reference in (request.conditioning.get("references") or ())]
+    keyframes = sum(request.conditioning.get(name) is not None for name in ("image", "last_image"))
+    return RequestShape(task=request.task, height=request.height, width=request.width, num_frames=request.num_frames,
+                        prompt_tokens=max(1, min(max(rows), int(max_prompt_tokens))),
+                        reference_images=kinds.count("image"), reference_videos=kinds.count("video"),
+                        lora_rank=int(lora_rank), keyframes=keyframes or None)  # fmt: skip
+

@@ -204,3 +204,32 @@ def test_plan_on_a_listed_gpu_gives_its_predicted_times_scaled_to_the_request():
     assert times is not None and "not measured" in plan.lines()[4] and "4 forwards" in plan.lines()[4]
     assert plan.seconds == pytest.approx(times["t2va_s"] * plan.recipe.time_scale)
     assert plan.few_step_seconds == pytest.approx(times["t2va_4step_s"] * plan.recipe.time_scale)
+
+
+def test_a_pipeline_placed_by_a_recipe_refuses_a_request_predicted_not_to_fit(monkeypatch, h3_logs):
+    """After `enable_memory_budget`, each call's request is checked against the budget the recipe was chosen for:
+    a request the model predicts too large is one line before anything runs; one it fits runs."""
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    budget = mb.MemoryBudget(gpu_gib=9.0, host_gib=32.0)
+    pipe._h3_memory_recipe = dataclasses.replace(TABLE[2], budget=budget)
+    monkeypatch.setattr(mb, "load_memory_model", lambda path=None: MODEL)
+    call = {"prompt": "a cat", "num_inference_steps": 2, "output_type": "latent"}
+    long_clip = RequestShape(height=768, width=1344, num_frames=frames_of_seconds(45), prompt_tokens=5)
+    assert _device_need("pc_8gb_16gib", long_clip) > 9.0
+    monkeypatch.setattr(type(pipe), "_generate", lambda self, request, clip: pytest.fail("ran before the check"))
+    with pytest.raises(mb.MemoryBudgetError, match=r"t2va 768x1344x1093 .* more than the 9\.00 GiB GPU .* it was "
+                                                   r"placed for; with it at 768x1344 up to \d+ frames"):  # fmt: skip
+        pipe(**call, height=768, width=1344, num_frames=1081)
+    monkeypatch.undo()
+    monkeypatch.setattr(mb, "load_memory_model", lambda path=None: MODEL)
+    out = pipe(**call, height=32, width=32, num_frames=22)  # small: fits, runs
+    assert out.frames.shape[2] == 7
+    pipe._h3_memory_recipe = dataclasses.replace(TABLE[2], budget=budget)
+    monkeypatch.setattr(mb, "load_memory_model", lambda path=None: MemoryModel(cases={}))
+    monkeypatch.setattr(mb, "_UNMODELLED_WARNED", set())
+    monkeypatch.setattr(type(pipe), "_generate", lambda self, request, clip: pytest.skip("checked, then ran"))
+    with h3_logs.expect("neither modelled nor measured for t2va 768x1344x1093"):
+        with pytest.raises(pytest.skip.Exception):
+            pipe(**call, height=768, width=1344, num_frames=1081)

@@ -18,7 +18,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from ._checkpoint_files import gguf_problem, safetensors_problem
 from ._version import __version__
@@ -451,11 +451,11 @@ def _check_transformer_file_contents(args, task: str) -> None:
                          f"--quantize {quantize} would quantize it twice", "drop --quantize")  # fmt: skip
 
 
-class CheckedRequest:
+class CheckedRequest(NamedTuple):
     """The `H3Request` the CLI checked and the `RequestConfig` it was checked against."""
 
-    def __init__(self, request, config):
-        self.request, self.config = request, config
+    request: Any
+    config: Any
 
 
 def _check_request(args, task: str, conditioning) -> CheckedRequest:
@@ -479,9 +479,9 @@ def _check_request(args, task: str, conditioning) -> CheckedRequest:
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
+        strict = getattr(args, "strict_duration", False) or None  # None: the checkpoint config's setting
         request = H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width,
-                                  num_frames=args.frames, task=task, strict_duration=getattr(args, "strict_duration", False) or None,
-                                  **conditioning)  # fmt: skip
+                                  num_frames=args.frames, task=task, strict_duration=strict, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
     return CheckedRequest(request, config)

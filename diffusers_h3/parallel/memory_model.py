@@ -4,10 +4,11 @@ Every H3 request is one packed sequence: text rows, keyframe or reference rows, 
 (:mod:`diffusers_h3.packing` lays them out; :func:`packed_rows` counts them with that code). What a request needs
 beyond a recipe's fixed part grows with those rows (the DiT's activations), with the canvas (a decoded video chunk on
 the device) and with the LoRA rank (the adapter's weights), so each measured entry of the recipe table (a recipe under
-its settings and cap: ``memory_recipes.json``) gets one linear law per peak::
+its settings and cap: ``memory_recipes.json``) gets one linear law per peak (the activations live on the device; the
+host holds the decoded clip, whose size tracks the rows too closely for both to be fitted)::
 
     device_peak_gib = fixed + a * (rows / 10,000) + b * (canvas megapixels) + c * (LoRA rank / 64)
-    host_peak_gib   = fixed + a * (rows / 10,000) + b * (canvas megapixel-frames / 100) + c * (LoRA rank / 64)
+    host_peak_gib   = fixed + b * (canvas megapixel-frames / 100) + c * (LoRA rank / 64)
 
 ``device_peak_gib`` is the process's whole device memory as the card counts it (the allocator's peak, the CUDA
 context and the libraries' workspaces), ``host_peak_gib`` its peak RSS, load included. Chunking the feed-forward (a
@@ -64,7 +65,7 @@ DIT_BLOCKS, DIT_HIDDEN, DIT_ATTENTION_WIDTH, DIT_FFN = 50, 5376, 56 * 128, 14336
 # The terms of each peak: name -> (what it counts, the unit its weight is per).
 FEATURES = {
     "device_gib": ("rows", "decode_megapixels", "lora_rank"),
-    "host_gib": ("rows", "clip_megapixel_frames", "lora_rank"),
+    "host_gib": ("clip_megapixel_frames", "lora_rank"),
 }
 FEATURE_UNITS = {
     "rows": "10,000 packed rows (text, keyframe / reference, audio and video rows)",
@@ -72,6 +73,9 @@ FEATURE_UNITS = {
     "clip_megapixel_frames": "100 megapixel-frames (height x width x frames / 1e8): the decoded clip",
     "lora_rank": "64 of LoRA rank",
 }
+# Above this condition number (terms scaled to their largest value) the measured requests barely tell two terms apart:
+# their weights would trade off against each other, so the fit is refused instead.
+MAX_CONDITION = 1e3
 # The records' fields that name a request's shape.
 SHAPE_FIELDS = ("task", "height", "width", "num_frames", "prompt_tokens", "reference_images", "reference_videos",
                 "lora_rank", "keyframes")  # fmt: skip
@@ -208,7 +212,8 @@ def _fit_law(xs: List[Dict[str, float]], ys: List[float], names: Sequence[str]) 
             dropped[name] = "does not vary over the measured requests"
     while True:
         matrix = np.array([[1.0] + [x[name] for name in kept] for x in xs])
-        if np.linalg.matrix_rank(matrix) < matrix.shape[1]:
+        scaled = matrix / np.abs(matrix).max(axis=0)
+        if np.linalg.matrix_rank(matrix) < matrix.shape[1] or np.linalg.cond(scaled) > MAX_CONDITION:
             raise ValueError(f"the measured requests cannot separate the terms {kept} (give shapes that vary them "
                              "independently)")  # fmt: skip
         weights = np.linalg.lstsq(matrix, np.array(ys, dtype=float), rcond=None)[0]

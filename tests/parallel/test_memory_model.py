@@ -68,7 +68,7 @@ def test_ref2va_references_enter_as_rows():
 
 LAW = {
     "device_gib": {"fixed": 5.5, "rows": 0.42, "decode_megapixels": 0.8, "lora_rank": 0.25},
-    "host_gib": {"fixed": 6.9, "rows": 0.05, "clip_megapixel_frames": 0.6, "lora_rank": 0.1},
+    "host_gib": {"fixed": 6.9, "clip_megapixel_frames": 0.6, "lora_rank": 0.1},
 }
 SHAPES = [("t2va", 480, 832, 124, 0), ("fl2va", 480, 832, 124, 64), ("t2va", 768, 1344, 124, 0),
           ("fl2va", 768, 1344, 124, 64), ("t2va", 768, 1344, 259, 0), ("fl2va", 768, 1344, 259, 64),
@@ -124,6 +124,14 @@ def test_a_negative_or_constant_term_is_dropped_with_its_reason():
     no_lora = [_record(t, h, w, f, 0) for t, h, w, f, _ in SHAPES]
     entry = derive_memory_model(_results(no_lora), "x")["cases"]["pc_8gb_16gib"]
     assert entry["device_gib"]["lora_rank"] == 0.0 and "does not vary" in entry["device_gib_dropped"]["lora_rank"]
+
+
+def test_terms_the_shapes_cannot_separate_are_refused():
+    """Requests at one canvas and one frame count (only their text rows differ a little) cannot separate the per-row
+    term from the fixed part: the fit is refused rather than trading one against the other."""
+    same = [_record("t2va", 768, 1344, 124, 0), _record("fl2va", 768, 1344, 124, 64)] * 3
+    with pytest.raises(ValueError, match="cannot separate the terms"):
+        derive_memory_model(_results([dict(r, prompt_tokens=512 + i) for i, r in enumerate(same)]), "x")
 
 
 def test_too_few_requests_leave_the_case_out():

@@ -19,7 +19,7 @@ TABLE = (
     _entry("pc_12gb_32gib", 11.2, 7.4, 520.0, cap=11.5),
     _entry("pc_8gb_16gib", 7.2, 7.5, 700.0, cap=7.5),
 )
-HOST = {"fixed": 6.5, "rows": 0.1, "clip_megapixel_frames": 0.0, "lora_rank": 0.0}
+HOST = {"fixed": 6.5, "clip_megapixel_frames": 0.4, "lora_rank": 0.0}
 # Device laws per entry (GiB): a fixed part and a per-10k-rows term; the faster entries hold more per row.
 LAWS = {
     "low_ram_16gb": {"fixed": 6.0, "rows": 2.0, "decode_megapixels": 0.5, "lora_rank": 0.1},
@@ -98,7 +98,7 @@ def test_without_a_model_only_requests_the_measurements_bound_are_accepted():
 
 def test_host_need_per_request_refuses_too():
     shape = RequestShape(num_frames=frames_of_seconds(30))
-    host_need = HOST["fixed"] + HOST["rows"] * features(shape)["rows"]
+    host_need = HOST["fixed"] + HOST["clip_megapixel_frames"] * features(shape)["clip_megapixel_frames"]
     with pytest.raises(mb.MemoryBudgetError):
         mb.select_recipe(80.0, host_need - 0.1, table=TABLE, shape=shape, memory_model=MODEL)
 

@@ -680,6 +680,7 @@ def check_generate(args):
     request = _check_request(args, task, conditioning)
     _check_prompt_length(args, request.config)
     args.task = task
+    args.checked_request = request
     _check_memory(args, request)
     return conditioning
 
@@ -863,6 +864,16 @@ def _generate_rank(args) -> None:
 
 def cmd_generate(args) -> int:
     conditioning = check_generate(args)  # before torch, the model or any output file
+    if args.dry_run:
+        from diffusers_h3.parallel.memory_model import packed_rows
+        from diffusers_h3.pipelines.request import memory_shape
+
+        checked = args.checked_request
+        shape = getattr(args, "request_shape", None) or memory_shape(checked.request, _lora_rank(args),
+                                                                    checked.config.max_prompt_tokens)  # fmt: skip
+        print(f"dry run: {shape.label()}, {packed_rows(shape)['total']:,} packed rows: every check passed; nothing "
+              "loaded (diffusers-h3 plan predicts its memory and time on any machine)")  # fmt: skip
+        return 0
 
     import torch
 
@@ -1028,6 +1039,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frames at 24 fps, rounded up to 17n+5 (whole VAE chunks: at least 22 frames); the "
                           "released model is trained for 5-15 s (124-345 frames after rounding): outside that range "
                           "the clip is generated after a warning (default: %(default)s = 5.2 s)")  # fmt: skip
+    gen.add_argument("--dry-run", action="store_true",
+                     help="run every check of the request (and, with --memory, choose the recipe) and stop before "
+                          "loading anything")  # fmt: skip
     gen.add_argument("--strict-duration", action="store_true",
                      help="refuse --frames outside the checkpoint's recommended durations instead of warning")
     gen.add_argument("--steps", type=_ranged(int, 2, MAX_STEPS + 1, what="--steps", bounds=STEPS_BOUNDS), default=None,

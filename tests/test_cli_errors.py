@@ -530,3 +530,16 @@ def test_nan_latents_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsy
     _fails(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu"], capsys,
            "the video latents hold", "NaN/inf", "likely causes", "--lora-scale", after_loading=True)  # fmt: skip
     assert not out.exists()
+
+
+def test_dry_run_checks_the_request_and_loads_nothing(no_loading, capsys, monkeypatch, h3_logs):
+    monkeypatch.setattr("diffusers_h3.pipelines.request._WARNED_DURATIONS", set())
+    out = no_loading / "out.mp4"
+    with h3_logs.expect("outside the 0.5–15 s"):  # a 20 s clip: generated after a warning
+        assert cli.main(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--frames", "480",
+                         "--dry-run"]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert "dry run: t2va 64x96x481 (20.0 s), 5 text rows" in printed.out and "nothing loaded" in printed.out
+    assert not out.exists()
+    _fails(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--frames", "480",
+            "--strict-duration", "--dry-run"], capsys, "--frames 480", "--strict-duration")  # fmt: skip

@@ -232,7 +232,7 @@ def predict(gpu, traffic, weight_format, extra, nvme):
 
 def build(placement):
     sys.path.insert(0, str(ROOT))
-    from diffusers_h3.parallel.memory_budget import GPU_MARGIN_GIB, derive_recipe_table
+    from diffusers_h3.parallel.memory_recipes import GPU_MARGIN_GIB, derive_recipe_table
 
     gpus = []
     for gpu in GPUS:
@@ -325,7 +325,7 @@ def readme_rows(report):
     needs: its host need plus ``--memory auto``'s headroom) and the PC recipes still to be measured, each with its
     predicted request times at the slower drive."""
     sys.path.insert(0, str(ROOT))
-    from diffusers_h3.parallel.memory_budget import HOST_HEADROOM_GIB
+    from diffusers_h3.parallel.memory_recipes import HOST_HEADROOM_GIB
 
     nvme = min(report["nvme_gb_s"])
     lines = ["| GPU (link) | RAM | recipe: GPU / host need | t2va, 50 steps | fl2va, Light4 LoRA |", "|---|---|---|---|---|"]

@@ -830,9 +830,9 @@ def child_main(args):
 
     from diffusers_h3 import disable_vsa
     from diffusers_h3.parallel.checkpoint_streaming import streaming_of
-    from diffusers_h3.parallel.memory_budget import resolve_recipe
+    from diffusers_h3.parallel.memory_recipes import resolve_recipe
     from diffusers_h3.parallel.placement import placement_of
-    from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+    from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
     global _SAMPLER
     case = args.child
@@ -1087,7 +1087,7 @@ def estimate_low_ram(results):
     the smallest GPU need: GPU, its peak allocated memory (its W8A16 blocks are larger than NVFP4's); host, the NVFP4
     DiT (computed) and the VAEs resident plus that process's memory beyond its weights (the text encoder streams from
     disk); time, the offload case's."""
-    from diffusers_h3.parallel.memory_budget import derive_recipe_table
+    from diffusers_h3.parallel.memory_recipes import derive_recipe_table
     from diffusers_h3.quantizers import NVFP4Config
 
     offload = next((e for e in derive_recipe_table(results)["recipes"] if e["recipe"] == "offload"), None)
@@ -1107,7 +1107,7 @@ def write_recipe_table(results_path, table_path):
     """``diffusers_h3/parallel/memory_recipes.json`` from a placement result (estimates for unmeasured recipes) and the
     consumer-GPU model's predictions (``benchmarks/consumer_model.py``; run it first when the placement result
     changed)."""
-    from diffusers_h3.parallel.memory_budget import derive_recipe_table
+    from diffusers_h3.parallel.memory_recipes import derive_recipe_table
 
     results = json.loads(Path(results_path).read_text())
     consumer = Path(__file__).resolve().parent / "results" / "consumer_model.json"  # predicted times per GPU

@@ -482,7 +482,7 @@ def main(argv=None):
                 applied = (preset, flashinfer)
                 decoders_warm = False  # the preset chose a decode path, and the reset dropped any compiled decoder
                 if capped:
-                    from diffusers_h3.parallel.memory_budget import apply_gpu_cap
+                    from diffusers_h3.parallel.memory_recipes import apply_gpu_cap
 
                     torch.cuda.empty_cache()  # the bf16 weights the preset quantized away
                     apply_gpu_cap(args.gpu_cap_gib, device)

@@ -50,10 +50,11 @@ from .loaders.fasth3_vae import load_nvfp4_decoder
 from .loaders.lora import LoraLoadReport, MiniMaxH3LoraMixin
 from .loaders.lora_presets import KNOWN_PRESETS, LoraDistillationPreset, get_preset
 from .loaders.single_file import TransformerFileError, load_transformer_file
-from .parallel.memory_budget import MemoryBudgetConfig
+from .parallel.memory_model import RequestShape
+from .parallel.memory_recipes import MemoryBudgetConfig, plan_request
 from .pipelines import MiniMaxH3Pipeline, MiniMaxH3PipelineOutput, VideoWriter, export_to_video
 from .pipelines.fasth3 import enable_fasth3_preset, load_fasth3_adapter
-from .pipelines.memory_budget import load_for_memory_budget
+from .pipelines.recipe_loading import load_for_memory_budget
 from .pipelines.speed_presets import SPEED_PRESETS, SpeedPresetConfig, enable_speed_preset, speed_preset_record
 from .quantizers import (
     FP8Config,
@@ -110,6 +111,8 @@ __all__ = [
     "SPEED_PRESETS",
     "load_for_memory_budget",
     "MemoryBudgetConfig",
+    "RequestShape",
+    "plan_request",
     "V100Mode",
     "NonFiniteActivationError",
     "MiniMaxH3LoraMixin",

@@ -18,7 +18,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from ._checkpoint_files import gguf_problem, safetensors_problem
 from ._version import __version__
@@ -54,6 +54,7 @@ _PYTHON_TO_FLAGS = (
     ("`height` and `width`", "--height and --width"),
     ("height=", "--height "),
     (", width=", " --width "),
+    ("`strict_duration=True`", "--strict-duration"),
     ("`num_frames`=", "--frames "),
     ("`num_frames`", "--frames"),
     ("`references`", "--reference"),
@@ -453,9 +454,16 @@ def _check_transformer_file_contents(args, task: str) -> None:
                          f"--quantize {quantize} would quantize it twice", "drop --quantize")  # fmt: skip
 
 
-def _check_request(args, task: str, conditioning):
+class CheckedRequest(NamedTuple):
+    """The `H3Request` the CLI checked and the `RequestConfig` it was checked against."""
+
+    request: Any
+    config: Any
+
+
+def _check_request(args, task: str, conditioning) -> CheckedRequest:
     """The pipeline's own request checks (sizes, aspect, frames, conditioning): the `H3Request` the pipeline would
-    build, on the checkpoint's configs read from its folder (no weights). Returns that `RequestConfig`."""
+    build, on the checkpoint's configs read from its folder (no weights)."""
     from diffusers_h3.pipelines.request import H3Request, RequestConfig
     from diffusers_h3.tasks import partition_for_task
 
@@ -470,15 +478,16 @@ def _check_request(args, task: str, conditioning):
         from diffusers_h3.testing import tiny
 
         config = RequestConfig.from_configs(tiny.TINY_VAE_CONFIG, {partition: tiny.TINY_TRANSFORMER_CONFIG},
-                                            tiny.DEMO_PIPELINE_CONFIG)  # fmt: skip
+                                            tiny.demo_pipeline_config())  # fmt: skip
     else:
         config = RequestConfig.from_folder(folder, partitions=(partition,))
     try:
-        H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width, num_frames=args.frames,
-                        task=task, **conditioning)  # fmt: skip
+        strict = getattr(args, "strict_duration", False) or None  # None: the checkpoint config's setting
+        request = H3Request.build(config, prompt=args.prompt, height=args.height, width=args.width,
+                                  num_frames=args.frames, task=task, strict_duration=strict, **conditioning)  # fmt: skip
     except ValueError as error:
         raise UsageError(_as_flags(str(error)), "see the limits in `diffusers-h3 generate --help`") from error
-    return config
+    return CheckedRequest(request, config)
 
 
 def _check_prompt_length(args, config) -> None:
@@ -535,14 +544,11 @@ def _check_memory_option(args) -> None:
     args.memory_budget = (gpu, host)
 
 
-def _check_memory(args) -> None:
-    """`--memory`: the recipe that fits, chosen (and printed on one line) before anything loads. The recipes place
-    the model on a CUDA GPU: without one, `--memory` is refused rather than run on the CPU."""
+def _check_memory_device(args) -> None:
+    """`--memory` places the model on a CUDA GPU: without one it is refused rather than run on the CPU."""
     if getattr(args, "memory", None) is None:
         return
     import torch
-
-    from diffusers_h3.parallel.memory_budget import MemoryBudgetError, select_recipe
 
     if not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
@@ -551,8 +557,38 @@ def _check_memory(args) -> None:
     if not _device(args).startswith("cuda"):
         raise UsageError(f"--memory places the model on a CUDA GPU, but --device {args.device} asks for another "
                          "device", "drop --device or --memory")  # fmt: skip
+
+
+def _lora_rank(args) -> int:
+    """The rank of `--lora` (the largest of its down / A matrices) read from a local safetensors file's header; the
+    measured Light4 LoRA's 64 for a file not on this disk; 0 without `--lora`."""
+    if args.lora is None:
+        return 0
+    path = _local_path(args.lora, "--lora")
+    if path is None or not path.is_file() or path.suffix.lower() != ".safetensors":
+        return 64
+    from safetensors import safe_open
+
+    ranks = [0]
+    with safe_open(str(path), framework="pt") as handle:
+        for key in handle.keys():
+            if "lora_a" in key.lower() or "lora_down" in key.lower():
+                ranks.append(min(handle.get_slice(key).get_shape()))
+    return max(ranks)
+
+
+def _check_memory(args, checked: CheckedRequest) -> None:
+    """`--memory`: the recipe that fits this request's shape, chosen (and printed on one line) before anything
+    loads; when none fits, one line naming the longest clip at this canvas and the largest canvas at this length
+    that fit."""
+    if getattr(args, "memory", None) is None:
+        return
+    from diffusers_h3.parallel.memory_recipes import MemoryBudgetError, select_recipe
+    from diffusers_h3.pipelines.request import memory_shape
+
+    args.request_shape = memory_shape(checked.request, _lora_rank(args), checked.config.max_prompt_tokens)
     try:
-        args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args))
+        args.memory_recipe = select_recipe(*args.memory_budget, device=_device(args), shape=args.request_shape)
     except MemoryBudgetError as error:
         raise UsageError(_as_flags(error.what), error.fix or "see docs/memory.md") from None
     print(args.memory_recipe.line(), file=sys.stderr)
@@ -589,6 +625,9 @@ def check_arguments(args) -> None:
     if args.command in FIDELITY_COMMANDS:
         _check_fidelity_arguments(args)
         return
+    if args.command == "plan":
+        _check_plan_arguments(args)
+        return
     if args.command == "describe":
         if args.demo and args.model is not None:
             raise UsageError("--demo and --model name two pipelines", "pass one of them")
@@ -615,7 +654,7 @@ def check_generate(args):
     check_arguments(args)
     _check_flashinfer(args)
     _check_device(args)
-    _check_memory(args)
+    _check_memory_device(args)
     for flag, value in (("--model", args.model), ("--lora", args.lora)):
         if value is not None and _local_path(value, flag) is None:
             check_hub_reachable(value, flag, file="model_index.json" if flag == "--model" else None)
@@ -641,8 +680,11 @@ def check_generate(args):
         )
     _check_choices(args)
     _check_transformer_file_contents(args, task)
-    _check_prompt_length(args, _check_request(args, task, conditioning))
+    request = _check_request(args, task, conditioning)
+    _check_prompt_length(args, request.config)
     args.task = task
+    args.checked_request = request
+    _check_memory(args, request)
     return conditioning
 
 
@@ -679,8 +721,8 @@ def _load_pipeline(args):
     else:
         model = args.model
     if getattr(args, "memory_recipe", None) is not None:  # --memory: the recipe loads and places everything
-        from diffusers_h3.parallel.memory_budget import MemoryBudgetError
-        from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+        from diffusers_h3.parallel.memory_recipes import MemoryBudgetError
+        from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
         try:  # the checkpoint's formats are checked against the recipe's before any weight is read
             return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args),
@@ -830,6 +872,16 @@ def _generate_rank(args) -> None:
 
 def cmd_generate(args) -> int:
     conditioning = check_generate(args)  # before torch, the model or any output file
+    if args.dry_run:
+        from diffusers_h3.parallel.memory_model import packed_rows
+        from diffusers_h3.pipelines.request import memory_shape
+
+        checked = args.checked_request
+        shape = getattr(args, "request_shape", None) or memory_shape(checked.request, _lora_rank(args),
+                                                                    checked.config.max_prompt_tokens)  # fmt: skip
+        print(f"dry run: {shape.label()}, {packed_rows(shape)['total']:,} packed rows: every check passed; nothing "
+              "loaded (diffusers-h3 plan predicts its memory and time on any machine)")  # fmt: skip
+        return 0
 
     import torch
 
@@ -869,6 +921,7 @@ def cmd_generate(args) -> int:
     call = dict(
         prompt=args.prompt,
         num_frames=args.frames,
+        strict_duration=args.strict_duration or None,
         num_inference_steps=args.steps,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type="latent",  # decoded by decode_to_video, which encodes each video chunk while the next decodes
@@ -991,8 +1044,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "on the tiny demo)" % DEMO_CANVAS)  # fmt: skip
     gen.add_argument("--width", type=int, default=None, help="canvas width in pixels (see --height)")
     gen.add_argument("--frames", "--num-frames", dest="frames", type=_ranged(int, 1, what="--frames"), default=124,
-                     help="frames at 24 fps, rounded up to 17n+5 (the VAE's chunks), 5-15 s after rounding: "
-                          "108-345 frames, which round up to 124-345 (default: %(default)s = 5.2 s)")  # fmt: skip
+                     help="frames at 24 fps, rounded up to 17n+5 (whole VAE chunks: at least 22 frames); the "
+                          "released model is trained for 5-15 s (124-345 frames after rounding): outside that range "
+                          "the clip is generated after a warning (default: %(default)s = 5.2 s)")  # fmt: skip
+    gen.add_argument("--dry-run", action="store_true",
+                     help="run every check of the request (and, with --memory, choose the recipe) and stop before "
+                          "loading anything")  # fmt: skip
+    gen.add_argument("--strict-duration", action="store_true",
+                     help="refuse --frames outside the checkpoint's recommended durations instead of warning")
     gen.add_argument("--steps", type=_ranged(int, 2, MAX_STEPS + 1, what="--steps", bounds=STEPS_BOUNDS), default=None,
                      help=f"sigma grid points including the final 0 (STEPS-1 transformer forwards), {STEPS_BOUNDS} "
                           "(default: 50, or the schedule of a step-distillation LoRA)")  # fmt: skip
@@ -1063,8 +1122,94 @@ def build_parser() -> argparse.ArgumentParser:
     des.add_argument("--demo", action="store_true", help="load and describe the embedded tiny demo pipeline")
     des.add_argument("--json", action="store_true", help="print the report as JSON")
     des.set_defaults(func=cmd_describe)
+    _add_plan_command(sub)
     _add_fidelity_commands(sub)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# plan: which recipe a request runs as on a machine, its predicted peaks and times (docs/memory.md)
+# ---------------------------------------------------------------------------------------------------------------------
+PLAN_TASKS = ("t2va", "fl2va", "ref2va")
+
+
+def _add_plan_command(sub) -> None:
+    plan = sub.add_parser("plan", help="the memory recipe a request runs as on this machine or a named one, with its "
+                                       "predicted device and host peaks and times; loads nothing")  # fmt: skip
+    plan.add_argument("--task", choices=PLAN_TASKS, default="t2va", help="the request's task (default: t2va)")
+    plan.add_argument("--height", type=_ranged(int, 32, what="--height"), default=768,
+                      help="canvas height in pixels, a multiple of 32 (default: %(default)s)")
+    plan.add_argument("--width", type=_ranged(int, 32, what="--width"), default=1344,
+                      help="canvas width in pixels, a multiple of 32 (default: %(default)s)")
+    plan.add_argument("--frames", "--num-frames", dest="frames", type=_ranged(int, 1, what="--frames"), default=124,
+                      help="frames at 24 fps, rounded up to 17n+5 as `generate` does (default: %(default)s)")
+    plan.add_argument("--prompt-tokens", type=_ranged(int, 1, what="--prompt-tokens"), default=512,
+                      help="text rows: the prompt's tokens, plus the vision tokens of keyframes and references "
+                           "(default: %(default)s)")  # fmt: skip
+    plan.add_argument("--keyframes", type=int, choices=(1, 2), default=None, help="fl2va: keyframes (default: 1)")
+    plan.add_argument("--reference-images", type=_ranged(int, 0, 10, what="--reference-images"), default=0,
+                      help="ref2va: image references (each encoded at a 2048-pixel short edge)")
+    plan.add_argument("--reference-videos", type=_ranged(int, 0, 4, what="--reference-videos"), default=0,
+                      help="ref2va: video references (counted as long as the clip, with a soundtrack)")
+    plan.add_argument("--lora-rank", type=_ranged(int, 0, what="--lora-rank"), default=0,
+                      help="rank of the LoRA loaded (0: none; the LightX2V 4-step LoRA's is 64)")
+    plan.add_argument("--gpu", default=None, metavar="GB|NAME",
+                      help="plan for a card of this many GB (e.g. 8) or named as the consumer-GPU model lists it "
+                           "(e.g. 'RTX 4070'); default: this machine's visible GPU")  # fmt: skip
+    plan.add_argument("--ram", type=_ranged(float, 0.0, what="--ram"), default=None, metavar="GIB",
+                      help="the machine's host memory in GiB (the recipe may use all but 4 GiB); default: this "
+                           "machine's available memory")  # fmt: skip
+    plan.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    plan.set_defaults(func=cmd_plan)
+
+
+def _check_plan_arguments(args) -> None:
+    if args.height % 32 or args.width % 32:
+        raise UsageError(f"--height {args.height} --width {args.width}: not multiples of 32",
+                         f"pass e.g. --height {round(args.height / 32) * 32 or 32} --width "
+                         f"{round(args.width / 32) * 32 or 32}")  # fmt: skip
+    refs = args.reference_images + args.reference_videos
+    if args.task == "ref2va" and not refs:
+        raise UsageError("--task ref2va needs at least one reference", "add --reference-images N or "
+                         "--reference-videos N")  # fmt: skip
+    if args.task != "ref2va" and refs:
+        raise UsageError(f"--task {args.task} takes no references", "pass --task ref2va")
+    if args.keyframes is not None and args.task != "fl2va":
+        raise UsageError(f"--keyframes with --task {args.task}", "keyframes belong to --task fl2va")
+    if args.ram is not None and args.ram <= 4.0:
+        raise UsageError(f"--ram {args.ram:g}: the recipes leave 4 GiB of host memory to the system",
+                         "give the machine's memory in GiB, e.g. --ram 16")  # fmt: skip
+
+
+def cmd_plan(args) -> int:
+    check_arguments(args)
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames
+
+    from diffusers_h3.parallel.memory_model import RequestShape
+    from diffusers_h3.parallel.memory_recipes import HOST_HEADROOM_GIB, MemoryBudgetError, plan_request
+
+    shape = RequestShape(task=args.task, height=args.height, width=args.width,
+                         num_frames=max(22, align_num_frames(args.frames, 17, 5)), prompt_tokens=args.prompt_tokens,
+                         reference_images=args.reference_images, reference_videos=args.reference_videos,
+                         lora_rank=args.lora_rank, keyframes=args.keyframes)  # fmt: skip
+    host = None if args.ram is None else args.ram - HOST_HEADROOM_GIB
+    try:
+        if args.gpu is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("plan reads this machine's GPU, and none is visible",
+                                 "name a card: --gpu 8 (its memory in GB) or --gpu 'RTX 4070'")  # fmt: skip
+        plan = plan_request(shape, host_gib=host, gpu=args.gpu)
+    except MemoryBudgetError as error:
+        print(_as_flags(error.what) + (f" — {error.fix}" if error.fix else ""))
+        return 1
+    for line in plan.lines():
+        print(line)
+    if not 124 <= shape.num_frames <= 345:
+        print(f"note: {shape.num_frames} frames ({shape.num_frames / 24:.1f} s) is outside the 5-15 s the released "
+              "model was trained for: generate warns, --strict-duration refuses")  # fmt: skip
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1254,7 +1399,7 @@ def cmd_fidelity(args) -> int:
         request = argparse.Namespace(**{**vars(args), "prompt": prompt})
         try:
             _check_prompt_text(prompt)
-            _check_prompt_length(request, _check_request(request, "t2va", {}))
+            _check_prompt_length(request, _check_request(request, "t2va", {}).config)
         except UsageError as error:
             raise UsageError(f"--prompts {args.prompts} prompt {number}: {error}".split(" — ")[0],
                              str(error).partition(" — ")[2] or "fix the prompt") from None  # fmt: skip

@@ -304,6 +304,16 @@ def _check_references(inputs: Mapping[str, Any]) -> None:
         raise ValueError("Audio references cannot be used on their own: add at least one image or video reference.")
 
 
+def reference_image_size(width: int, height: int, short_edge: int, multiple: int) -> Tuple[int, int]:
+    """The `(width, height)` an image reference of `width` x `height` is encoded at: its short edge at `short_edge`
+    (the pipeline's `reference_image_short_edge`), both axes on the canvas multiple (as diffusers does)."""
+    scale = short_edge / min(width, height)
+    return (
+        max(multiple, round(width * scale / multiple) * multiple),
+        max(multiple, round(height * scale / multiple) * multiple),
+    )
+
+
 def _normalize_image_reference(components, image) -> MiniMaxH3ImageReference:
     """An image reference as RGB PIL at the reference short edge, on the canvas multiple (as diffusers does)."""
     multiple = components.canvas_multiple
@@ -320,11 +330,7 @@ def _normalize_image_reference(components, image) -> MiniMaxH3ImageReference:
     width, height = image.size
     if width <= 0 or height <= 0 or width > 4 * height or height > 4 * width:
         raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
-    scale = components.reference_image_short_edge / min(width, height)
-    target = (
-        max(multiple, round(width * scale / multiple) * multiple),
-        max(multiple, round(height * scale / multiple) * multiple),
-    )
+    target = reference_image_size(width, height, components.reference_image_short_edge, multiple)
     if image.size != target:
         image = components.image_processor.resize(image, height=target[1], width=target[0])
     return MiniMaxH3ImageReference(image=image)

@@ -65,8 +65,9 @@ BAD_INPUTS = {
     "height without width": (["--height", "64"], ["--height and --width have to be passed together"]),
     "aspect ratio": (["--height", "32", "--width", "256"], ["aspect ratios from 1:4 to 4:1 (width:height)",
                                                             "got --height 32 --width 256"]),
-    "too few frames": (["--frames", "50"], ["--frames 50", "17n+5", "Pass 108 to 345 frames"]),
-    "too many frames": (["--num-frames", "400"], ["--frames 400"]),
+    "less than one VAE chunk": (["--frames", "5"], ["--frames 5 rounds up to 5 frames", "17n+5", "at least 22 frames"]),
+    "too many frames, strict": (["--num-frames", "400", "--strict-duration"], ["--frames 400", "--strict-duration",
+                                                                            "Pass 6 to 345 frames"]),
     "steps": (["--steps", "1"], ["--steps must be from 2 to 1000", "got 1"]),
     "steps past the bound": (["--steps", "100000"], ["--steps must be from 2 to 1000", "20x the default", "got 100000"]),
     "width without height": (["--width", "96"], ["--height and --width have to be passed together",
@@ -172,7 +173,8 @@ def test_float_options_with_nan_or_inf_are_one_line_before_loading(value, no_loa
     out = str(no_loading / "out.mp4")
     base = {"generate": ["generate", "--prompt", "a cat", "--out", out, "--device", "cpu"],
             "compare": ["compare", "reference.mp4", "candidate.mp4"],
-            "fidelity": ["fidelity", "--prompts", "prompts.txt", "--out", str(no_loading / "fidelity")]}  # fmt: skip
+            "fidelity": ["fidelity", "--prompts", "prompts.txt", "--out", str(no_loading / "fidelity")],
+            "plan": ["plan", "--gpu", "8"]}  # fmt: skip
     for command, flag, _ in _float_options():  # `--flag=-inf`: argparse reads a bare `-inf` as an option
         _fails([*base[command], f"{flag}={value}"], capsys, f"argument {flag}", "must be a finite number", repr(value))
     for command in ("compare", "fidelity"):
@@ -283,7 +285,7 @@ package = types.ModuleType("diffusers_h3")
 package.__path__ = [str(Path({root!r}) / "diffusers_h3")]
 sys.modules["diffusers_h3"] = package
 import diffusers_h3.cli as cli
-for argv in (["--help"], ["generate", "--help"], ["describe", "--help"], ["--version"]):
+for argv in (["--help"], ["generate", "--help"], ["describe", "--help"], ["plan", "--help"], ["--version"]):
     try:
         cli.main(argv)
     except SystemExit as exit:
@@ -324,7 +326,7 @@ for name, argv in (("empty-prompt", ["--prompt", " "]), ("unwritable-out", ["--p
 heavy = sorted(name for name in ("torch", "diffusers", "transformers", "diffusers_h3") if name in sys.modules)
 print("HEAVY", heavy)
 try:  # the frame count is checked against the checkpoint's VAE: that needs the package
-    diffusers_h3_launcher.main(["generate", "--prompt", "a cat", "--frames", "50", "--out", "x.mp4"])
+    diffusers_h3_launcher.main(["generate", "--prompt", "a cat", "--frames", "5", "--out", "x.mp4"])
 except SystemExit as stop:
     print("EXIT frames", stop.code)
 print("LOADED", "diffusers_h3" in sys.modules and hasattr(sys.modules["diffusers_h3"], "MiniMaxH3Pipeline"))
@@ -344,7 +346,7 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
                  "steps", "vsa-nan", "lora-scale-inf"):
         assert f"EXIT {name} 2" in out, out
     assert "EXIT frames 2" in out and "LOADED True" in out, out
-    assert "--prompt is empty" in result.stderr and "--frames 50" in result.stderr
+    assert "--prompt is empty" in result.stderr and "--frames 5 rounds up" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr
 
 
@@ -462,22 +464,36 @@ def test_prompt_longer_than_the_text_encoder_reads_is_refused_before_loading(no_
     _fails([*base, "--prompt", "a cat plays jazz"], capsys, "--prompt is 16 tokens", "(8 tokens", "at most 8 tokens")
 
 
-def test_frames_range_in_help_is_the_range_accepted(no_loading):
+def test_frames_rule_in_help_is_the_rule_applied(no_loading, tmp_path, h3_logs, monkeypatch):
+    """The help's shortest clip and the released model's recommended range are what the CLI accepts: outside the
+    range with a warning, refused with --strict-duration (one rule with the pipeline: tests/pipelines/test_request)."""
     import re
 
-    text = cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
-    low, high = map(int, re.search(r"(\d+)-(\d+) frames, which round up", " ".join(text.split())).groups())
+    text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    shortest = int(re.search(r"at least (\d+) frames", text).group(1))
+    low, high = map(int, re.search(r"\((\d+)-(\d+) frames after rounding\)", text).groups())
+    released = tmp_path / "released"  # the hub layout's configs: no duration keys, the released defaults
+    released.mkdir()
+    (released / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3Pipeline"}))
 
-    def accepted(frames):
-        args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"),
-                                              "--device", "cpu", "--frames", str(frames)])  # fmt: skip
+    def accepted(frames, *flags, model=None):
+        argv = ["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"), "--device", "cpu",
+                "--frames", str(frames), *flags, *(["--model", str(model)] if model else [])]  # fmt: skip
         try:
-            cli.check_generate(args)
+            cli.check_generate(cli.build_parser().parse_args(argv))
             return True
         except cli.UsageError:
             return False
 
-    assert accepted(low) and accepted(high) and not accepted(low - 1) and not accepted(high + 1)
+    assert shortest == 22 and accepted(shortest) and accepted(6) and not accepted(5)  # 6-22 round up to 22
+    strict = ("--strict-duration",)
+    assert accepted(low - 16, *strict, model=released) and not accepted(low - 17, *strict, model=released)
+    assert accepted(high, *strict, model=released) and not accepted(high + 1, *strict, model=released)
+    monkeypatch.setattr("diffusers_h3.pipelines.request._WARNED_DURATIONS", set())
+    h3_logs.caplog.clear()
+    assert accepted(low - 17, model=released) and accepted(high + 1, model=released)
+    warned = {r.getMessage() for r in h3_logs.caplog.records if "outside the" in r.getMessage()}
+    assert len(warned) == 2 and all("5–15 s" in m and "--strict-duration" in m for m in warned), warned
 
 
 def test_ctrl_c_is_one_line_and_exit_130(no_loading, capsys, monkeypatch):
@@ -514,3 +530,16 @@ def test_nan_latents_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsy
     _fails(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu"], capsys,
            "the video latents hold", "NaN/inf", "likely causes", "--lora-scale", after_loading=True)  # fmt: skip
     assert not out.exists()
+
+
+def test_dry_run_checks_the_request_and_loads_nothing(no_loading, capsys, monkeypatch, h3_logs):
+    monkeypatch.setattr("diffusers_h3.pipelines.request._WARNED_DURATIONS", set())
+    out = no_loading / "out.mp4"
+    with h3_logs.expect("outside the 0.5–15 s"):  # a 20 s clip: generated after a warning
+        assert cli.main(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--frames", "480",
+                         "--dry-run"]) == 0  # fmt: skip
+    printed = capsys.readouterr()
+    assert "dry run: t2va 64x96x481 (20.0 s), 5 text rows" in printed.out and "nothing loaded" in printed.out
+    assert not out.exists()
+    _fails(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--frames", "480",
+            "--strict-duration", "--dry-run"], capsys, "--frames 480", "--strict-duration")  # fmt: skip

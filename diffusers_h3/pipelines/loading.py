@@ -37,7 +37,7 @@ from .fasth3 import apply_fasth3_stack, check_fasth3_stack, load_gates_without_c
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
 PIPELINE_CONFIG_KEYS = (
     "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "min_duration_s",
-    "max_duration_s", "max_prompt_tokens",
+    "max_duration_s", "max_prompt_tokens", "strict_duration",
 )  # fmt: skip
 
 

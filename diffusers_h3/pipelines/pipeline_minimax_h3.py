@@ -86,6 +86,7 @@ from .request import (
     check_prompt_tokens,
     check_text_encoder_loaded,
     latent_geometry,
+    memory_shape,
 )
 
 
@@ -182,9 +183,12 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         canvas_short_edge (`int`, defaults to 768), canvas_max_pixels (`int`, defaults to 768 * 1344): The default
             canvas rule (generated video and video references), as the released checkpoint was trained.
         reference_image_short_edge (`int`, defaults to 2048): Short edge image references are encoded at.
-        min_duration_s (`float`, defaults to 5.0), max_duration_s (`float`, defaults to 15.0): The clip lengths (after
-            17n+5 alignment, at 24 fps) requests may ask for: what the released checkpoint was trained for. Small test
-            pipelines allow shorter clips.
+        min_duration_s (`float`, defaults to 5.0), max_duration_s (`float`, defaults to 15.0): The recommended clip
+            lengths (after 17n+5 alignment, at 24 fps): what the released checkpoint was trained for. A request
+            outside them, from one VAE chunk (22 frames) up, warns once and runs. Small test pipelines recommend
+            shorter clips.
+        strict_duration (`bool`, defaults to `False`): Refuse requests outside `min_duration_s`–`max_duration_s`
+            instead of warning (a call's `strict_duration` overrides it).
         max_prompt_tokens (`int`, defaults to 2048): The most tokens a prompt may have (also bounded by the text
             encoder's `max_position_embeddings`); a longer one is refused before any model runs. The text rows join
             the DiT's packed sequence, so this bounds what a prompt costs; override it with
@@ -214,6 +218,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         min_duration_s: float = DEFAULT_MIN_DURATION_S,
         max_duration_s: float = DEFAULT_MAX_DURATION_S,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+        strict_duration: bool = False,
     ):
         super().__init__()
         self.register_modules(
@@ -235,6 +240,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             min_duration_s=min_duration_s,
             max_duration_s=max_duration_s,
             max_prompt_tokens=max_prompt_tokens,
+            strict_duration=strict_duration,
         )
         self.vae_spatial_compression_ratio = vae.spatial_compression_ratio if vae is not None else 16
         self.image_processor = VaeImageProcessor(vae_scale_factor=16)
@@ -368,7 +374,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         To load the weights the way the recipe needs (quantized as they arrive, the text encoder streamed from disk
         before the DiT loads), use `diffusers_h3.load_for_memory_budget(path, gpu_gib=..., host_gib=...)` instead:
         docs/memory.md."""
-        from ..parallel.memory_budget import enable_memory_budget
+        from ..parallel.memory_recipes import enable_memory_budget
 
         return enable_memory_budget(self, config, *args, **legacy)
 
@@ -750,6 +756,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         attention_kwargs: Optional[Dict[str, Any]] = None,
         callback_on_step_end: Optional[Callable[[Any, int, torch.Tensor, Dict], Dict]] = None,
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        strict_duration: Optional[bool] = None,
     ):
         r"""
         Generate a video with its stereo soundtrack.
@@ -765,8 +772,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                 them: ≤ 9 images, ≤ 3 videos, ≤ 3 audios, ≤ 12 in total, not audio only.
             height, width (`int`, *optional*): Canvas in pixels, multiples of 32, aspect 1:4…4:1. Defaults:
                 768×1344 (t2va/ref2va), the first keyframe's aspect at a 768 short edge (fl2va).
-            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5; after rounding within the
-                config's `min_duration_s`–`max_duration_s` (5–15 s for the released model).
+            num_frames (`int`, defaults to 124): Frames at 24 fps, rounded up to 17n+5, at least one VAE chunk
+                (22). The config's `min_duration_s`–`max_duration_s` (5–15 s for the released model, what it was
+                trained for) is the recommended range: outside it the call warns once and generates.
             num_inference_steps (`int`, *optional*, defaults to 50): Sigma grid points (terminal 0 included), i.e.
                 `num_inference_steps - 1` transformer forwards. A step-distillation LoRA may set its own default.
             sigmas, audio_sigmas (`list[float]`, *optional*): Explicit schedules (strictly decreasing, ending at 0),
@@ -795,6 +803,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             callback_on_step_end_tensor_inputs (`list[str]`): Among `"latents"`, `"audio_latents"` (packed rows,
                 conditioning rows first) and `"prompt_embeds"`. A `PipelineCallback` / `MultiPipelineCallbacks`
                 brings its own `tensor_inputs`, which replace this argument (as in diffusers' pipelines).
+            strict_duration (`bool`, *optional*): Refuse a clip outside the recommended durations instead of warning
+                (default: the config's `strict_duration`, `False`).
 
         Returns:
             [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`; a batch is stacked along the first axis
@@ -817,7 +827,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             latents=latents, audio_latents=audio_latents, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
             output_type=output_type, attention_kwargs=attention_kwargs, callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, task=spec,
+            strict_duration=strict_duration,
         )  # fmt: skip
+        self._check_memory_for_request(request)
         # H3 packs one request into one sequence: a batch runs one clip after another, stacked like diffusers.
         outputs = [self._generate(request, clip) for clip in request.clips]
         frames, audio = _stack_outputs(outputs, output_type)
@@ -826,6 +838,19 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         if not return_dict:
             return (frames, audio, self.audio_sampling_rate)
         return MiniMaxH3PipelineOutput(frames=frames, audio=audio, sampling_rate=self.audio_sampling_rate)
+
+    def _check_memory_for_request(self, request: H3Request) -> None:
+        """A pipeline placed by a memory recipe refuses, in one line before anything runs, a request the recipe is
+        predicted not to fit in the budget it was chosen for (`check_request_fits`)."""
+        recipe = getattr(self, "_h3_memory_recipe", None)
+        if recipe is None:
+            return
+        from ..parallel.memory_recipes import check_request_fits
+
+        transformer = getattr(self, request.spec.partition)
+        ranks = [getattr(config, "r", 0) for config in (getattr(transformer, "peft_config", None) or {}).values()]
+        shape = memory_shape(request, max(ranks, default=0), self.request_config().max_prompt_tokens)
+        check_request_fits(recipe, shape)
 
     def _generate(self, request: H3Request, clip: H3Clip):
         """One clip of a checked request: returns `(frames, audio)` with a batch axis of 1."""

@@ -43,8 +43,9 @@ logger = logging.get_logger(__name__)
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 CALLBACK_TENSOR_INPUTS = ("latents", "audio_latents", "prompt_embeds")
 TEXT_ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "processor")
-# The clip lengths the released checkpoint was trained for (seconds at 24 fps, after 17n+5 alignment); the pipeline's
-# config (`min_duration_s`, `max_duration_s`) holds the limits a pipeline enforces.
+# The clip lengths the released checkpoint was trained for (seconds at 24 fps, after 17n+5 alignment): the pipeline's
+# config (`min_duration_s`, `max_duration_s`) holds the recommended range; outside it a request warns (or, with
+# `strict_duration`, is refused).
 DEFAULT_MIN_DURATION_S, DEFAULT_MAX_DURATION_S = 5.0, 15.0
 # The default canvas rule (the released checkpoint's training canvas), the pipeline's config defaults.
 DEFAULT_CANVAS_SHORT_EDGE, DEFAULT_CANVAS_MAX_PIXELS = 768, 768 * 1344
@@ -65,7 +66,9 @@ class RequestConfig:
             VAE's geometry (16, 17 and 5 for the released model).
         patch_size (`tuple[int, int, int]`): The transformer's patch size.
         canvas_short_edge (`int`), canvas_max_pixels (`int`): The pipeline's default canvas rule.
-        min_duration_s (`float`), max_duration_s (`float`): The clip lengths the pipeline accepts, after alignment.
+        min_duration_s (`float`), max_duration_s (`float`): The recommended clip lengths, after alignment (what the
+            model was trained for): outside them a request warns once and runs, from one VAE chunk up.
+        strict_duration (`bool`): Refuse clips outside `min_duration_s`–`max_duration_s` instead of warning.
         max_prompt_tokens (`int`): The most tokens a prompt may have: the pipeline's `max_prompt_tokens`, lowered to
             the text encoder's `max_position_embeddings` where that is smaller.
         count_prompt_tokens (`Callable[[str], int]`, *optional*): Counts a prompt's tokens (the pipeline's tokenizer,
@@ -88,6 +91,7 @@ class RequestConfig:
     missing_text_components: Tuple[str, ...] = ()
     callback_tensor_inputs: Tuple[str, ...] = CALLBACK_TENSOR_INPUTS
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    strict_duration: bool = False
     count_prompt_tokens: Optional[Callable[[str], int]] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -131,6 +135,7 @@ class RequestConfig:
                 config.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS),
                 None if pipe.text_encoder is None else pipe.text_encoder.config.to_dict(),
             ),
+            strict_duration=bool(config.get("strict_duration", False)),
             count_prompt_tokens=None if pipe.tokenizer is None else functools.partial(count_tokens, pipe.tokenizer),
         )
 
@@ -167,6 +172,7 @@ class RequestConfig:
             max_prompt_tokens=prompt_token_limit(
                 pipeline_config.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS), text_encoder_config
             ),
+            strict_duration=bool(pipeline_config.get("strict_duration", False)),
         )
 
     @classmethod
@@ -332,30 +338,72 @@ def check_canvas(config: RequestConfig, height, width) -> None:
 
 
 def frame_range(config: RequestConfig) -> Tuple[int, int]:
-    """The smallest and largest aligned (17n+5) frame counts within the config's duration limits."""
+    """The smallest and largest aligned (17n+5) frame counts within the config's duration range (the recommended
+    range: what the model was trained for)."""
     per_chunk, kept = config.vae_frames_per_chunk, config.vae_latents_per_chunk
     low = align_num_frames(max(1, math.ceil(config.min_duration_s * MINIMAX_H3_FPS)), per_chunk, kept)
     high = kept + (int(config.max_duration_s * MINIMAX_H3_FPS) - kept) // per_chunk * per_chunk
     return low, high
 
 
-def align_frames(config: RequestConfig, num_frames) -> int:
-    """`num_frames` rounded up to the VAE's 17n+5, checked against the duration limits."""
+def shortest_clip(config: RequestConfig) -> int:
+    """The fewest frames any request may ask for: one whole VAE chunk (17 + 5 frames for the released model)."""
+    return config.vae_frames_per_chunk + config.vae_latents_per_chunk
+
+
+# Durations already warned about in this process (the CLI checks a request before the pipeline builds it again).
+_WARNED_DURATIONS = set()
+
+
+def _duration_refusal(config: RequestConfig, num_frames: int, aligned: int, why: str) -> ValueError:
+    first, last = frame_range(config)
+    # Counts above the aligned count below `first` round up to `first` or more.
+    lowest = max(1, first - config.vae_frames_per_chunk + 1)
+    return ValueError(
+        f"MiniMax-H3 generates {config.min_duration_s:g}–{config.max_duration_s:g} s at {MINIMAX_H3_FPS} fps{why}; "
+        f"`num_frames`={num_frames} rounds up to {aligned} frames (17n+5) = {aligned / MINIMAX_H3_FPS:.2f} s. Pass "
+        f"{lowest} to {last} frames (they round up to {first}–{last}: {first / MINIMAX_H3_FPS:.1f}–"
+        f"{last / MINIMAX_H3_FPS:.1f} s), e.g. {first} ({first / MINIMAX_H3_FPS:.1f} s) or {last} "
+        f"({last / MINIMAX_H3_FPS:.1f} s)."
+    )
+
+
+def align_frames(config: RequestConfig, num_frames, strict_duration: Optional[bool] = None) -> int:
+    """`num_frames` rounded up to the VAE's 17n+5, checked against the duration rule.
+
+    The config's `min_duration_s`–`max_duration_s` is the recommended range (what the model was trained for). A clip
+    outside it, from one VAE chunk (:func:`shortest_clip`) up, is generated after one warning (once per duration per
+    process); with `strict_duration` (default: `config.strict_duration`) it is refused instead. Fewer frames than
+    one chunk are always refused. How long a clip memory allows is the memory recipe's question, not this one's.
+    """
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
         raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
+    strict = config.strict_duration if strict_duration is None else bool(strict_duration)
     aligned = align_num_frames(num_frames, config.vae_frames_per_chunk, config.vae_latents_per_chunk)
     duration = aligned / MINIMAX_H3_FPS
     low_s, high_s = config.min_duration_s, config.max_duration_s
-    if not low_s <= duration <= high_s:
+    if aligned < shortest_clip(config):
         first, last = frame_range(config)
-        # Counts above the aligned count below `first` round up to `first` or more.
-        lowest = max(1, first - config.vae_frames_per_chunk + 1)
         raise ValueError(
-            f"MiniMax-H3 generates {low_s:g}–{high_s:g} s at {MINIMAX_H3_FPS} fps; `num_frames`="
-            f"{num_frames} rounds up to {aligned} frames (17n+5) = {duration:.2f} s. Pass {lowest} to {last} frames "
-            f"(they round up to {first}–{last}: {first / MINIMAX_H3_FPS:.1f}–{last / MINIMAX_H3_FPS:.1f} s), e.g. "
-            f"{first} ({first / MINIMAX_H3_FPS:.1f} s) or {last} ({last / MINIMAX_H3_FPS:.1f} s)."
+            f"`num_frames`={num_frames} rounds up to {aligned} frames (17n+5) = {duration:.2f} s, less than one VAE "
+            f"chunk: MiniMax-H3 generates at least {shortest_clip(config)} frames "
+            f"({shortest_clip(config) / MINIMAX_H3_FPS:.1f} s) at {MINIMAX_H3_FPS} fps and recommends {low_s:g}–"
+            f"{high_s:g} s ({first}–{last} frames). Pass {shortest_clip(config)} frames or more, e.g. {first} "
+            f"({first / MINIMAX_H3_FPS:.1f} s)."
         )
+    if not low_s <= duration <= high_s:
+        if strict:
+            raise _duration_refusal(config, num_frames, aligned, " (`strict_duration=True`)")
+        key = (aligned, low_s, high_s)
+        if key not in _WARNED_DURATIONS:
+            _WARNED_DURATIONS.add(key)
+            first, last = frame_range(config)
+            logger.warning(
+                f"`num_frames`={num_frames} gives {aligned} frames = {duration:.2f} s, outside the {low_s:g}–{high_s:g} "
+                f"s ({first}–{last} frames) MiniMax-H3 was trained for: generating anyway; motion, audio sync and "
+                "prompt following may degrade. Pass `strict_duration=True` (command line: --strict-duration) to refuse such "
+                "requests instead."
+            )
     if aligned != num_frames:
         logger.warning(f"`num_frames` has to be of the form 17n+5 for the video VAE; rounding {num_frames} up to {aligned}.")
     return aligned
@@ -376,9 +424,10 @@ def check_inputs(
     audio_sigmas,
     prompt_embeds=None,
     text_token_tags=None,
+    strict_duration: Optional[bool] = None,
 ) -> int:
     """Validate a request before any model runs; returns the aligned frame count (see
-    `MiniMaxH3Pipeline.check_inputs`)."""
+    `MiniMaxH3Pipeline.check_inputs`; `strict_duration`: :func:`align_frames`)."""
     spec = get_task(task) if isinstance(task, str) else task
     if prompt is not None and prompt_embeds is not None:
         raise ValueError(
@@ -403,7 +452,7 @@ def check_inputs(
             f"Load it with `MiniMaxH3Pipeline.from_pretrained(..., task={spec.name!r})` or pass `{partition}=...`."
         )
     check_canvas(config, height, width)
-    aligned = align_frames(config, num_frames)
+    aligned = align_frames(config, num_frames, strict_duration)
     spec.check_conditions(conditioning)
     if callback_on_step_end_tensor_inputs is not None:
         unknown = [k for k in callback_on_step_end_tensor_inputs if k not in config.callback_tensor_inputs]
@@ -571,9 +620,11 @@ class H3Request:
         callback_on_step_end: Optional[Callable] = None,
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
         task: Optional[Union[str, TaskSpec]] = None,
+        strict_duration: Optional[bool] = None,
     ) -> "H3Request":
         """Check the arguments of `__call__` against `config` and build the request (no model runs). `task` (a name
-        or spec) skips routing when the caller already routed the conditioning inputs."""
+        or spec) skips routing when the caller already routed the conditioning inputs; `strict_duration` (default:
+        the config's) refuses a clip outside the recommended durations instead of warning (:func:`align_frames`)."""
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         conditioning = {"image": image, "last_image": last_image, "references": references}
@@ -586,6 +637,7 @@ class H3Request:
             config, spec, prompt=prompt, height=height, width=width, num_frames=num_frames, conditioning=conditioning,
             output_type=output_type, callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             sigmas=sigmas, audio_sigmas=audio_sigmas, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
+            strict_duration=strict_duration,
         )  # fmt: skip
         count = num_videos_per_prompt
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
@@ -617,3 +669,22 @@ class H3Request:
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=tuple(callback_on_step_end_tensor_inputs or ()),
         )
+
+
+def memory_shape(request: H3Request, lora_rank: int = 0, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS):
+    """The memory model's `RequestShape` of `request`: its task, canvas, frames, references and keyframes, `lora_rank`,
+    and its text rows: the given embeddings' length, else the longest prompt's UTF-8 bytes (the tokenizer is
+    byte-level: a token holds at least one byte), at most `max_prompt_tokens`."""
+    from ..parallel.memory_model import RequestShape
+
+    rows = [
+        clip.prompt_embeds.shape[1] if clip.prompt_embeds is not None else len(clip.prompt.encode("utf-8"))
+        for clip in request.clips
+    ]
+    kinds = [reference.kind for reference in (request.conditioning.get("references") or ())]
+    keyframes = sum(request.conditioning.get(name) is not None for name in ("image", "last_image"))
+    return RequestShape(task=request.task, height=request.height, width=request.width, num_frames=request.num_frames,
+                        prompt_tokens=max(1, min(max(rows), int(max_prompt_tokens))),
+                        reference_images=kinds.count("image"), reference_videos=kinds.count("video"),
+                        lora_rank=int(lora_rank), keyframes=keyframes or None)  # fmt: skip
+

@@ -301,6 +301,12 @@ def save_to_hub_cache(
     return snapshot
 
 
+def demo_pipeline_config() -> Dict[str, object]:
+    """The pipeline config the demo checkpoint is saved with (its canvas rule and :data:`TINY_DURATION_LIMITS`): what
+    the CLI checks a request against before building the checkpoint."""
+    return {**TINY_DURATION_LIMITS, **DEMO_PIPELINE_CONFIG}
+
+
 def demo_checkpoint_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """The embedded tiny demo checkpoint, built offline into a cache folder on first use (our own save layout): a
     folder that `MiniMaxH3Pipeline.from_pretrained` loads, whose default canvas is the demo's 64x96
@@ -311,7 +317,7 @@ def demo_checkpoint_dir(cache_dir: Optional[Union[str, os.PathLike]] = None) -> 
     cache_dir = Path(cache_dir)
     if (cache_dir / "model_index.json").exists():
         return cache_dir
-    pipe = tiny_pipeline(seed=0, with_transformer_ref="transformer_ref" in DEMO_PARTITIONS, **DEMO_PIPELINE_CONFIG)
+    pipe = tiny_pipeline(seed=0, with_transformer_ref="transformer_ref" in DEMO_PARTITIONS, **demo_pipeline_config())
     tmp = cache_dir.with_name(cache_dir.name + ".tmp")
     pipe.save_pretrained(tmp)
     tmp.replace(cache_dir) if not cache_dir.exists() else None

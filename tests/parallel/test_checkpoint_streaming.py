@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from diffusers_h3.parallel import memory_budget as mb
+from diffusers_h3.parallel import memory_recipes as mb
 from diffusers_h3.parallel.checkpoint_streaming import (
     STREAM_HOOK_NAME,
     CheckpointMismatchError,

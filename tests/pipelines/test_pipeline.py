@@ -29,8 +29,8 @@ def _image(w=40, h=36):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"num_frames": 5}, r"0\.5–15 s.*rounds up to 5 frames"),  # the tiny pipeline's limits (real: test_request)
-        ({"num_frames": 346}, r"rounds up to 362"),
+        ({"num_frames": 5}, r"rounds up to 5 frames .* less than one VAE chunk.*0\.5–15 s"),  # real: test_request
+        ({"num_frames": 346, "strict_duration": True}, r"rounds up to 362"),
         ({"num_frames": 0}, "positive int"),
         ({"height": 32, "width": 160}, "aspect ratios from 1:4 to 4:1"),
         ({"height": 48, "width": 64}, "multiples of 32"),

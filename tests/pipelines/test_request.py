@@ -8,7 +8,7 @@ from pathlib import Path
 import PIL.Image
 import pytest
 import torch
-from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG, video_latent_num_frames
 
 from diffusers_h3.pipelines.request import (
     DEFAULT_MAX_DURATION_S,
@@ -105,37 +105,114 @@ def test_batch_split_prompt_embeds_rows():
         assert torch.equal(clip.prompt_embeds, embeds[i // 2][None]) and clip.text_token_tags is tags
 
 
-def test_default_limits_refuse_4_and_16_seconds():
+@pytest.fixture
+def fresh_duration_warnings(monkeypatch):
+    """Forget the durations this process already warned about, so each test sees its own warnings."""
+    monkeypatch.setattr("diffusers_h3.pipelines.request._WARNED_DURATIONS", set())
+
+
+def _duration_warnings(h3_logs):
+    return [r.getMessage() for r in h3_logs.caplog.records if "was trained for" in r.getMessage()]
+
+
+def test_default_range_is_recommended_strict_refuses_4_and_16_seconds(fresh_duration_warnings, h3_logs):
     config = _config()
     assert (config.min_duration_s, config.max_duration_s) == (DEFAULT_MIN_DURATION_S, DEFAULT_MAX_DURATION_S) == (5, 15)
     assert frame_range(config) == (124, 345)
-    with pytest.raises(ValueError, match=r"5–15 s.*rounds up to 107 frames .* e\.g\. 124 \(5\.2 s\) or 345 \(14\.4 s\)"):
-        _build(num_frames=96)  # 4 s
+    with pytest.raises(ValueError, match=r"5–15 s.*strict_duration=True.*rounds up to 107 frames .* e\.g\. 124 "
+                                         r"\(5\.2 s\) or 345 \(14\.4 s\)"):  # fmt: skip
+        _build(num_frames=96, strict_duration=True)  # 4 s
     with pytest.raises(ValueError, match=r"rounds up to 396 frames"):
-        _build(num_frames=384)  # 16 s
+        _build(num_frames=384, strict_duration=True)  # 16 s
+    with pytest.raises(ValueError, match=r"rounds up to 396 frames"):
+        _build(dataclasses.replace(config, strict_duration=True), num_frames=384)  # the config's own setting
+    h3_logs.caplog.clear()
     assert _build(num_frames=124).num_frames == 124 and _build(num_frames=345).num_frames == 345
+    assert _duration_warnings(h3_logs) == []
+    # Outside the range without strict: generated after a warning naming the trained range.
+    assert _build(num_frames=96).num_frames == 107 and _build(num_frames=384).num_frames == 396
+    warned = _duration_warnings(h3_logs)
+    assert len(set(warned)) == 2 and all("outside the 5–15 s (124–345 frames)" in m for m in warned), warned
 
 
-def test_default_pipeline_config_refuses_4_and_16_seconds():
+def test_duration_warning_is_given_once(fresh_duration_warnings, h3_logs):
+    h3_logs.caplog.clear()
+    for _ in range(3):
+        _build(num_frames=72)  # 3 s
+    assert len(set(_duration_warnings(h3_logs))) == 1
+    count = len(_duration_warnings(h3_logs))
+    _build(num_frames=72)
+    assert len(_duration_warnings(h3_logs)) == count  # nothing new for the same duration
+    _build(num_frames=480)  # 20 s: a new duration, a new warning
+    assert len(set(_duration_warnings(h3_logs))) == 2
+
+
+def test_less_than_one_vae_chunk_is_refused_even_without_strict():
+    with pytest.raises(ValueError, match=r"rounds up to 5 frames .* less than one VAE chunk: .* at least 22 frames"):
+        _build(num_frames=5)
+    assert _build(_config(**TINY_DURATION_LIMITS), num_frames=6).num_frames == 22
+
+
+def test_pipeline_warns_outside_the_range_and_refuses_when_strict(fresh_duration_warnings, h3_logs):
+    """A 3 s and a 20 s clip generate with one warning each; `strict_duration` (call or config) refuses them."""
     pipe = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S)
     call = {"prompt": "a cat", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "latent"}
-    for num_frames, aligned in ((96, 107), (384, 396)):
+    for num_frames, aligned in ((72, 73), (480, 481)):
         with pytest.raises(ValueError, match=rf"5–15 s.*rounds up to {aligned} frames"):
-            pipe(**call, num_frames=num_frames)
+            pipe(**call, num_frames=num_frames, strict_duration=True)
+        h3_logs.caplog.clear()
+        latents = pipe(**call, num_frames=num_frames).frames
+        assert latents.shape[2] == video_latent_num_frames(aligned, 17, 5)
+        assert len(set(_duration_warnings(h3_logs))) == 1
+    strict = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S,
+                           strict_duration=True)  # fmt: skip
+    assert strict.config.strict_duration is True and strict.request_config().strict_duration is True
+    with pytest.raises(ValueError, match=r"5–15 s.*rounds up to 73 frames"):
+        strict(**call, num_frames=72)
+    assert strict(**call, num_frames=72, strict_duration=False).frames.shape[2] == video_latent_num_frames(73, 17, 5)
 
 
 def test_limits_come_from_the_pipeline_config():
     """Fails if a duration limit stops coming from the pipeline's config (e.g. back to a module constant)."""
-    default = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S)
+    default = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S,
+                            strict_duration=True)  # fmt: skip
     with pytest.raises(ValueError, match="5–15 s"):
         default.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None)
-    short = tiny_pipeline(min_duration_s=0.5, max_duration_s=2.0)
+    short = tiny_pipeline(min_duration_s=0.5, max_duration_s=2.0, strict_duration=True)
     assert (short.config.min_duration_s, short.config.max_duration_s) == (0.5, 2.0)
     assert short.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None) == 22
     with pytest.raises(ValueError, match=r"0\.5–2 s.*rounds up to 56 frames"):
         short.check_inputs("t2va", "a cat", 32, 32, 40, {}, "np", None, None, None)
     with pytest.raises(ValueError, match=r"0\.5–2 s"):
         short(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+
+def test_cli_and_api_read_one_duration_rule(fresh_duration_warnings, tmp_path):
+    """The CLI checks a request on the same `RequestConfig` the loaded pipeline builds: for the demo checkpoint (its
+    saved config) and for a checkpoint folder, the accepted, warned and refused frame counts agree."""
+    from diffusers_h3.testing.tiny import demo_pipeline_config
+
+    demo_cli = RequestConfig.from_configs(TINY_VAE_CONFIG, {"transformer": TINY_TRANSFORMER_CONFIG}, demo_pipeline_config())
+    demo_pipe = tiny_pipeline(**demo_pipeline_config())
+    api = demo_pipe.request_config()
+    assert dataclasses.replace(demo_cli, text_dims=api.text_dims) == api
+    tiny_pipeline(max_duration_s=2.0, strict_duration=True).save_pretrained(tmp_path)
+    folder_cli = RequestConfig.from_folder(tmp_path)
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    loaded = MiniMaxH3Pipeline.from_pretrained(tmp_path).request_config()
+    assert folder_cli == dataclasses.replace(loaded, missing_text_components=())
+    assert folder_cli.strict_duration is True and (folder_cli.min_duration_s, folder_cli.max_duration_s) == (0.5, 2.0)
+
+    def outcome(config, num_frames):
+        try:
+            return _build(config, num_frames=num_frames).num_frames
+        except ValueError as error:
+            return str(error)
+
+    for num_frames in (5, 22, 40, 124, 400):
+        assert outcome(demo_cli, num_frames) == outcome(api, num_frames)
+        assert outcome(folder_cli, num_frames) == outcome(loaded, num_frames)
 
 
 def test_bad_limits_are_refused():
@@ -172,9 +249,9 @@ def test_tiny_end_to_end_tests_run_short_clips():
 
 @pytest.mark.parametrize("limits", [{}, TINY_DURATION_LIMITS, {"min_duration_s": 6.0, "max_duration_s": 10.0}])
 def test_frame_message_names_the_counts_accepted(limits):
-    """The refusal's "Pass A to B frames" is exactly the range `align_frames` accepts (it once said 120-360 where
-    108-345 are accepted)."""
-    config = _config(**limits)
+    """The strict refusal's "Pass A to B frames" is exactly the range `align_frames` accepts strictly (it once said
+    120-360 where 108-345 are accepted)."""
+    config = _config(**limits, strict_duration=True)
     with pytest.raises(ValueError) as refused:
         _build(config, num_frames=1000)
     low, high = map(int, re.search(r"Pass (\d+) to (\d+) frames", str(refused.value)).groups())

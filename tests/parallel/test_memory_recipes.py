@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusers_h3 import MemoryBudgetConfig, cli
-from diffusers_h3.parallel import memory_budget as mb
+from diffusers_h3.parallel import memory_recipes as mb
 from diffusers_h3.pipelines import MiniMaxH3Pipeline
 from diffusers_h3.quantizers import NVFP4Config, QuantizedTensor, W8A16Config, is_quantized_linear, quantize
 from diffusers_h3.testing import tiny
@@ -161,7 +161,7 @@ def test_a_pre_quantized_checkpoint_loads_without_dense_weights(config, tmp_path
 
 
 def test_low_ram_streams_the_text_encoder_from_disk_and_loads_it_first(tmp_path, monkeypatch):
-    from diffusers_h3.pipelines import memory_budget as loader
+    from diffusers_h3.pipelines import recipe_loading as loader
 
     components = tiny.tiny_components(seed=0, with_transformer_ref=False)
     components.pop("transformer_ref")
@@ -196,7 +196,7 @@ def test_low_ram_streams_a_converted_dit_and_vaes_with_the_outputs_of_the_reside
     """The converted checkpoint's DiT block by block, the VAEs per stage and the feed-forward in row chunks: the
     request's frames and audio are bitwise those of the same checkpoint loaded in memory, and nothing stays loaded."""
     from diffusers_h3.parallel import checkpoint_streaming as cs
-    from diffusers_h3.pipelines import memory_budget as loader
+    from diffusers_h3.pipelines import recipe_loading as loader
 
     monkeypatch.setattr(cs, "RESIDENT_BELOW_BYTES", 1024)  # the tiny models' groups stream too
     components = tiny.tiny_components(seed=0, with_transformer_ref=False)
@@ -232,7 +232,7 @@ def test_low_ram_streams_a_converted_dit_and_vaes_with_the_outputs_of_the_reside
 
 
 def test_low_ram_from_a_dense_checkpoint_quantizes_the_text_encoder_and_offloads_it_to_files(tmp_path):
-    from diffusers_h3.pipelines import memory_budget as loader
+    from diffusers_h3.pipelines import recipe_loading as loader
 
     components = tiny.tiny_components(seed=0, with_transformer_ref=False)
     components.pop("transformer_ref")
@@ -263,7 +263,7 @@ def test_pipeline_method_places_with_the_recipe_and_describe_reports_it():
 
 @pytest.mark.gpu
 def test_low_ram_runs_a_request_under_a_gpu_cap(tmp_path):
-    from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
+    from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
     components = tiny.tiny_components(seed=0, with_transformer_ref=False)
     components.pop("transformer_ref")
@@ -319,7 +319,7 @@ def test_a_memory_recipe_runs_a_gguf_dit_file_with_the_outputs_of_the_file_loade
     from diffusers_h3 import describe
     from diffusers_h3.loaders.single_file import load_transformer_file
     from diffusers_h3.parallel import checkpoint_streaming as cs
-    from diffusers_h3.pipelines import memory_budget as loader
+    from diffusers_h3.pipelines import recipe_loading as loader
 
     monkeypatch.setattr(cs, "RESIDENT_BELOW_BYTES", 1024)
     gguf_file, ckpt = file_and_checkpoint
@@ -344,7 +344,7 @@ def test_a_memory_recipe_runs_a_gguf_dit_file_with_the_outputs_of_the_file_loade
 def test_a_dit_file_the_host_budget_cannot_hold_beside_the_recipe_is_refused_before_loading(file_and_checkpoint,
                                                                                              monkeypatch):
     from diffusers_h3.loaders import single_file
-    from diffusers_h3.pipelines import memory_budget as loader
+    from diffusers_h3.pipelines import recipe_loading as loader
 
     gguf_file, ckpt = file_and_checkpoint
     monkeypatch.setattr(single_file, "load_transformer_file", lambda *a, **k: pytest.fail("loaded before the check"))

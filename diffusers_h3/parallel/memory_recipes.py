@@ -1,4 +1,5 @@
-"""Memory budgets: which single-GPU placement recipe fits a GPU and host memory budget, from measured numbers.
+"""Memory recipes: which single-GPU placement recipe fits a GPU and host memory budget for a request, from measured
+numbers.
 
 The recipes (:data:`RECIPES`) say how the weights are stored and where each component lives; what each one needs
 (peak GPU memory, host peak RSS including the load) and how fast it runs come from the measured cases of
@@ -16,8 +17,9 @@ requirement is written in code.
 
 What each recipe needs and the GPUs it suits: docs/memory.md.
 
-:func:`select_recipe` picks the fastest recipe that fits, :func:`enable_memory_budget` places an already loaded
-pipeline (``diffusers_h3.pipelines.memory_budget.load_for_memory_budget`` also loads it the way the recipe needs).
+:func:`select_recipe` picks the fastest recipe that fits (for a request's shape: the needs the memory model by rows
+predicts, :mod:`diffusers_h3.parallel.memory_model`), :func:`enable_memory_budget` places an already loaded pipeline
+(``diffusers_h3.pipelines.recipe_loading.load_for_memory_budget`` also loads it the way the recipe needs).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from diffusers.utils import logging
@@ -36,6 +39,15 @@ from diffusers.utils import logging
 from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
 from .._utils import config_from_call, with_device_index
 from ..quantizers import is_quantized_linear
+from .memory_model import (
+    MemoryModel,
+    RequestShape,
+    frames_of_seconds,
+    largest_fitting,
+    load_memory_model,
+    packed_rows,
+    time_scale,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -56,6 +68,11 @@ PRACTICAL_REQUEST_S = 600.0
 FEW_STEP_LORA_PRESET = "lightx2v-fl2v-turbo-4step-768p"
 FEW_STEP_LORA_FILE = "minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors"
 FEW_STEP_LORA_REPO = "lightx2v/Minimax-h3-Turbo"
+# The requests every table entry was measured with (benchmarks/placement.py): a t2va request and an fl2va request with
+# the rank-64 Light4 LoRA, at 768x1344x124. Without a memory model, their needs bound only requests no larger.
+MEASURED_SHAPES = (RequestShape(), RequestShape(task="fl2va", lora_rank=64))
+# The longest clip the suggestions of a refusal look at (seconds).
+LONGEST_PLANNED_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,10 +122,32 @@ class MemoryRecipe:
     cap_gib: Optional[float] = None
     settings: Dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
     reason: str = ""
+    request: Optional[str] = None  # the request the needs are for (None: the measured requests)
+    needs_basis: str = ""
+    time_scale: float = 1.0  # the request's time over the measured request's (predicted from the forward's FLOPs)
+    whole_device: bool = False  # gpu_gib counts the whole process's device memory (the memory model's), not the allocator
+    budget: Optional["MemoryBudget"] = dataclasses.field(default=None, compare=False)  # what select_recipe compared
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def for_request(self, shape: RequestShape, memory_model: Optional[MemoryModel]) -> Optional["MemoryRecipe"]:
+        """This entry with its needs for ``shape``'s request: predicted by ``memory_model`` when it has this entry,
+        else the measured needs when they bound the request (no larger than the measured ones); None when neither
+        says."""
+        if memory_model is not None and memory_model.has(self.case):
+            prediction = memory_model.predict(self.case, shape)
+            gpu, host, basis = prediction.device_gib, prediction.host_gib, prediction.basis
+        elif bounded_by_measured(shape):
+            gpu, host = self.gpu_gib, self.host_gib
+            basis = "the measured needs of the 768x1344x124 requests, which bound this request (no memory model yet)"
+        else:
+            return None
+        scale = time_scale(shape, MEASURED_SHAPES[0])
+        whole_device = memory_model is not None and memory_model.has(self.case)
+        return dataclasses.replace(self, gpu_gib=gpu, host_gib=host, request=shape.label(), needs_basis=basis,
+                                   time_scale=scale, whole_device=whole_device)  # fmt: skip
 
     def line(self) -> str:
         """The one line that says which recipe runs and why: what it needs, the budget it was compared with and the
@@ -121,8 +160,17 @@ class MemoryRecipe:
         settings = f", {', '.join(f'{k}={v}' for k, v in self.settings.items())}" if self.settings else ""
         approx = f"; approximate: {self.spec.approximate}" if self.spec.approximate else ""
         reason = f"; {self.reason}" if self.reason else ""
-        return (f"memory recipe {self.name!r} ({measured}{settings}): needs {self.gpu_gib:.2f} GiB GPU / "
-                f"{self.host_gib:.2f} GiB host, {self.request_s:.0f} s per 50-step t2va request on an H200"
+        if self.request is None:
+            return (f"memory recipe {self.name!r} ({measured}{settings}): needs {self.gpu_gib:.2f} GiB GPU / "
+                    f"{self.host_gib:.2f} GiB host, {self.request_s:.0f} s per 50-step t2va request on an H200"
+                    f"{reason}{approx}")  # fmt: skip
+        time = f"{self.request_s:.0f} s per 50-step t2va request on an H200"
+        if self.time_scale > 1.0:
+            time = (f"about {self.request_s * self.time_scale:.0f} s per 50-step request of this shape on an H200 "
+                    f"(predicted: the measured 768x1344x124 request's {self.request_s:.0f} s x {self.time_scale:.2f}, "
+                    "the ratio of the forwards' FLOPs)")  # fmt: skip
+        return (f"memory recipe {self.name!r} ({measured}{settings}) for {self.request}: needs "
+                f"{self.gpu_gib:.2f} GiB GPU / {self.host_gib:.2f} GiB host ({self.needs_basis}), {time}"
                 f"{reason}{approx}")  # fmt: skip
 
 
@@ -197,7 +245,8 @@ def predicted_request_times(predictions: Dict[str, Any], source: str) -> Dict[st
         for row in predictions["predictions"]:
             if row["gpu"] == gpu["name"] and row["nvme_gb_s"] == nvme and row["measured_memory"]:
                 cases[row["case"]] = {"t2va_s": row["t2va_50_s"], "t2va_4step_s": row["t2va_4step_s"]}
-        gpus[gpu["cuda_name"]] = {"capability": gpu["capability"], "sms": gpu["sms"], "cases": cases}
+        gpus[gpu["cuda_name"]] = {"name": gpu["name"], "capability": gpu["capability"], "sms": gpu["sms"],
+                                  "memory_gib": gpu["memory_gib"], "cases": cases}  # fmt: skip
     return {"label": "predicted from the measured H200 forward, the GPUs' published specs and the bytes each recipe "
                      "moves; not measured on these GPUs", "source": source, "nvme_gb_s": nvme, "gpus": gpus}  # fmt: skip
 
@@ -283,6 +332,10 @@ class MemoryBudget:
     gpu_name: Optional[str] = None
     gpu_capability: Optional[Tuple[int, int]] = None
     gpu_sms: Optional[int] = None
+    # The margin taken off free memory for what a process holds outside PyTorch's allocator (read budgets only): a
+    # whole-device need (the memory model's, the CUDA context included) is compared without it, since this process's
+    # context is already missing from the free memory read.
+    gpu_margin_gib: float = 0.0
 
 
 def visible_host_gib(headroom_gib: float = HOST_HEADROOM_GIB) -> Tuple[float, str]:
@@ -322,7 +375,7 @@ def visible_gpu(device: Union[str, torch.device, None] = None, margin_gib: float
     basis = f"{usable / GiB:.2f} GiB free on the {properties.name} less {margin_gib:g} GiB margin"
     return MemoryBudget(gpu_gib=max(usable / GiB - margin_gib, 0), host_gib=math.nan, gpu_basis=basis,
                         gpu_name=properties.name, gpu_capability=(properties.major, properties.minor),
-                        gpu_sms=properties.multi_processor_count)  # fmt: skip
+                        gpu_sms=properties.multi_processor_count, gpu_margin_gib=margin_gib)  # fmt: skip
 
 
 def read_budget(gpu_gib: Optional[float] = None, host_gib: Optional[float] = None, device=None) -> MemoryBudget:
@@ -336,7 +389,7 @@ def read_budget(gpu_gib: Optional[float] = None, host_gib: Optional[float] = Non
     if gpu_gib is None:
         budget = visible_gpu(device)
     elif on_cuda and torch.cuda.is_available():
-        budget = dataclasses.replace(visible_gpu(device), gpu_gib=float(gpu_gib), gpu_basis="given")
+        budget = dataclasses.replace(visible_gpu(device), gpu_gib=float(gpu_gib), gpu_basis="given", gpu_margin_gib=0.0)
     else:
         budget = MemoryBudget(gpu_gib=float(gpu_gib), host_gib=math.nan)
     if host_gib is None:
@@ -363,6 +416,84 @@ def _few_step_hint(recipe: MemoryRecipe, budget: MemoryBudget, predictions=None)
     return f"; {said or f'{seconds / 60:.0f} min per 50-step t2va'}: over {PRACTICAL_REQUEST_S / 60:.0f} min, {lora}"
 
 
+def check_request_fits(recipe: MemoryRecipe, shape: RequestShape, memory_model: Optional[MemoryModel] = None) -> None:
+    """Refuse (one :class:`MemoryBudgetError` line) a request that the recipe a pipeline was placed with does not fit
+    in the budget it was chosen for, as the memory model predicts; a request neither modelled nor bounded by the
+    measurements is logged once and left to run. Nothing is checked for a recipe named directly (no budget)."""
+    if recipe.budget is None:
+        return
+    memory_model = load_memory_model() if memory_model is None else memory_model
+    needs = recipe.for_request(shape, memory_model)
+    if needs is None:
+        key = (recipe.case, shape)
+        if key not in _UNMODELLED_WARNED:
+            _UNMODELLED_WARNED.add(key)
+            logger.warning(f"memory recipe {recipe.name!r} ({recipe.case}) is neither modelled nor measured for "
+                           f"{shape.label()}: running it unchecked (docs/memory.md)")  # fmt: skip
+        return
+    if _fits(needs, recipe.budget):
+        return
+    suggestion = _suggestion((recipe,), recipe.budget, shape, memory_model)
+    raise MemoryBudgetError(
+        f"{shape.label()} needs {needs.gpu_gib:.2f} GiB GPU / {needs.host_gib:.2f} GiB host under memory recipe "
+        f"{recipe.name!r} ({recipe.case}, {needs.needs_basis}), more than the {recipe.budget.gpu_gib:.2f} GiB GPU / "
+        f"{recipe.budget.host_gib:.2f} GiB host it was placed for; with it {suggestion}",
+        "shorten the clip or lower the resolution, or load for this request's shape "
+        "(load_for_memory_budget(..., shape=RequestShape(...)))",
+    )
+
+
+_UNMODELLED_WARNED = set()
+
+
+def bounded_by_measured(shape: RequestShape) -> bool:
+    """Whether the measured requests (:data:`MEASURED_SHAPES`) bound ``shape``'s needs: no more packed rows, canvas
+    pixels or LoRA rank than the largest of them."""
+    rows = max(packed_rows(m)["total"] for m in MEASURED_SHAPES)
+    pixels = max(m.height * m.width for m in MEASURED_SHAPES)
+    rank = max(m.lora_rank for m in MEASURED_SHAPES)
+    return packed_rows(shape)["total"] <= rows and shape.height * shape.width <= pixels and shape.lora_rank <= rank
+
+
+def _fits(recipe: Optional[MemoryRecipe], budget: MemoryBudget) -> bool:
+    if recipe is None:
+        return False
+    gpu = budget.gpu_gib + (budget.gpu_margin_gib if recipe.whole_device else 0.0)
+    return recipe.gpu_gib <= gpu and recipe.host_gib <= budget.host_gib
+
+
+def _canvas(shape: RequestShape, short_edge: int) -> Tuple[int, int]:
+    """``(height, width)`` of ``shape``'s aspect at ``short_edge``, on the 32-pixel canvas multiple."""
+    long_edge = max(32, round(short_edge * max(shape.height, shape.width) / min(shape.height, shape.width) / 32) * 32)
+    return (short_edge, long_edge) if shape.height <= shape.width else (long_edge, short_edge)
+
+
+def largest_requests_that_fit(table, budget: MemoryBudget, shape: RequestShape,
+                              memory_model: Optional[MemoryModel]) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    """The most frames at ``shape``'s canvas, and the largest canvas of its aspect at its frame count, that some
+    entry of ``table`` fits in ``budget`` (None where even the smallest does not: one VAE chunk, a 256-pixel short
+    edge)."""
+
+    def fits(candidate: RequestShape) -> bool:
+        return any(_fits(r.for_request(candidate, memory_model), budget) for r in table)
+
+    longest = frames_of_seconds(LONGEST_PLANNED_S)
+    frames = largest_fitting(lambda f: fits(dataclasses.replace(shape, num_frames=f)), 22, longest, 17)
+    short = min(shape.height, shape.width)
+    edge = largest_fitting(lambda e: fits(dataclasses.replace(shape, **dict(zip(("height", "width"), _canvas(shape, e))))),
+                           256, max(256, short), 32)  # fmt: skip
+    return frames, None if edge is None else _canvas(shape, edge)
+
+
+def _suggestion(table, budget, shape, memory_model) -> str:
+    frames, canvas = largest_requests_that_fit(table, budget, shape, memory_model)
+    at_canvas = (f"at {shape.height}x{shape.width} up to {frames} frames ({frames / 24:.1f} s) fit" if frames else
+                 f"at {shape.height}x{shape.width} not even one VAE chunk (22 frames) fits")  # fmt: skip
+    at_length = (f"at {shape.num_frames} frames up to {canvas[0]}x{canvas[1]}" if canvas else
+                 f"at {shape.num_frames} frames no canvas from a 256-pixel short edge up")  # fmt: skip
+    return f"{at_canvas}, {at_length}"
+
+
 def select_recipe(
     gpu_gib: Optional[float] = None,
     host_gib: Optional[float] = None,
@@ -370,33 +501,180 @@ def select_recipe(
     device: Union[str, torch.device, None] = None,
     table: Optional[Tuple[MemoryRecipe, ...]] = None,
     predictions: Optional[Dict[str, Any]] = None,
+    shape: Optional[RequestShape] = None,
+    memory_model: Optional[MemoryModel] = None,
 ) -> MemoryRecipe:
     """The fastest measured entry of the recipe table whose needs fit ``gpu_gib`` of GPU memory and ``host_gib`` of
     host memory (ties: the one that needs the least GPU, then host memory). None reads the machine: the visible GPU's
     free memory less :data:`GPU_MARGIN_GIB`, the host's available memory less :data:`HOST_HEADROOM_GIB`. The
     recipe's ``reason`` (in its ``line()``) gives the numbers compared and, when its request is predicted to take
-    more than :data:`PRACTICAL_REQUEST_S` on this GPU, names the few-step LoRA. Raises :class:`MemoryBudgetError`
-    (one line) when none fits."""
+    more than :data:`PRACTICAL_REQUEST_S` on this GPU, names the few-step LoRA.
+
+    With ``shape`` (a :class:`~diffusers_h3.parallel.memory_model.RequestShape`), each entry's needs are those of
+    that request (:meth:`MemoryRecipe.for_request`: the memory model, default the packaged one; an entry the model
+    does not cover counts only for requests its measurements bound). Raises :class:`MemoryBudgetError` (one line)
+    when none fits; for a shape, the line names the longest clip at its canvas and the largest canvas at its length
+    that fit."""
     budget = read_budget(gpu_gib, host_gib, device)
     table = load_recipe_table() if table is None else table
-    fitting = [r for r in table if r.gpu_gib <= budget.gpu_gib and r.host_gib <= budget.host_gib]
     gpu_said = f"{budget.gpu_gib:.2f} GiB of GPU memory" + ("" if budget.gpu_basis == "given" else
                                                             f" ({budget.gpu_basis})")  # fmt: skip
     host_said = f"{budget.host_gib:.2f} GiB of host memory" + ("" if budget.host_basis == "given" else
                                                                f" ({budget.host_basis})")  # fmt: skip
+    unknown = []
+    if shape is not None:
+        memory_model = load_memory_model() if memory_model is None else memory_model
+        for_shape = [(r, r.for_request(shape, memory_model)) for r in table]
+        unknown = [r.case for r, needs in for_shape if needs is None]
+        candidates = [needs for _, needs in for_shape if needs is not None]
+    else:
+        candidates = list(table)
+    fitting = [r for r in candidates if _fits(r, budget)]
     if not fitting:
-        least_gpu = min(table, key=lambda r: (r.gpu_gib, r.host_gib))
-        least_host = min(table, key=lambda r: (r.host_gib, r.gpu_gib))
-        raise MemoryBudgetError(
-            f"no memory recipe fits {gpu_said} and {host_said}: the smallest GPU need is {least_gpu.gpu_gib:.2f} GiB "
-            f"({least_gpu.name!r} as {least_gpu.case}, with {least_gpu.host_gib:.2f} GiB host), the smallest host "
-            f"need {least_host.host_gib:.2f} GiB ({least_host.name!r} as {least_host.case})",
-            "free memory, or use several GPUs (docs/memory.md)",
-        )
+        request = f" {shape.label()}" if shape is not None else ""
+        if not candidates:
+            raise MemoryBudgetError(
+                f"no memory recipe is measured or modelled for{request}: the table's entries were measured at "
+                "768x1344x124 and the memory model covers none of them for larger requests",
+                "make the request no larger than the measured ones (a shorter clip, a smaller canvas, fewer "
+                "references), or fit the memory model (docs/memory.md)",
+            )
+        least_gpu = min(candidates, key=lambda r: (r.gpu_gib, r.host_gib))
+        least_host = min(candidates, key=lambda r: (r.host_gib, r.gpu_gib))
+        what = (f"no memory recipe fits{request} in {gpu_said} and {host_said}: the smallest GPU need is "
+                f"{least_gpu.gpu_gib:.2f} GiB ({least_gpu.name!r} as {least_gpu.case}, with {least_gpu.host_gib:.2f} GiB "
+                f"host), the smallest host need {least_host.host_gib:.2f} GiB ({least_host.name!r} as "
+                f"{least_host.case})")  # fmt: skip
+        if unknown:
+            what += f"; {', '.join(unknown)} not modelled for this request"
+        if shape is None:
+            raise MemoryBudgetError(what, "free memory, or use several GPUs (docs/memory.md)")
+        suggestion = _suggestion(table, budget, shape, memory_model)
+        raise MemoryBudgetError(f"{what}; on this machine {suggestion}",
+                                "shorten the clip or lower the resolution, free memory, or use several GPUs "
+                                "(docs/memory.md)")  # fmt: skip
     best = min(fitting, key=lambda r: (r.request_s, r.gpu_gib, r.host_gib))
     which = "the only table entry that fits" if len(fitting) == 1 else f"the fastest of {len(fitting)} that fit"
     reason = f"chosen for {gpu_said} and {host_said}: {which}" + _few_step_hint(best, budget, predictions)
-    return dataclasses.replace(best, reason=reason)
+    if best.whole_device and budget.gpu_margin_gib:
+        reason += (f"; its device need counts the CUDA context, which the free memory already lacks: compared "
+                   f"without the {budget.gpu_margin_gib:g} GiB margin")  # fmt: skip
+    return dataclasses.replace(best, reason=reason, budget=budget)
+
+
+# -- planning a request on a machine, named or this one ------------------------------------------------------------
+
+
+def usable_card_gib(card_gb: float) -> float:
+    """What an ``card_gb`` GB card leaves one process: its memory less what the driver and a desktop hold, 0.7 GiB or
+    1/16 of the card, whichever is more (8 GB: 7.3 GiB, 12 GB: 11.25, 24 GB: 22.5, 80 GB: 75)."""
+    return round(card_gb - max(0.7, card_gb / 16), 2)
+
+
+def _gpu_key(name: str) -> str:
+    key = re.sub(r"[^a-z0-9]", "", name.lower().replace("nvidia", "").replace("geforce", ""))
+    return re.sub(r"\d+gb$", "", key)
+
+
+def named_gpu_budget(gpu: str, predictions: Optional[Dict[str, Any]] = None) -> MemoryBudget:
+    """The GPU part of a budget for a card named by its memory (``"8"``: an 8 GB card) or by a name the consumer-GPU
+    model lists (``"RTX 4070"``, ``"NVIDIA GeForce RTX 4070"``): :func:`usable_card_gib` of its memory."""
+    try:
+        card_gb = float(gpu)
+    except ValueError:
+        card_gb = None
+    if card_gb is not None:
+        if not (card_gb > 0 and math.isfinite(card_gb)):
+            raise MemoryBudgetError(f"gpu={gpu!r} is not a card size", "give the card's memory in GB, e.g. 8")
+        usable = usable_card_gib(card_gb)
+        return MemoryBudget(gpu_gib=usable, host_gib=math.nan,
+                            gpu_basis=f"a {card_gb:g} GB card: {usable:.2f} GiB usable")  # fmt: skip
+    gpus = (load_predictions() if predictions is None else predictions).get("gpus") or {}
+    for cuda_name, entry in gpus.items():
+        if _gpu_key(gpu) in (_gpu_key(cuda_name), _gpu_key(entry.get("name", cuda_name))):
+            usable = usable_card_gib(entry["memory_gib"])
+            return MemoryBudget(gpu_gib=usable, host_gib=math.nan, gpu_name=cuda_name,
+                                gpu_capability=tuple(entry["capability"]), gpu_sms=entry["sms"],
+                                gpu_basis=f"the {cuda_name}, a {entry['memory_gib']:g} GB card: {usable:.2f} GiB "
+                                          "usable")  # fmt: skip
+    known = ", ".join(entry.get("name", name) for name, entry in gpus.items())
+    raise MemoryBudgetError(f"gpu={gpu!r} is not a card size nor a GPU the consumer-GPU model lists ({known})",
+                            "give the card's memory in GB, e.g. 8, or one of those names")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What a request would run as on a machine: the recipe entry (with its needs for the request), the budget it was
+    compared with, and the predicted request times."""
+
+    recipe: MemoryRecipe
+    budget: MemoryBudget
+    shape: RequestShape
+    seconds: float
+    few_step_seconds: Optional[float]
+    time_basis: str
+
+    def lines(self) -> List[str]:
+        rows = packed_rows(self.shape)
+        parts = ", ".join(f"{kind} {count:,}" for kind, count in rows.items() if kind != "total" and count)
+        settings = ", ".join(f"{k}={v}" for k, v in self.recipe.settings.items()) or "its defaults"
+        cap = f", GPU cap {self.recipe.cap_gib:g} GiB" if self.recipe.cap_gib is not None else ""
+        few = (f"; {FEW_STEP_LORA_PRESET} (4 forwards) about {_minutes(self.few_step_seconds)}"
+               if self.few_step_seconds is not None else "")  # fmt: skip
+        return [
+            f"request: {self.shape.label()}: {rows['total']:,} packed rows ({parts})",
+            f"machine: {self.budget.gpu_gib:.2f} GiB of GPU memory ({self.budget.gpu_basis}), "
+            f"{self.budget.host_gib:.2f} GiB of host memory ({self.budget.host_basis})",
+            f"recipe: {self.recipe.name!r} as {self.recipe.case} ({settings}{cap})",
+            (f"peaks (predicted): {self.recipe.gpu_gib:.2f} GiB device, {self.recipe.host_gib:.2f} GiB host "
+             f"({self.recipe.needs_basis})" if self.recipe.whole_device else
+             f"needs (measured): {self.recipe.gpu_gib:.2f} GiB GPU (the allocator's peak, without the CUDA context), "
+             f"{self.recipe.host_gib:.2f} GiB host ({self.recipe.needs_basis})"),
+            f"time: 50 steps about {_minutes(self.seconds)}{few} ({self.time_basis})",
+        ]
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def plan_request(
+    shape: RequestShape,
+    gpu_gib: Optional[float] = None,
+    host_gib: Optional[float] = None,
+    *,
+    gpu: Optional[str] = None,
+    device: Union[str, torch.device, None] = None,
+    table: Optional[Tuple[MemoryRecipe, ...]] = None,
+    memory_model: Optional[MemoryModel] = None,
+    predictions: Optional[Dict[str, Any]] = None,
+) -> RequestPlan:
+    """The recipe ``shape``'s request runs as on a machine (``gpu``: a card named as :func:`named_gpu_budget` takes
+    it; else ``gpu_gib`` / ``host_gib``, None reading this machine), its predicted peaks and times. Raises
+    :class:`MemoryBudgetError` (the one line of :func:`select_recipe`) when nothing fits."""
+    predictions = load_predictions() if predictions is None else predictions
+    if gpu is not None:
+        named = named_gpu_budget(gpu, predictions)
+        if host_gib is None:
+            host_gib_read, host_basis = visible_host_gib()
+        else:
+            host_gib_read, host_basis = float(host_gib), "given"
+        budget = dataclasses.replace(named, host_gib=host_gib_read, host_basis=host_basis)
+    else:
+        budget = read_budget(gpu_gib, host_gib, device)
+    chosen = select_recipe(budget.gpu_gib, budget.host_gib, device="cpu", table=table, predictions=predictions,
+                           shape=shape, memory_model=memory_model)  # fmt: skip
+    predicted = predicted_seconds(chosen, budget.gpu_name, budget.gpu_capability, budget.gpu_sms, predictions)
+    scale = chosen.time_scale
+    scaled = f" x {scale:.2f} (the forwards' FLOPs over the measured 768x1344x124 request's)" if scale > 1.0 else ""
+    if predicted is not None:
+        seconds, few, basis = predicted["t2va_s"] * scale, predicted["t2va_4step_s"] * scale, predicted["basis"]
+    else:
+        seconds, few = chosen.request_s * scale, None
+        basis = (f"the {chosen.case} request measured on an H200, not this card: name a card the consumer-GPU model "
+                 "lists for its predicted time")  # fmt: skip
+    return RequestPlan(recipe=chosen, budget=budget, shape=shape, seconds=seconds, few_step_seconds=few,
+                       time_basis=basis + scaled)  # fmt: skip
 
 
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
@@ -485,24 +763,26 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
         apply_gpu_cap(gpu_gib, device)
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line())
+    pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)
     return recipe
 
 
-def resolve_recipe(recipe, gpu_gib, host_gib, device) -> MemoryRecipe:
-    """``recipe`` as a :class:`MemoryRecipe`: selected for the budget when None; when a string, the table entry of
-    that measured case, or of that recipe: the fastest of its entries that fits the budget given, else (no budget
-    given, or none fits) the one that needs the least GPU memory."""
+def resolve_recipe(recipe, gpu_gib, host_gib, device, shape: Optional[RequestShape] = None) -> MemoryRecipe:
+    """``recipe`` as a :class:`MemoryRecipe`: selected for the budget (and ``shape``'s request) when None; when a
+    string, the table entry of that measured case, or of that recipe: the fastest of its entries that fits the budget
+    given, else (no budget given, or none fits) the one that needs the least GPU memory. An entry named directly is
+    not refused for the request's shape: its line says what the request is predicted to need, where known."""
     if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise MemoryBudgetError(f"device={str(device)!r}, but no CUDA GPU is visible",
                                 "run on a GPU host (the recipes place the model on a CUDA GPU)")  # fmt: skip
     if isinstance(recipe, MemoryRecipe):
         return recipe
     if recipe is None:
-        return select_recipe(gpu_gib, host_gib, device=device)
+        return select_recipe(gpu_gib, host_gib, device=device, shape=shape)
     table = load_recipe_table()
     by_case = {r.case: r for r in table}
     if recipe in by_case:
-        return by_case[recipe]
+        return _with_request(by_case[recipe], shape)
     entries = [r for r in table if r.name == recipe]
     if not entries:
         names = sorted({r.name for r in table})
@@ -511,10 +791,21 @@ def resolve_recipe(recipe, gpu_gib, host_gib, device) -> MemoryRecipe:
                                 "budget")  # fmt: skip
     if gpu_gib is not None and host_gib is not None:
         try:
-            return select_recipe(gpu_gib, host_gib, device=device, table=tuple(entries))
+            return select_recipe(gpu_gib, host_gib, device=device, table=tuple(entries), shape=shape)
         except MemoryBudgetError:
             pass
-    return min(entries, key=lambda r: (r.gpu_gib, r.host_gib))
+    return _with_request(min(entries, key=lambda r: (r.gpu_gib, r.host_gib)), shape)
+
+
+def _with_request(recipe: MemoryRecipe, shape: Optional[RequestShape]) -> MemoryRecipe:
+    """A directly named entry with its needs for ``shape``'s request where they are known (else as measured, said)."""
+    if shape is None:
+        return recipe
+    known = recipe.for_request(shape, load_memory_model())
+    if known is not None:
+        return known
+    return dataclasses.replace(recipe, reason=f"named directly; its needs for {shape.label()} are neither measured nor "
+                                              "modelled")  # fmt: skip
 
 
 def place_for_recipe(pipe, recipe: MemoryRecipe, device, offload_folder=None) -> Dict[str, str]:

@@ -1,9 +1,9 @@
 """Loading for a memory budget: the recipe decides how the weights are loaded, not only where they go.
 
-``load_for_memory_budget(path, gpu_gib=16, host_gib=32)`` selects the fastest recipe that fits (before anything is
-read; see :mod:`diffusers_h3.parallel.memory_budget`), then loads each model straight into the recipe's weight format
-(quantized as each weight arrives from a dense checkpoint, or installed as stored from a pre-quantized one) and places
-it. For ``low_ram`` the text encoder is loaded first, without its never-run decoder layers, and streamed from disk
+``load_for_memory_budget(path, gpu_gib=16, host_gib=32, shape=RequestShape(...))`` selects the fastest recipe that
+fits the request (before anything is read; see :mod:`diffusers_h3.parallel.memory_recipes`), then loads each model
+straight into the recipe's weight format (quantized as each weight arrives from a dense checkpoint, or installed as
+stored from a pre-quantized one) and places it. For ``low_ram`` the text encoder is loaded first, without its never-run decoder layers, and streamed from disk
 leaf by leaf: from its own checkpoint files when they hold it in the recipe's format (a converted checkpoint), else
 through diffusers' disk group offload, which writes it to ``offload_folder``; its host memory is released before the
 DiT loads.
@@ -22,7 +22,8 @@ from typing import Any, Dict, Optional, Union
 import torch
 from diffusers.utils import logging
 
-from ..parallel.memory_budget import (
+from ..parallel.memory_model import RequestShape
+from ..parallel.memory_recipes import (
     GiB,
     MemoryBudgetConfig,
     MemoryBudgetError,
@@ -120,6 +121,7 @@ def load_for_memory_budget(
     cap_gpu: bool = True,
     pipeline_class=MiniMaxH3Pipeline,
     transformer_file: Union[str, os.PathLike, None] = None,
+    shape: Optional[RequestShape] = None,
     **from_pretrained_kwargs,
 ):
     """Load and place MiniMax-H3 with the fastest recipe that fits ``gpu_gib`` / ``host_gib`` (None: read the
@@ -140,13 +142,17 @@ def load_for_memory_budget(
             host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT
             from disk): the recipe's host need grows by the file's size, which is refused before anything loads
             when the host budget is smaller.
+        shape: the requests to fit (a :class:`~diffusers_h3.parallel.memory_model.RequestShape`: task, canvas,
+            frames, text rows, references, LoRA rank): the recipe and its settings are chosen for what the memory
+            model predicts that request needs (default: the measured 768x1344x124 requests). When nothing fits, the
+            one error line names the longest clip at this canvas and the largest canvas at this length that fit.
         from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``text_encoder_layer``).
 
     Returns:
         The placed pipeline; ``describe(pipe)["placement"]`` names the recipe and where each component streams from.
     """
     device = torch.device(device)
-    recipe = resolve_recipe(recipe, gpu_gib, host_gib, device)  # before anything is read
+    recipe = resolve_recipe(recipe, gpu_gib, host_gib, device, shape)  # before anything is read
     if from_pretrained_kwargs.get("quantization_config") is not None:
         raise MemoryBudgetError("load_for_memory_budget picks the weight formats of its recipe: drop "
                                 "quantization_config (or load with from_pretrained and place the pipeline yourself)")

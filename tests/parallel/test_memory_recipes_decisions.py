@@ -9,7 +9,7 @@ import torch
 
 from diffusers_h3 import cli
 from diffusers_h3.loaders.lora_presets import KNOWN_PRESETS, preset_from_file_name
-from diffusers_h3.parallel import memory_budget as mb
+from diffusers_h3.parallel import memory_recipes as mb
 
 
 GiB = mb.GiB
@@ -163,8 +163,7 @@ def test_a_recipe_named_directly_takes_its_fitting_entry_or_its_smallest(monkeyp
 
 def _memory_check(argv):
     args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--out", "clip.mp4", *argv])
-    cli.check_arguments(args)
-    cli._check_memory(args)
+    cli.check_generate(args)  # the request's checks, then the recipe for its shape
     return args
 
 
@@ -193,7 +192,8 @@ def test_cli_memory_words_are_the_clis(monkeypatch):
     fake_machine(monkeypatch, gpu_free_gib=15.0)
     message = _usage_error(["--memory", "0.1,0.1"])
     assert message.count("docs/memory.md") == 1 and "gpu_gib" not in message and "host_gib" not in message
-    assert "no memory recipe fits 0.10 GiB of GPU memory and 0.10 GiB of host memory" in message
+    assert "no memory recipe fits t2va 64x96x124 (5.2 s), 5 text rows in 0.10 GiB of GPU memory and 0.10 GiB of host " \
+           "memory" in message
 
 
 @pytest.mark.parametrize("value", ["-1,-1", "-0.5,32", "abc", "16", "16,32,1", "nan,3", "16,inf", "0,32"])

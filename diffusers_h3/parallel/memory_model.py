@@ -1,0 +1,384 @@
+"""A memory model by packed rows: the device and host peaks of one request under one measured recipe entry.
+
+Every H3 request is one packed sequence: text rows, keyframe or reference rows, audio rows and video rows
+(:mod:`diffusers_h3.packing` lays them out; :func:`packed_rows` counts them with that code). What a request needs
+beyond a recipe's fixed part grows with those rows (the DiT's activations), with the canvas (a decoded video chunk on
+the device) and with the LoRA rank (the adapter's weights), so each measured entry of the recipe table (a recipe under
+its settings and cap: ``memory_recipes.json``) gets one linear law per peak (the activations live on the device; the
+host holds the decoded clip, whose size tracks the rows too closely for both to be fitted)::
+
+    device_peak_gib = fixed + a * (rows / 10,000) + b * (canvas megapixels) + c * (LoRA rank / 64)
+    host_peak_gib   = fixed + b * (canvas megapixel-frames / 100) + c * (LoRA rank / 64)
+
+``device_peak_gib`` is the process's whole device memory as the card counts it (the allocator's peak, the CUDA
+context and the libraries' workspaces), ``host_peak_gib`` its peak RSS, load included. Chunking the feed-forward (a
+recipe setting) bounds part of the per-row term: each settings variant is its own entry with its own law.
+
+:func:`derive_memory_model` fits the laws by least squares on measured requests (``benchmarks/memory_model.py`` runs
+it on ``benchmarks/results/placement_<device>.json``; the package's ``memory_model.json`` is its result, checked by a
+test). A term whose least-squares weight comes out negative is dropped and the law refit: memory does not shrink as a
+request grows, so a negative weight is noise the few measured shapes cannot resolve. Requests marked as holdout are
+not fit; their prediction errors are reported next to the fitted ones'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    MINIMAX_H3_AUDIO_CHANNELS,
+    MINIMAX_H3_FPS,
+    align_num_frames,
+    audio_latent_num_frames,
+    resolve_canvas_size,
+    video_latent_num_frames,
+)
+
+from ..packing import ref2va_layout, t2va_fl2va_layout
+from ..tasks import get_task, reference_image_size
+
+
+MEMORY_MODEL_PATH = Path(__file__).with_name("memory_model.json")
+
+# The released checkpoint's geometry (a test checks these against the diffusers classes' defaults): video VAE
+# spatial compression, frames per VAE chunk and latents kept per chunk, the DiT's patch, the pipeline's canvas rule
+# and the short edge image references are encoded at.
+RELEASED_GEOMETRY = {
+    "vae_spatial_compression_ratio": 16,
+    "vae_frames_per_chunk": 17,
+    "vae_latents_per_chunk": 5,
+    "patch_size": (1, 2, 2),
+    "canvas_short_edge": 768,
+    "canvas_max_pixels": 768 * 1344,
+    "reference_image_short_edge": 2048,
+}
+# The DiT's dimensions (released defaults), for a forward's FLOPs.
+DIT_BLOCKS, DIT_HIDDEN, DIT_ATTENTION_WIDTH, DIT_FFN = 50, 5376, 56 * 128, 14336
+
+# The terms of each peak: name -> (what it counts, the unit its weight is per).
+FEATURES = {
+    "device_gib": ("rows", "decode_megapixels", "lora_rank"),
+    "host_gib": ("clip_megapixel_frames", "lora_rank"),
+}
+FEATURE_UNITS = {
+    "rows": "10,000 packed rows (text, keyframe / reference, audio and video rows)",
+    "decode_megapixels": "megapixel of canvas (height x width / 1e6): a decoded video chunk on the device",
+    "clip_megapixel_frames": "100 megapixel-frames (height x width x frames / 1e8): the decoded clip",
+    "lora_rank": "64 of LoRA rank",
+}
+# Above this condition number (terms scaled to their largest value) the measured requests barely tell two terms apart:
+# their weights would trade off against each other, so the fit is refused instead.
+MAX_CONDITION = 1e3
+# The records' fields that name a request's shape.
+SHAPE_FIELDS = ("task", "height", "width", "num_frames", "prompt_tokens", "reference_images", "reference_videos",
+                "lora_rank", "keyframes")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What of a request decides its memory: task, canvas, aligned frame count, text rows (the prompt's tokens as
+    presented, the references' vision tokens included), reference images and videos (ref2va; each video carries a
+    soundtrack and as many frames as the clip, the worst case), keyframes (fl2va: 1 or 2) and the LoRA's rank
+    (0: none)."""
+
+    task: str = "t2va"
+    height: int = 768
+    width: int = 1344
+    num_frames: int = 124
+    prompt_tokens: int = 512
+    reference_images: int = 0
+    reference_videos: int = 0
+    lora_rank: int = 0
+    keyframes: Optional[int] = None  # fl2va: 1 unless given
+
+    def __post_init__(self):
+        get_task(self.task)
+        if self.task != "ref2va" and (self.reference_images or self.reference_videos):
+            raise ValueError(f"{self.task} takes no references; references route a request to ref2va")
+        if self.task == "ref2va" and not (self.reference_images or self.reference_videos):
+            raise ValueError("a ref2va request needs at least one image or video reference")
+        keyframes = (1 if self.task == "fl2va" else 0) if self.keyframes is None else int(self.keyframes)
+        if keyframes and self.task != "fl2va" or self.task == "fl2va" and keyframes not in (1, 2):
+            raise ValueError(f"keyframes={self.keyframes}: fl2va takes 1 or 2 keyframes, other tasks none")
+        object.__setattr__(self, "keyframes", keyframes)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "RequestShape":
+        """The shape of a measured request record (fields :data:`SHAPE_FIELDS`; missing counts are 0)."""
+        fields = {name: record[name] for name in SHAPE_FIELDS if record.get(name) is not None}
+        return cls(**fields)
+
+    def label(self) -> str:
+        refs = []
+        if self.reference_images:
+            refs.append(f"{self.reference_images} image ref{'s' * (self.reference_images > 1)}")
+        if self.reference_videos:
+            refs.append(f"{self.reference_videos} video ref{'s' * (self.reference_videos > 1)}")
+        if self.task == "fl2va" and self.keyframes == 2:
+            refs.append("2 keyframes")
+        if self.lora_rank:
+            refs.append(f"LoRA rank {self.lora_rank}")
+        extra = f", {', '.join(refs)}" if refs else ""
+        return (f"{self.task} {self.height}x{self.width}x{self.num_frames} ({self.num_frames / MINIMAX_H3_FPS:.1f} s), "
+                f"{self.prompt_tokens} text rows{extra}")  # fmt: skip
+
+    def key(self) -> str:
+        """Compact name of the canvas and frames, e.g. ``768x1344x124``."""
+        return f"{self.height}x{self.width}x{self.num_frames}"
+
+
+def packed_rows(shape: RequestShape, geometry: Optional[Mapping[str, Any]] = None) -> Dict[str, int]:
+    """The packed rows of ``shape``'s request by kind (``text``, ``keyframe``, ``reference``, ``audio``, ``video``)
+    and in all (``total``), laid out by :mod:`diffusers_h3.packing` as the pipeline lays them out. ``geometry``:
+    :data:`RELEASED_GEOMETRY` unless given."""
+    g = {**RELEASED_GEOMETRY, **(geometry or {})}
+    per_chunk, kept = g["vae_frames_per_chunk"], g["vae_latents_per_chunk"]
+    ratio, patch = g["vae_spatial_compression_ratio"], tuple(g["patch_size"])
+    num_frames = align_num_frames(shape.num_frames, per_chunk, kept)
+    latent = (video_latent_num_frames(num_frames, per_chunk, kept), shape.height // ratio, shape.width // ratio,
+              audio_latent_num_frames(num_frames))  # fmt: skip
+    if shape.task == "ref2va":
+        multiple = ratio * patch[2]
+        references, visual, audio = [], [], []
+        width, height = reference_image_size(shape.width, shape.height, g["reference_image_short_edge"], multiple)
+        for _ in range(shape.reference_images):
+            references.append(_Reference("image", False))
+            visual.append(_latent(1, height, width, ratio, per_chunk, kept))
+        video_h, video_w = resolve_canvas_size(shape.width, shape.height, multiple, g["canvas_short_edge"],
+                                               g["canvas_max_pixels"])  # fmt: skip
+        # the encode snaps a video reference down to 17n+5 frames (tasks._encode_references)
+        video_frames = max(1, (num_frames - kept) // per_chunk) * per_chunk + kept
+        for _ in range(shape.reference_videos):
+            references.append(_Reference("video", True))
+            visual.append(_latent(video_frames, video_h, video_w, ratio, per_chunk, kept))
+            audio.append(torch.empty(MINIMAX_H3_AUDIO_CHANNELS * audio_latent_num_frames(num_frames), 1, device="meta"))
+        layout = ref2va_layout(shape.prompt_tokens, references, visual, audio, *latent, patch, MINIMAX_H3_AUDIO_CHANNELS)
+    else:
+        layout = t2va_fl2va_layout(shape.prompt_tokens, shape.keyframes, *latent, patch, MINIMAX_H3_AUDIO_CHANNELS)
+    rows = {"text": 0, "keyframe": 0, "reference": 0, "audio": 0, "video": 0}
+    for segment in layout.segments:
+        kind = segment.kind if segment.role in ("prompt", "target") else segment.role
+        rows[kind] += segment.stop - segment.start
+    rows["total"] = layout.seq_len
+    return rows
+
+
+@dataclass(frozen=True)
+class _Reference:  # what ref2va_layout reads of a reference
+    kind: str
+    has_audio: bool
+
+
+def _latent(frames, height, width, ratio, per_chunk, kept):
+    """A meta tensor with the shape of a visual condition's VAE latents (ref2va_layout reads shapes only)."""
+    latent_frames = 1 if frames == 1 else video_latent_num_frames(frames, per_chunk, kept)
+    return torch.empty(1, 1, latent_frames, height // ratio, width // ratio, device="meta")
+
+
+def features(shape: RequestShape, rows: Optional[int] = None) -> Dict[str, float]:
+    """The model's terms of ``shape`` in their units (:data:`FEATURE_UNITS`)."""
+    rows = packed_rows(shape)["total"] if rows is None else rows
+    pixels = shape.height * shape.width
+    return {"rows": rows / 1e4, "decode_megapixels": pixels / 1e6,
+            "clip_megapixel_frames": pixels * shape.num_frames / 1e8, "lora_rank": shape.lora_rank / 64}  # fmt: skip
+
+
+def forward_flops(rows: int) -> float:
+    """FLOPs of one DiT forward on ``rows`` packed rows: the blocks' GEMMs (QKV, output, SwiGLU up and down) and
+    dense attention (4 * rows^2 * attention width per block)."""
+    per_row = 2 * (DIT_HIDDEN * 3 * DIT_ATTENTION_WIDTH + DIT_ATTENTION_WIDTH * DIT_HIDDEN
+                   + DIT_HIDDEN * 2 * DIT_FFN + DIT_FFN * DIT_HIDDEN)  # fmt: skip
+    return DIT_BLOCKS * (rows * per_row + 4 * rows * rows * DIT_ATTENTION_WIDTH)
+
+
+# -- fitting -------------------------------------------------------------------------------------------------------
+
+
+def _fit_law(xs: List[Dict[str, float]], ys: List[float], names: Sequence[str]) -> Dict[str, Any]:
+    """Least squares of ``ys`` on an intercept and the terms ``names`` of ``xs``; terms that do not vary over the
+    records, or whose weight comes out negative, are dropped (with the reason) and the rest refit."""
+    kept, dropped = list(names), {}
+    for name in names:
+        values = [x[name] for x in xs]
+        if max(values) - min(values) < 1e-12:
+            kept.remove(name)
+            dropped[name] = "does not vary over the measured requests"
+    while True:
+        matrix = np.array([[1.0] + [x[name] for name in kept] for x in xs])
+        scaled = matrix / np.abs(matrix).max(axis=0)
+        if np.linalg.matrix_rank(matrix) < matrix.shape[1] or np.linalg.cond(scaled) > MAX_CONDITION:
+            raise ValueError(f"the measured requests cannot separate the terms {kept} (give shapes that vary them "
+                             "independently)")  # fmt: skip
+        weights = np.linalg.lstsq(matrix, np.array(ys, dtype=float), rcond=None)[0]
+        negative = [(w, name) for w, name in zip(weights[1:], kept) if w < 0]
+        if not negative:
+            break
+        name = min(negative)[1]
+        kept.remove(name)
+        dropped[name] = "its least-squares weight was negative (noise the measured shapes cannot resolve)"
+    law = {"fixed": round(float(weights[0]), 4)}
+    law.update({name: round(float(w), 4) for name, w in zip(kept, weights[1:])})
+    law.update({name: 0.0 for name in names if name not in kept})
+    return {"law": law, "dropped": dropped}
+
+
+def _apply(law: Mapping[str, float], x: Mapping[str, float]) -> float:
+    return law["fixed"] + sum(weight * x[name] for name, weight in law.items() if name != "fixed")
+
+
+def shape_records(results: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
+    """``(case, record)`` of every measured request of a placement result: the records listed under each case's
+    ``shapes`` that carry a device peak."""
+    out = []
+    for case_name, case in sorted(results.get("cases", {}).items()):
+        for record in case.get("shapes") or ():
+            if record.get("device_peak_gib") is not None and record.get("host_peak_rss_gib") is not None:
+                out.append((case_name, record))
+    return out
+
+
+def _holdout_key(record: Mapping[str, Any]) -> str:
+    return f"{record['height']}x{record['width']}x{record['num_frames']}"
+
+
+def derive_memory_model(
+    results: Mapping[str, Any],
+    source: str,
+    holdout: Iterable[str] = (),
+) -> Dict[str, Any]:
+    """The memory model (the content of ``memory_model.json``) from a placement result's measured requests.
+
+    Per case: the two laws fitted on its requests, except the holdout ones (a record with ``"holdout": true``, or
+    whose ``HxWxF`` is in ``holdout``), and every request's predicted and measured peaks: ``fit_shapes`` and
+    ``holdout`` with their relative errors. A case with fewer fitted requests than terms is left out (named in
+    ``not_fit``)."""
+    holdout = set(holdout)
+    by_case: Dict[str, List[Dict[str, Any]]] = {}
+    for case_name, record in shape_records(results):
+        by_case.setdefault(case_name, []).append(record)
+    model: Dict[str, Any] = {
+        "source": source, "device": results.get("device"), "commit": results.get("commit"),
+        "label": "fitted on measured requests; holdout requests were not fitted",
+        "units": FEATURE_UNITS, "holdout_shapes": sorted(holdout), "cases": {}, "fit_shapes": [], "holdout": [],
+        "not_fit": {},
+    }  # fmt: skip
+    for case_name, records in sorted(by_case.items()):
+        case = results["cases"][case_name]
+        shapes = [RequestShape.from_record(r) for r in records]
+        xs = [features(s) for s in shapes]
+        is_holdout = [bool(r.get("holdout")) or _holdout_key(r) in holdout for r in records]
+        fit_index = [i for i, h in enumerate(is_holdout) if not h]
+        needed = 1 + max(len(names) for names in FEATURES.values())
+        if len(fit_index) < needed:
+            model["not_fit"][case_name] = f"{len(fit_index)} measured requests to fit, {needed} needed"
+            continue
+        entry = {"recipe": case.get("recipe_name") or records[0].get("recipe"),
+                 "settings": dict(case.get("settings") or records[0].get("settings") or {}),
+                 "cap_gib": case.get("cap_gib"), "fitted_requests": len(fit_index)}  # fmt: skip
+        targets = {"device_gib": "device_peak_gib", "host_gib": "host_peak_rss_gib"}
+        for law_name, field in targets.items():
+            fitted = _fit_law([xs[i] for i in fit_index], [float(records[i][field]) for i in fit_index],
+                              FEATURES[law_name])  # fmt: skip
+            entry[law_name] = fitted["law"]
+            if fitted["dropped"]:
+                entry[f"{law_name}_dropped"] = fitted["dropped"]
+        model["cases"][case_name] = entry
+        for record, shape, x, held in zip(records, shapes, xs, is_holdout):
+            row = {"case": case_name, "shape": shape.label(), "rows": packed_rows(shape)["total"]}
+            for law_name, field in targets.items():
+                predicted, measured = _apply(entry[law_name], x), float(record[field])
+                prefix = "device" if law_name == "device_gib" else "host"
+                row[f"predicted_{prefix}_gib"] = round(predicted, 3)
+                row[f"measured_{prefix}_gib"] = round(measured, 3)
+                row[f"{prefix}_error"] = round((predicted - measured) / measured, 4)
+            model["holdout" if held else "fit_shapes"].append(row)
+    for name in ("fit_shapes", "holdout"):
+        errors = [abs(r[f"{p}_error"]) for r in model[name] for p in ("device", "host")]
+        model[f"{name}_max_error"] = round(max(errors), 4) if errors else None
+    return model
+
+
+# -- predicting ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The predicted peaks of one request under one recipe entry, and what they rest on."""
+
+    case: str
+    device_gib: float
+    host_gib: float
+    rows: int
+    basis: str
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The fitted laws per recipe entry (case name) and the model's provenance (``source``, ``device``)."""
+
+    cases: Mapping[str, Mapping[str, Any]]
+    source: str = ""
+    device: Optional[str] = None
+    holdout_max_error: Optional[float] = None
+    fit_max_error: Optional[float] = None
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def has(self, case: str) -> bool:
+        return case in self.cases
+
+    def predict(self, case: str, shape: RequestShape) -> MemoryPrediction:
+        """The peaks of ``shape``'s request under the recipe entry ``case``."""
+        entry = self.cases[case]
+        rows = packed_rows(shape)["total"]
+        x = features(shape, rows)
+        device, host = _apply(entry["device_gib"], x), _apply(entry["host_gib"], x)
+        error = f", holdout error up to {self.holdout_max_error:.0%}" if self.holdout_max_error is not None else ""
+        basis = (f"predicted by the memory model fitted on {entry['fitted_requests']} requests measured as {case} on "
+                 f"the {self.device}{error}")  # fmt: skip
+        return MemoryPrediction(case, round(device, 2), round(host, 2), rows, basis)
+
+
+def load_memory_model(path: Union[str, Path, None] = None) -> Optional[MemoryModel]:
+    """The model at ``path`` (default: the packaged ``memory_model.json``); None when there is none yet."""
+    path = Path(path or MEMORY_MODEL_PATH)
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return MemoryModel(cases=data["cases"], source=data.get("source", ""), device=data.get("device"),
+                       holdout_max_error=data.get("holdout_max_error"), fit_max_error=data.get("fit_shapes_max_error"),
+                       data=data)  # fmt: skip
+
+
+def time_scale(shape: RequestShape, reference: RequestShape) -> float:
+    """How much longer ``shape``'s request computes than ``reference``'s: the ratio of their DiT forwards' FLOPs, at
+    least 1 (the recipes that stream weights read them at every forward whatever the shape)."""
+    return max(1.0, forward_flops(packed_rows(shape)["total"]) / forward_flops(packed_rows(reference)["total"]))
+
+
+def largest_fitting(fits, start: int, stop: int, step: int) -> Optional[int]:
+    """The largest value in ``range(start, stop + 1, step)`` for which ``fits(value)`` holds, assuming a need that
+    grows with the value (bisection over the steps); None when even ``start`` does not fit."""
+    if not fits(start):
+        return None
+    low, high = 0, (stop - start) // step
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(start + middle * step):
+            low = middle
+        else:
+            high = middle - 1
+    return start + low * step
+
+
+def frames_of_seconds(seconds: float) -> int:
+    """The aligned frame count of a clip of ``seconds`` at 24 fps (rounded up to 17n+5)."""
+    g = RELEASED_GEOMETRY
+    return align_num_frames(max(1, math.ceil(seconds * MINIMAX_H3_FPS)), g["vae_frames_per_chunk"],
+                            g["vae_latents_per_chunk"])  # fmt: skip

@@ -1,0 +1,210 @@
+"""The memory model by rows: row counts from the package's packing code, the least-squares fit, the committed copy."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from diffusers_h3.parallel.memory_model import (
+    FEATURES,
+    MEMORY_MODEL_PATH,
+    RELEASED_GEOMETRY,
+    RequestShape,
+    derive_memory_model,
+    features,
+    largest_fitting,
+    load_memory_model,
+    packed_rows,
+    shape_records,
+)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_released_geometry_is_the_checkpoint_classes_defaults():
+    from diffusers_h3.pipelines.request import RequestConfig
+
+    config = RequestConfig.from_configs({}, {"transformer": {}})
+    assert (config.vae_spatial_compression_ratio, config.vae_frames_per_chunk, config.vae_latents_per_chunk) == (
+        RELEASED_GEOMETRY["vae_spatial_compression_ratio"], RELEASED_GEOMETRY["vae_frames_per_chunk"],
+        RELEASED_GEOMETRY["vae_latents_per_chunk"])  # fmt: skip
+    assert tuple(config.patch_size) == RELEASED_GEOMETRY["patch_size"]
+    assert config.canvas_rule == (RELEASED_GEOMETRY["canvas_short_edge"], RELEASED_GEOMETRY["canvas_max_pixels"])
+    import inspect
+
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    default = inspect.signature(MiniMaxH3Pipeline.__init__).parameters["reference_image_short_edge"].default
+    assert default == RELEASED_GEOMETRY["reference_image_short_edge"]
+
+
+def test_rows_of_the_measured_shape():
+    """768x1344x124: 37 latent frames x 24 x 42 video rows, 5.17 s x 40 latents/s x 2 channels audio rows, and the
+    text rows; an fl2va keyframe adds one latent frame's grid."""
+    rows = packed_rows(RequestShape())
+    assert rows == {"text": 512, "keyframe": 0, "reference": 0, "audio": 414, "video": 37 * 24 * 42, "total": 38222}
+    assert packed_rows(RequestShape(task="fl2va"))["keyframe"] == 24 * 42
+    assert packed_rows(RequestShape(task="fl2va", keyframes=2))["keyframe"] == 2 * 24 * 42
+    assert packed_rows(RequestShape(height=480, width=832))["video"] == 37 * 15 * 26
+    assert packed_rows(RequestShape(num_frames=259))["video"] == 77 * 24 * 42
+
+
+def test_ref2va_references_enter_as_rows():
+    """An image reference at a 2048 short edge (16:9 canvas: 2048 x 3584) is one latent frame of 64 x 112 rows; a
+    video reference is a clip on the canvas rule, with its soundtrack's rows."""
+    one_image = packed_rows(RequestShape(task="ref2va", reference_images=1))
+    assert one_image["reference"] == 64 * 112
+    video = packed_rows(RequestShape(task="ref2va", reference_videos=1))
+    assert video["reference"] == 37 * 24 * 42 + 414
+    both = packed_rows(RequestShape(task="ref2va", reference_images=3, reference_videos=1))
+    assert both["reference"] == 3 * 64 * 112 + 37 * 24 * 42 + 414
+    assert both["total"] == 512 + both["reference"] + 414 + 37 * 24 * 42
+    with pytest.raises(ValueError, match="references route a request to ref2va"):
+        RequestShape(task="t2va", reference_images=1)
+
+
+LAW = {
+    "device_gib": {"fixed": 5.5, "rows": 0.42, "decode_megapixels": 0.8, "lora_rank": 0.25},
+    "host_gib": {"fixed": 6.9, "clip_megapixel_frames": 0.6, "lora_rank": 0.1},
+}
+SHAPES = [("t2va", 480, 832, 124, 0), ("fl2va", 480, 832, 124, 64), ("t2va", 768, 1344, 124, 0),
+          ("fl2va", 768, 1344, 124, 64), ("t2va", 768, 1344, 259, 0), ("fl2va", 768, 1344, 259, 64),
+          ("t2va", 1088, 1920, 124, 0), ("fl2va", 544, 960, 345, 32)]  # fmt: skip
+HOLDOUT = [("t2va", 640, 1088, 175, 0), ("fl2va", 640, 1088, 175, 64)]
+
+
+def _record(task, height, width, frames, rank, law=LAW, scale=1.0, **extra):
+    shape = RequestShape(task=task, height=height, width=width, num_frames=frames, lora_rank=rank)
+    x = features(shape)
+
+    def peak(name):
+        return scale * sum(w * (1.0 if k == "fixed" else x[k]) for k, w in law[name].items())
+
+    return {"task": task, "height": height, "width": width, "num_frames": frames, "prompt_tokens": 512,
+            "reference_images": 0, "reference_videos": 0, "lora_rank": rank, "recipe": "low_ram",
+            "settings": {"read_ahead": 1}, "device_peak_gib": peak("device_gib"), "peak_reserved_gib": None,
+            "peak_allocated_gib": None, "host_peak_rss_gib": peak("host_gib"), "ms": 1.0, **extra}  # fmt: skip
+
+
+def _results(records, case="pc_8gb_16gib"):
+    return {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
+            "cases": {case: {"recipe_name": "low_ram", "settings": {"read_ahead": 1}, "cap_gib": 7.0,
+                             "shapes": records}}}  # fmt: skip
+
+
+def test_fit_recovers_a_known_law_and_reports_the_holdout_error():
+    records = [_record(*s) for s in SHAPES] + [_record(*s, scale=1.1) for s in HOLDOUT]  # holdouts measured 10 % high
+    model = derive_memory_model(_results(records), "synthetic.json", holdout=["640x1088x175"])
+    entry = model["cases"]["pc_8gb_16gib"]
+    for name, law in LAW.items():
+        for term, weight in law.items():
+            assert entry[name][term] == pytest.approx(weight, abs=2e-4), (name, term)
+    assert entry["fitted_requests"] == len(SHAPES) and len(model["holdout"]) == 2
+    assert model["fit_shapes_max_error"] == pytest.approx(0, abs=1e-3)
+    for row in model["holdout"]:  # predicted by the law, measured 1.1x: error -1/11
+        assert row["device_error"] == pytest.approx(-1 / 11, abs=1e-3)
+        assert row["host_error"] == pytest.approx(-1 / 11, abs=1e-3)
+        assert row["measured_device_gib"] == pytest.approx(1.1 * row["predicted_device_gib"], abs=2e-3)
+    assert model["holdout_max_error"] == pytest.approx(1 / 11, abs=1e-3)
+    # A record marked as holdout is not fitted either.
+    marked = derive_memory_model(_results([_record(*s) for s in SHAPES] + [_record(*HOLDOUT[0], holdout=True)]), "x")
+    assert [r["shape"] for r in marked["holdout"]] == [RequestShape(task="t2va", height=640, width=1088,
+                                                                    num_frames=175).label()]  # fmt: skip
+
+
+def test_a_negative_or_constant_term_is_dropped_with_its_reason():
+    law = {"device_gib": {**LAW["device_gib"], "decode_megapixels": -0.3}, "host_gib": LAW["host_gib"]}
+    records = [_record(*s, law=law) for s in SHAPES]
+    entry = derive_memory_model(_results(records), "x")["cases"]["pc_8gb_16gib"]
+    assert entry["device_gib"]["decode_megapixels"] == 0.0
+    assert "negative" in entry["device_gib_dropped"]["decode_megapixels"]
+    no_lora = [_record(t, h, w, f, 0) for t, h, w, f, _ in SHAPES]
+    entry = derive_memory_model(_results(no_lora), "x")["cases"]["pc_8gb_16gib"]
+    assert entry["device_gib"]["lora_rank"] == 0.0 and "does not vary" in entry["device_gib_dropped"]["lora_rank"]
+
+
+def test_terms_the_shapes_cannot_separate_are_refused():
+    """Requests at one canvas and one frame count (only their text rows differ a little) cannot separate the per-row
+    term from the fixed part: the fit is refused rather than trading one against the other."""
+    same = [_record("t2va", 768, 1344, 124, 0), _record("fl2va", 768, 1344, 124, 64)] * 3
+    with pytest.raises(ValueError, match="cannot separate the terms"):
+        derive_memory_model(_results([dict(r, prompt_tokens=512 + i) for i, r in enumerate(same)]), "x")
+
+
+def test_too_few_requests_leave_the_case_out():
+    model = derive_memory_model(_results([_record(*s) for s in SHAPES[:3]]), "x")
+    assert model["cases"] == {} and "3 measured requests" in model["not_fit"]["pc_8gb_16gib"]
+    assert 1 + max(len(v) for v in FEATURES.values()) == 4
+
+
+def test_loaded_model_predicts_what_the_fit_recorded(tmp_path):
+    model = derive_memory_model(_results([_record(*s) for s in SHAPES]), "x")
+    path = tmp_path / "memory_model.json"
+    path.write_text(json.dumps(model))
+    loaded = load_memory_model(path)
+    shape = RequestShape(task="fl2va", height=768, width=1344, num_frames=259, lora_rank=64)
+    prediction = loaded.predict("pc_8gb_16gib", shape)
+    expected = _record("fl2va", 768, 1344, 259, 64)
+    assert prediction.device_gib == pytest.approx(expected["device_peak_gib"], abs=0.01)
+    assert prediction.host_gib == pytest.approx(expected["host_peak_rss_gib"], abs=0.01)
+    assert prediction.rows == packed_rows(shape)["total"] and "pc_8gb_16gib" in prediction.basis
+    assert load_memory_model(tmp_path / "missing.json") is None
+
+
+def test_fit_script_writes_the_device_file_and_the_package_copy(tmp_path):
+    spec = importlib.util.spec_from_file_location("memory_model_script", ROOT / "benchmarks" / "memory_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    results = tmp_path / "placement_h100.json"
+    results.write_text(json.dumps(_results([_record(*s) for s in SHAPES + HOLDOUT])))
+    out, copy = tmp_path / "memory_model_h100.json", tmp_path / "copy.json"
+    assert script.main(["--results", str(results), "--holdout", "640x1088x175", "--out", str(out),
+                        "--package-copy", str(copy)]) == 0  # fmt: skip
+    written = json.loads(out.read_text())
+    assert written == json.loads(copy.read_text())
+    assert {"fit_shapes", "holdout", "cases"} <= set(written) and len(written["holdout"]) == 2
+    assert script.device_slug("NVIDIA H100 80GB HBM3") == "h100" and script.device_slug("NVIDIA H200") == "h200"
+
+
+def test_largest_fitting_bisects_over_steps():
+    assert largest_fitting(lambda v: v <= 260, 22, 1000, 17) == 260 - (260 - 22) % 17
+    assert largest_fitting(lambda v: False, 22, 1000, 17) is None
+    assert largest_fitting(lambda v: True, 22, 1000, 17) == 22 + (1000 - 22) // 17 * 17
+
+
+def _measured_results():
+    """The committed placement results that hold measured requests (``cases[<case>]["shapes"]``)."""
+    found = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("placement_*.json")):
+        results = json.loads(path.read_text())
+        if shape_records(results):
+            found[path.relative_to(ROOT).as_posix()] = results
+    return found
+
+
+@pytest.mark.skipif(not _measured_results(), reason="no committed placement result holds measured requests yet")
+def test_committed_model_is_the_fit_of_the_committed_measurements():
+    """The package's memory_model.json is what benchmarks/memory_model.py derives from the committed measurements,
+    and it reproduces the measured peaks it was fitted on (as the fit reported them)."""
+    measured = _measured_results()
+    assert MEMORY_MODEL_PATH.is_file(), (
+        f"{sorted(measured)} hold measured requests but the package has no memory model: run python "
+        "benchmarks/memory_model.py --results <that file> --holdout HxWxF --package-copy "
+        "diffusers_h3/parallel/memory_model.json"
+    )
+    model = json.loads(MEMORY_MODEL_PATH.read_text())
+    assert model["source"] in measured, (model["source"], sorted(measured))
+    results = measured[model["source"]]
+    assert derive_memory_model(results, model["source"], model["holdout_shapes"]) == model
+    loaded = load_memory_model()
+    records = {(case, RequestShape.from_record(r).label()): r for case, r in shape_records(results)}
+    for row in model["fit_shapes"] + model["holdout"]:
+        record = records[(row["case"], row["shape"])]
+        prediction = loaded.predict(row["case"], RequestShape.from_record(record))
+        assert math.isclose(prediction.device_gib, row["predicted_device_gib"], abs_tol=0.01)
+        assert math.isclose(prediction.host_gib, row["predicted_host_gib"], abs_tol=0.01)
+        assert math.isclose(record["device_peak_gib"], row["measured_device_gib"], abs_tol=0.001)
+    assert model["holdout"], "the committed model names no holdout request"

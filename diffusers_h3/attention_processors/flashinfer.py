@@ -111,7 +111,7 @@ def enable_flashinfer_attention(pipe_or_transformer, config: Optional[FlashInfer
     for _, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):
         blocks = transformer_blocks(model, "enable_flashinfer_attention")
         tensors = itertools.chain(blocks[0].parameters(), blocks[0].buffers()) if len(blocks) else iter(())
-        device = next(tensors, torch.empty(0)).device  # quantized layers keep their weights in buffers
+        device = next(tensors, torch.empty(0)).device  # a block without parameters reports its buffers' device
         resolved = resolve_backend(backend, cuda_capability(device))
         _check_precision(precision, resolved)
         plans.append((blocks, resolved))

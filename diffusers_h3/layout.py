@@ -104,7 +104,7 @@ class PackedLayout:
 class ForwardRecord:
     """What one transformer call ran: the :class:`PackedLayout` it was given and the kernel each custom op chose.
 
-    One object per call: the model's forward-record hook (``H3_FORWARD_RECORD_HOOK``, installed by the attention
+    One object per call: the model's forward-record hook (``H3_CALL_PLAN_HOOK``, installed by the attention
     ``enable_*`` helpers) opens a fresh record at the top of every transformer forward and keeps the last one, which
     ``describe()`` reads; the attention processors read the layout from it and the kernel ops write what they ran into
     it (:func:`record_kernel`), also inside a compiled graph, where the op's implementation runs after tracing but

@@ -27,7 +27,8 @@ per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+import dataclasses
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
@@ -60,6 +61,27 @@ class MiniMaxH3AttnProcessorBase:
         # also when a checkpointed block recomputes during backward), dropped with the call's tensors.
         self._call_records = WeakIdKeyDictionary()
         self._refiner = MiniMaxH3AttnProcessor()  # never given the parallel config
+
+    # -- installation (attention_processors.install): a registered processor's config and how it is installed -------
+    config_class = None  # the frozen config dataclass the processor is registered with (register_attention_processor)
+
+    @classmethod
+    def prepare(cls, config, model: torch.nn.Module, blocks) -> Any:
+        """Check ``model`` (a transformer) for ``config`` before any block changes (raise the one clear error here);
+        returns what :meth:`for_block` needs for this model (``None`` by default)."""
+        return None
+
+    @classmethod
+    def for_block(cls, config, prepared: Any, index: int, block: torch.nn.Module) -> "MiniMaxH3AttnProcessorBase":
+        """The processor of transformer block ``index`` (``prepared``: what :meth:`prepare` returned)."""
+        return cls(config)
+
+    @classmethod
+    def state(cls, found) -> Dict[str, Any]:
+        """What is installed, from ``found``: ``[(block, processor)]`` of the blocks with this processor: ``blocks``,
+        the first processor's config fields and ``path`` (its ``describe_path()``: after a call, what ran)."""
+        first = found[0][1]
+        return {"blocks": len(found), **dataclasses.asdict(first.config), "path": first.describe_path()}
 
     # -- the seams subclasses fill ------------------------------------------------------------------------------------
     def core(

@@ -17,19 +17,17 @@ transformer block; the VSA processor delegates its dense calls to the same core.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-from .._hooks import partitions_of
-from .._utils import config_from_call, cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
+from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
 from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
 from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
 from ..kernels.numerics import fake_quant_fp4
 from .base import MiniMaxH3AttnProcessorBase
-from .forward_record import install_forward_record_hook, remove_forward_record_hook
+from .install import processor_entry_points, register_attention_processor
 
 
 PRECISIONS = ("fp8", "int8", "fp4")
@@ -113,6 +111,37 @@ def fake_quant_fp4_seq(value: torch.Tensor) -> torch.Tensor:
     return fake_quant_fp4(value, dim=1)[:, :s]
 
 
+@dataclass(frozen=True)
+class LowPrecisionAttentionConfig:
+    """The options of :func:`enable_low_precision_attention`, those of :class:`MiniMaxH3LowPrecisionAttnProcessor`
+    (validated when built).
+
+    Args:
+        precision (`str`, defaults to `"fp8"`): ``"fp8"``, ``"int8"`` or ``"fp4"`` (emulated; see the module docstring).
+        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantizing (exact under softmax).
+        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (with an 8-bit ``precision``).
+        fp4_p (`str`, defaults to `"two_level"`): with ``precision="fp4"``, how P is emulated before P·V
+            (``"two_level"``, ``"single_level"`` or ``None``: 16-bit P).
+        strict (`bool`, defaults to `False`): raise when installing, instead of emulating with a one-time warning,
+            where the GPU lacks the precision's tensor cores.
+        backend (`str`, defaults to `"auto"`): ``"triton"``, ``"torch"`` (reference kernels) or ``"auto"``.
+        kernel (`str`, defaults to `"auto"`): ``"sm90"`` (Hopper Gluon kernel), ``"triton"`` or ``"auto"``.
+    """
+
+    precision: str = "fp8"
+    smooth_k: bool = True
+    pv_precision: str = "bf16"
+    fp4_p: Optional[str] = "two_level"
+    strict: bool = False
+    backend: str = "auto"
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        check_low_precision_options(self.precision, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
+                                    strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
+
+
+@register_attention_processor("low_precision_attention", LowPrecisionAttentionConfig, legacy_positional=("precision",))
 class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
     r"""
     Dense attention in FP8 / INT8 (tensor cores) or emulated FP4 for ``MiniMaxH3Attention`` (install one per block
@@ -151,8 +180,18 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         self.strict = bool(strict)
         self.backend = backend
         self.kernel = kernel
+        self.config = LowPrecisionAttentionConfig(precision, smooth_k=self.smooth_k, pv_precision=pv_precision,
+                                                  fp4_p=fp4_p, strict=self.strict, backend=backend, kernel=kernel)
         self._emulated: Optional[bool] = None
         self._who = type(self).__name__  # the processor named in warnings and errors (VSA when it delegates here)
+
+    @classmethod
+    def for_block(cls, config: "LowPrecisionAttentionConfig", prepared, index: int, block):
+        processor = cls(config.precision, smooth_k=config.smooth_k, pv_precision=config.pv_precision,
+                        fp4_p=config.fp4_p, strict=config.strict, backend=config.backend, kernel=config.kernel)
+        if config.strict:
+            processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
+        return processor
 
     # -- emulation policy -------------------------------------------------------------------------------------------
     def emulated(self, device: torch.device) -> bool:
@@ -229,116 +268,6 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         return f"dense low-precision attention ({self.precision_label()}) via {kernel}"
 
 
-# -- installation helpers --------------------------------------------------------------------------------------------
-
-
-def transformer_blocks(transformer, who: str) -> Sequence[torch.nn.Module]:
-    blocks = getattr(transformer, "transformer_blocks", None)
-    if blocks is None:
-        raise TypeError(f"{who} expects a MiniMaxH3Transformer3DModel (with .transformer_blocks) or a MiniMaxH3Pipeline, "
-                        f"got {type(transformer).__name__}")
-    return blocks
-
-
-def _models(pipe_or_transformer, who: str):
-    """``[(name, transformer)]`` of a pipeline (its loaded transformer partitions) or of one transformer."""
-    models = partitions_of(pipe_or_transformer)
-    if isinstance(pipe_or_transformer, torch.nn.Module) or not (models or hasattr(pipe_or_transformer, "components")):
-        transformer_blocks(pipe_or_transformer, who)  # the error for something that is neither
-    return models
-
-
-@dataclass(frozen=True)
-class LowPrecisionAttentionConfig:
-    """The options of :func:`enable_low_precision_attention`, those of :class:`MiniMaxH3LowPrecisionAttnProcessor`
-    (validated when built).
-
-    Args:
-        precision (`str`, defaults to `"fp8"`): ``"fp8"``, ``"int8"`` or ``"fp4"`` (emulated; see the module docstring).
-        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantizing (exact under softmax).
-        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (with an 8-bit ``precision``).
-        fp4_p (`str`, defaults to `"two_level"`): with ``precision="fp4"``, how P is emulated before P·V
-            (``"two_level"``, ``"single_level"`` or ``None``: 16-bit P).
-        strict (`bool`, defaults to `False`): raise when installing, instead of emulating with a one-time warning,
-            where the GPU lacks the precision's tensor cores.
-        backend (`str`, defaults to `"auto"`): ``"triton"``, ``"torch"`` (reference kernels) or ``"auto"``.
-        kernel (`str`, defaults to `"auto"`): ``"sm90"`` (Hopper Gluon kernel), ``"triton"`` or ``"auto"``.
-    """
-
-    precision: str = "fp8"
-    smooth_k: bool = True
-    pv_precision: str = "bf16"
-    fp4_p: Optional[str] = "two_level"
-    strict: bool = False
-    backend: str = "auto"
-    kernel: str = "auto"
-
-    def __post_init__(self):
-        check_low_precision_options(self.precision, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
-                                    strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
-
-
-def enable_low_precision_attention(pipe_or_transformer, config: Optional[LowPrecisionAttentionConfig] = None, *args,
-                                   **legacy):  # fmt: skip
-    """Install one :class:`MiniMaxH3LowPrecisionAttnProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor), with the options of ``config`` (a
-    :class:`LowPrecisionAttentionConfig`; default: its defaults, FP8). The precision as a string and the options as
-    separate keyword arguments still work for one release, with a ``FutureWarning``. Returns the argument; what was
-    installed (number of blocks, the precision and options, one ``describe_path`` line) is read from the processors
-    with :func:`low_precision_attention_state`. Undo with :func:`disable_low_precision_attention`."""
-    config = config_from_call(LowPrecisionAttentionConfig, config, legacy, call="enable_low_precision_attention",
-                              legacy_positional=("precision",), legacy_args=args)  # fmt: skip
-    options = {"smooth_k": config.smooth_k, "pv_precision": config.pv_precision, "fp4_p": config.fp4_p,
-               "strict": config.strict, "backend": config.backend, "kernel": config.kernel}  # fmt: skip
-    for _, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
-        for block in transformer_blocks(model, "enable_low_precision_attention"):
-            processor = MiniMaxH3LowPrecisionAttnProcessor(config.precision, **options)
-            if config.strict:
-                processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
-            block.attn.set_processor(processor)
-        install_forward_record_hook(model)
-    return pipe_or_transformer
-
-
-def block_processors(transformer, cls: type, who: str) -> List[Any]:
-    """The attention processors of ``transformer``'s blocks that are exactly ``cls`` (not a subclass), in block order."""
-    processors = (getattr(block.attn, "processor", None) for block in transformer_blocks(transformer, who))
-    return [p for p in processors if type(p) is cls]
-
-
-def low_precision_attention_state(transformer) -> Optional[Dict[str, Any]]:
-    """What :func:`enable_low_precision_attention` installed on ``transformer``, read from its blocks'
-    :class:`MiniMaxH3LowPrecisionAttnProcessor` instances (``None`` when no block has one): ``blocks`` (with one),
-    ``precision``, the options (``smooth_k``, ``pv_precision``, ``fp4_p``, ``strict``, ``backend``, ``kernel``) and
-    ``path`` (the first processor's ``describe_path()``: after a call, the kernel it ran)."""
-    processors = block_processors(transformer, MiniMaxH3LowPrecisionAttnProcessor, "low_precision_attention_state")
-    if not processors:
-        return None
-    first = processors[0]
-    return {
-        "blocks": len(processors),
-        "precision": first.precision,
-        "smooth_k": first.smooth_k,
-        "pv_precision": first.pv_precision,
-        "fp4_p": first.fp4_p,
-        "strict": first.strict,
-        "backend": first.backend,
-        "kernel": first.kernel,
-        "path": first.describe_path(),
-    }
-
-
-def disable_low_precision_attention(pipe_or_transformer):
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions
-    or of one transformer). Returns the argument."""
-    return restore_default_processors(pipe_or_transformer, "disable_low_precision_attention")
-
-
-def restore_default_processors(pipe_or_transformer, who: str):
-    """Diffusers' default ``MiniMaxH3AttnProcessor`` on every transformer block (of a pipeline's partitions or of one
-    transformer); returns the argument (``who``: the ``disable_*`` named in errors)."""
-    for _, model in _models(pipe_or_transformer, who):
-        for block in transformer_blocks(model, who):
-            block.attn.set_processor(MiniMaxH3AttnProcessor())
-        remove_forward_record_hook(model)
-    return pipe_or_transformer
+enable_low_precision_attention, disable_low_precision_attention, low_precision_attention_state = (
+    processor_entry_points(MiniMaxH3LowPrecisionAttnProcessor)
+)

@@ -54,16 +54,18 @@ from ..kernels.numerics import (
 )
 from ..layout import ForwardRecord, PackedLayout, current_packed_layout, record_kernel, require_packed_layout
 from .base import MiniMaxH3AttnProcessorBase
-from .forward_record import install_forward_record_hook, remove_forward_record_hook
+from .install import (
+    enable_attention_processor,
+    processor_entry_points,
+    register_attention_processor,
+    transformer_blocks,
+)
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
     _kernel_available,
-    _models,
     check_low_precision_options,
     precision_label,
-    restore_default_processors,
-    transformer_blocks,
 )
 from .tiling import TilePlan, TilePlanCache
 
@@ -308,6 +310,7 @@ def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_pre
     return result(block_sparse_attention(q_e, k_e, v_e, *sparse_args, **common))
 
 
+@register_attention_processor("vsa", VSAConfig)
 class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     r"""
     Video sparse attention processor for ``MiniMaxH3Attention`` (install one per transformer block with
@@ -339,6 +342,43 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             self._low_precision._who = type(self).__name__
         self._sparse_choice: Union[KernelChoice, PendingChoice, None] = None
         self._dense_choice: Union[KernelChoice, PendingChoice, None] = None
+
+    # -- installation (enable_vsa) ------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, config: VSAConfig, model, blocks) -> TilePlanCache:
+        """``dense_layers`` must name blocks of ``model``; one plan cache per model (one plan object per layout for
+        every block: one compiled version serves them all)."""
+        bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
+        return TilePlanCache()
+
+    @classmethod
+    def for_block(cls, config: VSAConfig, tiles: TilePlanCache, index: int, block) -> "MiniMaxH3VSAProcessor":
+        processor = cls(config, layer_index=index)
+        processor._plans = tiles
+        if config.strict:
+            processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
+        return processor
+
+    @classmethod
+    def state(cls, found) -> Dict[str, Any]:
+        """``blocks`` (with a VSA processor), ``sparse_blocks``, ``dense_layers``, ``dense_first_steps``,
+        ``gated_blocks`` (with a ``to_gate_compress``), ``precision``, ``sparsity``, ``tile`` and ``path`` (the first
+        processor's ``describe_path()``: after a call, the kernels it ran)."""
+        processors = [p for _, p in found]
+        config = processors[0].config
+        return {
+            "blocks": len(processors),
+            "sparse_blocks": sum(not p.layer_dense for p in processors),
+            "dense_layers": list(config.dense_layers),
+            "dense_first_steps": config.dense_first_steps,
+            "gated_blocks": sum(getattr(block.attn, "to_gate_compress", None) is not None for block, _ in found),
+            "precision": config.precision,
+            "sparsity": config.sparsity,
+            "tile": tuple(config.tile),
+            "path": processors[0].describe_path(),
+        }
 
     # The options, read through the config (one source of truth).
     sparsity = property(lambda self: self.config.sparsity)
@@ -485,7 +525,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
 
 def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **options):
     """Install one :class:`MiniMaxH3VSAProcessor` per transformer block of a pipeline's transformer partition(s) or of
-    one transformer (the token refiner keeps its processor).
+    one transformer (the token refiner keeps its processor), and the call-plan hook.
 
     ``config`` is a :class:`VSAConfig`; keyword ``options`` (its fields: ``sparsity=``, ``precision=``, ...) replace
     single fields. Dense low-precision attention alone is :func:`~.low_precision.enable_low_precision_attention`.
@@ -493,57 +533,10 @@ def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **option
     what was installed (number of blocks, which are dense, the precision, one ``describe_path`` line) is read from the
     processors with :func:`vsa_state`. Undo with :func:`disable_vsa`.
     """
-    config = VSAConfig.from_options(config, **options)
-    plans = []
-    for _, model in _models(pipe_or_transformer, "enable_vsa"):
-        blocks = transformer_blocks(model, "enable_vsa")
-        bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
-        if bad:
-            raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
-        plans.append((model, blocks))
-    for model, blocks in plans:
-        tiles = TilePlanCache()  # one plan object per layout for every block (one compiled version serves them all)
-        for i, block in enumerate(blocks):
-            processor = MiniMaxH3VSAProcessor(config, layer_index=i)
-            processor._plans = tiles
-            if config.strict:
-                processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
-            block.attn.set_processor(processor)
-        install_forward_record_hook(model)
-    return pipe_or_transformer
+    return enable_attention_processor(pipe_or_transformer, VSAConfig.from_options(config, **options), who="enable_vsa")
 
 
-def vsa_state(transformer) -> Optional[Dict[str, Any]]:
-    """What :func:`enable_vsa` installed on ``transformer``, read from its blocks' :class:`MiniMaxH3VSAProcessor`
-    instances (``None`` when no block has one): ``blocks`` (with a VSA processor), ``sparse_blocks``, ``dense_layers``,
-    ``dense_first_steps``, ``gated_blocks`` (with a ``to_gate_compress``), ``precision``, ``sparsity``, ``tile`` and
-    ``path`` (the first processor's ``describe_path()``: after a call, the kernels it ran)."""
-    found = [(block, getattr(block.attn, "processor", None)) for block in transformer_blocks(transformer, "vsa_state")]
-    found = [(block, p) for block, p in found if isinstance(p, MiniMaxH3VSAProcessor)]
-    if not found:
-        return None
-    processors = [p for _, p in found]
-    config = processors[0].config
-    return {
-        "blocks": len(processors),
-        "sparse_blocks": sum(not p.layer_dense for p in processors),
-        "dense_layers": list(config.dense_layers),
-        "dense_first_steps": config.dense_first_steps,
-        "gated_blocks": sum(getattr(block.attn, "to_gate_compress", None) is not None for block, _ in found),
-        "precision": config.precision,
-        "sparsity": config.sparsity,
-        "tile": tuple(config.tile),
-        "path": processors[0].describe_path(),
-    }
-
-
-def disable_vsa(pipe_or_transformer):
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions or
-    of one transformer) and remove the route hook :func:`enable_vsa` registered. Returns the argument."""
-    restore_default_processors(pipe_or_transformer, "disable_vsa")
-    for _, model in _models(pipe_or_transformer, "disable_vsa"):
-        remove_forward_record_hook(model)
-    return pipe_or_transformer
+_, disable_vsa, vsa_state = processor_entry_points(MiniMaxH3VSAProcessor)
 
 
 _GATE_KEY = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.(\d+)\.(?:attn|self_attn|attn1)\.to_gate_compress\.(weight|bias)$")

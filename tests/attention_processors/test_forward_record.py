@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusers_h3 import describe
-from diffusers_h3.attention_processors.forward_record import last_forward_record
+from diffusers_h3.attention_processors.call_plan import last_forward_record
 from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
 from diffusers_h3.layout import current_forward_record, use_packed_layout
 from diffusers_h3.packing import build_layout

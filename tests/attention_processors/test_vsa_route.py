@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffusers_h3._hooks import H3_FORWARD_RECORD_HOOK, get_h3_hook
+from diffusers_h3._hooks import H3_CALL_PLAN_HOOK, get_h3_hook
 from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
 from diffusers_h3.layout import LayoutSegment, PackedLayout, use_packed_layout
 from diffusers_h3.testing.tiny import tiny_transformer
@@ -29,7 +29,7 @@ def _routes(model):
 def test_routes_are_prepared_per_call_and_only_for_one_call_at_a_time():
     model = tiny_transformer()
     enable_vsa(model, sparsity=0.5, dense_first_steps=1, dense_layers=(1,))
-    hook = get_h3_hook(model, H3_FORWARD_RECORD_HOOK)
+    hook = get_h3_hook(model, H3_CALL_PLAN_HOOK)
     assert hook is not None and not model._forward_pre_hooks and not model._forward_hooks  # a registry hook only
     original = hook.fn_ref.original_forward
     x = torch.zeros(1, 3)
@@ -80,5 +80,5 @@ def test_routes_are_prepared_per_call_and_only_for_one_call_at_a_time():
     finally:
         hook.fn_ref.original_forward = original
     disable_vsa(model)
-    assert get_h3_hook(model, H3_FORWARD_RECORD_HOOK) is None
+    assert get_h3_hook(model, H3_CALL_PLAN_HOOK) is None
     assert not model._forward_pre_hooks and not model._forward_hooks

@@ -13,7 +13,7 @@ from diffusers_h3._hooks import (
     H3_CACHE_STATS_HOOK,
     H3_CONTEXT_PARALLEL_HOOK,
     H3_FAST_VAE_DECODE_HOOK,
-    H3_FORWARD_RECORD_HOOK,
+    H3_CALL_PLAN_HOOK,
     H3_HOOK_NAMES,
     H3_LIGHT_VAE_HOOK,
     H3_REFINE_TEXT_ONCE_HOOK,
@@ -212,7 +212,7 @@ def test_fasth3_paths_keep_their_records_in_registries(pipe):
     _call(pipe, output_type="pt")
 
     assert h3_record(pipe.vae, H3_LIGHT_VAE_HOOK) is record and light_vae_record(pipe.vae) is record
-    assert H3_FORWARD_RECORD_HOOK in h3_records(pipe.transformer) and fasth3_record(pipe) is not None
+    assert H3_CALL_PLAN_HOOK in h3_records(pipe.transformer) and fasth3_record(pipe) is not None
     report = diffusers_h3.describe(pipe)
     assert report["components"]["vae"]["hooks"] == {H3_LIGHT_VAE_HOOK: 1}
     assert report["fasth3"]["light_vae"] == record.describe()

@@ -1,6 +1,6 @@
 """One record per transformer call: the hook that opens it and hands it to the attention processors.
 
-The attention ``enable_*`` helpers register :class:`ForwardRecordHook` on the transformer (``H3_FORWARD_RECORD_HOOK``).
+The attention ``enable_*`` helpers register :class:`ForwardRecordHook` on the transformer (``H3_CALL_PLAN_HOOK``).
 At the top of every forward it opens a fresh :class:`~diffusers_h3.layout.ForwardRecord` holding the published
 :class:`~diffusers_h3.layout.PackedLayout`, gives it to every processor of this package in the blocks (the VSA
 processor derives its route of the call from it, so that compiled blocks read plain state and specialize on the mode
@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import torch
 
-from .._hooks import H3_FORWARD_RECORD_HOOK, H3Hook, get_h3_hook, register_h3_hook, remove_h3_hook
+from .._hooks import H3_CALL_PLAN_HOOK, H3Hook, get_h3_hook, register_h3_hook, remove_h3_hook
 from ..layout import ForwardRecord, active_forward_record, current_packed_layout
 from .base import MiniMaxH3AttnProcessorBase
 
@@ -75,17 +75,17 @@ def _processors(transformer) -> List[MiniMaxH3AttnProcessorBase]:
     return list(found.values())
 
 
-def install_forward_record_hook(transformer) -> None:
+def install_call_plan_hook(transformer) -> None:
     """Register the forward-record hook on ``transformer`` (once; an attention ``enable_*`` calls it)."""
-    if get_h3_hook(transformer, H3_FORWARD_RECORD_HOOK) is None:
-        register_h3_hook(transformer, ForwardRecordHook(), H3_FORWARD_RECORD_HOOK)
+    if get_h3_hook(transformer, H3_CALL_PLAN_HOOK) is None:
+        register_h3_hook(transformer, ForwardRecordHook(), H3_CALL_PLAN_HOOK)
 
 
-def remove_forward_record_hook(transformer) -> None:
-    remove_h3_hook(transformer, H3_FORWARD_RECORD_HOOK, recurse=False)
+def remove_call_plan_hook(transformer) -> None:
+    remove_h3_hook(transformer, H3_CALL_PLAN_HOOK, recurse=False)
 
 
 def last_forward_record(transformer) -> Optional[ForwardRecord]:
     """The record of ``transformer``'s last call (``None`` before one, or without the hook)."""
-    hook = get_h3_hook(transformer, H3_FORWARD_RECORD_HOOK)
+    hook = get_h3_hook(transformer, H3_CALL_PLAN_HOOK)
     return None if hook is None else hook.record.last

@@ -16,8 +16,8 @@ from typing import Any, Dict, List
 import torch
 
 from ._hooks import (
-    H3_CONTEXT_PARALLEL_HOOK,
     H3_CALL_PLAN_HOOK,
+    H3_CONTEXT_PARALLEL_HOOK,
     H3_HOOK_NAMES,
     H3_TENSOR_PARALLEL_HOOK,
     H3_V100_MODE_HOOK,

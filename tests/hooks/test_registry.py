@@ -11,9 +11,9 @@ import diffusers_h3
 from diffusers_h3 import FastVAEDecodeConfig, V100ModeConfig
 from diffusers_h3._hooks import (
     H3_CACHE_STATS_HOOK,
+    H3_CALL_PLAN_HOOK,
     H3_CONTEXT_PARALLEL_HOOK,
     H3_FAST_VAE_DECODE_HOOK,
-    H3_CALL_PLAN_HOOK,
     H3_HOOK_NAMES,
     H3_LIGHT_VAE_HOOK,
     H3_REFINE_TEXT_ONCE_HOOK,

@@ -23,10 +23,16 @@ import torch
 
 from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
-from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
-from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
+from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention, plan_fp8_attention
+from ..kernels.attention.router import (
+    AttentionOperands,
+    KernelChoice,
+    TuningOptions,
+    block_sparse_attention,
+    plan_kernel,
+)
 from ..kernels.numerics import fake_quant_fp4
-from .base import MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase
 from .install import processor_entry_points, register_attention_processor
 
 
@@ -141,6 +147,29 @@ class LowPrecisionAttentionConfig:
                                     strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LowPrecisionPlan:
+    """The low-precision processor's plan of one transformer call: ``path`` (``"fp8_attention"``: the 8-bit flash
+    kernels; ``"fp4_kernel"``: the FP4 P emulation on the Triton kernel; ``"sdpa"``: SDPA over quantize-dequantized
+    operands), its ``kernel``, the key block ``block_n`` of the 8-bit kernels (0: the reference's own), the benchmark
+    ``tuning``, whether the numerics are ``emulated``, and the inputs it was made for."""
+
+    path: str
+    kernel: KernelChoice
+    block_n: int
+    tuning: Optional[TuningOptions]
+    emulated: bool
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    def fits(self, query: torch.Tensor) -> bool:
+        return query.device == self.device and query.dtype == self.dtype and query.shape[-1] == self.head_dim
+
+    def describe(self) -> str:
+        return f"dense low-precision ({self.path}): {self.kernel.describe()}"
+
+
 @register_attention_processor("low_precision_attention", LowPrecisionAttentionConfig, legacy_positional=("precision",))
 class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
     r"""
@@ -182,13 +211,13 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         self.kernel = kernel
         self.config = LowPrecisionAttentionConfig(precision, smooth_k=self.smooth_k, pv_precision=pv_precision,
                                                   fp4_p=fp4_p, strict=self.strict, backend=backend, kernel=kernel)
-        self._emulated: Optional[bool] = None
         self._who = type(self).__name__  # the processor named in warnings and errors (VSA when it delegates here)
 
     @classmethod
     def for_block(cls, config: "LowPrecisionAttentionConfig", prepared, index: int, block):
         processor = cls(config.precision, smooth_k=config.smooth_k, pv_precision=config.pv_precision,
                         fp4_p=config.fp4_p, strict=config.strict, backend=config.backend, kernel=config.kernel)
+        processor.config = config  # one object for every block (the call plan files their plan under it)
         if config.strict:
             processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
         return processor
@@ -196,11 +225,9 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
     # -- emulation policy -------------------------------------------------------------------------------------------
     def emulated(self, device: torch.device) -> bool:
         """Whether the numerics run as quantize-dequantize emulation on ``device`` (warns once, or raises when
-        strict); records the answer for :meth:`describe_path`."""
+        strict)."""
         if self.precision not in QK_8BIT or _qk_native(self.precision, device):
-            self._emulated = self.precision == "fp4"
-            return self._emulated
-        self._emulated = True
+            return self.precision == "fp4"
         cap = cuda_capability(device) if device.type == "cuda" else None
         where = f"sm_{cap[0]}{cap[1]}" if cap else device.type
         name, needs = ("FP8", "SM89+") if self.precision == "fp8" else ("INT8", "SM80+")
@@ -219,48 +246,71 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
             return None
         return TuningOptions(kernel=self.kernel)
 
+    # -- the plan of a call (made once per transformer call, outside the compiled blocks) -----------------------------
+    def plan_call(self, call: CallInputs) -> "LowPrecisionPlan":
+        """Which path a call with Q/K/V of ``call.dtype`` on ``call.device`` takes, and its kernel: the 8-bit flash
+        kernels (:func:`~diffusers_h3.kernels.attention.dense_quantized.plan_fp8_attention`), the FP4 emulation on the
+        Triton kernel, or SDPA over quantize-dequantized operands; decides the emulation (warns once, or raises when
+        strict)."""
+        device, head_dim = call.device, call.head_dim
+        emulate = self.emulated(device)
+        tuning = self._tuning(device)
+        operands = None
+        block_n = 0
+        if self.precision in QK_8BIT and not emulate and _kernel_available(device):
+            path = "fp8_attention"
+            kernel, block_n = plan_fp8_attention(head_dim, device, pv_fp8=self.pv_precision == "fp8",
+                                                 qk_dtype=QK_8BIT[self.precision], out_dtype=call.dtype,
+                                                 backend=self.backend, tuning=tuning)  # fmt: skip
+        elif self.precision == "fp4" and self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
+            path = "fp4_kernel"
+            operands = AttentionOperands(head_dim, call.dtype, call.dtype, p_fp4=self.fp4_p)
+            kernel = plan_kernel(operands, device, block=64, dense=True, backend="triton")
+        else:
+            path = "sdpa"
+            if self.precision == "fp4":
+                reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
+            else:
+                reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
+            kernel = KernelChoice("torch-sdpa", "dense", reason)
+        return LowPrecisionPlan(path, kernel, block_n, tuning, emulate, call.device, call.dtype, head_dim)
+
     # -- the core ----------------------------------------------------------------------------------------------------
     def core(self, query, key, value, attention_mask=None, **extras):
         if extras:
             raise TypeError(f"{self._who}: dense low-precision attention takes no extras, got {sorted(extras)}")
+        return self.attend_planned(self.current_plan(query), query, key, value, attention_mask)
+
+    def attend_planned(self, plan: "LowPrecisionPlan", query, key, value, attention_mask=None):
+        """The attention of ``plan``'s path (the VSA processor's dense calls come here with its plan)."""
         if attention_mask is not None:
             raise ValueError(f"{self._who}: FP8/INT8/FP4 dense attention takes no attention_mask (H3 passes none)")
         value = value.contiguous()
-        device = query.device
-        emulate = self.emulated(device)
-        if self.precision in QK_8BIT and not emulate and _kernel_available(device):
-            out, choice = fp8_attention(
-                query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
-                qk_dtype=QK_8BIT[self.precision], backend=self.backend, tuning=self._tuning(device),
-                return_choice=True,
-            )
-            self.record_choice(choice)
-            return out
+        if plan.path == "fp8_attention":
+            return fp8_attention(query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
+                                 qk_dtype=QK_8BIT[self.precision], block_n=plan.block_n or None, tuning=plan.tuning,
+                                 choice=plan.kernel)  # fmt: skip
         if self.precision == "fp4":
             if self.smooth_k:
                 key = key - key.float().mean(1, keepdim=True).to(key.dtype)
             query, key, value = fake_quant_fp4(query), fake_quant_fp4(key), fake_quant_fp4_seq(value)
-            if self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
-                out, choice = block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
-                                                     p_fp4=self.fp4_p, backend="triton", return_choice=True)
-                self.record_choice(choice)
-                return out
-            reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
+            if plan.path == "fp4_kernel":
+                return block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
+                                              p_fp4=self.fp4_p, choice=plan.kernel)  # fmt: skip
         else:
             query, key, value = fake_quantize_operands(
                 query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
                 qk_dtype=QK_8BIT[self.precision],
             )  # fmt: skip
-            reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         ).transpose(1, 2)
-        self.record_choice(KernelChoice("torch-sdpa", "dense", reason))
         return out
 
     def precision_label(self) -> str:
+        emulated = self.last_plan.emulated if self.last_plan is not None else None
         return precision_label(self.precision, smooth_k=self.smooth_k, pv_precision=self.pv_precision,
-                               fp4_p=self.fp4_p, emulated=self._emulated)
+                               fp4_p=self.fp4_p, emulated=emulated)
 
     def describe_path(self) -> str:
         choice = self.last_choice

@@ -138,6 +138,10 @@ class MiniMaxH3AttnProcessorBase:
         that run one plan (``None``: the processor decides inside its core and plans nothing)."""
         return getattr(self, "config", None)
 
+    # Whether a plan depends on the call's layout (then every call is planned anew; otherwise a processor set by hand
+    # reuses its last plan while it fits the inputs, so its compiled blocks read plain data after the first call).
+    plans_read_layout = True
+
     def plan_call(self, call: "CallInputs") -> Any:
         """The frozen plan of a transformer call (``call``: its layout, device, attention dtype and head dim), made
         once per call before the blocks run; ``None`` for processors that decide inside their core."""
@@ -148,6 +152,8 @@ class MiniMaxH3AttnProcessorBase:
         without one (a processor set by hand) or when it was made for other inputs, a plan made here."""
         call_plan = current_call_plan()
         plan = call_plan.plan_for(self.plan_key) if call_plan is not None else None
+        if plan is None and not self.plans_read_layout:
+            plan = self.last_plan  # a plan that does not depend on the call's layout holds for the next call too
         if plan is None or not plan.fits(query):
             plan = self._plan_here(query.shape[1], query.shape[-1], query.device, query.dtype)
         return plan

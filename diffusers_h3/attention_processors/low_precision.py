@@ -247,6 +247,8 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         return TuningOptions(kernel=self.kernel)
 
     # -- the plan of a call (made once per transformer call, outside the compiled blocks) -----------------------------
+    plans_read_layout = False  # dense attention: the plan depends on the device, dtype and head dim only
+
     def plan_call(self, call: CallInputs) -> "LowPrecisionPlan":
         """Which path a call with Q/K/V of ``call.dtype`` on ``call.device`` takes, and its kernel: the 8-bit flash
         kernels (:func:`~diffusers_h3.kernels.attention.dense_quantized.plan_fp8_attention`), the FP4 emulation on the

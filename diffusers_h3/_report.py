@@ -74,7 +74,7 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
     if attention:
         info["attention"] = dict(attention)
     forwards = h3_record(model, H3_CALL_PLAN_HOOK)
-    if forwards is not None and forwards.last is not None:  # the packed layout and the kernels of the last call
+    if forwards is not None and forwards.last is not None:  # the plan of the last call: layout, routes, kernels
         info["last_forward"] = forwards.last.describe()
     if linears:
         info["quantized_layers"] = dict(linears)

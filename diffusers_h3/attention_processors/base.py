@@ -56,10 +56,11 @@ class CallInputs:
 class MiniMaxH3AttnProcessorBase:
     r"""
     Base class of the attention processors for ``MiniMaxH3Attention``: refiner policy, context-parallel seam,
-    projection → :meth:`core` → output, and :meth:`describe_path` from the recorded :class:`KernelChoice`.
+    projection → :meth:`core` → output, and :meth:`describe_path` from the call's plan.
 
     Subclasses implement ``core(query, key, value, attention_mask=None, **extras) -> out`` on
-    ``(batch, seq, heads, head_dim)`` tensors and record what they ran with :meth:`record_choice`.
+    ``(batch, seq, heads, head_dim)`` tensors; what a call decides is planned in :meth:`plan_call` and read with
+    :meth:`current_plan` (a core that decides per call itself reports with :meth:`record_choice`).
     """
 
     # Context-parallel hook points: diffusers' `enable_parallelism` sets `_parallel_config` on processors that

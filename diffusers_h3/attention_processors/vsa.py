@@ -8,9 +8,10 @@ Semantics follow FastH3 (FastVideo's H3 VSA backend):
 * coarse stage: Q and K are mean-pooled per tile in float32, tile scores are ``q̄ k̄ᵀ / sqrt(d)``, and every video query
   tile keeps the top ``ceil((1 - sparsity) * n_video_tiles)`` video key tiles plus every non-video key tile; non-video
   query rows stay dense;
-* fine stage: block-sparse flash attention over the selected tiles through
-  :func:`diffusers_h3.kernels.attention.block_sparse_attention`, which picks the Hopper Gluon or the Triton kernel and
-  records its :class:`~diffusers_h3.kernels.attention.KernelChoice` (``describe_path`` reports it);
+* fine stage: block-sparse flash attention over the selected tiles, on the Hopper Gluon or the Triton kernel as
+  planned for the call (:class:`VSAPlan`: route, tile plan, top-k and the fine stage's
+  :class:`~diffusers_h3.kernels.attention.KernelChoice`, made once per transformer call by the call-plan hook;
+  ``describe_path`` reports it);
 * when the attention module has a ``to_gate_compress`` linear (VSA-distilled FastH3 checkpoints; see
   :func:`add_gate_compress`), the coarse output ``softmax(scores) v̄`` of each row's tile is added through it:
   ``out = out_fine + to_gate_compress(x) * out_coarse``. Base checkpoints have no gate and run pure sparse.

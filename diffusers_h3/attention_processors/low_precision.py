@@ -266,7 +266,8 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
                                                  backend=self.backend, tuning=tuning)  # fmt: skip
         elif self.precision == "fp4" and self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
             path = "fp4_kernel"
-            operands = AttentionOperands(head_dim, call.dtype, call.dtype, p_fp4=self.fp4_p)
+            # V rounded over the sequence comes back channel-major (fake_quant_fp4_seq)
+            operands = AttentionOperands(head_dim, call.dtype, call.dtype, v_layout="channel-major", p_fp4=self.fp4_p)
             kernel = plan_kernel(operands, device, block=64, dense=True, backend="triton")
         else:
             path = "sdpa"

@@ -180,8 +180,10 @@ def plan_vsa_kernel(head_dim: int, dtype: torch.dtype, device: torch.device, *, 
         pv_fp8 = pv_precision == "fp8"
         v_dtype, v_layout = (torch.float8_e4m3fn, "channel-major") if pv_fp8 else (dtype, "contiguous")
         operands = AttentionOperands(head_dim, qk_dtype, v_dtype, v_layout=v_layout, q_scaled=True, v_scaled=pv_fp8)
+    elif precision == "fp4":  # V rounded over the sequence comes back channel-major (numerics.fake_quant_fp4)
+        operands = AttentionOperands(head_dim, dtype, dtype, v_layout="channel-major", p_fp4=fp4_p)
     else:
-        operands = AttentionOperands(head_dim, dtype, dtype, p_fp4=fp4_p if precision == "fp4" else None)
+        operands = AttentionOperands(head_dim, dtype, dtype)
     choice = plan_kernel(operands, device, block=block, backend=backend, tuning=tuning)
     return choice, operands
 

@@ -18,14 +18,14 @@ from diffusers_h3.kernels.attention.tuning import read_launch_options
 from diffusers_h3.layout import LayoutSegment, PackedLayout
 
 
-GRID = (2, 4, 4)
+GRID = (2, 4, 8)
 
 
 def _inputs(seed=0, heads=2, head_dim=16):
     video = math.prod(GRID)
     layout = PackedLayout((LayoutSegment("text", "prompt", 0, 7), LayoutSegment("video", "target", 7, 7 + video,
                                                                                   grid=GRID)), seq_len=7 + video)
-    plan = build_tile_plan(layout, tile=(2, 2, 4))
+    plan = build_tile_plan(layout, tile=(2, 4, 4))  # 32-row tiles (FP8 P·V needs >= 32)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, layout.seq_len, heads, head_dim, generator=gen) for _ in range(3))
     return plan, q, k, v

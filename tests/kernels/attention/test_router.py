@@ -24,8 +24,8 @@ from diffusers_h3.kernels.attention import (  # noqa: E402
     fp8_attention,
     select_kernel,
 )
-from diffusers_h3.kernels.attention.router import AttentionOperands  # noqa: E402
 from diffusers_h3.kernels.attention.bsa_sm90 import two_rings_fit  # noqa: E402
+from diffusers_h3.kernels.attention.router import AttentionOperands  # noqa: E402
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index_reference  # noqa: E402
 
 from ._inputs import DEVICE, DTYPE  # noqa: E402

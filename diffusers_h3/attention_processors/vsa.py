@@ -339,10 +339,10 @@ class VSAPlan:
             dense layers; ``None`` without a published layout (only dense layers can run).
         tiles: the :class:`TilePlan` of a sparse route.
         topk: video key tiles each video query tile keeps.
-        sparse_kernel: the fine stage's :class:`KernelChoice` and the operands it is chosen for.
+        sparse_kernel: the fine stage's :class:`KernelChoice`, the operands it is chosen for and its launch options
+            (the FP4 P mode and the kernel knobs, :func:`~diffusers_h3.kernels.attention.tuning.launch_options`).
         dense: the dense core's plan (the low-precision processor's plan, or the diffusers dispatch choice for bf16).
         emulated: whether FP8 / INT8 run as quantize-dequantize emulation on this device.
-        compress_gate: whether gated blocks add the coarse branch (sparse route only).
     """
 
     route: Optional[str]
@@ -350,9 +350,9 @@ class VSAPlan:
     topk: int
     sparse_kernel: Optional[KernelChoice]
     sparse_operands: Optional[AttentionOperands]
+    launch_options: Tuple[int, ...]
     dense: Any
     emulated: bool
-    backend: str
     device: torch.device
     dtype: torch.dtype
     head_dim: int
@@ -476,6 +476,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         emulated = self._emulate(call.device)
         dense = self._plan_dense(call)
         sparse_kernel = operands = None
+        options = ()
         backend = self.config.backend
         topk = 0
         if route == "sparse":
@@ -491,7 +492,8 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
                 tuning=tuning,
             )
             topk = topk_for_sparsity(self.sparsity, tiles.num_video_tiles)
-        return VSAPlan(route, tiles, topk, sparse_kernel, operands, dense, emulated, backend, call.device, call.dtype,
+            options = tuple(launch_options(tuning, self.config.fp4_p if self.precision == "fp4" else None))
+        return VSAPlan(route, tiles, topk, sparse_kernel, operands, options, dense, emulated, call.device, call.dtype,
                        call.head_dim)  # fmt: skip
 
     def _plan_dense(self, call: CallInputs):
@@ -538,11 +540,9 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         tiles = plan.tiles
         flags = [int(self.config.smooth_k), int(self.config.pv_precision == "fp8"), int(plan.emulated),
                  int(gate is not None)]  # fmt: skip
-        p_fp4 = self.config.fp4_p if self.precision == "fp4" else None
-        tuning = TuningOptions(kernel=self.config.kernel) if self.config.kernel != "auto" and plan.backend != "torch" else None
         out, out_coarse = vsa_attention_op(query, key, value.contiguous(), [tiles.slot_rows, tiles.tile_counts],
                                            [tiles.block, tiles.num_prefix_tiles, plan.topk], self.precision, flags,
-                                           plan.sparse_kernel.launch, launch_options(tuning, p_fp4))  # fmt: skip
+                                           plan.sparse_kernel.launch, list(plan.launch_options))  # fmt: skip
         if gate is not None:
             coarse_rows = out_coarse.index_select(2, tiles.row_tile).permute(0, 2, 1, 3)  # [B, S, H, D]
             out = torch.addcmul(out.float(), gate.float(), coarse_rows).to(out.dtype)

@@ -43,14 +43,12 @@ from ._projections import project_output, project_qkv
 @dataclasses.dataclass(frozen=True)
 class CallInputs:
     """What a processor's plan of a transformer call is made from: the published layout (``None``: none), the device
-    and dtype of the attention inputs, the head dim and the packed sequence's rows (``None``: not known before the
-    call; a plan made without it is checked against the rows it meets)."""
+    and dtype of the attention inputs and the head dim (a plan is checked against the inputs it meets: ``fits``)."""
 
     layout: Any
     device: torch.device
     dtype: torch.dtype
     head_dim: int
-    seq_len: Optional[int] = None
 
 
 class MiniMaxH3AttnProcessorBase:
@@ -156,12 +154,12 @@ class MiniMaxH3AttnProcessorBase:
         if plan is None and not self.plans_read_layout:
             plan = self.last_plan  # a plan that does not depend on the call's layout holds for the next call too
         if plan is None or not plan.fits(query):
-            plan = self._plan_here(query.shape[1], query.shape[-1], query.device, query.dtype)
+            plan = self._plan_here(query.shape[-1], query.device, query.dtype)
         return plan
 
     @torch.compiler.disable  # context-variable reads and plan caches: one eager island under torch.compile
-    def _plan_here(self, seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> Any:
-        plan = self.plan_call(CallInputs(current_packed_layout(), device, dtype, head_dim, seq_len))
+    def _plan_here(self, head_dim: int, device: torch.device, dtype: torch.dtype) -> Any:
+        plan = self.plan_call(CallInputs(current_packed_layout(), device, dtype, head_dim))
         self.last_plan = plan
         return plan
 

@@ -79,14 +79,13 @@ def plan_transformer_call(transformer, hidden_states) -> CallPlan:
 
 def _call_inputs(layout, attn, hidden_states) -> Optional[CallInputs]:
     """The device and dtype Q/K/V will have in ``attn`` (its query projection's compute dtype: a quantized weight
-    reports it as its dtype), the head dim and the layout's rows; ``None`` without a tensor input."""
+    reports it as its dtype) and the head dim; ``None`` without a tensor input."""
     if not isinstance(hidden_states, torch.Tensor):
         return None
     projection = getattr(attn, "to_qkv", None) if getattr(attn, "fused_projections", False) else None
     weight = getattr(projection if projection is not None else attn.to_q, "weight", None)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else hidden_states.dtype
-    seq_len = layout.seq_len if layout is not None else None
-    return CallInputs(layout, hidden_states.device, dtype, attn.head_dim, seq_len)
+    return CallInputs(layout, hidden_states.device, dtype, attn.head_dim)
 
 
 def install_call_plan_hook(transformer) -> None:

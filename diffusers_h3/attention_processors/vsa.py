@@ -531,8 +531,8 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         plan = self.current_plan(query)
         if self.layer_dense or plan.route == "dense":
             return self._dense_core(plan, query, key, value, attention_mask)
-        if plan.route is None:
-            require_packed_layout(type(self).__name__, query.shape[1])  # raises: says how to publish one
+        if plan.route is None or plan.tiles.seq_len != query.shape[1]:
+            require_packed_layout(type(self).__name__, query.shape[1])  # raises: says how to publish a matching one
         if attention_mask is not None:
             raise ValueError(
                 f"{type(self).__name__} got an attention_mask; VSA attends over one packed document and takes none"

@@ -101,3 +101,20 @@ def test_concurrent_calls_in_two_threads_read_their_own_plans():
         hook.fn_ref.original_forward = original
     routes = sorted((plan.layout.step_index, plans[0].route) for plan, plans in seen)
     assert routes == [(0, "dense"), (3, "sparse")]  # each call's blocks read the plan of their own call
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_a_layout_of_other_rows_is_refused_in_one_line(hook):
+    from diffusers_h3.attention_processors.vsa import MiniMaxH3VSAProcessor
+    from diffusers_h3.packing import build_layout
+    from diffusers_h3.testing.tiny import tiny_transformer_inputs
+
+    model = tiny_transformer()
+    if hook:
+        enable_vsa(model, sparsity=0.5, backend="torch")
+    else:
+        model.set_attn_processor(MiniMaxH3VSAProcessor(sparsity=0.5, backend="torch"))
+    inputs = tiny_transformer_inputs(seed=1, seq_text=5, seq_audio=4, grid=GRID)
+    other = build_layout(5, [], 4, (4, 4, 4), 1)  # one video tile less than the inputs have
+    with torch.no_grad(), use_packed_layout(other), pytest.raises(RuntimeError, match="PackedLayout has"):
+        model(**inputs, return_dict=False)

@@ -45,7 +45,8 @@ BACKENDS = ("auto", "triton", "torch")
 QK_8BIT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def _kernel_available(device: torch.device) -> bool:
+def triton_kernels_run_on(device: torch.device) -> bool:
+    """Whether this package's Triton kernels run for inputs on ``device`` (CUDA, or the CPU interpreter)."""
     return HAS_TRITON and (device.type == "cuda" or triton_interpreter_active())
 
 
@@ -242,7 +243,7 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         return True
 
     def _tuning(self, device: torch.device) -> Optional[TuningOptions]:
-        if self.kernel == "auto" or self.backend == "torch" or not _kernel_available(device):
+        if self.kernel == "auto" or self.backend == "torch" or not triton_kernels_run_on(device):
             return None
         return TuningOptions(kernel=self.kernel)
 
@@ -259,12 +260,12 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         tuning = self._tuning(device)
         operands = None
         block_n = 0
-        if self.precision in QK_8BIT and not emulate and _kernel_available(device):
+        if self.precision in QK_8BIT and not emulate and triton_kernels_run_on(device):
             path = "fp8_attention"
             kernel, block_n = plan_fp8_attention(head_dim, device, pv_fp8=self.pv_precision == "fp8",
                                                  qk_dtype=QK_8BIT[self.precision], out_dtype=call.dtype,
                                                  backend=self.backend, tuning=tuning)  # fmt: skip
-        elif self.precision == "fp4" and self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
+        elif self.precision == "fp4" and self.fp4_p is not None and triton_kernels_run_on(device) and self.backend != "torch":
             path = "fp4_kernel"
             # V rounded over the sequence comes back channel-major (fake_quant_fp4_seq)
             operands = AttentionOperands(head_dim, call.dtype, call.dtype, v_layout="channel-major", p_fp4=self.fp4_p)

@@ -66,9 +66,9 @@ from .install import (
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
-    _kernel_available,
     check_low_precision_options,
     precision_label,
+    triton_kernels_run_on,
 )
 from .tiling import TilePlan, TilePlanCache
 
@@ -480,7 +480,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         backend = self.config.backend
         topk = 0
         if route == "sparse":
-            if backend == "auto" and not _kernel_available(call.device):
+            if backend == "auto" and not triton_kernels_run_on(call.device):
                 warn_once("vsa-torch-kernels", f"{type(self).__name__}: no CUDA device (or triton): the VSA kernels "
                           "run their pure-torch references (exact, slow)")  # fmt: skip
                 backend = "torch"

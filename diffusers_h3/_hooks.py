@@ -34,9 +34,10 @@ H3_CHECKPOINT_STREAM_HOOK = "diffusers_h3.checkpoint_stream"  # on each group st
 H3_CHECKPOINT_STREAM_MODEL_HOOK = "diffusers_h3.checkpoint_stream_model"  # on a streamed model: record and reader
 H3_FEED_FORWARD_CHUNKS_HOOK = "diffusers_h3.feed_forward_chunks"  # on each DiT block's feed-forward: rows in chunks
 H3_STREAM_FROM_DISK_HOOK = "diffusers_h3.stream_from_disk"  # on a text encoder streamed from disk: where from
-H3_FORWARD_RECORD_HOOK = "diffusers_h3.forward_record"  # on the transformer: one record per call, per-call routes
+H3_CALL_PLAN_HOOK = "diffusers_h3.call_plan"  # on the transformer: plans every call of its attention processors
 H3_SINGLE_FILE_HOOK = "diffusers_h3.single_file"  # on a transformer loaded from one file: which file and format
 H3_PDD_HEAD_BANK_HOOK = "diffusers_h3.pdd_head_bank"  # on proj_out / audio_proj_out holding a PDD head bank
+H3_LIGHT_VAE_HOOK = "diffusers_h3.light_vae"  # on a video VAE given FastH3's NVFP4 decoder: what was loaded
 
 H3_HOOK_NAMES = (
     H3_FAST_VAE_DECODE_HOOK,
@@ -50,9 +51,10 @@ H3_HOOK_NAMES = (
     H3_CHECKPOINT_STREAM_MODEL_HOOK,
     H3_FEED_FORWARD_CHUNKS_HOOK,
     H3_STREAM_FROM_DISK_HOOK,
-    H3_FORWARD_RECORD_HOOK,
+    H3_CALL_PLAN_HOOK,
     H3_SINGLE_FILE_HOOK,
     H3_PDD_HEAD_BANK_HOOK,
+    H3_LIGHT_VAE_HOOK,
 )
 
 

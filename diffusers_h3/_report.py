@@ -16,8 +16,8 @@ from typing import Any, Dict, List
 import torch
 
 from ._hooks import (
+    H3_CALL_PLAN_HOOK,
     H3_CONTEXT_PARALLEL_HOOK,
-    H3_FORWARD_RECORD_HOOK,
     H3_HOOK_NAMES,
     H3_TENSOR_PARALLEL_HOOK,
     H3_V100_MODE_HOOK,
@@ -73,8 +73,8 @@ def _summarize_model(model: torch.nn.Module) -> Dict[str, Any]:
         info["v100 mode"] = v100.describe_path()
     if attention:
         info["attention"] = dict(attention)
-    forwards = h3_record(model, H3_FORWARD_RECORD_HOOK)
-    if forwards is not None and forwards.last is not None:  # the packed layout and the kernels of the last call
+    forwards = h3_record(model, H3_CALL_PLAN_HOOK)
+    if forwards is not None and forwards.last is not None:  # the plan of the last call: layout, routes, kernels
         info["last_forward"] = forwards.last.describe()
     if linears:
         info["quantized_layers"] = dict(linears)

@@ -3,8 +3,10 @@
 H3 packs ``[text | keyframes or references | target audio | target video]`` into one sequence, but attention
 processors only receive ``(attn, hidden_states, rotary_emb, attention_mask)``. The pipeline builds one
 :class:`PackedLayout` per request and publishes it for the duration of every transformer call with
-:func:`use_packed_layout`; each transformer call keeps it, with the kernels its ops ran, in one
-:class:`ForwardRecord`; processors that need the layout call :func:`require_packed_layout`. Processors must read segment
+:func:`use_packed_layout`. Each transformer call has one frozen :class:`CallPlan`: the layout and, once the
+transformer's call-plan hook has planned the call (outside any compiled region), each attention processor's plan
+(route, tile plan, kernel choice, precisions); it is the one per-call state the processors read
+(:func:`current_call_plan`). Processors that need the layout call :func:`require_packed_layout`. Processors must read segment
 kinds and row ranges from the layout and never assume an order (ref2va interleaves reference audio and video).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 
@@ -117,67 +119,63 @@ class PackedLayout:
         return f"PackedLayout(seq_len={self.seq_len}: " + ", ".join(parts) + ")"
 
 
-@dataclass(eq=False)
-class ForwardRecord:
-    """What one transformer call ran: the :class:`PackedLayout` it was given and the kernel each custom op chose.
+@dataclass(frozen=True, eq=False)
+class CallPlan:
+    """Everything a transformer call decided before its blocks run: the :class:`PackedLayout` it was given and the
+    plan of each attention processor that planned it (``attention``: ``((key, plan), ...)``, a processor's key being
+    its frozen config, shared by the blocks that run one plan).
 
-    One object per call: the model's forward-record hook (``H3_FORWARD_RECORD_HOOK``, installed by the attention
-    ``enable_*`` helpers) opens a fresh record at the top of every transformer forward and keeps the last one, which
-    ``describe()`` reads; the attention processors read the layout from it and the kernel ops write what they ran into
-    it (:func:`record_kernel`), also inside a compiled graph, where the op's implementation runs after tracing but
-    still inside the forward that opened the record. ``kernels`` maps an op name to the ``KernelChoice`` of its last
-    call in this forward.
+    The call-plan hook (``H3_CALL_PLAN_HOOK``, installed by the attention ``enable_*`` helpers) builds it at the top of
+    every transformer forward, outside any compiled region, and publishes it for the call (:func:`use_call_plan`);
+    processors read their plan with :meth:`plan_for` (also inside a compiled block, where ``torch.compile`` guards on
+    the plan's sizes and choices, not on the object); ``describe()`` reads the last one. Nothing writes into it.
     """
 
     layout: Optional[PackedLayout] = None
-    kernels: Dict[str, Any] = field(default_factory=dict)
+    attention: Tuple[Tuple[Any, Any], ...] = ()
+
+    def plan_for(self, key: Any) -> Any:
+        """The plan made for the processors of ``key`` (``None``: not planned in this call)."""
+        for planned_key, plan in self.attention:
+            if planned_key is key:
+                return plan
+        return None
 
     def describe(self) -> Dict[str, Any]:
         layout = self.layout.describe() if self.layout is not None else "none published"
-        return {"layout": layout, "kernels": {op: choice.describe() for op, choice in self.kernels.items()}}
+        return {"layout": layout, "attention": [plan.describe() for _, plan in self.attention]}
 
 
-# The record of the transformer call running in this thread (a context variable: concurrent calls in other threads
-# have their own). use_packed_layout publishes one holding the caller's layout; the forward-record hook opens a fresh
-# one per transformer forward.
-_ACTIVE_RECORD: contextvars.ContextVar[Optional[ForwardRecord]] = contextvars.ContextVar(
-    "diffusers_h3_forward_record", default=None
-)
+# The plan of the transformer call running in this thread (a context variable: concurrent calls in other threads have
+# their own). use_packed_layout publishes one holding the caller's layout; the call-plan hook publishes the full plan
+# of each transformer forward.
+_CALL_PLAN: contextvars.ContextVar[Optional[CallPlan]] = contextvars.ContextVar("diffusers_h3_call_plan", default=None)
 
 
 @contextlib.contextmanager
-def active_forward_record(record: Optional[ForwardRecord]) -> Iterator[Optional[ForwardRecord]]:
-    """Make ``record`` the record of the calls made inside the block (what :func:`current_forward_record` returns)."""
-    token = _ACTIVE_RECORD.set(record)
+def use_call_plan(plan: Optional[CallPlan]) -> Iterator[Optional[CallPlan]]:
+    """Publish ``plan`` for the calls made inside the block (what :func:`current_call_plan` returns)."""
+    token = _CALL_PLAN.set(plan)
     try:
-        yield record
+        yield plan
     finally:
-        _ACTIVE_RECORD.reset(token)
+        _CALL_PLAN.reset(token)
 
 
-def current_forward_record() -> Optional[ForwardRecord]:
-    return _ACTIVE_RECORD.get()
-
-
-def record_kernel(op: str, choice: Any) -> None:
-    """Called by the implementation of the custom op ``op``: note in the running call's record what it ran (nothing
-    to note outside a recorded call)."""
-    record = _ACTIVE_RECORD.get()
-    if record is not None:
-        record.kernels[op] = choice
+def current_call_plan() -> Optional[CallPlan]:
+    return _CALL_PLAN.get()
 
 
 @contextlib.contextmanager
 def use_packed_layout(layout: Optional[PackedLayout]) -> Iterator[Optional[PackedLayout]]:
-    """Publish ``layout`` for the transformer calls made inside the block: they read it from their
-    :class:`ForwardRecord`."""
-    with active_forward_record(ForwardRecord(layout=layout)):
+    """Publish ``layout`` for the transformer calls made inside the block: their call plans are made from it."""
+    with use_call_plan(CallPlan(layout=layout)):
         yield layout
 
 
 def current_packed_layout() -> Optional[PackedLayout]:
-    record = _ACTIVE_RECORD.get()
-    return None if record is None else record.layout
+    plan = _CALL_PLAN.get()
+    return None if plan is None else plan.layout
 
 
 def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayout:

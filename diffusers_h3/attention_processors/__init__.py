@@ -1,5 +1,6 @@
 """Attention processors for ``MiniMaxH3Attention`` (all built on :class:`MiniMaxH3AttnProcessorBase`); the
-packed-layout side channel they read is ``diffusers_h3.layout``."""
+packed-layout side channel they read is ``diffusers_h3.layout``. A processor is one module here, registered with
+:func:`register_attention_processor` (``install.py``), and imported below."""
 
 from .base import MiniMaxH3AttnProcessorBase
 from .fa_v100 import MiniMaxH3FAV100Processor
@@ -9,6 +10,13 @@ from .flashinfer import (
     disable_flashinfer_attention,
     enable_flashinfer_attention,
     flashinfer_attention_state,
+)
+from .install import (
+    AttentionProcessorRegistry,
+    attention_processor_state,
+    disable_attention_processor,
+    enable_attention_processor,
+    register_attention_processor,
 )
 from .low_precision import (
     LowPrecisionAttentionConfig,
@@ -30,6 +38,11 @@ from .vsa import (
 
 
 __all__ = [
+    "AttentionProcessorRegistry",
+    "attention_processor_state",
+    "disable_attention_processor",
+    "enable_attention_processor",
+    "register_attention_processor",
     "MiniMaxH3AttnProcessorBase",
     "MiniMaxH3FAV100Processor",
     "MiniMaxH3FlashInferProcessor",

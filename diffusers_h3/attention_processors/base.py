@@ -12,40 +12,53 @@ the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH
   ``ulysses_degree > 1`` the core runs on the full sequence with ``heads / degree`` heads through
   ``_ulysses.ulysses_attention`` (all-to-all before and after); ring attention is refused (it needs a core that returns
   the log-sum-exp);
-* **the call's record**: every transformer call has one :class:`~diffusers_h3.layout.ForwardRecord` (its packed
-  layout and the kernels its ops ran). The forward-record hook (:mod:`.forward_record`) hands it to the processors
-  before the blocks run (:meth:`start_call`); under autograd the processor also finds it itself, and a
-  gradient-checkpointed block, which recomputes its attention during backward after the call's record was closed,
-  re-enters the record of the call it recomputes, so processors that read the layout work with checkpointing however
-  they were installed;
-* **describe_path()** from the :class:`~diffusers_h3.kernels.attention.KernelChoice` that the last call recorded
-  (under ``torch.compile`` read from the last call's record: the ops run after tracing).
+* **the call's plan**: every transformer call has one frozen :class:`~diffusers_h3.layout.CallPlan` (its packed
+  layout and each processor's plan: route, tile plan, kernel choice, precisions), made by the call-plan hook
+  (:mod:`.call_plan`) before the blocks run, outside any compiled region, from the layout, the call's device and
+  dtype and the kernels' pure selection; a processor reads its plan with :meth:`current_plan` and its ops write
+  nothing back. A processor set by hand (no hook) plans its first block call itself, in one eager island; under
+  autograd a gradient-checkpointed block, which recomputes its attention during backward after the call ended,
+  re-enters the plan of the call it recomputes;
+* **describe_path()** from the plan of the last call (or, for a processor that decides inside its core, the
+  :class:`~diffusers_h3.kernels.attention.KernelChoice` it recorded).
 
-Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads) and may add
-per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`).
+Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads), may add
+per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`), and plan their calls with :meth:`plan_call`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..kernels._triton_utils import PendingChoice
 from ..kernels.attention.router import KernelChoice
-from ..layout import ForwardRecord, active_forward_record, current_forward_record
+from ..layout import CallPlan, current_call_plan, current_packed_layout, use_call_plan
 from ._projections import project_output, project_qkv
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInputs:
+    """What a processor's plan of a transformer call is made from: the published layout (``None``: none), the device
+    and dtype of the attention inputs and the head dim (a plan is checked against the inputs it meets: ``fits``)."""
+
+    layout: Any
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
 
 
 class MiniMaxH3AttnProcessorBase:
     r"""
     Base class of the attention processors for ``MiniMaxH3Attention``: refiner policy, context-parallel seam,
-    projection → :meth:`core` → output, and :meth:`describe_path` from the recorded :class:`KernelChoice`.
+    projection → :meth:`core` → output, and :meth:`describe_path` from the call's plan.
 
     Subclasses implement ``core(query, key, value, attention_mask=None, **extras) -> out`` on
-    ``(batch, seq, heads, head_dim)`` tensors and record what they ran with :meth:`record_choice`.
+    ``(batch, seq, heads, head_dim)`` tensors; what a call decides is planned in :meth:`plan_call` and read with
+    :meth:`current_plan` (a core that decides per call itself reports with :meth:`record_choice`).
     """
 
     # Context-parallel hook points: diffusers' `enable_parallelism` sets `_parallel_config` on processors that
@@ -54,12 +67,33 @@ class MiniMaxH3AttnProcessorBase:
     _parallel_config = None
 
     def __init__(self):
-        self._last_choice: Union[KernelChoice, PendingChoice, None] = None
-        self._forward_record: Optional[ForwardRecord] = None  # the record of the last transformer call
-        # Under autograd: the record of each call by its rotary tensor (the one object every block of the call gets,
-        # also when a checkpointed block recomputes during backward), dropped with the call's tensors.
-        self._call_records = WeakIdKeyDictionary()
+        self._last_choice: Optional[KernelChoice] = None  # what the core ran, for processors that decide there
+        self.last_plan: Any = None  # this processor's plan of the last transformer call (describe_path)
+        # Under autograd: the call plan of each call by its rotary tensor (the one object every block of the call
+        # gets, also when a checkpointed block recomputes during backward), dropped with the call's tensors.
+        self._reentry_plans = WeakIdKeyDictionary()
         self._refiner = MiniMaxH3AttnProcessor()  # never given the parallel config
+
+    # -- installation (attention_processors.install): a registered processor's config and how it is installed -------
+    config_class = None  # the frozen config dataclass the processor is registered with (register_attention_processor)
+
+    @classmethod
+    def prepare(cls, config, model: torch.nn.Module, blocks) -> Any:
+        """Check ``model`` (a transformer) for ``config`` before any block changes (raise the one clear error here);
+        returns what :meth:`for_block` needs for this model (``None`` by default)."""
+        return None
+
+    @classmethod
+    def for_block(cls, config, prepared: Any, index: int, block: torch.nn.Module) -> "MiniMaxH3AttnProcessorBase":
+        """The processor of transformer block ``index`` (``prepared``: what :meth:`prepare` returned)."""
+        return cls(config)
+
+    @classmethod
+    def state(cls, found) -> Dict[str, Any]:
+        """What is installed, from ``found``: ``[(block, processor)]`` of the blocks with this processor: ``blocks``,
+        the first processor's config fields and ``path`` (its ``describe_path()``: after a call, what ran)."""
+        first = found[0][1]
+        return {"blocks": len(found), **dataclasses.asdict(first.config), "path": first.describe_path()}
 
     # -- the seams subclasses fill ------------------------------------------------------------------------------------
     def core(
@@ -78,20 +112,16 @@ class MiniMaxH3AttnProcessorBase:
         sharded like Q/K/V under context parallelism). None by default."""
         return {}
 
-    def record_choice(self, choice: Union[KernelChoice, PendingChoice]) -> None:
-        """Remember what the last call ran (``describe_path`` reports it); under ``torch.compile`` the op's
-        :class:`PendingChoice`, read from the call's record when asked."""
+    def record_choice(self, choice: KernelChoice) -> None:
+        """For a processor that chooses its kernel inside :meth:`core` (FA-V100: per device and mask): remember what
+        the last call ran (``describe_path`` reports it)."""
         self._last_choice = choice
-
-    def resolve_choice(self, choice: Union[KernelChoice, PendingChoice, None]) -> Optional[KernelChoice]:
-        """``choice`` as recorded: a :class:`PendingChoice` is read from the record of the last transformer call."""
-        if isinstance(choice, PendingChoice):
-            return choice.resolve(self._forward_record)
-        return choice
 
     @property
     def last_choice(self) -> Optional[KernelChoice]:
-        return self.resolve_choice(self._last_choice)
+        """The kernel of the last call: from its plan, or as recorded by the core."""
+        kernel = getattr(self.last_plan, "kernel", None)
+        return kernel if kernel is not None else self._last_choice
 
     def describe_path(self) -> str:
         """One line: what the last call ran, and why."""
@@ -100,14 +130,38 @@ class MiniMaxH3AttnProcessorBase:
             return f"{type(self).__name__}: not called yet"
         return f"{type(self).__name__}: {choice.describe()}"
 
-    # -- the transformer call (the forward-record hook, outside the possibly compiled blocks) -------------------------
-    def start_call(self, record: ForwardRecord, device: torch.device, only_call: bool) -> None:
-        """Before the blocks of a transformer call run: ``record`` is that call's record; ``only_call`` is False when
-        another call runs on the same transformer at the same time (threads)."""
-        self._forward_record = record
+    # -- the call's plan (made by the call-plan hook, outside the possibly compiled blocks) ---------------------------
+    @property
+    def plan_key(self) -> Any:
+        """What the call plan files this processor's plan under: its frozen config, one object shared by the blocks
+        that run one plan (``None``: the processor decides inside its core and plans nothing)."""
+        return getattr(self, "config", None)
 
-    def finish_call(self) -> None:
-        """After the call (also when it raised): forget per-call state."""
+    # Whether a plan depends on the call's layout (then every call is planned anew; otherwise a processor set by hand
+    # reuses its last plan while it fits the inputs, so its compiled blocks read plain data after the first call).
+    plans_read_layout = True
+
+    def plan_call(self, call: "CallInputs") -> Any:
+        """The frozen plan of a transformer call (``call``: its layout, device, attention dtype and head dim), made
+        once per call before the blocks run; ``None`` for processors that decide inside their core."""
+        return None
+
+    def current_plan(self, query: torch.Tensor) -> Any:
+        """This processor's plan for the running call, checked against ``query``: the one the call plan holds, or,
+        without one (a processor set by hand) or when it was made for other inputs, a plan made here."""
+        call_plan = current_call_plan()
+        plan = call_plan.plan_for(self.plan_key) if call_plan is not None else None
+        if plan is None and not self.plans_read_layout:
+            plan = self.last_plan  # a plan that does not depend on the call's layout holds for the next call too
+        if plan is None or not plan.fits(query):
+            plan = self._plan_here(query.shape[-1], query.device, query.dtype)
+        return plan
+
+    @torch.compiler.disable  # context-variable reads and plan caches: one eager island under torch.compile
+    def _plan_here(self, head_dim: int, device: torch.device, dtype: torch.dtype) -> Any:
+        plan = self.plan_call(CallInputs(current_packed_layout(), device, dtype, head_dim))
+        self.last_plan = plan
+        return plan
 
     # -- the call ---------------------------------------------------------------------------------------------------
     def __call__(
@@ -120,28 +174,27 @@ class MiniMaxH3AttnProcessorBase:
         if rotary_emb is None:
             return self.refiner_call(attn, hidden_states, attention_mask)
         if torch.is_grad_enabled():
-            # A gradient-checkpointed block runs this again during backward, after the call's record was closed.
-            record = self._record_to_reenter(rotary_emb[0])
-            if record is not None:
-                with active_forward_record(record):
+            # A gradient-checkpointed block runs this again during backward, after the call's plan was unpublished.
+            plan = self._plan_to_reenter(rotary_emb[0])
+            if plan is not None:
+                with use_call_plan(plan):
                     return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
         return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
 
     @torch.compiler.disable  # context-variable and dictionary bookkeeping: one eager island under torch.compile
-    def _record_to_reenter(self, anchor: torch.Tensor) -> Optional[ForwardRecord]:
-        """For a call under autograd: the record to re-enter, or ``None`` when none needs re-entering.
+    def _plan_to_reenter(self, anchor: torch.Tensor) -> Optional[CallPlan]:
+        """For a call under autograd: the call plan to re-enter, or ``None`` when none needs re-entering.
 
-        Inside a transformer call (a record is open) the record is kept for ``anchor``, the call's rotary tensor,
+        Inside a transformer call (a plan is published) the plan is kept for ``anchor``, the call's rotary tensor,
         and ``None`` is returned. Outside one, the call is a gradient-checkpointed block recomputing during backward
-        (or on the autograd engine's device thread): the record kept for ``anchor`` by its forward is returned
+        (or on the autograd engine's device thread): the plan kept for ``anchor`` by its forward is returned
         (``None`` for a call that never had one: the layout error then says how to publish it).
         """
-        record = current_forward_record()
-        if record is not None:
-            self._forward_record = record
-            self._call_records[anchor] = record
+        plan = current_call_plan()
+        if plan is not None:
+            self._reentry_plans[anchor] = plan
             return None
-        return self._call_records.get(anchor)
+        return self._reentry_plans.get(anchor)
 
     def project_and_attend(self, attn, hidden_states, rotary_emb, attention_mask=None) -> torch.Tensor:
         """Projections → :meth:`attend` → output projection (a block call with rotary embeddings)."""

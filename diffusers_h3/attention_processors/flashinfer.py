@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .._utils import config_from_call, cuda_capability
+from .._utils import cuda_capability
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
     flashinfer_dense_attention,
@@ -27,7 +27,7 @@ from ..kernels.attention.flashinfer_dense import (
     resolve_backend,
 )
 from .base import MiniMaxH3AttnProcessorBase
-from .low_precision import _models, block_processors, restore_default_processors, transformer_blocks
+from .install import processor_entry_points, register_attention_processor
 
 
 PRECISIONS = ("bf16", "fp8")
@@ -42,6 +42,25 @@ def _check_precision(precision: str, backend: Optional[str] = None) -> None:
                          "or enable_low_precision_attention(pipe, LowPrecisionAttentionConfig('fp8'))")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class FlashInferAttentionConfig:
+    """The options of :func:`enable_flashinfer_attention`.
+
+    Args:
+        backend (`str`, defaults to `"auto"`): ``"fa3"`` (Hopper), ``"fa2"`` (SM80+) or ``"auto"`` (FA3 where the GPU
+            runs it, else FA2).
+        precision (`str`, defaults to `"bf16"`): ``"bf16"`` (16-bit Q/K/V as they come, exact) or ``"fp8"`` (FA3's
+            FP8 kernel, Hopper only).
+    """
+
+    backend: str = "auto"
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        _check_precision(self.precision)
+
+
+@register_attention_processor("flashinfer_attention", FlashInferAttentionConfig, legacy_positional=("backend", "precision"))
 class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
     """Dense attention through FlashInfer. ``backend``: ``"fa3"`` or ``"fa2"`` (resolved from the GPU by
     :func:`enable_flashinfer_attention` when asked for ``"auto"``); ``precision``: ``"bf16"`` (16-bit Q/K/V as they
@@ -70,71 +89,34 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
         self.record_choice(choice)
         return out
 
-
-@dataclass(frozen=True)
-class FlashInferAttentionConfig:
-    """The options of :func:`enable_flashinfer_attention`.
-
-    Args:
-        backend (`str`, defaults to `"auto"`): ``"fa3"`` (Hopper), ``"fa2"`` (SM80+) or ``"auto"`` (FA3 where the GPU
-            runs it, else FA2).
-        precision (`str`, defaults to `"bf16"`): ``"bf16"`` (16-bit Q/K/V as they come, exact) or ``"fp8"`` (FA3's
-            FP8 kernel, Hopper only).
-    """
-
-    backend: str = "auto"
-    precision: str = "bf16"
-
-    def __post_init__(self):
-        _check_precision(self.precision)
-
-
-def enable_flashinfer_attention(pipe_or_transformer, config: Optional[FlashInferAttentionConfig] = None, *args,
-                                **legacy):  # fmt: skip
-    """Install one :class:`MiniMaxH3FlashInferProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor), with the options of ``config`` (a
-    :class:`FlashInferAttentionConfig`; default: its defaults). ``backend=`` / ``precision=`` as separate arguments
-    still work for one release, with a ``FutureWarning``.
-
-    Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be built
-    (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and every model is on a CUDA GPU of SM80+ (``"fa3"`` needs
-    SM90, as does ``precision="fp8"``). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns the
-    argument; what was installed (the block count, the resolved backend, the precision, where the kernels come from
-    and the processor's ``describe_path`` line) is read from the processors with :func:`flashinfer_attention_state`.
-    Undo with :func:`disable_flashinfer_attention`.
-    """
-    config = config_from_call(FlashInferAttentionConfig, config, legacy, call="enable_flashinfer_attention",
-                              legacy_positional=("backend", "precision"), legacy_args=args)  # fmt: skip
-    backend, precision = config.backend, config.precision
-    kernels = check_flashinfer_kernels()
-    plans = []
-    for _, model in _models(pipe_or_transformer, "enable_flashinfer_attention"):
-        blocks = transformer_blocks(model, "enable_flashinfer_attention")
+    # -- installation ------------------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, config: FlashInferAttentionConfig, model, blocks) -> Tuple[str, str]:
+        """Checks first, with one clear error and nothing changed: flashinfer-python is importable, its kernels can be
+        built (a CUDA compiler) or loaded (``flashinfer-jit-cache``), and the model is on a CUDA GPU of SM80+ (``"fa3"``
+        needs SM90, as does ``precision="fp8"``). Q/K/V must be bf16 or fp16 at call time (checked per call). Returns
+        the resolved backend and where the kernels come from."""
+        kernels = check_flashinfer_kernels()
         tensors = itertools.chain(blocks[0].parameters(), blocks[0].buffers()) if len(blocks) else iter(())
-        device = next(tensors, torch.empty(0)).device  # quantized layers keep their weights in buffers
-        resolved = resolve_backend(backend, cuda_capability(device))
-        _check_precision(precision, resolved)
-        plans.append((blocks, resolved))
-    for blocks, resolved in plans:
-        for block in blocks:
-            block.attn.set_processor(MiniMaxH3FlashInferProcessor(resolved, precision, kernel_source=kernels))
-    return pipe_or_transformer
+        device = next(tensors, torch.empty(0)).device  # a block without parameters reports its buffers' device
+        resolved = resolve_backend(config.backend, cuda_capability(device))
+        _check_precision(config.precision, resolved)
+        return resolved, kernels
+
+    @classmethod
+    def for_block(cls, config: FlashInferAttentionConfig, prepared: Tuple[str, str], index: int, block):
+        backend, kernels = prepared
+        return cls(backend, config.precision, kernel_source=kernels)
+
+    @classmethod
+    def state(cls, found) -> Dict[str, Any]:
+        """``blocks`` (with one), the resolved ``backend``, ``precision``, ``kernels`` (where FlashInfer's kernels come
+        from, as checked when installed) and ``path`` (the first processor's ``describe_path()``)."""
+        first = found[0][1]
+        return {"blocks": len(found), "backend": first.backend, "precision": first.precision,
+                "kernels": first.kernel_source, "path": first.describe_path()}  # fmt: skip
 
 
-def flashinfer_attention_state(transformer) -> Optional[Dict[str, Any]]:
-    """What :func:`enable_flashinfer_attention` installed on ``transformer``, read from its blocks'
-    :class:`MiniMaxH3FlashInferProcessor` instances (``None`` when no block has one): ``blocks`` (with one), the
-    resolved ``backend``, ``precision``, ``kernels`` (where FlashInfer's kernels come from, as checked when installed)
-    and ``path`` (the first processor's ``describe_path()``: after a call, the kernel it ran)."""
-    processors = block_processors(transformer, MiniMaxH3FlashInferProcessor, "flashinfer_attention_state")
-    if not processors:
-        return None
-    first = processors[0]
-    return {"blocks": len(processors), "backend": first.backend, "precision": first.precision,
-            "kernels": first.kernel_source, "path": first.describe_path()}  # fmt: skip
-
-
-def disable_flashinfer_attention(pipe_or_transformer):
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions
-    or of one transformer). Returns the argument."""
-    return restore_default_processors(pipe_or_transformer, "disable_flashinfer_attention")
+enable_flashinfer_attention, disable_flashinfer_attention, flashinfer_attention_state = processor_entry_points(
+    MiniMaxH3FlashInferProcessor
+)

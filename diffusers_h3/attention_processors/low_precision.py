@@ -17,19 +17,23 @@ transformer block; the VSA processor delegates its dense calls to the same core.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
 
-from .._hooks import partitions_of
-from .._utils import config_from_call, cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
+from .._utils import cuda_capability, has_fp4_tensor_cores, has_fp8_tensor_cores, warn_once
 from ..kernels._triton_utils import HAS_TRITON, triton_interpreter_active
-from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention
-from ..kernels.attention.router import KernelChoice, TuningOptions, block_sparse_attention
+from ..kernels.attention.dense_quantized import fake_quantize_operands, fp8_attention, plan_fp8_attention
+from ..kernels.attention.router import (
+    AttentionOperands,
+    KernelChoice,
+    TuningOptions,
+    block_sparse_attention,
+    plan_kernel,
+)
 from ..kernels.numerics import fake_quant_fp4
-from .base import MiniMaxH3AttnProcessorBase
-from .forward_record import install_forward_record_hook, remove_forward_record_hook
+from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .install import processor_entry_points, register_attention_processor
 
 
 PRECISIONS = ("fp8", "int8", "fp4")
@@ -41,7 +45,8 @@ BACKENDS = ("auto", "triton", "torch")
 QK_8BIT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def _kernel_available(device: torch.device) -> bool:
+def triton_kernels_run_on(device: torch.device) -> bool:
+    """Whether this package's Triton kernels run for inputs on ``device`` (CUDA, or the CPU interpreter)."""
     return HAS_TRITON and (device.type == "cuda" or triton_interpreter_active())
 
 
@@ -113,6 +118,60 @@ def fake_quant_fp4_seq(value: torch.Tensor) -> torch.Tensor:
     return fake_quant_fp4(value, dim=1)[:, :s]
 
 
+@dataclass(frozen=True)
+class LowPrecisionAttentionConfig:
+    """The options of :func:`enable_low_precision_attention`, those of :class:`MiniMaxH3LowPrecisionAttnProcessor`
+    (validated when built).
+
+    Args:
+        precision (`str`, defaults to `"fp8"`): ``"fp8"``, ``"int8"`` or ``"fp4"`` (emulated; see the module docstring).
+        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantizing (exact under softmax).
+        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (with an 8-bit ``precision``).
+        fp4_p (`str`, defaults to `"two_level"`): with ``precision="fp4"``, how P is emulated before P·V
+            (``"two_level"``, ``"single_level"`` or ``None``: 16-bit P).
+        strict (`bool`, defaults to `False`): raise when installing, instead of emulating with a one-time warning,
+            where the GPU lacks the precision's tensor cores.
+        backend (`str`, defaults to `"auto"`): ``"triton"``, ``"torch"`` (reference kernels) or ``"auto"``.
+        kernel (`str`, defaults to `"auto"`): ``"sm90"`` (Hopper Gluon kernel), ``"triton"`` or ``"auto"``.
+    """
+
+    precision: str = "fp8"
+    smooth_k: bool = True
+    pv_precision: str = "bf16"
+    fp4_p: Optional[str] = "two_level"
+    strict: bool = False
+    backend: str = "auto"
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        check_low_precision_options(self.precision, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
+                                    strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LowPrecisionPlan:
+    """The low-precision processor's plan of one transformer call: ``path`` (``"fp8_attention"``: the 8-bit flash
+    kernels; ``"fp4_kernel"``: the FP4 P emulation on the Triton kernel; ``"sdpa"``: SDPA over quantize-dequantized
+    operands), its ``kernel``, the key block ``block_n`` of the 8-bit kernels (0: the reference's own), the benchmark
+    ``tuning``, whether the numerics are ``emulated``, and the inputs it was made for."""
+
+    path: str
+    kernel: KernelChoice
+    block_n: int
+    tuning: Optional[TuningOptions]
+    emulated: bool
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    def fits(self, query: torch.Tensor) -> bool:
+        return query.device == self.device and query.dtype == self.dtype and query.shape[-1] == self.head_dim
+
+    def describe(self) -> str:
+        return f"dense low-precision ({self.path}): {self.kernel.describe()}"
+
+
+@register_attention_processor("low_precision_attention", LowPrecisionAttentionConfig, legacy_positional=("precision",))
 class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
     r"""
     Dense attention in FP8 / INT8 (tensor cores) or emulated FP4 for ``MiniMaxH3Attention`` (install one per block
@@ -151,17 +210,25 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         self.strict = bool(strict)
         self.backend = backend
         self.kernel = kernel
-        self._emulated: Optional[bool] = None
+        self.config = LowPrecisionAttentionConfig(precision, smooth_k=self.smooth_k, pv_precision=pv_precision,
+                                                  fp4_p=fp4_p, strict=self.strict, backend=backend, kernel=kernel)
         self._who = type(self).__name__  # the processor named in warnings and errors (VSA when it delegates here)
+
+    @classmethod
+    def for_block(cls, config: "LowPrecisionAttentionConfig", prepared, index: int, block):
+        processor = cls(config.precision, smooth_k=config.smooth_k, pv_precision=config.pv_precision,
+                        fp4_p=config.fp4_p, strict=config.strict, backend=config.backend, kernel=config.kernel)
+        processor.config = config  # one object for every block (the call plan files their plan under it)
+        if config.strict:
+            processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
+        return processor
 
     # -- emulation policy -------------------------------------------------------------------------------------------
     def emulated(self, device: torch.device) -> bool:
         """Whether the numerics run as quantize-dequantize emulation on ``device`` (warns once, or raises when
-        strict); records the answer for :meth:`describe_path`."""
+        strict)."""
         if self.precision not in QK_8BIT or _qk_native(self.precision, device):
-            self._emulated = self.precision == "fp4"
-            return self._emulated
-        self._emulated = True
+            return self.precision == "fp4"
         cap = cuda_capability(device) if device.type == "cuda" else None
         where = f"sm_{cap[0]}{cap[1]}" if cap else device.type
         name, needs = ("FP8", "SM89+") if self.precision == "fp8" else ("INT8", "SM80+")
@@ -176,52 +243,78 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         return True
 
     def _tuning(self, device: torch.device) -> Optional[TuningOptions]:
-        if self.kernel == "auto" or self.backend == "torch" or not _kernel_available(device):
+        if self.kernel == "auto" or self.backend == "torch" or not triton_kernels_run_on(device):
             return None
         return TuningOptions(kernel=self.kernel)
+
+    # -- the plan of a call (made once per transformer call, outside the compiled blocks) -----------------------------
+    plans_read_layout = False  # dense attention: the plan depends on the device, dtype and head dim only
+
+    def plan_call(self, call: CallInputs) -> "LowPrecisionPlan":
+        """Which path a call with Q/K/V of ``call.dtype`` on ``call.device`` takes, and its kernel: the 8-bit flash
+        kernels (:func:`~diffusers_h3.kernels.attention.dense_quantized.plan_fp8_attention`), the FP4 emulation on the
+        Triton kernel, or SDPA over quantize-dequantized operands; decides the emulation (warns once, or raises when
+        strict)."""
+        device, head_dim = call.device, call.head_dim
+        emulate = self.emulated(device)
+        tuning = self._tuning(device)
+        operands = None
+        block_n = 0
+        if self.precision in QK_8BIT and not emulate and triton_kernels_run_on(device):
+            path = "fp8_attention"
+            kernel, block_n = plan_fp8_attention(head_dim, device, pv_fp8=self.pv_precision == "fp8",
+                                                 qk_dtype=QK_8BIT[self.precision], out_dtype=call.dtype,
+                                                 backend=self.backend, tuning=tuning)  # fmt: skip
+        elif self.precision == "fp4" and self.fp4_p is not None and triton_kernels_run_on(device) and self.backend != "torch":
+            path = "fp4_kernel"
+            # V rounded over the sequence comes back channel-major (fake_quant_fp4_seq)
+            operands = AttentionOperands(head_dim, call.dtype, call.dtype, v_layout="channel-major", p_fp4=self.fp4_p)
+            kernel = plan_kernel(operands, device, block=64, dense=True, backend="triton")
+        else:
+            path = "sdpa"
+            if self.precision == "fp4":
+                reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
+            else:
+                reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
+            kernel = KernelChoice("torch-sdpa", "dense", reason)
+        return LowPrecisionPlan(path, kernel, block_n, tuning, emulate, call.device, call.dtype, head_dim)
 
     # -- the core ----------------------------------------------------------------------------------------------------
     def core(self, query, key, value, attention_mask=None, **extras):
         if extras:
             raise TypeError(f"{self._who}: dense low-precision attention takes no extras, got {sorted(extras)}")
+        return self.attend_planned(self.current_plan(query), query, key, value, attention_mask)
+
+    def attend_planned(self, plan: "LowPrecisionPlan", query, key, value, attention_mask=None):
+        """The attention of ``plan``'s path (the VSA processor's dense calls come here with its plan)."""
         if attention_mask is not None:
             raise ValueError(f"{self._who}: FP8/INT8/FP4 dense attention takes no attention_mask (H3 passes none)")
         value = value.contiguous()
-        device = query.device
-        emulate = self.emulated(device)
-        if self.precision in QK_8BIT and not emulate and _kernel_available(device):
-            out, choice = fp8_attention(
-                query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
-                qk_dtype=QK_8BIT[self.precision], backend=self.backend, tuning=self._tuning(device),
-                return_choice=True,
-            )
-            self.record_choice(choice)
-            return out
+        if plan.path == "fp8_attention":
+            return fp8_attention(query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
+                                 qk_dtype=QK_8BIT[self.precision], block_n=plan.block_n or None, tuning=plan.tuning,
+                                 choice=plan.kernel)  # fmt: skip
         if self.precision == "fp4":
             if self.smooth_k:
                 key = key - key.float().mean(1, keepdim=True).to(key.dtype)
             query, key, value = fake_quant_fp4(query), fake_quant_fp4(key), fake_quant_fp4_seq(value)
-            if self.fp4_p is not None and _kernel_available(device) and self.backend != "torch":
-                out, choice = block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
-                                                     p_fp4=self.fp4_p, backend="triton", return_choice=True)
-                self.record_choice(choice)
-                return out
-            reason = "FP4 emulation with 16-bit P" if self.fp4_p is None else "FP4 emulation, no Triton kernels here"
+            if plan.path == "fp4_kernel":
+                return block_sparse_attention(query, key, value, None, None, None, None, block=64, dense=True,
+                                              p_fp4=self.fp4_p, choice=plan.kernel)  # fmt: skip
         else:
             query, key, value = fake_quantize_operands(
                 query, key, value, smooth_k=self.smooth_k, pv_fp8=self.pv_precision == "fp8",
                 qk_dtype=QK_8BIT[self.precision],
             )  # fmt: skip
-            reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         ).transpose(1, 2)
-        self.record_choice(KernelChoice("torch-sdpa", "dense", reason))
         return out
 
     def precision_label(self) -> str:
+        emulated = self.last_plan.emulated if self.last_plan is not None else None
         return precision_label(self.precision, smooth_k=self.smooth_k, pv_precision=self.pv_precision,
-                               fp4_p=self.fp4_p, emulated=self._emulated)
+                               fp4_p=self.fp4_p, emulated=emulated)
 
     def describe_path(self) -> str:
         choice = self.last_choice
@@ -229,116 +322,6 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
         return f"dense low-precision attention ({self.precision_label()}) via {kernel}"
 
 
-# -- installation helpers --------------------------------------------------------------------------------------------
-
-
-def transformer_blocks(transformer, who: str) -> Sequence[torch.nn.Module]:
-    blocks = getattr(transformer, "transformer_blocks", None)
-    if blocks is None:
-        raise TypeError(f"{who} expects a MiniMaxH3Transformer3DModel (with .transformer_blocks) or a MiniMaxH3Pipeline, "
-                        f"got {type(transformer).__name__}")
-    return blocks
-
-
-def _models(pipe_or_transformer, who: str):
-    """``[(name, transformer)]`` of a pipeline (its loaded transformer partitions) or of one transformer."""
-    models = partitions_of(pipe_or_transformer)
-    if isinstance(pipe_or_transformer, torch.nn.Module) or not (models or hasattr(pipe_or_transformer, "components")):
-        transformer_blocks(pipe_or_transformer, who)  # the error for something that is neither
-    return models
-
-
-@dataclass(frozen=True)
-class LowPrecisionAttentionConfig:
-    """The options of :func:`enable_low_precision_attention`, those of :class:`MiniMaxH3LowPrecisionAttnProcessor`
-    (validated when built).
-
-    Args:
-        precision (`str`, defaults to `"fp8"`): ``"fp8"``, ``"int8"`` or ``"fp4"`` (emulated; see the module docstring).
-        smooth_k (`bool`, defaults to `True`): subtract the per-head key mean before quantizing (exact under softmax).
-        pv_precision (`str`, defaults to `"bf16"`): ``"fp8"`` also runs P·V in E4M3 (with an 8-bit ``precision``).
-        fp4_p (`str`, defaults to `"two_level"`): with ``precision="fp4"``, how P is emulated before P·V
-            (``"two_level"``, ``"single_level"`` or ``None``: 16-bit P).
-        strict (`bool`, defaults to `False`): raise when installing, instead of emulating with a one-time warning,
-            where the GPU lacks the precision's tensor cores.
-        backend (`str`, defaults to `"auto"`): ``"triton"``, ``"torch"`` (reference kernels) or ``"auto"``.
-        kernel (`str`, defaults to `"auto"`): ``"sm90"`` (Hopper Gluon kernel), ``"triton"`` or ``"auto"``.
-    """
-
-    precision: str = "fp8"
-    smooth_k: bool = True
-    pv_precision: str = "bf16"
-    fp4_p: Optional[str] = "two_level"
-    strict: bool = False
-    backend: str = "auto"
-    kernel: str = "auto"
-
-    def __post_init__(self):
-        check_low_precision_options(self.precision, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
-                                    strict=self.strict, backend=self.backend, kernel=self.kernel)  # fmt: skip
-
-
-def enable_low_precision_attention(pipe_or_transformer, config: Optional[LowPrecisionAttentionConfig] = None, *args,
-                                   **legacy):  # fmt: skip
-    """Install one :class:`MiniMaxH3LowPrecisionAttnProcessor` per transformer block of a pipeline's transformer
-    partition(s) or of one transformer (the token refiner keeps its processor), with the options of ``config`` (a
-    :class:`LowPrecisionAttentionConfig`; default: its defaults, FP8). The precision as a string and the options as
-    separate keyword arguments still work for one release, with a ``FutureWarning``. Returns the argument; what was
-    installed (number of blocks, the precision and options, one ``describe_path`` line) is read from the processors
-    with :func:`low_precision_attention_state`. Undo with :func:`disable_low_precision_attention`."""
-    config = config_from_call(LowPrecisionAttentionConfig, config, legacy, call="enable_low_precision_attention",
-                              legacy_positional=("precision",), legacy_args=args)  # fmt: skip
-    options = {"smooth_k": config.smooth_k, "pv_precision": config.pv_precision, "fp4_p": config.fp4_p,
-               "strict": config.strict, "backend": config.backend, "kernel": config.kernel}  # fmt: skip
-    for _, model in _models(pipe_or_transformer, "enable_low_precision_attention"):
-        for block in transformer_blocks(model, "enable_low_precision_attention"):
-            processor = MiniMaxH3LowPrecisionAttnProcessor(config.precision, **options)
-            if config.strict:
-                processor.emulated(next(block.parameters()).device)  # raise now rather than mid-denoising
-            block.attn.set_processor(processor)
-        install_forward_record_hook(model)
-    return pipe_or_transformer
-
-
-def block_processors(transformer, cls: type, who: str) -> List[Any]:
-    """The attention processors of ``transformer``'s blocks that are exactly ``cls`` (not a subclass), in block order."""
-    processors = (getattr(block.attn, "processor", None) for block in transformer_blocks(transformer, who))
-    return [p for p in processors if type(p) is cls]
-
-
-def low_precision_attention_state(transformer) -> Optional[Dict[str, Any]]:
-    """What :func:`enable_low_precision_attention` installed on ``transformer``, read from its blocks'
-    :class:`MiniMaxH3LowPrecisionAttnProcessor` instances (``None`` when no block has one): ``blocks`` (with one),
-    ``precision``, the options (``smooth_k``, ``pv_precision``, ``fp4_p``, ``strict``, ``backend``, ``kernel``) and
-    ``path`` (the first processor's ``describe_path()``: after a call, the kernel it ran)."""
-    processors = block_processors(transformer, MiniMaxH3LowPrecisionAttnProcessor, "low_precision_attention_state")
-    if not processors:
-        return None
-    first = processors[0]
-    return {
-        "blocks": len(processors),
-        "precision": first.precision,
-        "smooth_k": first.smooth_k,
-        "pv_precision": first.pv_precision,
-        "fp4_p": first.fp4_p,
-        "strict": first.strict,
-        "backend": first.backend,
-        "kernel": first.kernel,
-        "path": first.describe_path(),
-    }
-
-
-def disable_low_precision_attention(pipe_or_transformer):
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions
-    or of one transformer). Returns the argument."""
-    return restore_default_processors(pipe_or_transformer, "disable_low_precision_attention")
-
-
-def restore_default_processors(pipe_or_transformer, who: str):
-    """Diffusers' default ``MiniMaxH3AttnProcessor`` on every transformer block (of a pipeline's partitions or of one
-    transformer); returns the argument (``who``: the ``disable_*`` named in errors)."""
-    for _, model in _models(pipe_or_transformer, who):
-        for block in transformer_blocks(model, who):
-            block.attn.set_processor(MiniMaxH3AttnProcessor())
-        remove_forward_record_hook(model)
-    return pipe_or_transformer
+enable_low_precision_attention, disable_low_precision_attention, low_precision_attention_state = (
+    processor_entry_points(MiniMaxH3LowPrecisionAttnProcessor)
+)

@@ -8,9 +8,10 @@ Semantics follow FastH3 (FastVideo's H3 VSA backend):
 * coarse stage: Q and K are mean-pooled per tile in float32, tile scores are ``q̄ k̄ᵀ / sqrt(d)``, and every video query
   tile keeps the top ``ceil((1 - sparsity) * n_video_tiles)`` video key tiles plus every non-video key tile; non-video
   query rows stay dense;
-* fine stage: block-sparse flash attention over the selected tiles through
-  :func:`diffusers_h3.kernels.attention.block_sparse_attention`, which picks the Hopper Gluon or the Triton kernel and
-  records its :class:`~diffusers_h3.kernels.attention.KernelChoice` (``describe_path`` reports it);
+* fine stage: block-sparse flash attention over the selected tiles, on the Hopper Gluon or the Triton kernel as
+  planned for the call (:class:`VSAPlan`: route, tile plan, top-k and the fine stage's
+  :class:`~diffusers_h3.kernels.attention.KernelChoice`, made once per transformer call by the call-plan hook;
+  ``describe_path`` reports it);
 * when the attention module has a ``to_gate_compress`` linear (VSA-distilled FastH3 checkpoints; see
   :func:`add_gate_compress`), the coarse output ``softmax(scores) v̄`` of each row's tile is added through it:
   ``out = out_fine + to_gate_compress(x) * out_coarse``. Base checkpoints have no gate and run pure sparse.
@@ -29,18 +30,20 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .._utils import warn_once
-from ..kernels._triton_utils import PendingChoice, call_recording, kernel_op
+from ..kernels._triton_utils import kernel_op
 from ..kernels.attention.router import (
+    AttentionOperands,
     KernelChoice,
     TuningOptions,
-    block_sparse_attention,
-    tuning_op_fields,
+    block_sparse_attention_op,
+    launch_options,
+    plan_kernel,
 )
 from ..kernels.attention.v_fp8 import quantize_v_fp8_channel_major
 from ..kernels.attention.vsa_pool import tile_pool, tile_quantize_fp8, valid_slots
@@ -52,18 +55,20 @@ from ..kernels.numerics import (
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
-from ..layout import ForwardRecord, PackedLayout, current_packed_layout, record_kernel, require_packed_layout
-from .base import MiniMaxH3AttnProcessorBase
-from .forward_record import install_forward_record_hook, remove_forward_record_hook
+from ..layout import PackedLayout, current_call_plan, current_packed_layout, require_packed_layout
+from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .install import (
+    enable_attention_processor,
+    processor_entry_points,
+    register_attention_processor,
+    transformer_blocks,
+)
 from .low_precision import (
     QK_8BIT,
     MiniMaxH3LowPrecisionAttnProcessor,
-    _kernel_available,
-    _models,
     check_low_precision_options,
     precision_label,
-    restore_default_processors,
-    transformer_blocks,
+    triton_kernels_run_on,
 )
 from .tiling import TilePlan, TilePlanCache
 
@@ -145,6 +150,8 @@ class VSAConfig:
         unknown = sorted(set(options) - fields)
         if unknown:
             raise TypeError(f"unknown VSA option(s) {unknown}; VSAConfig fields are {sorted(fields)}")
+        if config is not None and not options:
+            return config  # one object for every block of an enable_vsa (the call plan files their plan under it)
         return dataclasses.replace(config or cls(), **options)
 
     @property
@@ -159,6 +166,26 @@ class VSAConfig:
             self.precision, smooth_k=self.smooth_k, pv_precision=self.pv_precision, fp4_p=self.fp4_p,
             strict=self.strict, backend=self.backend, kernel=self.kernel,
         )
+
+
+def plan_vsa_kernel(head_dim: int, dtype: torch.dtype, device: torch.device, *, block: int, precision: str = "bf16",
+                    pv_precision: str = "bf16", emulate: bool = False, fp4_p: Optional[str] = "two_level",
+                    backend: str = "auto", tuning: Optional[TuningOptions] = None) -> Tuple[KernelChoice, AttentionOperands]:
+    """The fine stage's kernel of a :func:`vsa_attention` call, decided before the call from its options (what the
+    VSA processor plans once per transformer call), and the operands it is chosen for: the ones
+    :func:`vsa_attention` builds (16-bit rows packed in tile order; 8-bit Q/K with scales and, with FP8 P·V,
+    channel-major E4M3 V; FP4-rounded 16-bit rows with the FP4 P emulation)."""
+    qk_dtype = QK_8BIT.get(precision)
+    if qk_dtype is not None and not emulate:
+        pv_fp8 = pv_precision == "fp8"
+        v_dtype, v_layout = (torch.float8_e4m3fn, "channel-major") if pv_fp8 else (dtype, "contiguous")
+        operands = AttentionOperands(head_dim, qk_dtype, v_dtype, v_layout=v_layout, q_scaled=True, v_scaled=pv_fp8)
+    elif precision == "fp4":  # V rounded over the sequence comes back channel-major (numerics.fake_quant_fp4)
+        operands = AttentionOperands(head_dim, dtype, dtype, v_layout="channel-major", p_fp4=fp4_p)
+    else:
+        operands = AttentionOperands(head_dim, dtype, dtype)
+    choice = plan_kernel(operands, device, block=block, backend=backend, tuning=tuning)
+    return choice, operands
 
 
 def vsa_attention(
@@ -176,6 +203,7 @@ def vsa_attention(
     backend: str = "auto",
     fp4_p: Optional[str] = "two_level",
     tuning: Optional[TuningOptions] = None,
+    choice: Optional[KernelChoice] = None,
     return_choice: bool = False,
 ) -> Union[Tuple[torch.Tensor, Optional[torch.Tensor]], Tuple[torch.Tensor, Optional[torch.Tensor], KernelChoice]]:
     """The VSA core on ``[B, S, H, D]`` rows (after QK-norm and rotary): returns ``(out_fine, out_coarse)``.
@@ -184,26 +212,35 @@ def vsa_attention(
     ``compress`` (else ``None``). ``emulate`` replaces FP8 tensor-core products by quantize-dequantize + bf16
     kernels (for GPUs without FP8 MMA). ``precision="fp4"`` is always emulated. ``tuning`` (benchmarks) is passed to
     the fine kernel, see :class:`~diffusers_h3.kernels.attention.TuningOptions`. ``fp4_p`` (``"two_level"``,
-    ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P. With ``return_choice`` the
-    :class:`~diffusers_h3.kernels.attention.KernelChoice` of the fine stage comes third. The work runs in the custom
-    op ``diffusers_h3::vsa_attention`` over the plan's tensors and sizes (one node under ``torch.compile``).
+    ``"single_level"`` or ``None`` = bf16 P) selects the FP4 emulation of P. ``choice``: the fine stage's kernel as
+    planned (:func:`plan_vsa_kernel`; by default planned here); with ``return_choice`` it comes third. The work runs
+    in the custom op ``diffusers_h3::vsa_attention`` over the plan's tensors and sizes (one node under
+    ``torch.compile``).
     """
     if query.shape[1] != plan.seq_len:
         raise ValueError(f"the tile plan covers {plan.seq_len} rows but the query has {query.shape[1]}")
-    (out, out_coarse), choice = call_recording(
-        vsa_attention_op, query, key, value, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles,
-        plan.num_video_tiles, float(sparsity), precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p,
-        *tuning_op_fields(tuning),
-    )
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if choice is None:
+        choice, _ = plan_vsa_kernel(query.shape[-1], query.dtype, query.device, block=plan.block, precision=precision,
+                                    pv_precision=pv_precision, emulate=emulate, fp4_p=fp4_p, backend=backend,
+                                    tuning=tuning)  # fmt: skip
+    topk = topk_for_sparsity(float(sparsity), plan.num_video_tiles)
+    flags = [int(smooth_k), int(pv_precision == "fp8"), int(emulate), int(compress)]
+    p_fp4 = fp4_p if precision == "fp4" else None
+    out, out_coarse = vsa_attention_op(query, key, value, [plan.slot_rows, plan.tile_counts],
+                                       [plan.block, plan.num_prefix_tiles, topk], precision, flags, choice.launch,
+                                       launch_options(tuning, p_fp4))  # fmt: skip
     out_coarse = out_coarse if compress else None
     return (out, out_coarse, choice) if return_choice else (out, out_coarse)
 
 
-def _vsa_attention_fake(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles,
-                        sparsity, precision, smooth_k, pv_precision, compress, *options):
+def _vsa_attention_fake(query, key, value, tiles, sizes, precision, flags, launch, options):
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     b, _, h, d = query.shape
-    coarse = query.new_empty((b, h, tile_counts.shape[0], d), dtype=torch.float32) if compress else query.new_empty(0)
+    compress = bool(flags[3])
+    n_tiles = tiles[1].shape[0]
+    coarse = query.new_empty((b, h, n_tiles, d), dtype=torch.float32) if compress else query.new_empty(0)
     return out, coarse
 
 
@@ -212,42 +249,32 @@ def vsa_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_rows: torch.Tensor,
-    tile_counts: torch.Tensor,
-    block: int,
-    num_prefix_tiles: int,
-    num_video_tiles: int,
-    sparsity: float,
+    tiles: List[torch.Tensor],
+    sizes: List[int],
     precision: str,
-    smooth_k: bool,
-    pv_precision: str,
-    compress: bool,
-    emulate: bool,
-    backend: str,
-    fp4_p: Optional[str],
-    kernel: str,
-    block_m: Optional[int],
-    num_warps: Optional[int],
-    num_stages: Optional[int],
-    tma: Optional[bool],
-    rotate: Optional[bool],
-    two_tiles: Optional[bool],
+    flags: List[int],
+    launch: str,
+    options: List[int],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`vsa_attention` over the plan's tensors and sizes; returns ``(out_fine, out_coarse)`` (an empty tensor
-    without ``compress``) and records the fine stage's :class:`~diffusers_h3.kernels.attention.KernelChoice`."""
-    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
-    out, out_coarse, choice = _run_vsa_attention(
-        query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles, sparsity=sparsity,
-        precision=precision, smooth_k=smooth_k, pv_precision=pv_precision, compress=compress, emulate=emulate,
-        backend=backend, fp4_p=fp4_p, tuning=tuning,
+    """:func:`vsa_attention` over the plan's tensors and sizes: ``tiles`` = ``[slot_rows, tile_counts]``, ``sizes`` =
+    ``[block, num_prefix_tiles, topk]``, ``flags`` = ``[smooth_k, pv_fp8, emulate, compress]`` (0 / 1), ``launch`` and
+    ``options`` the fine stage's planned kernel (:attr:`KernelChoice.launch`, :func:`launch_options`). Returns
+    ``(out_fine, out_coarse)`` (an empty tensor without ``compress``); records nothing."""
+    slot_rows, tile_counts = tiles
+    block, num_prefix_tiles, topk = sizes
+    smooth_k, pv_fp8, emulate, compress = (bool(f) for f in flags)
+    out, out_coarse = _run_vsa_attention(
+        query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, topk, precision=precision,
+        smooth_k=smooth_k, pv_fp8=pv_fp8, compress=compress, emulate=emulate, launch=launch, options=options,
     )
-    record_kernel("vsa_attention", choice)
     return out, (out_coarse.contiguous() if out_coarse is not None else query.new_empty(0))
 
 
-def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, num_video_tiles, *,
-                       sparsity, precision, smooth_k, pv_precision, compress, emulate, backend, fp4_p, tuning):
+def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_prefix_tiles, topk, *, precision,
+                       smooth_k, pv_fp8, compress, emulate, launch, options):
     scale = 1.0 / math.sqrt(query.shape[-1])
+    # The pooling / selection kernels run where the planned fine kernel runs (its torch reference: theirs).
+    backend = "torch" if launch.startswith("torch-reference:") else "triton"
     rows = (slot_rows, tile_counts, block)
     qk_dtype = QK_8BIT.get(precision)
     native_8bit = qk_dtype is not None and not emulate
@@ -259,21 +286,17 @@ def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_pre
         pooled_k, k_packed = tile_pool(key, *rows, packed=True, backend=backend)
     pooled_v, v_packed = tile_pool(value, *rows, pooled=compress, packed=True, backend=backend)
     scores = torch.matmul(pooled_q, pooled_k.transpose(-1, -2)) * scale  # [B, H, T, T] float32
-    topk = topk_for_sparsity(sparsity, num_video_tiles)
     kv_index, kv_num = select_tiles(scores, num_prefix_tiles, topk, backend=backend)
     out_coarse = torch.matmul(torch.softmax(scores, dim=-1), pooled_v) if compress else None
+    tiles = [slot_rows, tile_counts, kv_index, kv_num]
 
-    common = {"block": block, "scale": scale, "out_dtype": query.dtype, "backend": backend, "tuning": tuning, "return_choice": True}
-    sparse_args = (slot_rows, tile_counts, kv_index, kv_num)
-
-    def result(fine):
-        out, choice = fine
-        return out, out_coarse, choice
+    def fine(q, k, v, q_scale=None, k_scale=None, v_scale=None):
+        out = block_sparse_attention_op(q, k, v, tiles, [q_scale, k_scale, v_scale], block, scale, query.dtype, launch,
+                                        options)  # fmt: skip
+        return out, out_coarse
 
     if precision == "bf16":
-        return result(block_sparse_attention(query, k_packed, v_packed, *sparse_args, **common))
-    if precision not in ("fp8", "int8", "fp4"):
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        return fine(query, k_packed, v_packed)
 
     k_mean = None
     if smooth_k:
@@ -284,10 +307,9 @@ def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_pre
         _, k8, k_scale = tile_quantize_fp8(key, *rows, packed=True, subtract=k_mean, per_tile=True, dtype=qk_dtype,
                                            backend=backend)
         v_arg, v_scale = v_packed, None
-        if pv_precision == "fp8":  # channel-major E4M3 for the FP8 P.V MMA
+        if pv_fp8:  # channel-major E4M3 for the FP8 P.V MMA
             v_arg, v_scale = quantize_v_fp8_channel_major(v_packed, backend=backend)
-        return result(block_sparse_attention(q8, k8, v_arg, *sparse_args, q_scale=q_scale, k_scale=k_scale,
-                                             v_scale=v_scale, **common))
+        return fine(q8, k8, v_arg, q_scale, k_scale, v_scale)
 
     if k_mean is not None:  # pad slots stay zero (they must not count in the FP8 per-tile K scales)
         valid = valid_slots(tile_counts, block).reshape(1, -1, 1, 1)
@@ -296,18 +318,73 @@ def _run_vsa_attention(query, key, value, slot_rows, tile_counts, block, num_pre
         q_e = fake_quant_fp4(query, dim=-1)
         k_e = fake_quant_fp4(k_packed, dim=-1)
         v_e = fake_quant_fp4(v_packed, dim=1)  # 16 consecutive (tile-ordered) tokens per channel
-        return result(block_sparse_attention(q_e, k_e, v_e, *sparse_args, p_fp4=fp4_p, **common))
+        return fine(q_e, k_e, v_e)
     # 8-bit emulation (no FP8 / INT8 tensor cores): quantize-dequantize as the native path does, then the bf16 kernel.
     k8, k_scale = quantize_fp8_per_block(k_packed, block, dtype=qk_dtype)
     q_e = fake_quant_fp8_per_token(query, dtype=qk_dtype)
     k_e = dequantize_fp8_per_block(k8, k_scale, block).to(key.dtype)
     v_e = v_packed
-    if pv_precision == "fp8":
+    if pv_fp8:
         v8, vs = quantize_fp8_per_channel(v_packed, seq_dim=1)
         v_e = (v8.float() * vs.unsqueeze(1)).to(value.dtype)
-    return result(block_sparse_attention(q_e, k_e, v_e, *sparse_args, **common))
+    return fine(q_e, k_e, v_e)
 
 
+@dataclass(frozen=True)
+class VSAPlan:
+    """The VSA processor's plan of one transformer call (made by the call-plan hook, read by every VSA block).
+
+    Attributes:
+        route: ``"sparse"`` or ``"dense"`` (a dense first step, or no target-video tiles) for the blocks that are not
+            dense layers; ``None`` without a published layout (only dense layers can run).
+        tiles: the :class:`TilePlan` of a sparse route.
+        topk: video key tiles each video query tile keeps.
+        sparse_kernel: the fine stage's :class:`KernelChoice`, the operands it is chosen for and its launch options
+            (the FP4 P mode and the kernel knobs, :func:`~diffusers_h3.kernels.attention.tuning.launch_options`).
+        dense: the dense core's plan (the low-precision processor's plan, or the diffusers dispatch choice for bf16).
+        emulated: whether FP8 / INT8 run as quantize-dequantize emulation on this device.
+    """
+
+    route: Optional[str]
+    tiles: Optional[TilePlan]
+    topk: int
+    sparse_kernel: Optional[KernelChoice]
+    sparse_operands: Optional[AttentionOperands]
+    launch_options: Tuple[int, ...]
+    dense: Any
+    emulated: bool
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    def fits(self, query: torch.Tensor) -> bool:
+        rows_fit = self.tiles is None or self.tiles.seq_len == query.shape[1]
+        return (rows_fit and query.device == self.device and query.dtype == self.dtype
+                and query.shape[-1] == self.head_dim)  # fmt: skip
+
+    @property
+    def kernel(self) -> Optional[KernelChoice]:
+        return self.sparse_kernel if self.route == "sparse" else getattr(self.dense, "kernel", None)
+
+    def describe(self) -> str:
+        if self.route == "sparse":
+            return f"VSA sparse ({self.tiles.describe()}, top {self.topk}): {self.sparse_kernel.describe()}"
+        dense = self.dense.kernel.describe() if self.dense is not None else "-"
+        return f"VSA dense ({'no layout' if self.route is None else 'this step'}): {dense}"
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """The plan of a bf16 VSA processor's dense calls: diffusers' ``dispatch_attention_fn`` on the processor's
+    attention backend."""
+
+    kernel: KernelChoice
+
+    def describe(self) -> str:
+        return self.kernel.describe()
+
+
+@register_attention_processor("vsa", VSAConfig)
 class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     r"""
     Video sparse attention processor for ``MiniMaxH3Attention`` (install one per transformer block with
@@ -320,6 +397,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     """
 
     def __init__(self, config: Optional[VSAConfig] = None, *, layer_index: Optional[int] = None, **options):
+        self._last_sparse_kernel: Optional[KernelChoice] = None  # the fine stage of the last sparse call (report)
         super().__init__()
         self.config = VSAConfig.from_options(config, **options)
         self.layer_index = layer_index
@@ -329,16 +407,46 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             layer_index is not None and layer_index in self.config.dense_layers
         )
         self._plans = TilePlanCache()
-        # ("dense", None) or ("sparse", plan) of the current transformer call, set before the blocks run by the
-        # forward-record hook enable_vsa installs (start_call): the blocks read it as plain state, so torch.compile
-        # traces them whole (fullgraph) and specializes only on the mode and the plan's sizes, not on each layout /
-        # denoising step.
-        self._call_route: Optional[Tuple[str, Optional[TilePlan]]] = None
         self._low_precision = self.config.low_precision_processor()
         if self._low_precision is not None:
             self._low_precision._who = type(self).__name__
-        self._sparse_choice: Union[KernelChoice, PendingChoice, None] = None
-        self._dense_choice: Union[KernelChoice, PendingChoice, None] = None
+
+    # -- installation (enable_vsa) ------------------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, config: VSAConfig, model, blocks) -> TilePlanCache:
+        """``dense_layers`` must name blocks of ``model``; one plan cache per model (one plan object per layout for
+        every block: one compiled version serves them all)."""
+        bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
+        return TilePlanCache()
+
+    @classmethod
+    def for_block(cls, config: VSAConfig, tiles: TilePlanCache, index: int, block) -> "MiniMaxH3VSAProcessor":
+        processor = cls(config, layer_index=index)
+        processor._plans = tiles
+        if config.strict:
+            processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
+        return processor
+
+    @classmethod
+    def state(cls, found) -> Dict[str, Any]:
+        """``blocks`` (with a VSA processor), ``sparse_blocks``, ``dense_layers``, ``dense_first_steps``,
+        ``gated_blocks`` (with a ``to_gate_compress``), ``precision``, ``sparsity``, ``tile`` and ``path`` (the first
+        processor's ``describe_path()``: after a call, the kernels it ran)."""
+        processors = [p for _, p in found]
+        config = processors[0].config
+        return {
+            "blocks": len(processors),
+            "sparse_blocks": sum(not p.layer_dense for p in processors),
+            "dense_layers": list(config.dense_layers),
+            "dense_first_steps": config.dense_first_steps,
+            "gated_blocks": sum(getattr(block.attn, "to_gate_compress", None) is not None for block, _ in found),
+            "precision": config.precision,
+            "sparsity": config.sparsity,
+            "tile": tuple(config.tile),
+            "path": processors[0].describe_path(),
+        }
 
     # The options, read through the config (one source of truth).
     sparsity = property(lambda self: self.config.sparsity)
@@ -346,11 +454,14 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
     precision = property(lambda self: self.config.precision)
     dense_first_steps = property(lambda self: self.config.dense_first_steps)
 
-    # -- which path -------------------------------------------------------------------------------------------------
-    def route_for(self, layout: PackedLayout, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
-        """``("dense", None)`` or ``("sparse", plan)`` for a call under ``layout`` on ``device``."""
-        if self.layer_dense:
+    # -- the plan of a call (made once per transformer call, outside the compiled blocks) -----------------------------
+    def route_for(self, layout: Optional[PackedLayout], device: torch.device) -> Tuple[Optional[str], Optional[TilePlan]]:
+        """``("dense", None)``, ``("sparse", plan)`` or, without a layout, ``(None, None)`` for the sparse blocks of a
+        call under ``layout`` on ``device`` (dense layers are always dense)."""
+        if self.config.sparsity == 0.0:
             return "dense", None
+        if layout is None:
+            return None, None
         if layout.step_index is not None and layout.step_index < self.dense_first_steps:
             return "dense", None
         plan = self._plans.get(layout, self.tile, device)
@@ -358,44 +469,39 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             return "dense", None
         return "sparse", plan
 
-    def start_call(self, record: ForwardRecord, device: Optional[torch.device], only_call: bool) -> None:
-        """The route of the call about to run, from its record's layout (read once here, eagerly, instead of inside
-        every block); with no layout, or with another call running, the blocks read it themselves (and raise the
-        error that says how to publish a layout)."""
-        super().start_call(record, device, only_call)
-        if only_call and record.layout is not None:
-            self._call_route = self.route_for(record.layout, device)
+    def plan_call(self, call: CallInputs) -> VSAPlan:
+        """The route of the call (from the layout: dense first steps, the tile plan), the fine stage's kernel, the
+        dense core's plan and the emulation decision, for Q/K/V of ``call.dtype`` on ``call.device``."""
+        route, tiles = self.route_for(call.layout, call.device)
+        emulated = self._emulate(call.device)
+        dense = self._plan_dense(call)
+        sparse_kernel = operands = None
+        options = ()
+        backend = self.config.backend
+        topk = 0
+        if route == "sparse":
+            if backend == "auto" and not triton_kernels_run_on(call.device):
+                warn_once("vsa-torch-kernels", f"{type(self).__name__}: no CUDA device (or triton): the VSA kernels "
+                          "run their pure-torch references (exact, slow)")  # fmt: skip
+                backend = "torch"
+            kernel = self.config.kernel
+            tuning = TuningOptions(kernel=kernel) if kernel != "auto" and backend != "torch" else None
+            sparse_kernel, operands = plan_vsa_kernel(
+                call.head_dim, call.dtype, call.device, block=tiles.block, precision=self.precision,
+                pv_precision=self.config.pv_precision, emulate=emulated, fp4_p=self.config.fp4_p, backend=backend,
+                tuning=tuning,
+            )
+            topk = topk_for_sparsity(self.sparsity, tiles.num_video_tiles)
+            options = tuple(launch_options(tuning, self.config.fp4_p if self.precision == "fp4" else None))
+        return VSAPlan(route, tiles, topk, sparse_kernel, operands, options, dense, emulated, call.device, call.dtype,
+                       call.head_dim)  # fmt: skip
 
-    def finish_call(self) -> None:
-        self._call_route = None
-
-    def _current_route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
-        """The route of this call: the one prepared for the transformer call when it fits these rows, else read from
-        the published layout (:meth:`_route`)."""
-        route = self._call_route
-        if route is not None:
-            plan = route[1]
-            if plan is None or (plan.seq_len == seq_len and plan.slot_rows.device == device):
-                return route
-        return self._route(seq_len, device)
-
-    # Without a prepared route (a processor installed with set_attn_processor, a gradient-checkpointed block
-    # recomputing in backward) the published layout is read here: context-variable and plan-cache bookkeeping, one
-    # eager island under torch.compile (which would otherwise specialize on every layout / denoising step).
-    @torch.compiler.disable
-    def _dense_by_step(self) -> bool:
-        """Whether the published layout's denoising step is one of the dense first steps."""
-        if self.config.dense_first_steps == 0:
-            return False
-        layout = current_packed_layout()
-        return layout is not None and layout.step_index is not None and layout.step_index < self.dense_first_steps
-
-    @torch.compiler.disable
-    def _route(self, seq_len: int, device: torch.device) -> Tuple[str, Optional[TilePlan]]:
-        """:meth:`route_for` the published layout (an error when none is published or it has other rows)."""
-        if self.layer_dense:
-            return "dense", None
-        return self.route_for(require_packed_layout(type(self).__name__, seq_len), device)
+    def _plan_dense(self, call: CallInputs):
+        if self._low_precision is not None:
+            return self._low_precision.plan_call(call)
+        backend = self._attention_backend or "active backend"
+        return DispatchPlan(KernelChoice("diffusers-dispatch", str(getattr(backend, "value", backend)),
+                                         "dense call of a bf16 VSA processor"))
 
     def _emulate(self, device: torch.device) -> bool:
         """Whether FP8 / INT8 runs as quantize-dequantize emulation on ``device`` (warns once, or raises when strict)."""
@@ -407,68 +513,70 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         gate = getattr(attn, "to_gate_compress", None)
         if gate is None or self.layer_dense:
             return {}
-        route = self._call_route
-        if (route[0] == "dense") if route is not None else self._dense_by_step():
+        call_plan = current_call_plan()
+        plan = call_plan.plan_for(self.plan_key) if call_plan is not None else None
+        route = plan.route if plan is not None else self._published_route()
+        if route != "sparse":
             return {}
         return {"gate": gate(hidden_states).unflatten(-1, (attn.heads, -1))}
 
+    @torch.compiler.disable  # without a call plan (a processor set by hand): the published layout, read eagerly
+    def _published_route(self) -> Optional[str]:
+        layout = current_packed_layout()
+        if layout is None:
+            return "sparse"  # the core raises the error that says how to publish a layout
+        return "dense" if layout.step_index is not None and layout.step_index < self.dense_first_steps else "sparse"
+
     def core(self, query, key, value, attention_mask=None, gate: Optional[torch.Tensor] = None):
-        mode, plan = self._current_route(query.shape[1], query.device)
-        if mode == "dense":
-            return self._dense_core(query, key, value, attention_mask)
+        plan = self.current_plan(query)
+        if self.layer_dense or plan.route == "dense":
+            return self._dense_core(plan, query, key, value, attention_mask)
+        if plan.route is None or plan.tiles.seq_len != query.shape[1]:
+            require_packed_layout(type(self).__name__, query.shape[1])  # raises: says how to publish a matching one
         if attention_mask is not None:
             raise ValueError(
                 f"{type(self).__name__} got an attention_mask; VSA attends over one packed document and takes none"
             )
-        out, out_coarse = self._sparse_core(query, key, value.contiguous(), plan, gate is not None)
+        tiles = plan.tiles
+        flags = [int(self.config.smooth_k), int(self.config.pv_precision == "fp8"), int(plan.emulated),
+                 int(gate is not None)]  # fmt: skip
+        out, out_coarse = vsa_attention_op(query, key, value.contiguous(), [tiles.slot_rows, tiles.tile_counts],
+                                           [tiles.block, tiles.num_prefix_tiles, plan.topk], self.precision, flags,
+                                           plan.sparse_kernel.launch, list(plan.launch_options))  # fmt: skip
         if gate is not None:
-            coarse_rows = out_coarse.index_select(2, plan.row_tile).permute(0, 2, 1, 3)  # [B, S, H, D]
+            coarse_rows = out_coarse.index_select(2, tiles.row_tile).permute(0, 2, 1, 3)  # [B, S, H, D]
             out = torch.addcmul(out.float(), gate.float(), coarse_rows).to(out.dtype)
         return out
 
-    def _dense_core(self, query, key, value, attention_mask):
+    def _dense_core(self, plan: VSAPlan, query, key, value, attention_mask):
         if self._low_precision is not None:
-            out = self._low_precision.core(query, key, value, attention_mask)
-            self._dense_choice = self._low_precision._last_choice  # as recorded (resolved by this processor)
-        else:  # exactly what diffusers' MiniMaxH3AttnProcessor runs
-            out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-                                        backend=self._attention_backend)
-            backend = self._attention_backend or "active backend"
-            self._dense_choice = KernelChoice("diffusers-dispatch", str(getattr(backend, "value", backend)),
-                                              "dense call of a bf16 VSA processor")
-        self.record_choice(self._dense_choice)
-        return out
-
-    def _sparse_core(self, query, key, value, plan: TilePlan, compress: bool):
-        emulate = self._emulate(query.device)
-        backend = self.config.backend
-        if backend == "auto" and not _kernel_available(query.device):
-            warn_once("vsa-torch-kernels", f"{type(self).__name__}: no CUDA device (or triton): the VSA kernels run "
-                      "their pure-torch references (exact, slow)")
-            backend = "torch"
-        tuning = TuningOptions(kernel=self.config.kernel) if self.config.kernel != "auto" and backend != "torch" else None
-        out, out_coarse, choice = vsa_attention(
-            query, key, value, plan, sparsity=self.sparsity, precision=self.precision, smooth_k=self.config.smooth_k,
-            pv_precision=self.config.pv_precision, compress=compress, emulate=emulate, backend=backend,
-            fp4_p=self.config.fp4_p, tuning=tuning, return_choice=True,
-        )
-        self._sparse_choice = choice
-        self.record_choice(choice)
-        return out, out_coarse
+            return self._low_precision.attend_planned(plan.dense, query, key, value, attention_mask)
+        # exactly what diffusers' MiniMaxH3AttnProcessor runs
+        return dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                     backend=self._attention_backend)
 
     # -- report ------------------------------------------------------------------------------------------------------
+    @property
+    def last_choice(self) -> Optional[KernelChoice]:
+        plan = self.last_plan
+        if plan is None:
+            return None
+        if self.layer_dense:
+            return getattr(plan.dense, "kernel", None)
+        return plan.kernel
+
     def describe_path(self) -> str:
-        config = self.config
-        emulated = self._low_precision._emulated if self._low_precision is not None else None
+        config, plan = self.config, self.last_plan
+        emulated = plan.emulated if plan is not None and self._low_precision is not None else None
         prec = precision_label(config.precision, smooth_k=config.smooth_k, pv_precision=config.pv_precision,
                                fp4_p=config.fp4_p, emulated=emulated)
         if self.layer_dense:
             why = "sparsity=0" if config.sparsity == 0.0 else "dense layer"
-            dense_choice = self.resolve_choice(self._dense_choice)
+            dense_choice = getattr(plan.dense, "kernel", None) if plan is not None else None
             ran = f" via {dense_choice.describe()}" if dense_choice is not None else ""
             dense = "diffusers SDPA dispatch" if config.precision == "bf16" else prec
             return f"dense attention ({dense}; {why}){ran}"
-        choice = self.resolve_choice(self._sparse_choice)
+        choice = self._last_sparse_kernel
         if choice is None:
             kernel = "kernels chosen on the first sparse call"
         elif choice.kernel == "torch-reference":
@@ -479,13 +587,20 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         return (f"VSA sparsity={config.sparsity} tile={config.tile} {prec} via {kernel}{extra}; coarse gate when "
                 "to_gate_compress exists")
 
+    @property
+    def last_plan(self) -> Optional[VSAPlan]:
+        return self._last_plan
 
-# -- installation helpers --------------------------------------------------------------------------------------------
+    @last_plan.setter
+    def last_plan(self, plan: Optional[VSAPlan]) -> None:
+        self._last_plan = plan
+        if plan is not None and plan.route == "sparse":
+            self._last_sparse_kernel = plan.sparse_kernel  # the sparse path keeps its report through dense steps
 
 
 def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **options):
     """Install one :class:`MiniMaxH3VSAProcessor` per transformer block of a pipeline's transformer partition(s) or of
-    one transformer (the token refiner keeps its processor).
+    one transformer (the token refiner keeps its processor), and the call-plan hook.
 
     ``config`` is a :class:`VSAConfig`; keyword ``options`` (its fields: ``sparsity=``, ``precision=``, ...) replace
     single fields. Dense low-precision attention alone is :func:`~.low_precision.enable_low_precision_attention`.
@@ -493,57 +608,10 @@ def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **option
     what was installed (number of blocks, which are dense, the precision, one ``describe_path`` line) is read from the
     processors with :func:`vsa_state`. Undo with :func:`disable_vsa`.
     """
-    config = VSAConfig.from_options(config, **options)
-    plans = []
-    for _, model in _models(pipe_or_transformer, "enable_vsa"):
-        blocks = transformer_blocks(model, "enable_vsa")
-        bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
-        if bad:
-            raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
-        plans.append((model, blocks))
-    for model, blocks in plans:
-        tiles = TilePlanCache()  # one plan object per layout for every block (one compiled version serves them all)
-        for i, block in enumerate(blocks):
-            processor = MiniMaxH3VSAProcessor(config, layer_index=i)
-            processor._plans = tiles
-            if config.strict:
-                processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
-            block.attn.set_processor(processor)
-        install_forward_record_hook(model)
-    return pipe_or_transformer
+    return enable_attention_processor(pipe_or_transformer, VSAConfig.from_options(config, **options), who="enable_vsa")
 
 
-def vsa_state(transformer) -> Optional[Dict[str, Any]]:
-    """What :func:`enable_vsa` installed on ``transformer``, read from its blocks' :class:`MiniMaxH3VSAProcessor`
-    instances (``None`` when no block has one): ``blocks`` (with a VSA processor), ``sparse_blocks``, ``dense_layers``,
-    ``dense_first_steps``, ``gated_blocks`` (with a ``to_gate_compress``), ``precision``, ``sparsity``, ``tile`` and
-    ``path`` (the first processor's ``describe_path()``: after a call, the kernels it ran)."""
-    found = [(block, getattr(block.attn, "processor", None)) for block in transformer_blocks(transformer, "vsa_state")]
-    found = [(block, p) for block, p in found if isinstance(p, MiniMaxH3VSAProcessor)]
-    if not found:
-        return None
-    processors = [p for _, p in found]
-    config = processors[0].config
-    return {
-        "blocks": len(processors),
-        "sparse_blocks": sum(not p.layer_dense for p in processors),
-        "dense_layers": list(config.dense_layers),
-        "dense_first_steps": config.dense_first_steps,
-        "gated_blocks": sum(getattr(block.attn, "to_gate_compress", None) is not None for block, _ in found),
-        "precision": config.precision,
-        "sparsity": config.sparsity,
-        "tile": tuple(config.tile),
-        "path": processors[0].describe_path(),
-    }
-
-
-def disable_vsa(pipe_or_transformer):
-    """Put diffusers' default ``MiniMaxH3AttnProcessor`` back on every transformer block (of a pipeline's partitions or
-    of one transformer) and remove the route hook :func:`enable_vsa` registered. Returns the argument."""
-    restore_default_processors(pipe_or_transformer, "disable_vsa")
-    for _, model in _models(pipe_or_transformer, "disable_vsa"):
-        remove_forward_record_hook(model)
-    return pipe_or_transformer
+_, disable_vsa, vsa_state = processor_entry_points(MiniMaxH3VSAProcessor)
 
 
 _GATE_KEY = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.(\d+)\.(?:attn|self_attn|attn1)\.to_gate_compress\.(weight|bias)$")

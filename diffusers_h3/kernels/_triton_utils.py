@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable
 
 import torch
 
 from .._utils import is_package_available, warn_once
-from ..layout import ForwardRecord, active_forward_record, current_forward_record
 
 
 HAS_TRITON = is_package_available("triton")
@@ -21,23 +20,6 @@ HAS_TRITON = is_package_available("triton")
 # strides, and inductor fuses the norms, casts and elementwise work around it. docs/architecture.md, "Kernels as custom
 # ops", says how to add one.
 OP_NAMESPACE = "diffusers_h3"
-
-
-class PendingChoice:
-    """What the custom op ``op`` runs in a call that ``torch.compile`` traces, where the op's implementation only runs
-    after tracing: the processor keeps this stand-in and reads the choice from the :class:`~diffusers_h3.layout.
-    ForwardRecord` of its last call when described (:meth:`resolve`). One constant object per op, so that every traced
-    call stores the same value."""
-
-    def __init__(self, op: str):
-        self.op = op
-
-    def resolve(self, record: Optional[ForwardRecord]) -> Any:
-        """The choice the op recorded in ``record`` (``None``: not run in that call, or no record)."""
-        return None if record is None else record.kernels.get(self.op)
-
-    def __repr__(self) -> str:
-        return f"PendingChoice({self.op!r})"
 
 
 def kernel_op(name: str, fake: Callable[..., Any]):
@@ -67,7 +49,6 @@ def kernel_op(name: str, fake: Callable[..., Any]):
 
         call.op = op
         call.op_name = name
-        call.pending_choice = PendingChoice(name)
         return call
 
     return register
@@ -78,28 +59,20 @@ def _records_autograd(args, kwargs) -> bool:
     return any(t.requires_grad for t in tensors)
 
 
-def call_recording(op_call: Callable[..., Any], *args: Any) -> Tuple[Any, Any]:
-    """``(op_call(*args), what its op ran)`` for a function made by :func:`kernel_op`. The op's implementation notes
-    its choice in the running call's :class:`~diffusers_h3.layout.ForwardRecord` (:func:`~diffusers_h3.layout.
-    record_kernel`; a private record outside a recorded call); in eager mode the choice is read back from it, under
-    ``torch.compile`` (where the op has not run yet when the caller is traced) the op's :class:`PendingChoice`; ``None``
-    when the op ran only its fake implementation (``FakeTensorMode``)."""
-    if torch.compiler.is_compiling():
-        return op_call(*args), op_call.pending_choice
-    record = current_forward_record()
-    if record is None:
-        with active_forward_record(ForwardRecord()) as record:
-            return op_call(*args), record.kernels.get(op_call.op_name)
-    return op_call(*args), record.kernels.get(op_call.op_name)  # None: the op ran its fake (FakeTensorMode)
-
-
 def triton_interpreter_active() -> bool:
     """True when Triton runs its CPU interpreter (CI sets ``TRITON_INTERPRET=1`` before importing triton)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def use_triton(op: str, *tensors: torch.Tensor, backend: str = "auto") -> bool:
-    """Decide between the Triton kernel and the torch reference of ``op``.
+    """Decide between the Triton kernel and the torch reference of ``op`` for these tensors
+    (:func:`kernels_run_here`)."""
+    return kernels_run_here(op, all(t.is_cuda for t in tensors), backend)
+
+
+def kernels_run_here(op: str, on_cuda: bool, backend: str = "auto", *, warn: bool = True) -> bool:
+    """Whether ``op`` runs its Triton kernel (True) or its torch reference (False), for inputs on CUDA (``on_cuda``)
+    or not: a function of the arguments, so that callers can decide before the tensors exist.
 
     ``backend="triton"`` demands the kernel (error if it cannot run), ``"torch"`` demands the reference, ``"auto"``
     runs the kernel on CUDA tensors (or under the Triton interpreter) and otherwise the reference, warning once.
@@ -108,7 +81,6 @@ def use_triton(op: str, *tensors: torch.Tensor, backend: str = "auto") -> bool:
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "torch":
         return False
-    on_cuda = all(t.is_cuda for t in tensors)
     runnable = HAS_TRITON and (on_cuda or triton_interpreter_active())
     if backend == "triton":
         if not runnable:
@@ -117,7 +89,7 @@ def use_triton(op: str, *tensors: torch.Tensor, backend: str = "auto") -> bool:
                 "CPU interpreter); pass backend='torch' to run the reference implementation"
             )
         return True
-    if not runnable:
+    if not runnable and warn:
         warn_once(
             f"{op}-torch",
             f"{op}: running the pure-torch reference (no CUDA tensors or no triton); it is exact but slow",

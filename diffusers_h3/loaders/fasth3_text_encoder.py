@@ -11,8 +11,8 @@ and stores every ``language_model.layers.*`` projection (q/k/v/o, gate/up/down) 
 ``<prefix>.weight_packed`` (uint8 ``[out, in / 2]``, two E2M1 codes per byte, the even element in the low nibble),
 ``<prefix>.weight_scale`` (uint8 ``[out, in / 16]``: E4M3 block scales in FlashInfer's 128x4 swizzled layout, every
 weight a whole number of 128x4 tiles) and ``<prefix>.weight_global_scale`` (fp32 ``[1]``, ``448 * 6 / amax|W|``).
-The weight is ``e2m1 * scale / global_scale``; :class:`NVFP4Linear` holds the same codes, the scales unswizzled to
-row-major and ``weight_scale_2 = 1 / global_scale``. transformers' own ``"nvfp4"`` method reads another layout, so
+The weight is ``e2m1 * scale / global_scale``; an :class:`NVFP4Tensor` weight holds the same codes, the scales
+unswizzled to row-major and ``weight_scale_2 = 1 / global_scale``. transformers' own ``"nvfp4"`` method reads another layout, so
 this one is recognised by its ``scale_layout`` and loaded here.
 """
 
@@ -99,9 +99,9 @@ def _shards(folder: Path):
 @torch.no_grad()
 def load_nvfp4_text_encoder(folder: Union[str, Path], dtype: torch.dtype = torch.bfloat16, device="cpu"):
     """Load FastVideo's serialized NVFP4 Qwen3-VL text encoder from ``folder`` with weight-only NVFP4 language
-    projections (``NVFP4Linear``: Triton on SM80+, the torch reference on the CPU; the W4A4 of FP4 tensor cores is
-    ``NVFP4Config(activation="nvfp4")``'s path). No 16-bit copy of a quantized weight is made. Every key, shape and
-    tensor kind is checked; the result saves and reloads in this package's NVFP4 format."""
+    projections (``NVFP4Tensor`` weights: Triton on SM80+, the torch reference on the CPU; the W4A4 of FP4 tensor
+    cores is ``NVFP4Config(activation="nvfp4")``'s path). No 16-bit copy of a quantized weight is made. Every key,
+    shape and tensor kind is checked; the result saves and reloads in this package's NVFP4 format."""
     import transformers
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device

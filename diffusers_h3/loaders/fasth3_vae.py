@@ -12,9 +12,9 @@ released one has 26, the full one 36). FastVideo distils a shallower NVFP4 stude
 where each NVFP4 block linear (``transformer_blocks.{i}.attn.to_q/to_k/to_v/to_out.0``, ``ff.net.0.proj``,
 ``ff.net.2``) stores its bf16 master ``weight``, a bf16 ``bias`` and an fp32 ``input_amax`` (the calibrated
 activation range of FastVideo's W4A4 GEMM), and everything else keeps its trained dtype. FastVideo packs the masters
-at load (``freeze``); so does this loader, into :class:`~diffusers_h3.quantizers.NVFP4Linear` (weight-only here: the
-activations stay 16-bit, so ``input_amax`` is kept in the record but not used; FlashInfer's W4A4 on FP4 tensor cores
-is ``NVFP4Config(activation="nvfp4")``'s path, **not run on hardware**). The student's blocks are the teacher's
+at load (``freeze``); so does this loader, into :class:`~diffusers_h3.quantizers.NVFP4Tensor` weights of the same
+``nn.Linear`` layers (weight-only here: the activations stay 16-bit, so ``input_amax`` is kept in the record but not
+used; FlashInfer's W4A4 on FP4 tensor cores is ``NVFP4Config(activation="nvfp4")``'s path, **not run on hardware**). The student's blocks are the teacher's
 evenly spaced ones (``round(i * (n - 1) / (k - 1))``, first and last kept), so a 26-block light VAE (or the 36-block
 full one) hosts an 8-block student.
 
@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from diffusers.utils import logging
 
+from .._hooks import H3_LIGHT_VAE_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 from ..quantizers import NVFP4Config, quantize
 from ..quantizers.config import DEFAULT_MODULES_TO_NOT_CONVERT
 
@@ -45,7 +46,6 @@ NVFP4_BLOCK = 16
 DECODER_BLOCK_LINEAR = re.compile(
     r"^transformer_blocks\.(\d+)\.(attn\.to_q|attn\.to_k|attn\.to_v|attn\.to_out\.0|ff\.net\.0\.proj|ff\.net\.2)$"
 )
-LIGHT_VAE_RECORD = "_h3_light_vae"
 
 
 def evenly_spaced_blocks(total: int, count: int) -> List[int]:
@@ -152,7 +152,7 @@ def load_nvfp4_decoder(
 ) -> LightVAERecord:
     """Turn ``vae`` (``AutoencoderKLMiniMaxH3``, light or full) into FastVideo's exported NVFP4 decoder, in place:
     depth-cut to the export's ``student_layers`` evenly spaced blocks, load its decoder and ``post_quant_conv``
-    strictly, and quantize the block linears from their bf16 masters to weight-only NVFP4 (``NVFP4Linear``).
+    strictly, and quantize the block linears from their bf16 masters to weight-only NVFP4 (``NVFP4Tensor`` weights).
 
     ``decoder``: the export's path (``decoder.pt``) or its already-read dict. ``activation="nvfp4"``: W4A4 on FP4
     tensor cores (flashinfer ``mm_fp4`` on SM100+, **not run on hardware**; emulated elsewhere) with a dynamic
@@ -201,10 +201,12 @@ def load_nvfp4_decoder(
     quantize(vae, NVFP4Config(modules_to_not_convert=keep, activation=activation))
     record = LightVAERecord(source, blocks_before, tuple(kept), len(linears), str(metadata.get("act_scale", "dynamic")),
                             amax, activation)  # fmt: skip
-    setattr(vae, LIGHT_VAE_RECORD, record)
+    remove_h3_hook(vae, H3_LIGHT_VAE_HOOK, recurse=False)
+    register_h3_hook(vae, H3Hook(record), H3_LIGHT_VAE_HOOK)  # nothing at run time: the record describe() reads
     logger.info(f"light VAE: {record.describe()}")
     return record
 
 
 def light_vae_record(vae: Optional[torch.nn.Module]) -> Optional[LightVAERecord]:
-    return getattr(vae, LIGHT_VAE_RECORD, None) if vae is not None else None
+    """What :func:`load_nvfp4_decoder` did to ``vae`` (its ``H3_LIGHT_VAE_HOOK`` record), ``None`` if nothing."""
+    return h3_record(vae, H3_LIGHT_VAE_HOOK) if vae is not None else None

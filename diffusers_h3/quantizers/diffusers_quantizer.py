@@ -132,12 +132,12 @@ class QuantizerBase(DiffusersQuantizer):
         ]
         self._model = model
         if self.pre_quantized:
-            self._swap_to_empty_quantized(model, names)
+            self._stage_packed_tensors(model, names)
         else:
             self._to_quantize = set(names)
         return model
 
-    def _swap_to_empty_quantized(self, model, names) -> None:
+    def _stage_packed_tensors(self, model, names) -> None:
         """Pre-quantized checkpoint: empty (meta) packed tensors on the selected layers; the loader fills them."""
         self._quantized_names = set(names)
         stage_for_loading(model, names, self.weight_class, self.quantization_config, self._compute_dtype())
@@ -160,7 +160,7 @@ class QuantizerBase(DiffusersQuantizer):
                         "modules_to_not_convert to match the export."
                     )
                 self.pre_quantized = True
-                self._swap_to_empty_quantized(self._model, sorted(self._to_quantize))
+                self._stage_packed_tensors(self._model, sorted(self._to_quantize))
                 self._to_quantize = set()
         if not self.pre_quantized:
             return state_dict
@@ -240,7 +240,8 @@ class QuantizerBase(DiffusersQuantizer):
     # -- capabilities ------------------------------------------------------------------------------------------------
     @property
     def supports_parallel_loading(self) -> bool:
-        # create_quantized_param swaps modules in place; keep shard loading sequential.
+        # create_quantized_param sets the weights of shared layers one tensor at a time and folds them at the end
+        # (finish_loading); keep shard loading sequential.
         return False
 
     @property

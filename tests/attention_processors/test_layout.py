@@ -2,16 +2,14 @@
 
 import pytest
 
-from diffusers_h3.kernels.attention import KernelChoice
 from diffusers_h3.layout import (
-    ForwardRecord,
+    CallPlan,
     LayoutSegment,
     PackedLayout,
-    active_forward_record,
-    current_forward_record,
+    current_call_plan,
     current_packed_layout,
-    record_kernel,
     require_packed_layout,
+    use_call_plan,
     use_packed_layout,
 )
 
@@ -63,16 +61,24 @@ def test_side_channel_publishes_for_one_call_only():
     assert current_packed_layout() is None
 
 
-def test_kernels_are_noted_in_the_record_of_the_call_that_runs_them():
-    first, second = KernelChoice("triton", "sparse", "a"), KernelChoice("torch-reference", "dense", "b")
-    record_kernel("op", first)  # outside any call: nothing to note, and no error
+class _Plan:
+    def __init__(self, text):
+        self.text = text
+
+    def describe(self):
+        return self.text
+
+
+def test_a_call_plan_is_published_for_one_call_and_found_by_its_key():
+    key, other = object(), object()
     layout = _layout(step_index=1, num_steps=2)
+    first = _Plan("first")
     with use_packed_layout(layout):
-        published = current_forward_record()
-        with active_forward_record(ForwardRecord(layout=layout)) as call:  # what the model's hook opens per call
-            record_kernel("op", first)
-            assert require_packed_layout("test", 40) is layout
-        record_kernel("op", second)
-    assert call.kernels == {"op": first} and published.kernels == {"op": second}
-    assert call.describe() == {"layout": layout.describe(), "kernels": {"op": first.describe()}}
-    assert current_forward_record() is None
+        published = current_call_plan()
+        assert published.layout is layout and published.plan_for(key) is None  # the layout alone, no plans
+        with use_call_plan(CallPlan(layout=layout, attention=((key, first),))) as call:  # what the hook publishes
+            assert current_call_plan() is call and require_packed_layout("test", 40) is layout
+            assert call.plan_for(key) is first and call.plan_for(other) is None
+        assert current_call_plan() is published
+    assert call.describe() == {"layout": layout.describe(), "attention": ["first"]}
+    assert current_call_plan() is None and CallPlan().describe()["layout"] == "none published"

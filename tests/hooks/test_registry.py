@@ -11,9 +11,11 @@ import diffusers_h3
 from diffusers_h3 import FastVAEDecodeConfig, V100ModeConfig
 from diffusers_h3._hooks import (
     H3_CACHE_STATS_HOOK,
+    H3_CALL_PLAN_HOOK,
     H3_CONTEXT_PARALLEL_HOOK,
     H3_FAST_VAE_DECODE_HOOK,
     H3_HOOK_NAMES,
+    H3_LIGHT_VAE_HOOK,
     H3_REFINE_TEXT_ONCE_HOOK,
     H3_TENSOR_PARALLEL_HOOK,
     H3_TENSOR_PARALLEL_REDUCE_HOOK,
@@ -39,7 +41,9 @@ from diffusers_h3.testing.tiny import TINY_NUM_FRAMES, tiny_pipeline, tiny_trans
 
 RUN = {"height": 32, "width": 32, "num_frames": TINY_NUM_FRAMES, "num_inference_steps": 3}
 # Not modules (no hook registry): pipeline-wide records kept on the pipeline object.
-PIPELINE_ATTRIBUTES_ALLOWED = {"_h3_speed_preset", "_diffusers_h3_placement", "_h3_lora_presets", "_h3_last_export"}
+PIPELINE_ATTRIBUTES_ALLOWED = {
+    "_h3_speed_preset", "_diffusers_h3_placement", "_h3_lora_presets", "_h3_last_export", "_h3_fasth3",
+}
 
 
 def _call(pipe, output_type="latent"):
@@ -191,3 +195,27 @@ def test_refine_text_once_reuses_the_refiner_output_within_the_block():
             assert record.runs == 1
     assert torch.equal(first, reference) and torch.equal(second, reference)
     assert get_h3_hook(model.token_refiner, H3_REFINE_TEXT_ONCE_HOOK) is None
+
+
+def test_fasth3_paths_keep_their_records_in_registries(pipe):
+    """A FastH3 preset (VSA through the trained gates, the trained schedule) and the light VAE's NVFP4 decoder: the
+    VAE's record is a registry hook, the preset's a pipeline-wide record; nothing is stamped on a module."""
+    from diffusers_h3.attention_processors import add_gate_compress
+    from diffusers_h3.loaders.fasth3_vae import light_vae_record, load_nvfp4_decoder
+    from diffusers_h3.pipelines.fasth3 import disable_fasth3_preset, enable_fasth3_preset, fasth3_record
+    from diffusers_h3.testing.fasth3 import nvfp4_decoder_export
+
+    baseline = _torch_hooks(pipe)
+    add_gate_compress(pipe.transformer)
+    enable_fasth3_preset(pipe, "fasth3-4step-preview-vsa")
+    record = load_nvfp4_decoder(pipe.vae, nvfp4_decoder_export(pipe.vae, 1, seed=5))
+    _call(pipe, output_type="pt")
+
+    assert h3_record(pipe.vae, H3_LIGHT_VAE_HOOK) is record and light_vae_record(pipe.vae) is record
+    assert H3_CALL_PLAN_HOOK in h3_records(pipe.transformer) and fasth3_record(pipe) is not None
+    report = diffusers_h3.describe(pipe)
+    assert report["components"]["vae"]["hooks"] == {H3_LIGHT_VAE_HOOK: 1}
+    assert report["fasth3"]["light_vae"] == record.describe()
+    _assert_nothing_outside_the_registry(pipe, baseline)
+    disable_fasth3_preset(pipe)
+    assert fasth3_record(pipe) is None and not any(a.startswith("_h3_fasth3") for a in vars(pipe))

@@ -27,8 +27,9 @@ from diffusers_h3.kernels.attention.flashinfer_dense import (  # noqa: E402
     flashinfer_fp8_attention_op,
 )
 from diffusers_h3.kernels.attention.router import block_sparse_attention, block_sparse_attention_op  # noqa: E402
+from diffusers_h3.kernels.attention.tuning import launch_options  # noqa: E402
 from diffusers_h3.kernels.attention.vsa_pool import tile_pool  # noqa: E402
-from diffusers_h3.kernels.attention.vsa_select import select_tiles  # noqa: E402
+from diffusers_h3.kernels.attention.vsa_select import select_tiles, topk_for_sparsity  # noqa: E402
 from diffusers_h3.kernels.gemm import (  # noqa: E402
     fp8_linear,
     fp8_quantize_weight,
@@ -43,8 +44,8 @@ from .attention._inputs import tile_plan  # noqa: E402
 
 ON_CPU = not torch.cuda.is_available()
 interpreter = pytest.mark.skipif(not (ON_CPU and HAS_TRITON), reason="Triton interpreter runs on CPU only")
-# The tuning fields of the attention ops (TuningOptions(): kernel="auto", the rest unset).
-NO_TUNING = ("auto", None, None, None, None, None, None)
+# The launch options of the attention ops with no FP4 P and no tuning knob (kernels.attention.tuning.launch_options).
+NO_OPTIONS = launch_options(None)
 
 REGISTERED = ("w8a16_linear", "fp8_linear", "nvfp4_linear", "block_sparse_attention", "fp8_attention",
               "vsa_attention", "fa_v100_attention", "flashinfer_dense_attention", "flashinfer_fp8_attention")  # fmt: skip
@@ -77,6 +78,15 @@ def test_every_kernel_entry_point_is_a_registered_custom_op():
     for function in (w8a16_linear, fp8_linear, nvfp4_linear, block_sparse_attention_op, fp8_attention_op,
                      vsa_attention_op, fa_v100_attention_op, flashinfer_dense_attention_op):  # fmt: skip
         assert isinstance(function.op, torch._library.custom_ops.CustomOpDef)
+
+
+def test_every_op_takes_at_most_ten_arguments():
+    """Ops take tensors and a few ints or strings: what a call decided travels as its plan's fields, not as
+    two dozen loose options."""
+    namespace = getattr(torch.ops, OP_NAMESPACE)
+    for name in REGISTERED:
+        schema = getattr(namespace, name).default._schema
+        assert len(schema.arguments) <= 10, f"{name} takes {len(schema.arguments)} arguments: {schema}"
 
 
 def test_calls_that_record_autograd_run_the_function_itself():
@@ -161,39 +171,41 @@ def _sparse_inputs(dtype=torch.float32, heads=2, head_dim=16):
 
 def test_block_sparse_attention_op_reference():
     plan, q, _, _, kp, vp, kv_index, kv_num = _sparse_inputs()
-    sparse = (q, kp, vp, plan.slot_rows, plan.tile_counts, kv_index, kv_num, plan.block, None, None, None, None,
-              False, None, None, "torch", *NO_TUNING)  # fmt: skip
+    sparse = (q, kp, vp, [plan.slot_rows, plan.tile_counts, kv_index, kv_num], [None] * 3, plan.block, 0.25, None,
+              "torch-reference:sparse", NO_OPTIONS)  # fmt: skip
     opcheck(block_sparse_attention_op, sparse)
     q16 = q[:, :64].contiguous()
-    dense = (q16, q16, q16, None, None, None, None, 16, 0.5, None, None, None, True, torch.float16, "two_level",
-             "torch", *NO_TUNING)  # fmt: skip
+    dense = (q16, q16, q16, [None] * 4, [None] * 3, 16, 0.5, torch.float16, "torch-reference:dense",
+             launch_options(None, "two_level"))  # fmt: skip
     opcheck(block_sparse_attention_op, dense)
 
 
 @interpreter
 def test_block_sparse_attention_op_triton_interpreter():
     q = torch.randn(1, 32, 1, 16, generator=_gen())
-    dense = (q, q, q, None, None, None, None, 16, None, None, None, None, True, None, None, "triton", *NO_TUNING)
+    dense = (q, q, q, [None] * 4, [None] * 3, 16, 0.25, None, "triton:dense", NO_OPTIONS)
     opcheck(block_sparse_attention_op, dense)
 
 
 @pytest.mark.parametrize("qk_dtype", [torch.float8_e4m3fn, torch.int8])
 def test_fp8_attention_op_reference(qk_dtype):
     q, k, v = (torch.randn(1, 40, 2, 16, generator=_gen(i)) for i in range(3))
-    opcheck(fp8_attention_op, (q, k, v, True, True, None, 16, qk_dtype, "torch", *NO_TUNING))
+    opcheck(fp8_attention_op, (q, k, v, True, True, None, 16, qk_dtype, "torch-reference:dense", NO_OPTIONS))
 
 
 @interpreter
 def test_fp8_attention_op_triton_interpreter():
     q, k, v = (torch.randn(1, 32, 1, 16, generator=_gen(i)) for i in range(3))
-    opcheck(fp8_attention_op, (q, k, v, True, False, None, 16, torch.int8, "triton", *NO_TUNING))
+    opcheck(fp8_attention_op, (q, k, v, True, False, None, 16, torch.int8, "triton:dense", NO_OPTIONS))
 
 
 @pytest.mark.parametrize("precision,compress", [("bf16", True), ("int8", False), ("fp8", True), ("fp4", False)])
 def test_vsa_attention_op_reference(precision, compress):
     plan, q, k, v, *_ = _sparse_inputs()
-    args = (q, k, v, plan.slot_rows, plan.tile_counts, plan.block, plan.num_prefix_tiles, plan.num_video_tiles, 0.5,
-            precision, True, "bf16", compress, False, "torch", "two_level", *NO_TUNING)  # fmt: skip
+    topk = topk_for_sparsity(0.5, plan.num_video_tiles)
+    options = launch_options(None, "two_level" if precision == "fp4" else None)
+    args = (q, k, v, [plan.slot_rows, plan.tile_counts], [plan.block, plan.num_prefix_tiles, topk], precision,
+            [1, 0, 0, int(compress)], "torch-reference:sparse", options)  # fmt: skip
     opcheck(vsa_attention_op, args)
     out, coarse = vsa_attention(q, k, v, plan, sparsity=0.5, precision=precision, compress=compress, backend="torch")
     assert out.shape == q.shape and (coarse is None) == (not compress)

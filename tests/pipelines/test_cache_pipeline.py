@@ -122,4 +122,4 @@ def test_cache_composes_with_vsa_and_a_quantizer():
     assert transformer["cache"]["last_request"] == "skipped 1 of 2 steps (steps 1)"
     assert any("W8A16" in path for path in transformer["quantized_layers"])
     processors = [block.attn.processor for block in cached.transformer.transformer_blocks]
-    assert any(p._sparse_choice is not None for p in processors), "the sparse VSA path must have run"
+    assert any(p._last_sparse_kernel is not None for p in processors), "the sparse VSA path must have run"

@@ -55,7 +55,7 @@ def test_threads_give_the_outputs_of_sequential_calls(attention):
         assert torch.equal(out.frames, expected.frames) and torch.equal(out.audio, expected.audio)
     if attention == "vsa":
         processors = [block.attn.processor for block in pipe.transformer.transformer_blocks]
-        assert any(p._sparse_choice is not None for p in processors), "the sparse VSA path must have run"
+        assert any(p._last_sparse_kernel is not None for p in processors), "the sparse VSA path must have run"
 
 
 def test_text_encoder_early_exit_is_per_call():

@@ -17,12 +17,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import math
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ...layout import record_kernel
-from .._triton_utils import call_recording, kernel_op, use_triton
+from .._triton_utils import kernel_op, kernels_run_here
 from ..numerics import (
     dequantize_fp8_per_block,
     quantize_fp8_per_block,
@@ -31,12 +31,13 @@ from ..numerics import (
 )
 from .bsa_triton import block_sparse_attention_reference
 from .router import (
-    DEFAULT_TUNING,
+    AttentionOperands,
     KernelChoice,
     TuningOptions,
-    block_sparse_attention,
+    block_sparse_attention_op,
+    launch_options,
+    plan_kernel,
     sm90_available_for,
-    tuning_op_fields,
 )
 from .v_fp8 import quantize_v_fp8_channel_major
 from .vsa_pool import tile_quantize_fp8
@@ -71,9 +72,33 @@ def fake_quantize_operands(q, k, v, *, smooth_k: bool = True, pv_fp8: bool = Fal
 def _default_block_n(q: torch.Tensor, kernel: str = "auto") -> int:
     """The fastest key block (and K-scale block) per kernel (docs/attention.md): 128 keys on the warp-specialized
     Hopper kernel, 64 on the Triton kernel."""
-    if kernel != "triton" and q.is_cuda and sm90_available_for(q.device):
+    return default_block_n(q.device, kernel)
+
+
+def default_block_n(device: torch.device, kernel: str = "auto") -> int:
+    """:func:`_default_block_n` for inputs on ``device`` (``kernel``: ``TuningOptions.kernel``)."""
+    if kernel != "triton" and device.type == "cuda" and sm90_available_for(device):
         return 128
     return 64
+
+
+def plan_fp8_attention(head_dim: int, device: torch.device, *, pv_fp8: bool = False, block_n: Optional[int] = None,
+                       qk_dtype: torch.dtype = torch.float8_e4m3fn, out_dtype: torch.dtype = torch.bfloat16,
+                       backend: str = "auto", tuning: Optional[TuningOptions] = None,
+                       v_contiguous: bool = True) -> Tuple[KernelChoice, int]:
+    """``(choice, block_n)`` of an :func:`fp8_attention` call with these options on ``device``, decided before the
+    call (what the attention processors plan once per transformer call): the operands the call quantizes are
+    known from the options (8-bit Q/K with scales; V as it comes, or channel-major E4M3 with ``pv_fp8``). Returns
+    ``block_n`` 0 for the torch reference (which picks its own)."""
+    tuning = tuning if tuning is not None else TuningOptions()
+    if not kernels_run_here("fp8_attention", device.type == "cuda", backend):
+        return plan_kernel(AttentionOperands(head_dim, qk_dtype, out_dtype), device, dense=True, backend=backend,
+                           block=block_n or default_block_n(device), tuning=tuning, op="fp8_attention"), block_n or 0
+    block_n = block_n or default_block_n(device, tuning.kernel)
+    v_layout = "contiguous" if v_contiguous else "strided"
+    v_dtype, v_layout = (torch.float8_e4m3fn, "channel-major") if pv_fp8 else (out_dtype, v_layout)
+    operands = AttentionOperands(head_dim, qk_dtype, v_dtype, v_layout=v_layout, q_scaled=True, v_scaled=pv_fp8)
+    return plan_kernel(operands, device, block=block_n, dense=True, backend="triton", tuning=tuning), block_n
 
 
 def fp8_attention_reference(
@@ -104,17 +129,23 @@ def fp8_attention(
     qk_dtype: torch.dtype = torch.float8_e4m3fn,
     backend: str = "auto",
     tuning: Optional[TuningOptions] = None,
+    choice: Optional[KernelChoice] = None,
     return_choice: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, KernelChoice]]:
     """Dense attention with E4M3 (or ``qk_dtype=torch.int8``: INT8) Q/K and optionally E4M3 P·V; returns
     ``[B, S, H, D]`` in ``q``'s dtype, and with ``return_choice`` also the :class:`~.router.KernelChoice` that ran.
 
-    ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`. Quantization
-    and attention run in the custom op ``diffusers_h3::fp8_attention`` (one node under ``torch.compile``).
+    ``tuning`` (benchmarks only) picks and tunes the flash kernel, see :class:`~.router.TuningOptions`. ``choice`` and
+    ``block_n``: as planned by :func:`plan_fp8_attention` (by default planned here). Quantization and attention run in
+    the custom op ``diffusers_h3::fp8_attention`` (one node under ``torch.compile``).
     """
-    out, choice = call_recording(
-        fp8_attention_op, q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend, *tuning_op_fields(tuning)
-    )
+    if choice is None:
+        choice, planned_block_n = plan_fp8_attention(q.shape[-1], q.device, pv_fp8=pv_fp8, block_n=block_n,
+                                                     qk_dtype=qk_dtype, out_dtype=q.dtype, backend=backend,
+                                                     tuning=tuning, v_contiguous=v.is_contiguous())  # fmt: skip
+        block_n = planned_block_n or block_n
+    out = fp8_attention_op(q, k, v, smooth_k, pv_fp8, scale, block_n, qk_dtype, choice.launch,
+                           launch_options(tuning))  # fmt: skip
     return (out, choice) if return_choice else out
 
 
@@ -132,36 +163,20 @@ def fp8_attention_op(
     scale: Optional[float],
     block_n: Optional[int],
     qk_dtype: torch.dtype,
-    backend: str,
-    kernel: str,
-    block_m: Optional[int],
-    num_warps: Optional[int],
-    num_stages: Optional[int],
-    tma: Optional[bool],
-    rotate: Optional[bool],
-    two_tiles: Optional[bool],
+    launch: str,
+    options: List[int],
 ) -> torch.Tensor:
-    """:func:`fp8_attention` over tensors and scalars; records the :class:`~.router.KernelChoice` that ran."""
-    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
-    out, choice = _run_fp8_attention(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
-                                     qk_dtype=qk_dtype, backend=backend, tuning=tuning)
-    record_kernel("fp8_attention", choice)
-    return out
-
-
-def _run_fp8_attention(q, k, v, *, smooth_k, pv_fp8, scale, block_n, qk_dtype, backend,
-                       tuning) -> Tuple[torch.Tensor, KernelChoice]:
-    if not use_triton("fp8_attention", q, k, v, backend=backend):
-        if tuning != DEFAULT_TUNING:
-            raise ValueError("TuningOptions are knobs of the GPU kernels; the torch reference runs here (no CUDA "
-                             "tensors or backend='torch')")
+    """:func:`fp8_attention` over tensors and scalars, running the planned ``launch`` (:attr:`KernelChoice.launch`)
+    with ``options`` (:func:`~.tuning.launch_options`); records nothing."""
+    if launch.startswith("torch-reference:"):
         out = fp8_attention_reference(q, k, v, smooth_k=smooth_k, pv_fp8=pv_fp8, scale=scale, block_n=block_n,
                                       qk_dtype=qk_dtype)
-        why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
-        return out.contiguous(), KernelChoice("torch-reference", "dense", why)
+        return out.contiguous()
+    kernels_run_here("fp8_attention", q.is_cuda, "triton")  # the error when the planned kernel cannot run here
     if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim] of one shape, got {q.shape}, {k.shape}, {v.shape}")
-    block_n = block_n or _default_block_n(q, tuning.kernel)
+    if block_n is None:
+        raise ValueError("fp8_attention_op needs the planned block_n (plan_fp8_attention)")
     # Quantize with the fused Triton pass over key-block chunks (same rounding as quantize_fp8_per_token / _per_block).
     s = q.shape[1]
     n_chunks = -(-s // block_n)
@@ -175,7 +190,6 @@ def _run_fp8_attention(q, k, v, *, smooth_k, pv_fp8, scale, block_n, qk_dtype, b
     v_, vs = v, None
     if pv_fp8:  # channel-major E4M3 (rows padded to 16 bytes) for the FP8 P.V MMA
         v_, vs = quantize_v_fp8_channel_major(v, backend="triton")
-    return block_sparse_attention(
-        q8, k8, v_, None, None, None, None, block=block_n, scale=scale, q_scale=qs, k_scale=ks, v_scale=vs,
-        dense=True, out_dtype=q.dtype, backend="triton", tuning=tuning, return_choice=True,
-    )
+    tiles = [None] * 4
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return block_sparse_attention_op(q8, k8, v_, tiles, [qs, ks, vs], block_n, scale, q.dtype, launch, options)

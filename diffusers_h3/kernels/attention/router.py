@@ -1,7 +1,7 @@
-"""The public block-sparse / dense attention entry point: validation, kernel choice, launch.
+"""The public block-sparse / dense attention entry point: validation, the pure kernel choice, launch.
 
-:func:`block_sparse_attention` checks its inputs once, then :func:`select_kernel` picks one implementation and says
-why, as a :class:`KernelChoice`:
+:func:`select_kernel` picks one implementation for a description of the operands (:class:`AttentionOperands`: head
+dim, dtypes, layouts, scales; no tensors) and says why, as a :class:`KernelChoice`:
 
 * ``"sm90-gluon"``: the Hopper kernel of :mod:`.bsa_sm90` (TMA ring, q in registers, asynchronous wgmma), in the
   variants ``"dense-warp-specialized"`` (128 query rows, two consumer warpgroups and a producer warp),
@@ -9,27 +9,28 @@ why, as a :class:`KernelChoice`:
   ``"one-tile"`` (sparse);
 * ``"triton"``: the portable Triton kernel of :mod:`.bsa_triton` (every precision, FP4 P emulation, the interpreter),
   variants ``"sparse"`` / ``"dense"``;
-* ``"torch-reference"``: :func:`~.bsa_triton.block_sparse_attention_reference` (no CUDA tensors / no Triton, or
-  ``backend="torch"``).
+* ``"torch-reference"``: :func:`~.bsa_triton.block_sparse_attention_reference` (no CUDA device / no Triton, or
+  ``backend="torch"``): :func:`plan_kernel`.
 
-Callers that report what ran (``describe()``) pass ``return_choice=True`` and keep the record; nothing re-derives it.
+The choice is made before the call, from the call's description alone, so that it can be planned once per
+transformer call outside any compiled region (the attention processors' call plan) and reported as planned. The
+custom op runs exactly the choice it is given (an error when it cannot run these inputs) and writes nothing else.
 Benchmark-only knobs travel in one :class:`TuningOptions`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from ...layout import record_kernel
 from .._triton_utils import (
-    call_recording,
     check_interpreter_dtype,
     kernel_op,
+    kernels_run_here,
     triton_interpreter_active,
-    use_triton,
 )
 from ..numerics import QK_8BIT_DTYPES
 from ._launch import check_attention_args
@@ -41,39 +42,86 @@ from .bsa_sm90 import (
     two_rings_fit,
 )
 from .bsa_triton import block_sparse_attention_reference, block_sparse_attention_triton
-from .tuning import DEFAULT_TUNING, KERNELS, KernelChoice, TuningOptions, tuning_op_fields
+from .tuning import (
+    DEFAULT_TUNING,
+    KERNELS,
+    P_FP4_MODES,
+    KernelChoice,
+    TuningOptions,
+    launch_options,
+    read_launch_options,
+)
 
 
 __all__ = [  # the choice and tuning types live in .tuning (the launchers take them too); callers import them here
     "DEFAULT_TUNING",
     "KERNELS",
+    "AttentionOperands",
     "KernelChoice",
     "TuningOptions",
     "attention_out_dtype",
     "block_sparse_attention",
+    "launch_options",
+    "plan_kernel",
     "select_kernel",
     "sm90_available_for",
     "sm90_input_problem",
     "sm90_kernel_supports",
-    "tuning_op_fields",
 ]
 
 
-def sm90_input_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v_scale=None, p_fp4=None,
-                       block: int = 64) -> str:
-    """Why the Hopper kernel cannot run these inputs (``""`` when it can), independent of the GPU at hand."""
-    if p_fp4 is not None:
+@dataclass(frozen=True)
+class AttentionOperands:
+    """What the kernel choice reads of one attention call's operands: ``head_dim``, the Q/K and V dtypes, the storage
+    of K (contiguous or not) and V (``"contiguous"``, ``"channel-major"``: ``[B, H, D, N]`` storage with 16-byte
+    rows, what FP8 P·V reads, or ``"strided"``), whether Q/K and V carry scales, and the FP4 P emulation. Built from
+    tensors with :meth:`of`, or ahead of the call by whoever builds the tensors (the attention processors' plans)."""
+
+    head_dim: int
+    qk_dtype: torch.dtype
+    v_dtype: torch.dtype
+    k_contiguous: bool = True
+    v_layout: str = "contiguous"
+    q_scaled: bool = False
+    v_scaled: bool = False
+    p_fp4: Optional[str] = None
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_scale=None, v_scale=None,
+           p_fp4: Optional[str] = None) -> "AttentionOperands":  # fmt: skip
+        if _channel_major(v):
+            layout = "channel-major"
+        else:
+            layout = "contiguous" if v.is_contiguous() else "strided"
+        return cls(q.shape[-1], q.dtype, v.dtype, k.is_contiguous(), layout, q_scale is not None, v_scale is not None,
+                   p_fp4)  # fmt: skip
+
+
+def _channel_major(v: torch.Tensor) -> bool:
+    """The strides of channel-major ``v`` with 16-byte aligned rows (:func:`~.bsa_sm90.channel_major_rows` also checks
+    the storage's address, which the launch does)."""
+    if v.ndim != 4:
+        return False
+    _, _, h, d = v.shape
+    sb, ss, sh, sd = v.stride()
+    return ss == 1 and sh == d * sd and sb == h * sh and (sd * v.element_size()) % 16 == 0
+
+
+def sm90_input_problem(operands: AttentionOperands, block: int = 64) -> str:
+    """Why the Hopper kernel cannot run these operands (``""`` when it can), independent of the GPU at hand."""
+    if operands.p_fp4 is not None:
         return "the FP4 P emulation runs on the Triton kernel"
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
-        return f"it takes bf16/fp16 (or E4M3 / INT8 Q/K) inputs, got q {q.dtype}"
-    if v_scale is not None:
-        if v.dtype != torch.float8_e4m3fn or channel_major_rows(v) is None:
+    if operands.qk_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8):
+        return f"it takes bf16/fp16 (or E4M3 / INT8 Q/K) inputs, got q {operands.qk_dtype}"
+    if operands.v_scaled:
+        if operands.v_dtype != torch.float8_e4m3fn or operands.v_layout != "channel-major":
             return "FP8 P.V needs a channel-major E4M3 v ([B, H, D, N] storage, 16-byte aligned rows)"
-    elif v.dtype not in (torch.bfloat16, torch.float16) or not v.is_contiguous():
-        return f"it reads v by TMA and needs a contiguous bf16/fp16 v, got {v.dtype}"
-    if q.shape[-1] not in (64, 128) or block not in (64, 128):
-        return f"it is built for head_dim 64/128 and 64/128-row tiles, got head_dim {q.shape[-1]} and {block}-row tiles"
-    if not k.is_contiguous():
+    elif operands.v_dtype not in (torch.bfloat16, torch.float16) or operands.v_layout != "contiguous":
+        return f"it reads v by TMA and needs a contiguous bf16/fp16 v, got {operands.v_dtype}"
+    if operands.head_dim not in (64, 128) or block not in (64, 128):
+        return (f"it is built for head_dim 64/128 and 64/128-row tiles, got head_dim {operands.head_dim} and "
+                f"{block}-row tiles")  # fmt: skip
+    if not operands.k_contiguous:
         return "it reads k by TMA and needs it contiguous"
     return ""
 
@@ -88,29 +136,25 @@ def sm90_kernel_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, v
     """``(True, "")`` when the Hopper kernel can run these inputs here, else ``(False, reason)``."""
     if not sm90_available_for(q.device):
         return False, "it needs a compute capability 9.x GPU (Hopper) and Triton >= 3.6 (Gluon)"
-    problem = sm90_input_problem(q, k, v, v_scale=v_scale, p_fp4=p_fp4, block=block)
+    problem = sm90_input_problem(AttentionOperands.of(q, k, v, v_scale=v_scale, p_fp4=p_fp4), block)
     return not problem, problem
 
 
 def select_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    operands: AttentionOperands,
     *,
     block: int,
     dense: bool = False,
-    q_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-    p_fp4: Optional[str] = None,
     tuning: TuningOptions = DEFAULT_TUNING,
     sm90_available: bool,
 ) -> KernelChoice:
-    """The GPU kernel (and variant) that runs these validated inputs, and why; ``sm90_available`` says whether this
-    device runs the Hopper kernel at all (a parameter, so that the choice is testable anywhere).
+    """The GPU kernel (and variant) that runs these operands, and why; ``sm90_available`` says whether this device
+    runs the Hopper kernel at all (a parameter, so that the choice is testable anywhere). A pure function of its
+    arguments.
 
     Raises ``ValueError`` when ``tuning`` forces something that cannot run these inputs.
     """
-    problem = sm90_input_problem(q, k, v, v_scale=v_scale, p_fp4=p_fp4, block=block)
+    problem = sm90_input_problem(operands, block)
     if not sm90_available:
         problem = "no compute capability 9.x GPU with Gluon (Triton >= 3.6) here"
     if tuning.kernel == "sm90":
@@ -142,7 +186,8 @@ def select_kernel(
                                 "128 query rows per program: two consumer warpgroups fed by a TMA producer warp")
         return KernelChoice("sm90-gluon", "dense-one-warpgroup", "block_m=64: one warpgroup per program")
     stages = tuning.num_stages or DEFAULT_STAGES
-    fits = two_rings_fit(stages, block, q.shape[-1], k.element_size(), v.element_size())
+    k_bytes, v_bytes = operands.qk_dtype.itemsize, operands.v_dtype.itemsize
+    fits = two_rings_fit(stages, block, operands.head_dim, k_bytes, v_bytes)
     if tuning.two_tiles and not fits:
         raise ValueError(f"two_tiles needs two rings of {stages} K/V slots, more than the shared memory holds; pass "
                          "fewer num_stages or two_tiles=False")
@@ -151,11 +196,42 @@ def select_kernel(
         reason = f"TuningOptions(two_tiles={two})"
     elif not fits:
         two, reason = False, f"two rings of {stages} {block}-row K/V slots do not fit the shared memory"
-    elif q_scale is not None:
+    elif operands.q_scaled:
         two, reason = False, "8-bit Q/K: one query tile per program is faster"
     else:
         two, reason = True, "16-bit Q/K: two query tiles per program, one K/V ring each, TMA producer warp"
     return KernelChoice("sm90-gluon", "two-tile" if two else "one-tile", reason)
+
+
+def plan_kernel(
+    operands: AttentionOperands,
+    device: torch.device,
+    *,
+    block: int,
+    dense: bool = False,
+    backend: str = "auto",
+    tuning: Optional[TuningOptions] = None,
+    op: str = "block_sparse_attention",
+) -> KernelChoice:
+    """The :class:`KernelChoice` of a call with these operands on ``device``: the torch reference where the kernels do
+    not run (``backend="torch"``, or ``"auto"`` without a CUDA device or Triton; ``op`` names the call in the
+    one-time warning), else :func:`select_kernel`. Checks the options that cannot go together first."""
+    tuning = tuning if tuning is not None else DEFAULT_TUNING
+    if not isinstance(tuning, TuningOptions):
+        raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
+    if operands.p_fp4 not in P_FP4_MODES:
+        raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {operands.p_fp4!r}")
+    if operands.p_fp4 is not None and operands.v_scaled:
+        raise ValueError("p_fp4 (FP4 P) and v_scale (FP8 P.V) exclude each other")
+    if tuning.block_m is not None and not dense:
+        raise ValueError("TuningOptions.block_m applies to dense=True; sparse query tiles have `block` rows")
+    if not kernels_run_here(op, device.type == "cuda", backend):
+        if tuning != DEFAULT_TUNING:
+            raise ValueError("TuningOptions are knobs of the GPU kernels; the torch reference runs here (no CUDA "
+                             "tensors or backend='torch')")
+        why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
+        return KernelChoice("torch-reference", "dense" if dense else "sparse", why)
+    return select_kernel(operands, block=block, dense=dense, tuning=tuning, sm90_available=sm90_available_for(device))
 
 
 def block_sparse_attention(
@@ -178,6 +254,7 @@ def block_sparse_attention(
     p_fp4: Optional[str] = None,
     backend: str = "auto",
     tuning: Optional[TuningOptions] = None,
+    choice: Optional[KernelChoice] = None,
     return_choice: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, KernelChoice]]:
     """Block-sparse (or, with ``dense=True``, dense) attention; the contract is in :mod:`.bsa_triton`.
@@ -185,20 +262,23 @@ def block_sparse_attention(
     ``backend``: ``"auto"`` (kernels on CUDA tensors or under the Triton interpreter, else the torch reference with a
     one-time warning), ``"triton"`` (kernels or an error), ``"torch"`` (the reference). ``p_fp4``
     (``"two_level"`` / ``"single_level"``) emulates SageAttention3's FP4 P before P·V. ``tuning`` carries benchmark
-    knobs (:class:`TuningOptions`).
+    knobs (:class:`TuningOptions`). ``choice``: the :class:`KernelChoice` planned for this call (by default
+    :func:`plan_kernel` of these inputs; callers that planned it pass it, and the call runs it or raises).
 
     ``v`` may be any strided view (FP8 P·V wants it channel-major: ``v.transpose`` of a ``[B, H, D, N]`` buffer).
     Returns ``out [B, S, H, D]`` (``out_dtype`` defaults to ``out``'s dtype, else ``q``'s, bfloat16 for 8-bit ``q``;
-    with ``out`` the result is copied there), and with ``return_choice`` also the :class:`KernelChoice` that ran. The work runs in
-    the custom op ``diffusers_h3::block_sparse_attention`` (one node under ``torch.compile``).
+    with ``out`` the result is copied there), and with ``return_choice`` also the :class:`KernelChoice` that ran. The
+    work runs in the custom op ``diffusers_h3::block_sparse_attention`` (one node under ``torch.compile``).
     """
-    fields = tuning_op_fields(tuning)
+    if choice is None:
+        operands = AttentionOperands.of(q, k, v, q_scale=q_scale, v_scale=v_scale, p_fp4=p_fp4)
+        choice = plan_kernel(operands, q.device, block=block, dense=dense, backend=backend, tuning=tuning)
     if out is not None and out_dtype is None:
         out_dtype = out.dtype  # the kernels write ``out``'s precision
-    result, choice = call_recording(
-        block_sparse_attention_op, q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
-        v_scale, dense, out_dtype, p_fp4, backend, *fields,
-    )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tiles = [None] * 4 if dense else [slot_rows, tile_counts, kv_index, kv_num]
+    result = block_sparse_attention_op(q, k, v, tiles, [q_scale, k_scale, v_scale], block, scale, out_dtype,
+                                       choice.launch, launch_options(tuning, p_fp4))  # fmt: skip
     if out is not None:
         if out.shape != result.shape or out.stride(-1) != 1:
             raise ValueError(f"out must be a [B, S, H, D] tensor with a contiguous last dim, got {tuple(out.shape)}")
@@ -212,8 +292,7 @@ def attention_out_dtype(q: torch.Tensor, out_dtype: Optional[torch.dtype]) -> to
     return out_dtype or (torch.bfloat16 if q.dtype in QK_8BIT_DTYPES else q.dtype)
 
 
-def _block_sparse_attention_fake(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, scale, q_scale, k_scale,
-                                 v_scale, dense, out_dtype, *p_fp4_backend_and_tuning) -> torch.Tensor:
+def _block_sparse_attention_fake(q, k, v, tiles, scales, block, scale, out_dtype, launch, options) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=attention_out_dtype(q, out_dtype))
 
 
@@ -222,60 +301,30 @@ def block_sparse_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    slot_rows: Optional[torch.Tensor],
-    tile_counts: Optional[torch.Tensor],
-    kv_index: Optional[torch.Tensor],
-    kv_num: Optional[torch.Tensor],
+    tiles: List[Optional[torch.Tensor]],
+    scales: List[Optional[torch.Tensor]],
     block: int,
-    scale: Optional[float],
-    q_scale: Optional[torch.Tensor],
-    k_scale: Optional[torch.Tensor],
-    v_scale: Optional[torch.Tensor],
-    dense: bool,
+    scale: float,
     out_dtype: Optional[torch.dtype],
-    p_fp4: Optional[str],
-    backend: str,
-    kernel: str,
-    block_m: Optional[int],
-    num_warps: Optional[int],
-    num_stages: Optional[int],
-    tma: Optional[bool],
-    rotate: Optional[bool],
-    two_tiles: Optional[bool],
+    launch: str,
+    options: List[int],
 ) -> torch.Tensor:
-    """:func:`block_sparse_attention` over tensors and scalars (the :class:`TuningOptions` as its fields); records the
-    :class:`KernelChoice` that ran."""
-    tuning = TuningOptions.from_op_fields(kernel, block_m, num_warps, num_stages, tma, rotate, two_tiles)
-    out, choice = _run_block_sparse_attention(
-        q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
-        k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4, backend=backend,
-        tuning=tuning,
-    )
-    record_kernel("block_sparse_attention", choice)
-    return out
-
-
-def _run_block_sparse_attention(q, k, v, slot_rows, tile_counts, kv_index, kv_num, *, block, scale, q_scale,
-                                k_scale, v_scale, dense, out_dtype, p_fp4, backend,
-                                tuning) -> Tuple[torch.Tensor, KernelChoice]:
-    if p_fp4 not in (None, "two_level", "single_level"):
-        raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
-    if p_fp4 is not None and v_scale is not None:
-        raise ValueError("p_fp4 (FP4 P) and v_scale (FP8 P.V) exclude each other")
-    if tuning.block_m is not None and not dense:
-        raise ValueError("TuningOptions.block_m applies to dense=True; sparse query tiles have `block` rows")
-    mode = "dense" if dense else "sparse"
-    if not use_triton("block_sparse_attention", q, k, v, backend=backend):
-        if tuning != DEFAULT_TUNING:
-            raise ValueError("TuningOptions are knobs of the GPU kernels; the torch reference runs here (no CUDA "
-                             "tensors or backend='torch')")
-        result = block_sparse_attention_reference(
+    """:func:`block_sparse_attention` over tensors and scalars: ``tiles`` = ``[slot_rows, tile_counts, kv_index,
+    kv_num]`` (all ``None``: dense), ``scales`` = ``[q_scale, k_scale, v_scale]``, ``launch`` = the planned
+    :attr:`KernelChoice.launch`, ``options`` = :func:`~.tuning.launch_options`. Runs that kernel; records nothing."""
+    p_fp4, tuning = read_launch_options(options, launch)
+    slot_rows, tile_counts, kv_index, kv_num = tiles
+    q_scale, k_scale, v_scale = scales
+    dense = slot_rows is None
+    kernel = launch.partition(":")[0]
+    if kernel == "torch-reference":
+        return block_sparse_attention_reference(
             q, k, v, slot_rows, tile_counts, kv_index, kv_num, block=block, scale=scale, q_scale=q_scale,
             k_scale=k_scale, v_scale=v_scale, dense=dense, out_dtype=out_dtype, p_fp4=p_fp4,
-        )
-        why = "backend='torch'" if backend == "torch" else "no CUDA tensors or no triton"
-        return result.contiguous(), KernelChoice("torch-reference", mode, why)
-
+        ).contiguous()
+    if kernel not in ("sm90-gluon", "triton"):
+        raise ValueError(f"unknown attention kernel choice {launch!r}")
+    kernels_run_here("block_sparse_attention", q.is_cuda, "triton")  # the error when the planned kernel cannot run
     check_attention_args(q, k, v, slot_rows, tile_counts, kv_index, kv_num, block, q_scale, k_scale, v_scale, dense)
     check_interpreter_dtype("block_sparse_attention", q, k, v)
     b, s, h, d = q.shape
@@ -288,16 +337,19 @@ def _run_block_sparse_attention(q, k, v, slot_rows, tile_counts, kv_index, kv_nu
         raise ValueError("q_scale must be [B, S, H] with a contiguous head dimension")
     if v_scale is not None and block < 32:
         raise ValueError(f"FP8 P.V needs key blocks of at least 32 rows (the FP8 MMA K dimension), got {block}")
-    choice = select_kernel(q, k, v, block=block, dense=dense, q_scale=q_scale, v_scale=v_scale, p_fp4=p_fp4,
-                           tuning=tuning, sm90_available=sm90_available_for(q.device))
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty(b, s, h, d, device=q.device, dtype=attention_out_dtype(q, out_dtype))
     args = (q, k, v, slot_rows, tile_counts, kv_index, kv_num, out)
     scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
-    if choice.kernel == "sm90-gluon":
+    if kernel == "sm90-gluon":
+        problem = sm90_input_problem(AttentionOperands.of(q, k, v, v_scale=v_scale, p_fp4=p_fp4), block)
+        if v_scale is not None and not problem and channel_major_rows(v) is None:
+            problem = "FP8 P.V needs v's channel-major storage 16-byte aligned"
+        if problem:
+            raise ValueError(f"block_sparse_attention was planned on the Hopper kernel, which cannot run these inputs: "
+                             f"{problem}")  # fmt: skip
         block_sparse_attention_sm90(*args, block=block, scale=scale, dense=dense, tuning=tuning,
-                                    two_tiles=choice.variant == "two-tile", **scales)
+                                    two_tiles=bool(tuning.two_tiles), **scales)  # fmt: skip
     else:
         block_sparse_attention_triton(*args, block=block, scale=scale, dense=dense, p_fp4=p_fp4, tuning=tuning,
                                       **scales)
-    return out, choice
+    return out

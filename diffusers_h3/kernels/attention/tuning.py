@@ -1,15 +1,18 @@
-"""The attention kernels' two small value types: what a call ran (:class:`KernelChoice`) and the one frozen
-tuning object the benchmarks pass (:class:`TuningOptions`), which travels unchanged from the public entry points
-through the router to the launchers. Custom ops take tensors and scalars, so at an op's boundary it travels as its
-fields (:func:`tuning_op_fields`, :meth:`TuningOptions.from_op_fields`)."""
+"""The attention kernels' small value types: which kernel runs a call (:class:`KernelChoice`, decided before the call
+by the router's pure :func:`~.router.select_kernel` and passed to the op, which runs exactly that) and the one frozen
+tuning object the benchmarks pass (:class:`TuningOptions`). Custom ops take tensors and a few ints and strings, so at
+an op's boundary a choice travels as its ``launch`` string and the knobs as one list of ints
+(:func:`launch_options`, :func:`read_launch_options`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 KERNELS = ("auto", "sm90", "triton")
+# The FP4 emulations of P before P·V (None: 16-bit P), by their code in an op's launch options.
+P_FP4_MODES = (None, "two_level", "single_level")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class KernelChoice:
 
     def describe(self) -> str:
         return f"{self.kernel} kernel ({self.variant}; {self.reason})"
+
+    @property
+    def launch(self) -> str:
+        """``"<kernel>:<variant>"``: what an op needs to run this choice (the reason stays with the caller)."""
+        return f"{self.kernel}:{self.variant}"
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,6 @@ class TuningOptions:
         if self.kernel not in KERNELS:
             raise ValueError(f"TuningOptions.kernel must be one of {KERNELS}, got {self.kernel!r}")
 
-    @classmethod
-    def from_op_fields(cls, *fields: Any) -> "TuningOptions":
-        """The object back from :func:`tuning_op_fields` (inside a custom op)."""
-        return cls(*fields)
-
     @property
     def triton_knobs(self) -> bool:
         """Whether a knob that only the Triton kernel has is set."""
@@ -68,11 +71,27 @@ class TuningOptions:
 DEFAULT_TUNING = TuningOptions()
 
 
-def tuning_op_fields(tuning: Optional[TuningOptions]) -> Tuple[Any, ...]:
-    """``tuning`` (``None``: the defaults) as the custom ops take it: its fields in declaration order, which the ops
-    pass back to :meth:`TuningOptions.from_op_fields` (plain attribute reads: traced code calls this)."""
+def launch_options(tuning: Optional[TuningOptions], p_fp4: Optional[str] = None) -> List[int]:
+    """The knobs an attention op reads besides its kernel choice, as ints (``-1``: unset): the FP4 P mode (its index in
+    :data:`P_FP4_MODES`), then ``tuning``'s ``block_m``, ``num_warps``, ``num_stages``, ``tma`` and ``rotate``. Its
+    ``kernel`` and ``two_tiles`` are part of the choice. Plain attribute reads: traced code calls this."""
     tuning = tuning if tuning is not None else DEFAULT_TUNING
     if not isinstance(tuning, TuningOptions):
         raise TypeError(f"tuning must be a TuningOptions, got {type(tuning).__name__}")
-    return (tuning.kernel, tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate,
-            tuning.two_tiles)  # fmt: skip
+    if p_fp4 not in P_FP4_MODES:
+        raise ValueError(f"p_fp4 must be None, 'two_level' or 'single_level', got {p_fp4!r}")
+    knobs = (tuning.block_m, tuning.num_warps, tuning.num_stages, tuning.tma, tuning.rotate)
+    return [P_FP4_MODES.index(p_fp4) - 1, *(-1 if k is None else int(k) for k in knobs)]
+
+
+def read_launch_options(options: Sequence[int], choice: str) -> Tuple[Optional[str], TuningOptions]:
+    """``(p_fp4, tuning)`` back from :func:`launch_options` inside an op, for the choice ``"<kernel>:<variant>"``."""
+    p_code, block_m, num_warps, num_stages, tma, rotate = (None if x < 0 else int(x) for x in options)
+    kernel, _, variant = choice.partition(":")
+    two_tiles = {"two-tile": True, "one-tile": False}.get(variant) if kernel == "sm90-gluon" else None
+    tuning = TuningOptions(
+        kernel={"sm90-gluon": "sm90", "triton": "triton"}.get(kernel, "auto"), block_m=block_m, num_warps=num_warps,
+        num_stages=num_stages, tma=None if tma is None else bool(tma), rotate=None if rotate is None else bool(rotate),
+        two_tiles=two_tiles,
+    )
+    return P_FP4_MODES[p_code + 1] if p_code is not None else None, tuning

@@ -25,6 +25,7 @@ from diffusers_h3.kernels.attention import (  # noqa: E402
     select_kernel,
 )
 from diffusers_h3.kernels.attention.bsa_sm90 import two_rings_fit  # noqa: E402
+from diffusers_h3.kernels.attention.router import AttentionOperands  # noqa: E402
 from diffusers_h3.kernels.attention.vsa_select import build_block_mask, mask_to_index_reference  # noqa: E402
 
 from ._inputs import DEVICE, DTYPE  # noqa: E402
@@ -38,22 +39,22 @@ def _qkv(seq=128, heads=2, head_dim=64, dtype=torch.bfloat16):
 def test_32_row_tiles_route_to_triton_even_on_hopper():
     """enable_vsa(tile=(2, 4, 4)) gives 32-row tiles: the Hopper kernel cannot take them, Triton runs."""
     q, k, v = _qkv()
-    choice = select_kernel(q, k, v, block=32, sm90_available=True)
+    choice = select_kernel(AttentionOperands.of(q, k, v), block=32, sm90_available=True)
     assert choice.kernel == "triton" and choice.variant == "sparse"
     assert "64/128-row tiles" in choice.reason
-    assert select_kernel(q, k, v, block=64, sm90_available=True).kernel == "sm90-gluon"
+    assert select_kernel(AttentionOperands.of(q, k, v), block=64, sm90_available=True).kernel == "sm90-gluon"
 
 
 def test_sm90_variants_and_their_reasons():
     q, k, v = _qkv()
-    assert select_kernel(q, k, v, block=64, sm90_available=True).variant == "two-tile"
+    assert select_kernel(AttentionOperands.of(q, k, v), block=64, sm90_available=True).variant == "two-tile"
     q8 = q.to(torch.float8_e4m3fn)
     scale = torch.ones(1, 128, 2)
-    eight_bit = select_kernel(q8, q8, v, block=64, q_scale=scale, sm90_available=True)
+    eight_bit = select_kernel(AttentionOperands.of(q8, q8, v, q_scale=scale), block=64, sm90_available=True)
     assert eight_bit.variant == "one-tile" and "8-bit" in eight_bit.reason
-    dense = select_kernel(q, k, v, block=128, dense=True, sm90_available=True)
+    dense = select_kernel(AttentionOperands.of(q, k, v), block=128, dense=True, sm90_available=True)
     assert dense.variant == "dense-warp-specialized"
-    small = select_kernel(q, k, v, block=128, dense=True, tuning=TuningOptions(block_m=64), sm90_available=True)
+    small = select_kernel(AttentionOperands.of(q, k, v), block=128, dense=True, tuning=TuningOptions(block_m=64), sm90_available=True)
     assert small.variant == "dense-one-warpgroup"
 
 
@@ -61,23 +62,23 @@ def test_two_tiles_only_when_two_rings_fit():
     """bf16 promises two query tiles only when the two K/V rings fit the shared memory."""
     q, k, v = _qkv(head_dim=128)
     assert not two_rings_fit(4, 128, 128, 2, 2) and two_rings_fit(3, 64, 128, 2, 2)
-    deep = select_kernel(q, k, v, block=128, tuning=TuningOptions(num_stages=4), sm90_available=True)
+    deep = select_kernel(AttentionOperands.of(q, k, v), block=128, tuning=TuningOptions(num_stages=4), sm90_available=True)
     assert deep.kernel == "sm90-gluon" and deep.variant == "one-tile" and "do not fit" in deep.reason
     with pytest.raises(ValueError, match="two_tiles needs two rings"):
-        select_kernel(q, k, v, block=128, tuning=TuningOptions(num_stages=4, two_tiles=True), sm90_available=True)
+        select_kernel(AttentionOperands.of(q, k, v), block=128, tuning=TuningOptions(num_stages=4, two_tiles=True), sm90_available=True)
 
 
 def test_forced_kernels_and_knob_conflicts():
     q, k, v = _qkv()
-    assert select_kernel(q, k, v, block=64, tuning=TuningOptions(kernel="triton"), sm90_available=True).kernel == "triton"
-    knobs = select_kernel(q, k, v, block=64, tuning=TuningOptions(num_warps=8), sm90_available=True)
+    assert select_kernel(AttentionOperands.of(q, k, v), block=64, tuning=TuningOptions(kernel="triton"), sm90_available=True).kernel == "triton"
+    knobs = select_kernel(AttentionOperands.of(q, k, v), block=64, tuning=TuningOptions(num_warps=8), sm90_available=True)
     assert knobs.kernel == "triton" and "knobs" in knobs.reason
     with pytest.raises(ValueError, match="kernel='sm90'"):
-        select_kernel(q, k, v, block=64, tuning=TuningOptions(kernel="sm90"), sm90_available=False)
+        select_kernel(AttentionOperands.of(q, k, v), block=64, tuning=TuningOptions(kernel="sm90"), sm90_available=False)
     with pytest.raises(ValueError, match="knobs of the Triton kernel"):
-        select_kernel(q, k, v, block=64, tuning=TuningOptions(kernel="sm90", tma=True), sm90_available=True)
+        select_kernel(AttentionOperands.of(q, k, v), block=64, tuning=TuningOptions(kernel="sm90", tma=True), sm90_available=True)
     with pytest.raises(ValueError, match="two_tiles"):
-        select_kernel(q, k, v, block=32, tuning=TuningOptions(two_tiles=True), sm90_available=True)
+        select_kernel(AttentionOperands.of(q, k, v), block=32, tuning=TuningOptions(two_tiles=True), sm90_available=True)
     with pytest.raises(ValueError, match="TuningOptions.kernel"):
         TuningOptions(kernel="cuda")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -86,9 +87,9 @@ def test_forced_kernels_and_knob_conflicts():
 
 def test_fp4_p_and_fp32_stay_on_triton():
     q, k, v = _qkv()
-    assert "FP4" in select_kernel(q, k, v, block=64, p_fp4="two_level", sm90_available=True).reason
+    assert "FP4" in select_kernel(AttentionOperands.of(q, k, v, p_fp4="two_level"), block=64, sm90_available=True).reason
     q32, k32, v32 = _qkv(dtype=torch.float32)
-    assert select_kernel(q32, k32, v32, block=64, sm90_available=True).kernel == "triton"
+    assert select_kernel(AttentionOperands.of(q32, k32, v32), block=64, sm90_available=True).kernel == "triton"
 
 
 def _sparse_args(seed=0, seq=80, block=16, heads=2, d=32):

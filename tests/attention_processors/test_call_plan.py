@@ -1,14 +1,14 @@
-"""One record per transformer call: the layout and the kernels of a call live in the ForwardRecord the model's hook
-opens, so two models in one process report their own paths, also when their blocks are compiled (the ops run after
-tracing and write into the record of the call that runs them)."""
+"""One plan per transformer call: the layout, routes and kernel choices of a call live in the CallPlan the model's
+hook makes before the blocks run, so two models in one process report their own paths, also when their blocks are
+compiled (the plans are made outside the compiled region and the ops write nothing back)."""
 
 import pytest
 import torch
 
 from diffusers_h3 import describe
-from diffusers_h3.attention_processors.forward_record import last_forward_record
+from diffusers_h3.attention_processors.call_plan import last_call_plan
 from diffusers_h3.attention_processors.vsa import disable_vsa, enable_vsa
-from diffusers_h3.layout import current_forward_record, use_packed_layout
+from diffusers_h3.layout import current_call_plan, use_packed_layout
 from diffusers_h3.packing import build_layout
 from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
 
@@ -45,9 +45,10 @@ def test_two_compiled_models_report_their_own_kernels_and_layouts():
     report_a, report_b = describe(a)["model"], describe(b)["model"]
     assert report_a["attention"][path_a] == len(a.transformer_blocks)  # every block, the refiner aside
     assert report_b["attention"][path_b] == len(b.transformer_blocks)
-    assert report_a["last_forward"]["kernels"]["vsa_attention"].startswith("triton kernel (sparse")
-    assert report_b["last_forward"]["kernels"]["vsa_attention"].startswith("torch-reference kernel (sparse")
-    assert last_forward_record(a).layout.step_index == 1 and last_forward_record(b).layout.step_index == 3
-    assert current_forward_record() is None  # nothing stays published after the calls
+    (plan_a,), (plan_b,) = report_a["last_forward"]["attention"], report_b["last_forward"]["attention"]
+    assert plan_a.startswith("VSA sparse (TilePlan(") and ": triton kernel (sparse" in plan_a, plan_a
+    assert ": torch-reference kernel (sparse" in plan_b, plan_b
+    assert last_call_plan(a).layout.step_index == 1 and last_call_plan(b).layout.step_index == 3
+    assert current_call_plan() is None  # nothing stays published after the calls
     disable_vsa(a)
-    assert last_forward_record(a) is None and "last_forward" not in describe(a)["model"]
+    assert last_call_plan(a) is None and "last_forward" not in describe(a)["model"]

@@ -382,8 +382,12 @@ class _Streamer:
             return
         self.running.pop(group.index, None)
         self.held.pop(group.index, None)
+        # Under autograd (training) a forward outside gradient checkpointing saved these very tensors for its
+        # backward: the parameters get new (empty) objects instead of having their data swapped out, so the saved
+        # ones keep their values until the backward has run.
+        keep_saved = torch.is_grad_enabled()
         for entry in group.entries:
-            _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param)
+            _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param, new_param=keep_saved)
 
     def release_all(self) -> None:
         self._drop_stale(keep=(), wait=True)
@@ -436,10 +440,13 @@ def _get_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return packed.storage()[name] if packed is not None else getattr(module, name)
 
 
-def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool, new_param: bool = False) -> None:
     packed = _packed_weight(module, name)
     if packed is not None:  # one packed tensor of a quantized weight (the checkpoint stores them one by one)
         packed.data = packed._with({STORAGE_ATTRS[name]: value})
+    elif is_param and new_param:
+        old = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
     elif is_param:
         module._parameters[name].data = value  # keep the Parameter object: optimizers, PEFT and ties hold it
     else:

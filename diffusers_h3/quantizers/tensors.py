@@ -356,14 +356,15 @@ class _QuantizedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cls, shape, dtype, options = ctx.meta
-        weight = cls(dict(zip(ctx.names, ctx.saved_tensors)), shape, dtype, options)
+        saved = ctx.saved_tensors  # read once: checkpointing's unpack hook allows one read
+        weight = cls(dict(zip(ctx.names, saved)), shape, dtype, options)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.matmul(grad_out, weight.dequantize(grad_out.dtype))
         grad_bias = None
         if ctx.bias_shape is not None:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).reshape(ctx.bias_shape)
-        return (grad_x, grad_bias, None, None) + (None,) * len(ctx.saved_tensors)
+        return (grad_x, grad_bias, None, None) + (None,) * len(saved)
 
 
 def _takes_quantized_copy(dst, src) -> bool:

@@ -10,16 +10,19 @@ Layout of the cache folder::
     text/00000.safetensors  prompt_embeds (1, tokens, hidden), text_token_tags (tokens,)  — as encode_prompt returns
     video/00000.safetensors latents (1, C, frames, h, w), normalized; fl2va: keyframe_first / keyframe_last latents
     audio/00000.safetensors latents (2, C, n), normalized (left / right), as the pipeline's audio latents
-    validation/00.safetensors the validation prompts' embeddings (and, for fl2va, the keyframes they use)
+    validation/<hash>.safetensors  a validation prompt's embeddings (fl2va: presented with the first clip's keyframes)
     uncond/00000.safetensors  the " " probe prompt's embeddings (guidance distillation), presented like the sample
 
 Each file is written atomically (a temporary name, then a rename), and a pass whose files all exist is skipped, so an
-interrupted encode resumes where it stopped. A cache built with other settings is refused in one line.
+interrupted encode resumes where it stopped, and a run with new validation prompts or with guidance distillation
+encodes only what it adds. A cache built from other data or settings (model, task, canvas, frames) is refused in one
+line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -54,7 +57,8 @@ class CacheSettings:
     uncond: bool = False
 
     def as_dict(self) -> Dict:
-        return {**dataclasses.asdict(self), "validation_prompts": list(self.validation_prompts)}
+        """What the cached sample tensors depend on (validation and probe prompts only add files)."""
+        return {key: getattr(self, key) for key in ("model", "task", "height", "width", "num_frames")}
 
 
 class CacheError(ValueError):
@@ -119,8 +123,11 @@ class LatentCache:
         tensors["is_image"] = torch.tensor(self.items[index].kind == "image")
         return tensors
 
+    def _validation_file(self, prompt: str) -> Path:
+        return self.cache_dir / "validation" / f"{hashlib.sha1(prompt.encode()).hexdigest()[:16]}.safetensors"
+
     def validation(self, index: int) -> Dict[str, torch.Tensor]:
-        return load_file(str(self.cache_dir / "validation" / f"{index:02d}.safetensors"))
+        return load_file(str(self._validation_file(self.settings.validation_prompts[index])))
 
     def validation_conditioning(self) -> Dict[str, object]:
         """The keyframes fl2va validation clips start and end on: the first training clip's (none for t2va)."""
@@ -154,9 +161,8 @@ class LatentCache:
         latents with the video VAE, then audio latents with the audio VAE, each model freed before the next loads."""
         self.check_or_write_settings()
         settings = self.settings
-        validation_dir = self.cache_dir / "validation"
         missing_validation = [
-            j for j in range(len(settings.validation_prompts)) if not (validation_dir / f"{j:02d}.safetensors").is_file()
+            j for j, prompt in enumerate(settings.validation_prompts) if not self._validation_file(prompt).is_file()
         ]
         missing_uncond = self._missing("uncond") if settings.uncond else []
         if self._missing("text") or missing_validation or missing_uncond:
@@ -209,7 +215,7 @@ class LatentCache:
         for j in validation_indices:
             embeds, tags = pipe.encode_prompt(s.validation_prompts[j], **conditioning, **geometry)
             _atomic_save({"prompt_embeds": embeds, "text_token_tags": tags},
-                         self.cache_dir / "validation" / f"{j:02d}.safetensors")  # fmt: skip
+                         self._validation_file(s.validation_prompts[j]))  # fmt: skip
 
     def _encode_video(self, pipe, indices) -> None:
         from ..tasks import get_task

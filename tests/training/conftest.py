@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+import diffusers_h3  # noqa: F401  (imported at collection, before any test changes TRITON_INTERPRET)
+
 
 TRAIN_CANVAS = {"height": 64, "width": 96, "num_frames": 22}  # the demo checkpoint's canvas, one VAE chunk
 CAPTIONS = ("a red gradient hums low", "a blue stripe whistles high")

@@ -124,7 +124,7 @@ def _fit_to_canvas(image, height: int, width: int) -> np.ndarray:
     size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
     left, top = (size[0] - width) // 2, (size[1] - height) // 2
     image = image.resize(size, Image.Resampling.LANCZOS).crop((left, top, left + width, top + height))
-    return np.asarray(image, dtype=np.uint8)
+    return np.array(image, dtype=np.uint8)  # a writable copy (torch.from_numpy warns on a read-only one)
 
 
 def _decode_video(path: Path, num_frames: Optional[int], size: Optional[Tuple[int, int]]):

@@ -3,7 +3,15 @@ trainer (encode everything into a cache one model at a time, then train the DiT'
 DiT loaded) over any base the plugin loads, and LoRA files in diffusers', PEFT's and ComfyUI's layouts."""
 
 from .cache import CacheError, CacheSettings, LatentCache
-from .data import DataFolderError, DataItem, check_data_folder, decode_sample, read_metadata, write_clip, write_metadata
+from .data import (
+    DataFolderError,
+    DataItem,
+    check_data_folder,
+    decode_sample,
+    read_metadata,
+    write_clip,
+    write_metadata,
+)
 from .lora_files import save_trained_lora, to_comfyui_layout
 from .loss import FlowMatchingConfig, flow_matching_loss, pack_sample, shift_sigma
 from .trainer import (

@@ -101,9 +101,9 @@ def test_streamed_base_trains_like_the_resident_one(tmp_path, two_clip_folder, d
 def test_streamed_quantized_checkpoint_gradients_are_bitwise(tmp_path):
     """A pre-quantized (W8A16) DiT streamed from its files: LoRA gradients equal the resident model's, with gradient
     checkpointing (blocks re-read in the backward) and without it for the groups outside the checkpointed blocks."""
-    import diffusers_h3
     from diffusers import MiniMaxH3Transformer3DModel
 
+    import diffusers_h3
     from diffusers_h3.parallel.checkpoint_streaming import stream_from_checkpoint, streaming_of
     from diffusers_h3.testing.tiny import tiny_transformer
 

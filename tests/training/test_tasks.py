@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -96,8 +95,8 @@ def test_training_adapter_is_on_in_training_and_off_in_the_output(overfit_run, t
 
     from diffusers_h3.training import train_lora
 
-    common = dict(max_train_steps=2, checkpointing_steps=0, guidance_scale=3.0, validation_prompts=["a red gradient"],
-                  validation_steps=2, validation_num_inference_steps=3)  # fmt: skip
+    common = {"max_train_steps": 2, "checkpointing_steps": 0, "guidance_scale": 3.0, "validation_steps": 2,
+              "validation_prompts": ["a red gradient"], "validation_num_inference_steps": 3}
     plain = train_lora(train_config(demo_model, two_clip_folder, tmp_path / "plain", shared_cache, **common))
     adapted = train_lora(train_config(demo_model, two_clip_folder, tmp_path / "adapted", shared_cache,
                                       training_adapter=str(overfit_run.files["diffusers"]), **common))  # fmt: skip

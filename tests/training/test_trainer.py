@@ -13,14 +13,13 @@ from .conftest import CAPTIONS, OVERFIT_STEPS, TRAIN_CANVAS, train_config
 
 def _fixed_draw_loss(transformer, cache_dir, demo_model, draws=16):
     """The mean flow-matching loss over fixed noise draws on both cached clips."""
-    from diffusers_h3.training import LatentCache, check_data_folder
+    from diffusers_h3.training import DataItem, LatentCache
     from diffusers_h3.training.cache import CacheSettings
     from diffusers_h3.training.loss import FlowMatchingConfig, flow_matching_loss, pack_sample
 
     record = json.loads((Path(cache_dir) / "cache.json").read_text())
-    settings = CacheSettings(**record["settings"])
-    cache = LatentCache(cache_dir, settings, [None] * len(record["samples"]))
-    cache.items = [type("Item", (), {"kind": s["kind"]})() for s in record["samples"]]
+    items = [DataItem(Path(s["file_name"]), s["text"], s["kind"]) for s in record["samples"]]
+    cache = LatentCache(cache_dir, CacheSettings(**record["settings"]), items)
     samples = [pack_sample(cache.sample(i), "t2va", (1, 2, 2)) for i in range(len(cache))]
     config = FlowMatchingConfig()
     total = 0.0

@@ -55,7 +55,10 @@ def _gib(nbytes):
 
 def _synthetic_sample(transformer, height, width, num_frames, tiny, generator):
     """A cached sample's tensors at the request's shapes (what `LatentCache.sample` returns)."""
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        audio_latent_num_frames,
+        video_latent_num_frames,
+    )
 
     config = transformer.config
     frames = video_latent_num_frames(num_frames, 17, 5)
@@ -74,7 +77,13 @@ def run_case(args, name):
     from placement import host_memory, io_since, proc_io
 
     from diffusers_h3.training.loss import FlowMatchingConfig, flow_matching_loss, pack_sample
-    from diffusers_h3.training.trainer import TrainLoraConfig, _optimizer, add_lora, load_base_transformer, trainable_parameters
+    from diffusers_h3.training.trainer import (
+        TrainLoraConfig,
+        _optimizer,
+        add_lora,
+        load_base_transformer,
+        trainable_parameters,
+    )
 
     setup = CASES[name]
     cuda = torch.cuda.is_available() and not args.tiny

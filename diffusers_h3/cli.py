@@ -1090,6 +1090,8 @@ def _add_train_lora_command(sub) -> None:
     tr.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no", help="Accelerate's autocast")
     tr.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="base weights' dtype")
     tr.add_argument("--quantize", default=None, metavar="FORMAT", help="quantize the DiT while loading: w8a16, nvfp4, fp8")
+    tr.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
+                    help="quantize the text encoder while loading for pass 1: w8a16, nvfp4, fp8")
     tr.add_argument("--transformer-file", default=None, metavar="PATH", help="the DiT from one .safetensors or .gguf file")
     tr.add_argument("--stream-base", action="store_true",
                     help="read the frozen base block by block from its checkpoint files (small GPUs; a checkpoint "
@@ -1152,7 +1154,8 @@ def cmd_train_lora(args) -> int:
         target_modules=args.target_modules or DEFAULT_TARGET_MODULES, lora_dtype=args.lora_dtype,
         learning_rate=args.learning_rate, max_train_steps=args.steps,
         gradient_accumulation_steps=args.gradient_accumulation, mixed_precision=args.mixed_precision,
-        dtype=args.dtype, quantize=args.quantize, transformer_file=args.transformer_file,
+        dtype=args.dtype, quantize=args.quantize, quantize_text_encoder=args.quantize_text_encoder,
+        transformer_file=args.transformer_file,
         stream_base=args.stream_base, gradient_checkpointing=not args.no_gradient_checkpointing,
         optimizer=args.optimizer, checkpointing_steps=args.checkpointing_steps,
         checkpoints_total_limit=args.checkpoints_total_limit, resume_from_checkpoint=args.resume,

@@ -1080,13 +1080,15 @@ def _add_train_lora_command(sub) -> None:
     tr.add_argument("--frames", type=_ranged(int, 5, what="--frames"), default=124,
                     help="frames per clip at 24 fps, 17n+5 (default: %(default)s)")
     tr.add_argument("--rank", type=_ranged(int, 1, what="--rank"), default=32, help="LoRA rank (default: %(default)s)")
-    tr.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
+    tr.add_argument("--alpha", type=_ranged(float, 0.0, what="--alpha"), default=None, help="LoRA alpha (default: the rank)")
     tr.add_argument("--target-modules", default=None, metavar="REGEX",
                     help="PEFT target_modules regex (default: attention and feed-forward of the main blocks)")
     tr.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32", help="LoRA factors' dtype")
-    tr.add_argument("--learning-rate", type=_ranged(float, 0.0, what="--learning-rate"), default=1e-4)
+    tr.add_argument("--learning-rate", type=_ranged(float, 0.0, what="--learning-rate"), default=1e-4,
+                    help="AdamW learning rate (default: %(default)s)")
     tr.add_argument("--steps", type=_ranged(int, 1, what="--steps"), default=1000, help="optimizer steps (default: %(default)s)")
-    tr.add_argument("--gradient-accumulation", type=_ranged(int, 1, what="--gradient-accumulation"), default=1)
+    tr.add_argument("--gradient-accumulation", type=_ranged(int, 1, what="--gradient-accumulation"), default=1,
+                    help="clips per optimizer step (one clip per forward; default: %(default)s)")
     tr.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no", help="Accelerate's autocast")
     tr.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="base weights' dtype")
     tr.add_argument("--quantize", default=None, metavar="FORMAT", help="quantize the DiT while loading: w8a16, nvfp4, fp8")
@@ -1099,21 +1101,28 @@ def _add_train_lora_command(sub) -> None:
     tr.add_argument("--no-gradient-checkpointing", action="store_true", help="keep every block's activations")
     tr.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
                     help="adamw8bit needs bitsandbytes (default: %(default)s)")
-    tr.add_argument("--checkpointing-steps", type=_ranged(int, 0, what="--checkpointing-steps"), default=250)
-    tr.add_argument("--checkpoints-total-limit", type=_ranged(int, 1, what="--checkpoints-total-limit"), default=None)
+    tr.add_argument("--checkpointing-steps", type=_ranged(int, 0, what="--checkpointing-steps"), default=250,
+                    help="save_state every N steps, written atomically (0: only at the end; default: %(default)s)")
+    tr.add_argument("--checkpoints-total-limit", type=_ranged(int, 1, what="--checkpoints-total-limit"), default=None,
+                    help="keep the newest N checkpoints (default: all)")
     tr.add_argument("--resume", default=None, metavar="latest|DIR", help="resume from a checkpoint folder or the latest")
     tr.add_argument("--validation-prompt", action="append", default=[], help="prompt of a validation clip (repeat)")
     tr.add_argument("--validation-steps", type=_ranged(int, 0, what="--validation-steps"), default=0,
                     help="write the validation clips every N steps (default: off)")
-    tr.add_argument("--validation-inference-steps", type=_ranged(int, 2, what="--validation-inference-steps"), default=50)
+    tr.add_argument("--validation-inference-steps", type=_ranged(int, 2, what="--validation-inference-steps"), default=50,
+                    help="sigma grid points of a validation clip (default: %(default)s)")
     tr.add_argument("--guidance-scale", type=_ranged(float, 0.0, what="--guidance-scale"), default=None,
                     help="guidance-distillation target uncond + s * (v - uncond) (3-4 in the community's recipes)")
     tr.add_argument("--training-adapter", default=None, metavar="PATH",
                     help="a LoRA active (frozen) during training only, e.g. a de-distillation adapter")
-    tr.add_argument("--flow-shift", type=float, default=None, help="video sigma shift (default: the checkpoint's, 12)")
-    tr.add_argument("--audio-flow-shift", type=float, default=None, help="audio sigma shift (default: the checkpoint's, 3)")
-    tr.add_argument("--audio-loss-weight", type=_ranged(float, 0.0, what="--audio-loss-weight"), default=1.0)
-    tr.add_argument("--seed", type=_ranged(int, 0, what="--seed"), default=0)
+    tr.add_argument("--flow-shift", type=_ranged(float, 0.0, what="--flow-shift"), default=None,
+                    help="video sigma shift (default: the checkpoint's, 12)")
+    tr.add_argument("--audio-flow-shift", type=_ranged(float, 0.0, what="--audio-flow-shift"), default=None,
+                    help="audio sigma shift (default: the checkpoint's, 3)")
+    tr.add_argument("--audio-loss-weight", type=_ranged(float, 0.0, what="--audio-loss-weight"), default=1.0,
+                    help="weight of the audio rows' error next to the video rows' (default: %(default)s)")
+    tr.add_argument("--seed", type=_ranged(int, 0, what="--seed"), default=0,
+                    help="seed of the sample order and each step's noise (default: %(default)s)")
     tr.add_argument("--lora-name", default="lora", help="name of the adapter in the written files")
     tr.add_argument("--device", default=None, help="device of pass 1 (default: Accelerate's)")
     tr.add_argument("--report-to", default=None, help="Accelerate tracker: tensorboard, wandb, ...")

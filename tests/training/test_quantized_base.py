@@ -34,7 +34,9 @@ def _lora_gradients(model, seed=0):
 
     inputs = tiny_transformer_inputs(seed=seed)
     dtype = next(p.dtype for n, p in model.named_parameters() if "context_embedder" in n)
-    video, audio = model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}, return_dict=False)
+    device = next(p.device for n, p in model.named_parameters() if "lora_" in n)
+    inputs = {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in inputs.items()}
+    video, audio = model(**inputs, return_dict=False)
     (video.float().square().mean() + audio.float().square().mean()).backward()
     return {name: param.grad.float().clone() for name, param in model.named_parameters() if param.requires_grad}
 

@@ -125,3 +125,23 @@ def test_streamed_quantized_checkpoint_gradients_are_bitwise(tmp_path):
             assert streaming_of(loaded).stats.group_loads > streaming_of(loaded).groups  # re-read in the backward
     for name in grads[False]:
         assert torch.equal(grads[True][name], grads[False][name]), name
+
+
+@pytest.mark.parametrize("method", ["w8a16", "nvfp4"])
+def test_train_lora_quantizes_the_base_on_load(method, tmp_path, two_clip_folder, demo_model, shared_cache):
+    """`quantize=` loads the DiT quantized (frozen packed weights, LoRA factors on top) and trains."""
+    import math
+
+    from diffusers_h3.quantizers import QuantizedTensor
+    from diffusers_h3.training import train_lora
+    from diffusers_h3.training.trainer import add_lora, load_base_transformer
+
+    config = train_config(demo_model, two_clip_folder, tmp_path, shared_cache, max_train_steps=2, checkpointing_steps=0,
+                          quantize=method)  # fmt: skip
+    transformer, _ = load_base_transformer(config, "cpu")
+    add_lora(transformer, config)
+    quantized = [m for m in transformer.modules() if isinstance(getattr(m, "weight", None), QuantizedTensor)]
+    assert quantized and all(not m.weight.requires_grad for m in quantized)
+    result = train_lora(config)
+    assert all(math.isfinite(loss) for loss in result.losses)
+    assert result.files["diffusers"].is_file()

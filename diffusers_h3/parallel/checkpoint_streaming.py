@@ -240,6 +240,8 @@ class _Streamer:
         # their group is placed: group index -> [(module, name, is_param, the tensor to restore on release)]
         self.followers: Dict[int, List[Tuple[torch.nn.Module, str, bool, torch.Tensor]]] = {}
         self.last: Optional[int] = None
+        self.previous: Optional[int] = None  # the group that ran before `last`
+        self.successor_after: Dict[Tuple[Optional[int], int], int] = {}  # (previous, last) -> the group that followed
         self.files: Dict[str, int] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers_h3_stream")
         self.cuda = device.type == "cuda"
@@ -312,9 +314,12 @@ class _Streamer:
     # -- placing (compute thread) ----------------------------------------------------------------------------------
 
     def _window(self, index: int) -> List[int]:
-        window, current = [], index
+        window, previous, current = [], self.previous, index
         for _ in range(self.config.read_ahead):
-            current = self.successor[current]
+            # The group that followed this pair last time (a training step runs the blocks forward, then backward
+            # in reverse for the recomputed forward: the pair tells the two directions apart), else the one that
+            # followed this group.
+            previous, current = current, self.successor_after.get((previous, current), self.successor[current])
             if current == index or current in window:
                 break
             window.append(current)
@@ -337,6 +342,8 @@ class _Streamer:
             stats.wait_s += time.perf_counter() - started
         if self.last is not None and self.last != group.index:
             self.successor[self.last] = group.index
+            self.successor_after[(self.previous, self.last)] = group.index
+            self.previous = self.last
         self.last = group.index
         window = self._window(group.index)
         self._drop_stale(keep=window)

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep, patchify_video_latents
 from diffusers.training_utils import compute_density_for_timestep_sampling
 
@@ -126,7 +127,9 @@ def _forward(transformer, sample: PackedSample, video_in, audio_in, t_video, t_a
     )  # fmt: skip
     timestep, timestep_indices = (tensor.to(device) for tensor in plan)
     structure = {name: value.to(device) for name, value in sample.structure.items()}
-    with use_packed_layout(sample.layout):
+    # Recomputation runs each checkpointed block to its end: a block streamed from its checkpoint releases its weights
+    # when its forward returns, which an early-stopped recomputation never does (they would stay on the device).
+    with use_packed_layout(sample.layout), torch.utils.checkpoint.set_checkpoint_early_stop(False):
         video_pred, audio_pred = transformer(
             hidden_states=video_in[None].to(device, dtype),
             audio_hidden_states=audio_in[None].to(device, dtype),

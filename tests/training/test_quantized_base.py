@@ -150,3 +150,31 @@ def test_train_lora_quantizes_the_base_on_load(method, tmp_path, two_clip_folder
     result = train_lora(config)
     assert all(math.isfinite(loss) for loss in result.losses)
     assert result.files["diffusers"].is_file()
+
+
+@pytest.mark.parametrize("kind", ["comfy_safetensors", "gguf_q8_0", "fp8_scaled"])
+def test_train_lora_on_a_single_file_base(kind, tmp_path, two_clip_folder, demo_model, shared_cache):
+    """A ComfyUI-named safetensors, a GGUF (Q8_0) and an fp8-scaled DiT file train: the LoRA's B factors (zero at
+    start) move, so gradients crossed the file's layers."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from diffusers_h3.testing import single_file
+    from diffusers_h3.training import train_lora
+    from diffusers_h3.training.cache import _load_pipeline
+
+    base = _load_pipeline(demo_model, ("transformer",), "t2va", torch.float32, "cpu").transformer
+    path = tmp_path / ("dit.gguf" if kind.startswith("gguf") else "dit.safetensors")
+    if kind == "gguf_q8_0":
+        single_file.write_gguf(base, path, kind="Q8_0")
+    elif kind == "fp8_scaled":
+        single_file.write_fp8_scaled_safetensors(base, path)
+    else:
+        single_file.write_comfy_safetensors(base, path, dtype=torch.float32)
+    config = train_config(demo_model, two_clip_folder, tmp_path / "out", shared_cache, max_train_steps=2,
+                          checkpointing_steps=0, transformer_file=str(path))  # fmt: skip
+    result = train_lora(config)
+    assert all(math.isfinite(loss) for loss in result.losses)
+    factors = load_file(str(result.files["diffusers"]))
+    assert any(value.abs().sum() > 0 for key, value in factors.items() if "lora_B" in key)

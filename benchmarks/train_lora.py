@@ -2,6 +2,8 @@
 allocator's peaks, the card's peak (`DeviceMemorySampler`), host peak RSS and disk traffic, per recipe.
 
     python benchmarks/train_lora.py --out benchmarks/results/train_lora_h100.json
+    python benchmarks/train_lora.py --checkpoint-only                                  # write the checkpoint first
+    python benchmarks/train_lora.py --cases card_80gb --merge --out benchmarks/results/train_lora_h100.json
     python benchmarks/train_lora.py --tiny --out /tmp/train_lora_tiny.json          # CPU smoke test
 
 Cases (each in a fresh process, so that peak RSS and disk counters are the case's own):
@@ -156,6 +158,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="tiny components on the CPU (smoke test)")
+    parser.add_argument("--merge", action="store_true", help="keep the other cases already in --out")
+    parser.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint and stop")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case in a child process
     args = parser.parse_args()
     if args.case is not None:
@@ -170,7 +174,11 @@ def main():
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
         write_low_ram_checkpoint(args.checkpoint, device, args.tiny)
+    if args.checkpoint_only:
+        return
     results = {"header": result_header("train_lora"), "bounds": BOUNDS, "cases": {}}
+    if args.merge and Path(args.out).is_file():
+        results["cases"] = json.loads(Path(args.out).read_text()).get("cases", {})
     for name in args.cases.split(","):
         command = [sys.executable, __file__, "--case", name, "--out", args.out, "--checkpoint", str(args.checkpoint),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])

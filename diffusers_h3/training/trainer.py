@@ -197,6 +197,8 @@ class TrainLoraConfig:
                     problems.append(f"{option}={getattr(self, option)!r}: {error}")
         if self.validation_steps and not self.validation_prompts:
             problems.append("validation_steps needs validation_prompts")
+        if self.transformer_file is not None and not os.path.isfile(self.transformer_file):
+            problems.append(f"transformer_file {self.transformer_file}: no such file")
         if self.training_adapter is not None and not os.path.exists(self.training_adapter):
             problems.append(f"training_adapter {self.training_adapter}: no such file")
         if self.guidance_scale is not None and self.guidance_scale <= 0:

@@ -152,7 +152,7 @@ def run_case(args, name):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="the JSON to write (needed unless --checkpoint-only)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--checkpoint", default="/tmp/h3_low_ram_checkpoint", help="the low_ram checkpoint folder")
     parser.add_argument("--steps", type=int, default=5)
@@ -176,6 +176,8 @@ def main():
         write_low_ram_checkpoint(args.checkpoint, device, args.tiny)
     if args.checkpoint_only:
         return
+    if args.out is None:
+        parser.error("--out is needed to run the cases")
     results = {"header": result_header("train_lora"), "bounds": BOUNDS, "cases": {}}
     if args.merge and Path(args.out).is_file():
         results["cases"] = json.loads(Path(args.out).read_text()).get("cases", {})

@@ -178,3 +178,31 @@ def test_train_lora_on_a_single_file_base(kind, tmp_path, two_clip_folder, demo_
     assert all(math.isfinite(loss) for loss in result.losses)
     factors = load_file(str(result.files["diffusers"]))
     assert any(value.abs().sum() > 0 for key, value in factors.items() if "lora_B" in key)
+
+
+def test_streamed_base_reads_ahead_in_the_backward_too(tmp_path):
+    """Once the reader has seen a whole step (forward, the backward's reversed recomputation, the next step's start),
+    every read is started ahead: no miss in the third step."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    import diffusers_h3
+    from diffusers_h3.parallel.checkpoint_streaming import stream_from_checkpoint, streaming_of
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    torch.manual_seed(0)
+    model = tiny_transformer(num_layers=6)
+    diffusers_h3.quantize(model, diffusers_h3.W8A16Config())
+    model.save_pretrained(tmp_path)
+    loaded = _with_lora(MiniMaxH3Transformer3DModel.from_pretrained(tmp_path))
+    loaded.enable_gradient_checkpointing()
+    loaded.train()
+    stream_from_checkpoint(loaded, tmp_path, "cpu", resident_below_bytes=0)
+    stats = streaming_of(loaded).stats
+    counts = []
+    for _ in range(3):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            _lora_gradients(loaded)
+        counts.append((stats.misses, stats.prefetch_hits, stats.group_loads))
+    (_, hits_before, loads_before), (misses, hits, loads) = counts[1], counts[2]
+    assert misses == counts[1][0], counts
+    assert hits - hits_before == loads - loads_before > streaming_of(loaded).groups, counts  # blocks read twice

@@ -627,6 +627,8 @@ def check_arguments(args) -> None:
         return
     if args.command == "plan":
         _check_plan_arguments(args)
+    if args.command == "train-lora":
+        _check_train_lora_arguments(args)
         return
     if args.command == "describe":
         if args.demo and args.model is not None:
@@ -1124,6 +1126,7 @@ def build_parser() -> argparse.ArgumentParser:
     des.set_defaults(func=cmd_describe)
     _add_plan_command(sub)
     _add_fidelity_commands(sub)
+    _add_train_lora_command(sub)
     return parser
 
 
@@ -1209,6 +1212,132 @@ def cmd_plan(args) -> int:
     if not 124 <= shape.num_frames <= 345:
         print(f"note: {shape.num_frames} frames ({shape.num_frames / 24:.1f} s) is outside the 5-15 s the released "
               "model was trained for: generate warns, --strict-duration refuses")  # fmt: skip
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# train-lora: a LoRA on the DiT from a folder of clips (docs/training.md)
+# ---------------------------------------------------------------------------------------------------------------------
+def _add_train_lora_command(sub) -> None:
+    tr = sub.add_parser("train-lora", help="train a LoRA on the DiT from a folder of clips or images with captions "
+                                           "(docs/training.md)")  # fmt: skip
+    tr.add_argument("--model", default=None, help="checkpoint folder or hub repo id (default: the embedded tiny demo "
+                                                  "checkpoint, random weights)")  # fmt: skip
+    tr.add_argument("--data", required=True, metavar="DIR",
+                    help="folder with metadata.jsonl ({\"file_name\": ..., \"text\": ...} per line) and the clips "
+                         "(video with an audio track) or images it lists")  # fmt: skip
+    tr.add_argument("--output", required=True, metavar="DIR", help="checkpoints, validation clips, logs and the LoRA")
+    tr.add_argument("--cache-dir", default=None, metavar="DIR", help="pass 1's latent cache (default: OUTPUT/cache)")
+    tr.add_argument("--task", choices=("t2va", "fl2va"), default="t2va",
+                    help="t2va, or fl2va (each clip's first and last frames become its keyframes)")
+    tr.add_argument("--height", type=_ranged(int, 32, what="--height"), default=480, help="canvas height (default: %(default)s)")
+    tr.add_argument("--width", type=_ranged(int, 32, what="--width"), default=832, help="canvas width (default: %(default)s)")
+    tr.add_argument("--frames", type=_ranged(int, 5, what="--frames"), default=124,
+                    help="frames per clip at 24 fps, 17n+5 (default: %(default)s)")
+    tr.add_argument("--rank", type=_ranged(int, 1, what="--rank"), default=32, help="LoRA rank (default: %(default)s)")
+    tr.add_argument("--alpha", type=_ranged(float, 0.0, what="--alpha"), default=None, help="LoRA alpha (default: the rank)")
+    tr.add_argument("--target-modules", default=None, metavar="REGEX",
+                    help="PEFT target_modules regex (default: attention and feed-forward of the main blocks)")
+    tr.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32", help="LoRA factors' dtype")
+    tr.add_argument("--learning-rate", type=_ranged(float, 0.0, what="--learning-rate"), default=1e-4,
+                    help="AdamW learning rate (default: %(default)s)")
+    tr.add_argument("--steps", type=_ranged(int, 1, what="--steps"), default=1000, help="optimizer steps (default: %(default)s)")
+    tr.add_argument("--gradient-accumulation", type=_ranged(int, 1, what="--gradient-accumulation"), default=1,
+                    help="clips per optimizer step (one clip per forward; default: %(default)s)")
+    tr.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no", help="Accelerate's autocast")
+    tr.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="base weights' dtype")
+    tr.add_argument("--quantize", default=None, metavar="FORMAT", help="quantize the DiT while loading: w8a16, nvfp4, fp8")
+    tr.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
+                    help="quantize the text encoder while loading for pass 1: w8a16, nvfp4, fp8")
+    tr.add_argument("--transformer-file", default=None, metavar="PATH", help="the DiT from one .safetensors or .gguf file")
+    tr.add_argument("--stream-base", action="store_true",
+                    help="read the frozen base block by block from its checkpoint files (small GPUs; a checkpoint "
+                         "saved in the format it runs in)")  # fmt: skip
+    tr.add_argument("--no-gradient-checkpointing", action="store_true", help="keep every block's activations")
+    tr.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+                    help="adamw8bit needs bitsandbytes (default: %(default)s)")
+    tr.add_argument("--checkpointing-steps", type=_ranged(int, 0, what="--checkpointing-steps"), default=250,
+                    help="save_state every N steps, written atomically (0: only at the end; default: %(default)s)")
+    tr.add_argument("--checkpoints-total-limit", type=_ranged(int, 1, what="--checkpoints-total-limit"), default=None,
+                    help="keep the newest N checkpoints (default: all)")
+    tr.add_argument("--resume", default=None, metavar="latest|DIR", help="resume from a checkpoint folder or the latest")
+    tr.add_argument("--validation-prompt", action="append", default=[], help="prompt of a validation clip (repeat)")
+    tr.add_argument("--validation-steps", type=_ranged(int, 0, what="--validation-steps"), default=0,
+                    help="write the validation clips every N steps (default: off)")
+    tr.add_argument("--validation-inference-steps", type=_ranged(int, 2, what="--validation-inference-steps"), default=50,
+                    help="sigma grid points of a validation clip (default: %(default)s)")
+    tr.add_argument("--guidance-scale", type=_ranged(float, 0.0, what="--guidance-scale"), default=None,
+                    help="guidance-distillation target uncond + s * (v - uncond) (3-4 in the community's recipes)")
+    tr.add_argument("--training-adapter", default=None, metavar="PATH",
+                    help="a LoRA active (frozen) during training only, e.g. a de-distillation adapter")
+    tr.add_argument("--flow-shift", type=_ranged(float, 0.0, what="--flow-shift"), default=None,
+                    help="video sigma shift (default: the checkpoint's, 12)")
+    tr.add_argument("--audio-flow-shift", type=_ranged(float, 0.0, what="--audio-flow-shift"), default=None,
+                    help="audio sigma shift (default: the checkpoint's, 3)")
+    tr.add_argument("--audio-loss-weight", type=_ranged(float, 0.0, what="--audio-loss-weight"), default=1.0,
+                    help="weight of the audio rows' error next to the video rows' (default: %(default)s)")
+    tr.add_argument("--seed", type=_ranged(int, 0, what="--seed"), default=0,
+                    help="seed of the sample order and each step's noise (default: %(default)s)")
+    tr.add_argument("--lora-name", default="lora", help="name of the adapter in the written files")
+    tr.add_argument("--device", default=None, help="device of pass 1 (default: Accelerate's)")
+    tr.add_argument("--report-to", default=None, help="Accelerate tracker: tensorboard, wandb, ...")
+    tr.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    tr.set_defaults(func=cmd_train_lora)
+
+
+def _check_train_lora_arguments(args) -> None:
+    data = Path(args.data)
+    if not (data / "metadata.jsonl").is_file():
+        raise UsageError(f"--data {args.data}: no metadata.jsonl in that folder",
+                         'write one line per clip or image: {"file_name": "clip.mp4", "text": "its caption"}')  # fmt: skip
+    if (args.frames - 5) % 17:
+        raise UsageError(f"--frames {args.frames} is not 17n+5", "use e.g. 22, 124 (5.2 s) or 345 (14.4 s)")
+    if args.height % 32 or args.width % 32:
+        raise UsageError(f"--height {args.height} --width {args.width}: not multiples of 32", "e.g. 480 x 832")
+    if args.resume not in (None, "latest") and not Path(args.resume).is_dir():
+        raise UsageError(f"--resume {args.resume}: no such checkpoint folder", "pass a checkpoint-N folder or 'latest'")
+    if args.training_adapter is not None:
+        _check_file(args.training_adapter, "--training-adapter")
+    if args.validation_steps and not args.validation_prompt:
+        raise UsageError("--validation-steps without --validation-prompt", "add --validation-prompt TEXT (repeat)")
+    _check_model_option(args)
+
+
+def cmd_train_lora(args) -> int:
+    from diffusers_h3.training import CacheError, DataFolderError, TrainingConfigError, TrainLoraConfig, train_lora
+    from diffusers_h3.training.trainer import DEFAULT_TARGET_MODULES
+
+    if args.model is None:
+        from diffusers_h3.testing.tiny import demo_checkpoint_dir
+
+        print("No --model given: training on the embedded tiny demo checkpoint (random weights).", file=sys.stderr)
+        args.model = str(demo_checkpoint_dir())
+    config = TrainLoraConfig(
+        model=args.model, data_dir=args.data, output_dir=args.output, cache_dir=args.cache_dir, task=args.task,
+        height=args.height, width=args.width, num_frames=args.frames, rank=args.rank, alpha=args.alpha,
+        target_modules=args.target_modules or DEFAULT_TARGET_MODULES, lora_dtype=args.lora_dtype,
+        learning_rate=args.learning_rate, max_train_steps=args.steps,
+        gradient_accumulation_steps=args.gradient_accumulation, mixed_precision=args.mixed_precision,
+        dtype=args.dtype, quantize=args.quantize, quantize_text_encoder=args.quantize_text_encoder,
+        transformer_file=args.transformer_file,
+        stream_base=args.stream_base, gradient_checkpointing=not args.no_gradient_checkpointing,
+        optimizer=args.optimizer, checkpointing_steps=args.checkpointing_steps,
+        checkpoints_total_limit=args.checkpoints_total_limit, resume_from_checkpoint=args.resume,
+        validation_prompts=tuple(args.validation_prompt), validation_steps=args.validation_steps,
+        validation_num_inference_steps=args.validation_inference_steps, guidance_scale=args.guidance_scale,
+        training_adapter=args.training_adapter, flow_shift=args.flow_shift, audio_flow_shift=args.audio_flow_shift,
+        audio_loss_weight=args.audio_loss_weight, seed=args.seed, lora_name=args.lora_name, device=args.device,
+        report_to=args.report_to,
+    )  # fmt: skip
+    try:
+        result = train_lora(config)
+    except (DataFolderError, TrainingConfigError, CacheError) as error:
+        if args.debug:
+            raise
+        what, _, fix = str(error).partition(" — ")
+        raise UsageError(what, fix or "see docs/training.md") from None
+    print(f"trained {result.global_step} steps; LoRA: {result.files['diffusers']} (diffusers / PEFT), "
+          f"{result.files['comfyui']} (ComfyUI)")  # fmt: skip
     return 0
 
 

@@ -174,7 +174,8 @@ def test_float_options_with_nan_or_inf_are_one_line_before_loading(value, no_loa
     base = {"generate": ["generate", "--prompt", "a cat", "--out", out, "--device", "cpu"],
             "compare": ["compare", "reference.mp4", "candidate.mp4"],
             "fidelity": ["fidelity", "--prompts", "prompts.txt", "--out", str(no_loading / "fidelity")],
-            "plan": ["plan", "--gpu", "8"]}  # fmt: skip
+            "plan": ["plan", "--gpu", "8"],
+            "train-lora": ["train-lora", "--data", str(no_loading), "--output", str(no_loading / "lora")]}  # fmt: skip
     for command, flag, _ in _float_options():  # `--flag=-inf`: argparse reads a bare `-inf` as an option
         _fails([*base[command], f"{flag}={value}"], capsys, f"argument {flag}", "must be a finite number", repr(value))
     for command in ("compare", "fidelity"):

@@ -27,3 +27,13 @@ def test_example_notebook_runs(tmp_path, monkeypatch):
             exec(compile("".join(cell["source"]), "notebook", "exec"), namespace)
     assert (tmp_path / "t2va.mp4").exists() and (tmp_path / "fl2va.mp4").exists()
     assert namespace["result"].audio.shape[1] == 2
+
+
+def test_train_lora_example_runs_on_the_demo(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_lora.py", "--demo", "--output", str(tmp_path / "lora")])
+    try:
+        runpy.run_path(str(ROOT / "examples" / "train_lora.py"), run_name="__main__")
+    except SystemExit as exit_info:
+        assert exit_info.code == 0
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").stat().st_size > 0
+    assert (tmp_path / "lora" / "lora_comfyui.safetensors").stat().st_size > 0

@@ -247,6 +247,8 @@ class _Streamer:
         # their group is placed: group index -> [(module, name, is_param, the tensor to restore on release)]
         self.followers: Dict[int, List[Tuple[torch.nn.Module, str, bool, torch.Tensor]]] = {}
         self.last: Optional[int] = None
+        self.previous: Optional[int] = None  # the group that ran before `last`
+        self.successor_after: Dict[Tuple[Optional[int], int], int] = {}  # (previous, last) -> the group that followed
         self.files: Dict[str, int] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers_h3_stream")
         self.cuda = device.type == "cuda"
@@ -319,9 +321,12 @@ class _Streamer:
     # -- placing (compute thread) ----------------------------------------------------------------------------------
 
     def _window(self, index: int) -> List[int]:
-        window, current = [], index
+        window, previous, current = [], self.previous, index
         for _ in range(self.config.read_ahead):
-            current = self.successor[current]
+            # The group that followed this pair last time (a training step runs the blocks forward, then backward
+            # in reverse for the recomputed forward: the pair tells the two directions apart), else the one that
+            # followed this group.
+            previous, current = current, self.successor_after.get((previous, current), self.successor[current])
             if current == index or current in window:
                 break
             window.append(current)
@@ -344,6 +349,8 @@ class _Streamer:
             stats.wait_s += time.perf_counter() - started
         if self.last is not None and self.last != group.index:
             self.successor[self.last] = group.index
+            self.successor_after[(self.previous, self.last)] = group.index
+            self.previous = self.last
         self.last = group.index
         window = self._window(group.index)
         self._drop_stale(keep=window)
@@ -398,8 +405,12 @@ class _Streamer:
             return
         self.running.pop(group.index, None)
         self.held.pop(group.index, None)
+        # Under autograd (training) a forward outside gradient checkpointing saved these very tensors for its
+        # backward: the parameters get new (empty) objects instead of having their data swapped out, so the saved
+        # ones keep their values until the backward has run.
+        keep_saved = torch.is_grad_enabled()
         for entry in group.entries:
-            _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param)
+            _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param, new_param=keep_saved)
         for owner, name, is_param, tensor in self.followers.pop(group.index, ()):
             _set_tensor(owner, name, tensor, is_param)
 
@@ -460,10 +471,13 @@ def _get_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return packed.storage()[name] if packed is not None else getattr(module, name)
 
 
-def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool, new_param: bool = False) -> None:
     packed = _packed_weight(module, name)
     if packed is not None:  # one packed tensor of a quantized weight (the checkpoint stores them one by one)
         packed.data = packed._with({STORAGE_ATTRS[name]: value})
+    elif is_param and new_param:
+        old = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
     elif is_param:
         module._parameters[name].data = value  # keep the Parameter object: optimizers, PEFT and ties hold it
     else:

@@ -253,6 +253,14 @@ class QuantizedTensor(torch.Tensor):
             self._warn_fallback(x.device)
         if x.dtype != self.dtype:
             x = x.to(self.dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            # Training through a frozen quantized base: the forward is the format's own product (the Triton kernels
+            # record no autograd), the backward the dequantized weight's (see _QuantizedLinearFunction).
+            names = self.inner_names()
+            return _QuantizedLinearFunction.apply(x, bias, self, names, *(getattr(self, n) for n in names))
+        return self._run_in_own_precision(x, bias)
+
+    def _run_in_own_precision(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             # The layer computes in its compute dtype with its own scales: under fp16 autocast the emulated FP8
             # product (E4M3 codes up to 448 each) and the dequantized GEMMs would run in fp16 and overflow.
@@ -324,6 +332,39 @@ class QuantizedTensor(torch.Tensor):
                 f"{cls.__name__} (a quantized weight) does not implement {func}; call .dequantize() for a dense copy."
             )
         return handler(func, args, kwargs or {})
+
+
+class _QuantizedLinearFunction(torch.autograd.Function):
+    """``F.linear(x, W, bias)`` over a frozen quantized ``W`` with gradients for ``x`` (and ``bias``).
+
+    Forward: the format's product, exactly what inference runs (Triton kernels included, which record no autograd).
+    Backward: ``grad_x = grad_out @ dequantize(W)``, the gradient of the dequantized layer; for formats that also
+    quantize the activations (FP8, NVFP4 W4A4) that rounding is passed straight through. The weight never gets a
+    gradient. The packed tensors are saved with ``save_for_backward`` (not the wrapper), so gradient checkpointing
+    drops and recomputes them, and a weight streamed from its checkpoint (which swaps the wrapper's packed tensors out
+    after the block runs) keeps the ones this product used until its backward has run.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, weight, names, *inner):
+        # Only the metadata: a wrapper kept here would hold the packed tensors past checkpointing's drop.
+        ctx.meta, ctx.names = (type(weight), tuple(weight.shape), weight.dtype, dict(weight.options)), names
+        ctx.bias_shape = None if bias is None or not bias.requires_grad else bias.shape
+        ctx.save_for_backward(*inner)
+        return weight._run_in_own_precision(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cls, shape, dtype, options = ctx.meta
+        saved = ctx.saved_tensors  # read once: checkpointing's unpack hook allows one read
+        weight = cls(dict(zip(ctx.names, saved)), shape, dtype, options)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad_out, weight.dequantize(grad_out.dtype))
+        grad_bias = None
+        if ctx.bias_shape is not None:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).reshape(ctx.bias_shape)
+        return (grad_x, grad_bias, None, None) + (None,) * len(saved)
 
 
 def _takes_quantized_copy(dst, src) -> bool:

@@ -52,6 +52,7 @@ from torch import nn
 
 from ..quantizers import quantized_weight
 from ..tasks import partition_for_task, partition_for_tasks
+from .lora_files import check_lora_file, read_fp8_lora
 from .lora_presets import (
     LoraDistillationPreset,
     detect_preset,
@@ -229,6 +230,19 @@ def _uniform_alpha_metadata(state_dict: Dict[str, torch.Tensor], alpha: float, p
     return metadata
 
 
+def _file_alpha_metadata(state_dict, file_metadata, raw_keys, prefixes) -> Optional[dict]:
+    """LoraConfig kwargs for the numeric ``alpha`` a file's ``__metadata__`` records (diffusers' rule for files), or
+    ``None`` without one or with per-module ``.alpha`` tensors."""
+    if "alpha" not in file_metadata or any(k.endswith(".alpha") for k in raw_keys):
+        return None
+    try:
+        alpha = float(file_metadata["alpha"])
+    except ValueError:
+        return None
+    present = sorted({k.split(".", 1)[0] for k in state_dict} & set(prefixes))
+    return _uniform_alpha_metadata(state_dict, alpha, present) or None
+
+
 @contextlib.contextmanager
 def _pending_metadata(metadata: Optional[dict]):
     token = _PENDING_METADATA.set(metadata)
@@ -393,14 +407,22 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             )
 
         source = _read_source(pretrained_model_name_or_path_or_dict, hub_kwargs)
+        check_lora_file(source.file_name, source.raw_keys, source.file_metadata)
+        from_file = isinstance(source.load_from, str) and source.raw_keys is not None
+        fp8 = read_fp8_lora(source.load_from) if from_file else None
+        load_from = fp8.state_dict if fp8 is not None else source.load_from
         # diffusers converts every layout (and folds kohya `.alpha` tensors / reads `__metadata__` alpha).
-        state_dict, metadata = self.lora_state_dict(source.load_from, return_lora_metadata=True, **source.load_kwargs)
-        raw_keys = source.raw_keys if source.raw_keys is not None else list(state_dict)
-        layout = detect_lora_layout(raw_keys)
+        state_dict, metadata = self.lora_state_dict(load_from, return_lora_metadata=True, **source.load_kwargs)
+        raw_keys = list(fp8.state_dict) if fp8 is not None else source.raw_keys
+        raw_keys = raw_keys if raw_keys is not None else list(state_dict)
+        layout = detect_lora_layout(raw_keys) + (f"; {fp8.describe()}" if fp8 is not None else "")
         state_dict = {
             k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
             for k, v in state_dict.items()
         }
+        if fp8 is not None and metadata is None:  # the file's `__metadata__` alpha, which diffusers reads from files only
+            metadata = _file_alpha_metadata(state_dict, source.file_metadata, raw_keys,
+                                            (self.transformer_name, self.transformer_ref_name))  # fmt: skip
         metadata, alpha_source = self._alpha_provenance(state_dict, metadata, raw_keys, source.file_metadata, network_alpha)
         kept, matched, unmatched = self._checked_match(
             state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys

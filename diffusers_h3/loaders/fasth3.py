@@ -161,12 +161,20 @@ def preset_from_contract(
     if "pdd_steps" in contract or contract.get("model_type") == "ref2va":
         raise ValueError(f"{where} is a Ref2VA PDD student (pdd_steps, 128-token tiles): not supported yet; only the "
                          "t2va DMD stacks (dmd_denoising_steps) load")  # fmt: skip
+    if "schema" in contract and contract["schema"] != CONTRACT_SCHEMA:
+        raise ValueError(f"{where}: schema={contract['schema']!r} disagrees with schema_version {CONTRACT_SCHEMA!r}")
+    if contract.get("transformer_component", "transformer") != "transformer":
+        raise ValueError(f"{where}: transformer_component={contract['transformer_component']!r}; the t2va DMD "
+                         "students run on `transformer`")  # fmt: skip
     if contract.get("task", "t2av") != "t2av":
         raise ValueError(f"{where}: task must be 't2av' (the FastH3 DMD students), got {contract.get('task')!r}")
     if contract.get("guidance_scale", 1.0) != 1.0:
         raise ValueError(f"{where}: guidance_scale={contract['guidance_scale']!r}; H3 runs the guidance-distilled "
                          "branch only (1.0)")  # fmt: skip
     rungs = _check_rungs(contract.get("dmd_denoising_steps"), where)
+    for key in ("transformer_forwards", "num_inference_steps"):
+        if key in contract and type(contract[key]) is not int:
+            raise ValueError(f"{where}: {key} must be an integer, got {contract[key]!r}")
     if contract.get("transformer_forwards") != len(rungs) or contract.get("num_inference_steps") != len(rungs) + 1:
         raise ValueError(
             f"{where}: {len(rungs)} rungs need transformer_forwards={len(rungs)} and num_inference_steps="
@@ -194,6 +202,11 @@ def preset_from_contract(
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
             raise ValueError(f"{where}: vsa_sparsity must be in [0, 1), got {sparsity!r}")
         sparsity = float(sparsity)
+    else:
+        stray = [k for k in ("vsa_sparsity", "vsa_tile_size") if k in contract]
+        if stray:
+            raise ValueError(f"{where}: {stray[0]} is set but attention_backend is {backend!r}, not {VSA_BACKEND!r}; "
+                             "a VSA student names its backend, a dense one carries no VSA fields")  # fmt: skip
     name = str(contract.get("model_id") or "fasth3").rsplit("/", 1)[-1]
     return FastH3Preset(name=name, rungs=rungs, flow_shift=shifts["video"], audio_flow_shift=shifts["audio"],
                         vsa_sparsity=sparsity, source=source)  # fmt: skip

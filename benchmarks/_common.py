@@ -98,6 +98,122 @@ def write_json(path, data: Dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+class DeviceMemorySampler:
+    """The process's whole device memory as the card counts it (``nvidia-smi``'s figure, not only PyTorch's caching
+    allocator: the CUDA context, cuBLAS / cuDNN workspaces and lazily loaded kernels come on top), sampled in a
+    background thread every ``interval_s`` (>= 5 Hz) from :meth:`start` to :meth:`stop`.
+
+    ``read`` returns the bytes to count now. The default reads NVML without creating a CUDA context: this process's
+    entry in the device's running compute processes when NVML lists it (``source`` "nvml per-process"), else the
+    device's used memory less what was used when the sampler was made (``source`` "nvml device used - baseline"; make
+    the sampler before this process touches CUDA, with the device otherwise idle). ``window(name)`` records the peak
+    inside a ``with`` block (one request of a case) next to the whole run's :attr:`peak_bytes`.
+    """
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.1, read: Optional[Callable[[], int]] = None):
+        if interval_s > 0.2:
+            raise ValueError(f"interval_s={interval_s} samples below 5 Hz: pass at most 0.2")
+        self.interval_s = interval_s
+        self.source = "given"
+        self._read = read if read is not None else self._nvml_reader(device_index)
+        self.peak_bytes = 0
+        self.samples = 0
+        self.windows: Dict[str, int] = {}
+        self._open: Dict[str, int] = {}
+        self._lock = __import__("threading").Lock()
+        self._stop = None
+        self._thread = None
+
+    def _nvml_reader(self, device_index: int) -> Callable[[], int]:
+        try:
+            import pynvml
+        except ImportError as error:
+            raise RuntimeError("DeviceMemorySampler needs NVML's Python binding (pip install nvidia-ml-py)") from error
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        pid = os.getpid()
+
+        def own_process():
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == pid and process.usedGpuMemory is not None:
+                    return int(process.usedGpuMemory)
+            return None
+
+        try:
+            listed = own_process() is not None
+        except pynvml.NVMLError:
+            listed = False
+        if listed:
+            self.source = "nvml per-process"
+            return lambda: own_process() or 0
+        # Not listed (no context yet, or a container that hides host PIDs): the device's used memory less a baseline.
+        baseline = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        self.baseline_bytes = baseline
+        self.source = "nvml device used - baseline"
+        return lambda: max(0, int(pynvml.nvmlDeviceGetMemoryInfo(handle).used) - baseline)
+
+    def sample(self) -> int:
+        """Take one sample now (the thread calls this; a stage boundary may too)."""
+        value = int(self._read())
+        with self._lock:
+            self.samples += 1
+            self.peak_bytes = max(self.peak_bytes, value)
+            for name in self._open:
+                self._open[name] = max(self._open[name], value)
+        return value
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def start(self) -> "DeviceMemorySampler":
+        import threading
+
+        self._stop = threading.Event()
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="device_memory_sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.sample()
+
+    def window(self, name: str):
+        """``with sampler.window("fl2va_light4"):`` the peak of the samples taken inside the block."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            with self._lock:
+                self._open[name] = 0
+            self.sample()
+            try:
+                yield self
+            finally:
+                self.sample()
+                with self._lock:
+                    self.windows[name] = max(self.windows.get(name, 0), self._open.pop(name))
+
+        return scope()
+
+
+def device_peak_fields(sampled_bytes: int, peak_reserved_gib: Optional[float], source: str) -> Dict[str, Any]:
+    """The record's ``device_peak_gib`` (and how it was counted) from a sampled peak. The card holds at least what the
+    allocator reserved, so a sampled peak below the reserved peak means the sampler missed a short-lived top: the
+    record then says so and reports the reserved peak as the lower bound it is, never a figure below it."""
+    sampled = round(sampled_bytes / 2**30, 2)
+    fields = {"device_peak_gib": sampled, "device_peak_source": source}
+    if peak_reserved_gib is not None and sampled < peak_reserved_gib:
+        fields["device_peak_gib"] = peak_reserved_gib
+        fields["device_peak_source"] = (f"{source}; sampled {sampled} GiB < the allocator's reserved peak: "
+                                        "reported as the reserved peak (a lower bound)")  # fmt: skip
+    return fields
+
+
 def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         raise SystemExit(f"{script} needs a CUDA GPU")

@@ -44,6 +44,7 @@ for). The partial JSON is written after every case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -55,9 +56,11 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 from request import (
     HEIGHT,
+    NUM_FRAMES,
     PROMPT_TOKENS,
     QWEN3_VL_32B_TEXT,
     TEXT_ENCODER_LAYER,
@@ -71,11 +74,11 @@ from request import (
     stop_after,
 )
 
-from _common import result_header, write_json
+from _common import DeviceMemorySampler, device_peak_fields, result_header, write_json
 
 
 CASES = ("resident_80gb", "offload_48gb", "offload_40gb", "offload_24gb", "low_ram_16gb", "low_ram_24gb",
-         "pc_12gb_32gib", "pc_8gb_16gib")
+         "pc_12gb_32gib", "pc_8gb_16gib", "pc_12gb_ref2va")
 # case -> (recipe, cap in GiB on a CUDA device)
 CASE_SETUP = {
     "resident_80gb": ("resident", 78.5),
@@ -84,9 +87,16 @@ CASE_SETUP = {
     "offload_24gb": ("offload", 22.5),
     "low_ram_16gb": ("low_ram", 15.5),
     "low_ram_24gb": ("low_ram", 22.5),
-    "pc_12gb_32gib": ("low_ram", 11.5),
-    "pc_8gb_16gib": ("low_ram", 7.5),
+    "pc_12gb_32gib": ("low_ram", 10.3),
+    "pc_8gb_16gib": ("low_ram", 6.4),
+    "pc_12gb_ref2va": ("low_ram", 10.3),  # one Ref2VA request (3 image + 1 video references) under the 12 GB recipe
 }
+# The PC cases' caps bound the allocator so that the whole process stays within what the card gives a program
+# (8 GB: 7.3 GiB, 12 GB: 11.2 GiB, as the card counts it): the CUDA context, cuBLAS workspaces and lazily loaded kernels
+# held 0.6-0.75 GiB outside the allocator during the fl2va forwards, so the caps leave 0.9 GiB below those bounds.
+CARD_BOUND_GIB = {"pc_12gb_32gib": 11.2, "pc_8gb_16gib": 7.3, "pc_12gb_ref2va": 11.2}
+REF2VA_CASE = "pc_12gb_ref2va"
+REF2VA_IMAGES, REF2VA_VIDEO_FRAMES = 3, 48
 # The low_ram cases' streaming and activation settings (``recipe_settings``; the recipe table carries them) and the
 # host budget each is for (a cgroup ``memory.max`` where the machine lets us make one; the record says).
 CASE_SETTINGS = {
@@ -94,8 +104,10 @@ CASE_SETTINGS = {
     "low_ram_24gb": {"read_ahead": 2},
     "pc_12gb_32gib": {"read_ahead": 2},
     "pc_8gb_16gib": {"read_ahead": 1, "ffn_chunk_rows": 8192},
+    "pc_12gb_ref2va": {"read_ahead": 2},
 }
-CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0}
+CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0,
+                        "pc_12gb_ref2va": 20.0}
 # fl2va with the LightX2V 4-step schedule and a LoRA of that adapter's layout (random, rank below) loaded unfused:
 # the request the PC recipes are practical with (docs/memory.md).
 LIGHT4_CASE = "fl2va_light4_fastest"
@@ -119,6 +131,8 @@ REQUEST_CASE = "t2va_native"  # request.py's t2va request: 50 sigma points, 512-
 SIGMA_POINTS = 50
 HOST_MARGIN_GIB = 6.0
 GiB = 2**30
+_SAMPLER = None  # the child's DeviceMemorySampler (CUDA), sampled again at every stage boundary
+_PROMPT_EMBEDS = []  # the t2va request's prompt embeddings, reused by the shape sweep
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -295,7 +309,8 @@ def timed_request(pipe, device, tiny):
         resident_by_component = device_bytes_by_component(pipe, device)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    with StageTimer(pipe, device) as timer:
+    window = _SAMPLER.window("t2va_request") if _SAMPLER is not None else contextlib.nullcontext()
+    with window, StageTimer(pipe, device, sampler=_SAMPLER) as timer:
         start = time.perf_counter()
         try:
             one_request(pipe, tiny)
@@ -307,6 +322,7 @@ def timed_request(pipe, device, tiny):
             raise
         ms = (time.perf_counter() - start) * 1000
         timer.mark("other")  # the tail after the last stage (numpy conversion)
+    _PROMPT_EMBEDS[:] = [timer.prompt_embeds, timer.text_token_tags]
     # the timer resets the allocator's peak at every stage: the request's peak is the largest stage peak
     peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
     if len(timer.forwards) != 1:
@@ -335,6 +351,9 @@ def timed_request(pipe, device, tiny):
             resident_by_component_gib=resident_by_component,
             resident_by_component_after_gib=device_bytes_by_component(pipe, device),
         )
+        if _SAMPLER is not None:
+            record.update(device_peak_fields(_SAMPLER.windows["t2va_request"], record["peak_reserved_gib"],
+                                             _SAMPLER.source))  # fmt: skip
     record.update(host_memory())
     return record
 
@@ -565,6 +584,132 @@ def _released_text_encoder_config():
     )  # fmt: skip
 
 
+def reset_vm_hwm():
+    """Start a new host peak (``VmHWM``) from the current RSS (Linux: ``/proc/self/clear_refs``); False where refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def parse_shapes(text):
+    """``"480x832x124,768x1344x259"`` -> ``[(480, 832, 124), (768, 1344, 259)]`` (height x width x frames)."""
+    shapes = []
+    for item in (t for t in text.split(",") if t):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--shapes: {item!r} is not HEIGHTxWIDTHxFRAMES (e.g. 480x832x124)")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def shape_record(kwargs, recipe_settings, lora_rank, prompt_tokens, references=(0, 0)):
+    """The request's shape fields of a memory-model record (``benchmarks/memory_model.py`` reads them)."""
+    return {"task": "fl2va" if "image" in kwargs else ("ref2va" if "references" in kwargs else "t2va"),
+            "height": kwargs["height"], "width": kwargs["width"], "num_frames": kwargs["num_frames"],
+            "prompt_tokens": prompt_tokens, "reference_images": references[0], "reference_videos": references[1],
+            "lora_rank": lora_rank, "recipe": "low_ram", "settings": dict(recipe_settings)}  # fmt: skip
+
+
+def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
+    """One t2va request at ``shape`` (one forward, both decodes) with the prompt embedded once before (the text
+    encoder's stage peaks at a fixed 512 tokens, below the forward's): its peaks as the card counts them, the
+    allocator's, and the host's since the request began. An out-of-memory error is recorded, not raised."""
+    height, width, frames = shape
+    kwargs = {"prompt_embeds": prompt_embeds[0], "text_token_tags": prompt_embeds[1], "height": height, "width": width, "num_frames": frames,
+              "num_inference_steps": SIGMA_POINTS, "output_type": "np"}  # fmt: skip
+    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=PROMPT_TOKENS)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    record["host_peak_reset"] = reset_vm_hwm()
+    name = f"{height}x{width}x{frames}"
+    window = sampler.window(name) if sampler is not None else contextlib.nullcontext()
+    start = time.perf_counter()
+    with window, StageTimer(pipe, device, sampler=sampler) as timer:
+        try:
+            out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(1))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            record["fits"] = out.frames is not None and out.audio is not None
+        except torch.OutOfMemoryError as error:
+            timer.mark("at_failure")
+            record["fits"] = False
+            record["error"] = f"OutOfMemoryError: {str(error).splitlines()[0][:300]}"
+    record["ms"] = round((time.perf_counter() - start) * 1000, 1)
+    record["stages"] = {k: round(v, 1) for k, v in timer.stages.items()}
+    record["forward_ms"] = [round(t, 1) for t in timer.forwards]
+    if device.type == "cuda":
+        peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
+        record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
+                      stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
+        if sampler is not None:
+            record.update(device_peak_fields(sampler.windows[name], record["peak_reserved_gib"], sampler.source))
+    record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+    del kwargs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def ref2va_request(pipe, device, settings, sampler):
+    """One Ref2VA request at the released canvas and 124 frames with three image references and one video reference
+    (random pixels, no soundtrack): one forward, both decodes; its peaks, or the out-of-memory error it met."""
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from PIL import Image
+
+    tiny = device.type != "cuda"
+    height, width, frames = (64, 96, num_frames(True)) if tiny else (HEIGHT, WIDTH, NUM_FRAMES)
+    side = 64 if tiny else 1024
+    rng = np.random.default_rng(0)
+    references = [MiniMaxH3ImageReference(image=Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)))
+                  for _ in range(REF2VA_IMAGES)]  # fmt: skip
+    references.append(MiniMaxH3VideoReference(frames=rng.integers(0, 256, (REF2VA_VIDEO_FRAMES, height, width, 3),
+                                                                  dtype=np.uint8), fps=24.0))  # fmt: skip
+    kwargs = {"prompt": ("A street drummer plays under neon lights. " * 16)[:PROMPT_TOKENS], "references": references,
+              "height": height, "width": width, "num_frames": frames, "num_inference_steps": SIGMA_POINTS,
+              "output_type": "np"}  # fmt: skip
+    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=PROMPT_TOKENS, references=(REF2VA_IMAGES, 1))
+    window = sampler.window("ref2va") if sampler is not None else contextlib.nullcontext()
+    start = time.perf_counter()
+    with window, StageTimer(pipe, device, sampler=sampler) as timer:
+        try:
+            out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(1))
+            record["fits"] = out.frames is not None
+        except torch.OutOfMemoryError as error:
+            timer.mark("at_failure")
+            record.update(fits=False, error=f"OutOfMemoryError: {str(error).splitlines()[0][:300]}")
+    record.update(ms=round((time.perf_counter() - start) * 1000, 1),
+                  stages={k: round(v, 1) for k, v in timer.stages.items()})  # fmt: skip
+    if device.type == "cuda":
+        peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
+        record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
+                      stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
+        if sampler is not None:
+            record.update(device_peak_fields(sampler.windows["ref2va"], record["peak_reserved_gib"], sampler.source))
+    return record
+
+
+def ref2va_checkpoint(checkpoint, work):
+    """The low_ram checkpoint seen with a Ref2VA partition: links to its folders, ``transformer_ref`` to the same DiT
+    files (random weights: the memory a request needs does not depend on their values)."""
+    folder = Path(work) / "checkpoint_ref2va"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for item in Path(checkpoint).iterdir():
+        if item.name != "model_index.json":
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / "transformer_ref").symlink_to((Path(checkpoint) / "transformer").resolve())
+    index = json.loads((Path(checkpoint) / "model_index.json").read_text())
+    index["transformer_ref"] = index["transformer"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=1))
+    return folder
+
+
 def vm_hwm_bytes():
     """This process's peak resident set size (``VmHWM``), pinned and file-backed pages included."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -657,7 +802,7 @@ def timed_light4_request(pipe, device, tiny):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     io_before = proc_io()
-    with StageTimer(pipe, device) as timer:
+    with StageTimer(pipe, device, sampler=_SAMPLER) as timer:
         start = time.perf_counter()
         out = pipe(**kwargs, generator=torch.Generator().manual_seed(0))
         if device.type == "cuda":
@@ -683,14 +828,21 @@ def child_main(args):
     (one forward), then the LoRA loaded and the fl2va Light4 request (all four forwards)."""
     import dataclasses
 
+    from diffusers_h3 import disable_vsa
     from diffusers_h3.parallel.checkpoint_streaming import streaming_of
     from diffusers_h3.parallel.memory_budget import resolve_recipe
     from diffusers_h3.parallel.placement import placement_of
     from diffusers_h3.pipelines.memory_budget import load_for_memory_budget
 
+    global _SAMPLER
     case = args.child
     io_start = proc_io()
     device = torch.device("cuda", 0) if not args.tiny else torch.device("cpu")
+    # made before this process touches CUDA: its context is counted, the parent's is not
+    sampler = DeviceMemorySampler(0).start() if device.type == "cuda" else None
+    _SAMPLER = sampler
+    load_window = sampler.window("load_and_t2va") if sampler is not None else contextlib.nullcontext()
+    load_window.__enter__()
     cap_gib = CASE_SETUP[case][1] if device.type == "cuda" else None
     fraction = None
     if device.type == "cuda":  # the cap holds from the load on
@@ -700,8 +852,21 @@ def child_main(args):
     recipe = dataclasses.replace(resolve_recipe("low_ram", None, None, device), case=case, cap_gib=cap_gib,
                                  settings=dict(CASE_SETTINGS.get(case, {})))  # fmt: skip
     started = time.perf_counter()
-    pipe = load_for_memory_budget(args.checkpoint, task="t2va", recipe=recipe, device=device,
+    task = "ref2va" if case == REF2VA_CASE else "t2va"
+    pipe = load_for_memory_budget(args.checkpoint, task=task, recipe=recipe, device=device,
                                   offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
+    if task == "ref2va":
+        load_window.__exit__(None, None, None)
+        record = {"recipe_name": "low_ram", "recipe": RECIPE_LINES["low_ram"], "cap_gib": cap_gib,
+                  "settings": recipe.settings, "load_s": round(time.perf_counter() - started, 1),
+                  "ref2va": ref2va_request(pipe, device, recipe.settings, sampler)}  # fmt: skip
+        sampler.stop() if sampler is not None else None
+        record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+        if sampler is not None:
+            record.update(device_peak_fields(sampler.peak_bytes, record["ref2va"].get("peak_reserved_gib"),
+                                             sampler.source), card_bound_gib=CARD_BOUND_GIB[case])  # fmt: skip
+        Path(args.child_out).write_text(json.dumps(record, indent=1))
+        return
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - started
     load_peak = vm_hwm_bytes()
@@ -713,7 +878,11 @@ def child_main(args):
     warmup_s = time.perf_counter() - warm
     io_before = proc_io()
     record = timed_request(pipe, device, args.tiny)
+    load_window.__exit__(None, None, None)
     record["disk"] = io_since(io_before)
+    if sampler is not None:
+        record.update({k.replace("device_peak", "device_peak_t2va"): v for k, v in device_peak_fields(
+            sampler.windows["load_and_t2va"], record["peak_reserved_gib"], sampler.source).items()})
     streams = {name: streaming_of(c).stats.as_dict() for name, c in pipe.components.items()
                if isinstance(c, torch.nn.Module) and streaming_of(c) is not None}  # fmt: skip
     record.update(
@@ -741,14 +910,39 @@ def child_main(args):
                 attention = "VSA 0.8, FP8 attention"
             else:
                 attention = "dense (no VSA on this device)"
-            light4 = timed_light4_request(pipe, device, args.tiny)
+            window = sampler.window("fl2va_light4") if sampler is not None else contextlib.nullcontext()
+            with window:
+                light4 = timed_light4_request(pipe, device, args.tiny)
+            if sampler is not None:
+                light4.update(device_peak_fields(sampler.windows["fl2va_light4"], light4["peak_reserved_gib"],
+                                                 sampler.source))  # fmt: skip
+            light4["shape"] = shape_record(request_kwargs(LIGHT4_CASE, args.tiny), recipe.settings,
+                                           lora_rank=LIGHT4_LORA_RANK, prompt_tokens=PROMPT_TOKENS)  # fmt: skip
             light4.update(lora=f"random rank-{LIGHT4_LORA_RANK} LoRA on every block Linear, unfused",
                           lora_load_s=round(lora_s, 1), attention=attention)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - recorded: the t2va record stands on its own
             traceback.print_exc()
             light4 = {"failed": f"{type(error).__name__}: {str(error)[:400]}"}
         record["fl2va_light4"] = light4
-    record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+    record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())  # before the shape sweep resets the high-water mark
+    if args.shapes:
+        if "light4" in getattr(pipe, "get_active_adapters", lambda: [])():
+            pipe.unload_lora_weights()
+        disable_vsa(pipe)  # the sweep's requests run as the t2va one did: dense attention, no LoRA
+        embeds = (_PROMPT_EMBEDS[0].to(device, torch.bfloat16), _PROMPT_EMBEDS[1])
+        shapes = record["shapes"] = []
+        for shape in parse_shapes(args.shapes):
+            Path(args.child_out).write_text(json.dumps(record, indent=1))  # what is measured so far survives a kill
+            print(f"{case}: shape {shape}", flush=True)
+            shapes.append(timed_shape_request(pipe, device, shape, embeds, recipe.settings, sampler))
+            print(f"{case}: {shapes[-1].get('device_peak_gib')} GiB device, fits {shapes[-1]['fits']}", flush=True)
+    if sampler is not None:
+        sampler.stop()
+        whole = device_peak_fields(sampler.peak_bytes, max(
+            [record["peak_reserved_gib"]] + [r.get("peak_reserved_gib") or 0 for r in record.get("shapes", [])]
+            + [record.get("fl2va_light4", {}).get("peak_reserved_gib") or 0]), sampler.source)  # fmt: skip
+        record.update(whole, device_samples=sampler.samples, device_sample_interval_s=sampler.interval_s,
+                      card_bound_gib=CARD_BOUND_GIB.get(case))  # fmt: skip
     record["disk_whole_process"] = io_since(io_start)
     Path(args.child_out).write_text(json.dumps(record, indent=1))
 
@@ -780,7 +974,8 @@ def run_child(args, case, checkpoint, work):
     out.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", case, "--checkpoint", str(checkpoint), "--offload-folder",
                str(offload_folder), "--child-out", str(out)] + (["--tiny"] if args.tiny else []) \
-        + (["--no-warmup"] if args.no_warmup else []) + (["--no-light4"] if args.no_light4 else [])  # fmt: skip
+        + (["--no-warmup"] if args.no_warmup else []) + (["--no-light4"] if args.no_light4 else []) \
+        + (["--shapes", args.shapes] if args.shapes else [])  # fmt: skip
     drop_page_cache(checkpoint)  # every case reads the checkpoint cold, from the disk
     budget = CASE_HOST_BUDGET_GIB.get(case, HOST_BUDGET_GIB)
     group, cgroup_note = (None, "not tried (--no-cgroup)") if args.no_cgroup else _cgroup_for_child(budget)
@@ -796,8 +991,18 @@ def run_child(args, case, checkpoint, work):
         cgroup_note += f"; joining it failed ({error}): run without it"
         group = None
         process = subprocess.Popen(command)
+    import threading
+
+    deadline = threading.Timer(args.child_timeout, process.kill) if args.child_timeout else None
+    if deadline is not None:
+        deadline.start()
     _, status, usage = os.wait4(process.pid, 0)
+    timed_out = deadline is not None and not deadline.is_alive() and deadline.finished.is_set()
+    if deadline is not None:
+        deadline.cancel()
     record = json.loads(out.read_text()) if out.exists() else None
+    if record is not None and timed_out:
+        record["partial"] = f"the process was stopped at --child-timeout {args.child_timeout} s: what it had written"
     cgroup = {"tried": not args.no_cgroup, "note": cgroup_note, "enforced": False}
     if group is not None:
         try:
@@ -846,13 +1051,18 @@ def run_low_ram_cases(args, cases, header, previous, results, notes, layers, dev
         return
     for case in cases:
         try:
-            record = run_child(args, case, checkpoint, work)
+            source = ref2va_checkpoint(checkpoint, work) if case == REF2VA_CASE else checkpoint
+            record = run_child(args, case, source, work)
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
             results[case] = failed_record("low_ram", CASE_SETUP[case][1], device)
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
             print(f"{case:14s} {notes[case]}", flush=True)
         else:
             results[case] = {**record, "checkpoint": written, "commit": header["commit"], "date": header["date"]}
+            if case == REF2VA_CASE:
+                print(f"{case:14s} {record['ref2va']}, device peak {record.get('device_peak_gib')} GiB", flush=True)
+                write_report(args, header, previous, results, notes, layers, device)
+                continue
             print(f"{case:14s} load {record['load_s']} s, request {record['ms'] / 1000:.2f} s (1 forward; "
                   f"{record['request_s_extrapolated']} s with 49), peak reserved {record['peak_reserved_gib']} GiB, "
                   f"host peak RSS {record['host_peak_rss_gib']} GiB (wait4 {record['host_peak_rss_wait4_gib']}), "
@@ -952,6 +1162,11 @@ def main():
     parser.add_argument("--keep-checkpoint", action="store_true", help="low_ram cases: keep the written checkpoint")
     parser.add_argument("--rewrite-checkpoint", action="store_true", help="low_ram cases: write it even if present")
     parser.add_argument("--no-cgroup", action="store_true", help="low_ram cases: do not try a cgroup memory cap")
+    parser.add_argument("--shapes", default="", metavar="HxWxF,...",
+                        help="low_ram cases: after the two requests, one t2va request (one forward, both decodes) at "
+                             "each of these shapes, for the memory model (benchmarks/memory_model.py)")  # fmt: skip
+    parser.add_argument("--child-timeout", type=float, default=None, metavar="S",
+                        help="low_ram cases: stop a case's process after S seconds and keep what it recorded")
     parser.add_argument("--no-light4", action="store_true",
                         help="low_ram cases: skip the fl2va Light4 request after the t2va one")  # fmt: skip
     parser.add_argument("--recipe-table", default=None, metavar="PATH",

@@ -219,11 +219,13 @@ class StageTimer:
     the peak GPU memory (allocated and reserved) of each stage: the allocator's peak is read and reset at every stage
     boundary, the time between stages counted as ``other``. Keeps the last prompt embeddings (``prompt_embeds``)."""
 
-    def __init__(self, pipe, device):
+    def __init__(self, pipe, device, sampler=None):
         self.pipe, self.device = pipe, device
+        self.sampler = sampler  # a DeviceMemorySampler: one more sample at every stage boundary
         self.stages, self.forwards = {}, []
         self.peaks: dict = {}  # stage -> [peak allocated GiB, peak reserved GiB]
         self.prompt_embeds = None
+        self.text_token_tags = None
         self._start = None
         self._handles = []
 
@@ -235,6 +237,8 @@ class StageTimer:
         """Attribute the allocator's peak since the last mark to ``stage`` and start a new interval."""
         if self.device.type != "cuda":
             return
+        if self.sampler is not None:
+            self.sampler.sample()
         allocated = torch.cuda.max_memory_allocated(self.device) / 2**30
         reserved = torch.cuda.max_memory_reserved(self.device) / 2**30
         old = self.peaks.get(stage, [0.0, 0.0])
@@ -256,6 +260,7 @@ class StageTimer:
             self.stages[stage] = self.stages.get(stage, 0.0) + (time.perf_counter() - start) * 1000
             if stage == "text_encode":
                 self.prompt_embeds = out[0].detach().float().cpu()
+                self.text_token_tags = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             return out
 
         setattr(self.pipe, attr, timed)
@@ -276,7 +281,7 @@ class StageTimer:
             self.mark("forwards")
             self.forwards.append((time.perf_counter() - self._start) * 1000)
 
-        transformer = self.pipe.transformer
+        transformer = self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_ref
         self._handles = [
             transformer.register_forward_pre_hook(before, with_kwargs=True),
             transformer.register_forward_hook(after, with_kwargs=True),

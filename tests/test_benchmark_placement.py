@@ -183,3 +183,65 @@ def test_a_failing_case_records_the_peak_of_the_stage_that_failed(monkeypatch):
     allocator.__init__()  # the allocator's own peak no longer knows the request
     peaks = module.failure_peaks(error.value, torch.device("cuda"))
     assert peaks["peak_allocated_before_failure_gib"] == 7.4 and peaks["stage_peak_gib"]["video_decode"] == [7.4, 8.4]
+
+
+def _common_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _common
+
+    return _common
+
+
+def test_the_sampler_keeps_the_peak_of_its_samples_and_of_each_window(monkeypatch):
+    common = _common_module(monkeypatch)
+    values = iter([1, 5, 3, 9, 2, 4, 4, 4])
+    sampler = common.DeviceMemorySampler(read=lambda: next(values), interval_s=0.2)
+    sampler.sample()  # 1
+    with sampler.window("first"):  # 5 on entering, 3 inside, 9 on leaving
+        sampler.sample()
+    with sampler.window("second"):  # 2, then 4
+        pass
+    assert sampler.peak_bytes == 9 and sampler.windows == {"first": 9, "second": 4} and sampler.samples == 6
+    with pytest.raises(ValueError, match="5 Hz"):
+        common.DeviceMemorySampler(read=lambda: 0, interval_s=0.5)
+
+
+def test_the_sampler_thread_samples_at_least_five_times_a_second(monkeypatch):
+    import time
+
+    common = _common_module(monkeypatch)
+    sampler = common.DeviceMemorySampler(read=lambda: 7, interval_s=0.05).start()
+    time.sleep(0.6)
+    sampler.stop()
+    assert sampler.samples >= 0.6 * 5 and sampler.peak_bytes == 7
+
+
+@pytest.mark.parametrize("context_gib", [0.0, 0.6])
+def test_the_device_peak_is_never_below_the_allocators_reserved_peak(context_gib, monkeypatch):
+    """The request record's ``device_peak_gib`` counts the card's memory: the allocator's reserved memory plus what
+    lies outside it. A sampler that saw only the context (it missed the reserved top) must not report less than
+    the allocator reserved."""
+    module = _placement_module(monkeypatch)
+    allocator = _FakeAllocator()
+    allocator.install(monkeypatch, module)
+    gib = 2**30
+    sampler = module.DeviceMemorySampler(read=lambda: int((allocator.reserved + context_gib) * gib), interval_s=0.2)
+    monkeypatch.setattr(module, "_SAMPLER", sampler)
+    pipe = _StagedPipe(allocator, 2.0, 7.0, 5.0, 0.5)
+    monkeypatch.setattr(module, "one_request", lambda pipe, tiny: pipe())
+    import torch
+
+    record = module.timed_request(pipe, torch.device("cuda"), tiny=True)
+    assert record["device_peak_gib"] >= record["peak_reserved_gib"] == 8.0
+    if context_gib:  # the stage boundaries' samples saw the forward's top with the context on it
+        assert record["device_peak_gib"] == pytest.approx(8.6) and "lower bound" not in record["device_peak_source"]
+    else:
+        assert record["device_peak_gib"] == 8.0
+
+
+def test_a_sampled_peak_below_the_reserved_peak_is_reported_as_the_lower_bound(monkeypatch):
+    common = _common_module(monkeypatch)
+    fields = common.device_peak_fields(int(6.2 * 2**30), 7.5, "nvml device used - baseline")
+    assert fields["device_peak_gib"] == 7.5 and "lower bound" in fields["device_peak_source"]
+    fields = common.device_peak_fields(int(8.25 * 2**30), 7.5, "nvml per-process")
+    assert fields == {"device_peak_gib": 8.25, "device_peak_source": "nvml per-process"}

@@ -236,6 +236,9 @@ class _Streamer:
         self.pending: Dict[int, Future] = {}
         self.held: Dict[int, _Loaded] = {}
         self.running: Dict[int, _Loaded] = {}
+        # tensors that are not in the checkpoint (PEFT adapters added after streaming began), on the device while
+        # their group is placed: group index -> [(module, name, is_param, the tensor to restore on release)]
+        self.followers: Dict[int, List[Tuple[torch.nn.Module, str, bool, torch.Tensor]]] = {}
         self.last: Optional[int] = None
         self.files: Dict[str, int] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers_h3_stream")
@@ -369,13 +372,21 @@ class _Streamer:
                 value = value.to(entry.dtype)
             _set_tensor(entry.module, entry.name, value, entry.is_param)
         # Tensors added after streaming began (PEFT adapters) are not in the checkpoint: they follow to the device.
+        # Without autograd (inference) they come back to where they were when the group is released, so a LoRA
+        # costs the device one block's factors at a time, not the whole adapter; a training step keeps them there
+        # (autograd holds the device tensors until the backward pass).
+        follow = not torch.is_grad_enabled()
+        followers = self.followers.setdefault(group.index, [])
         for tensor_owner in group.module.modules():
             for table in (tensor_owner._parameters, tensor_owner._buffers):
                 for name, tensor in table.items():
                     if tensor is None or not tensor.numel() or isinstance(tensor, QuantizedTensor):
                         continue  # a quantized weight's packed tensors are entries of its group, placed above
                     if tensor.device != self.device:
-                        _set_tensor(tensor_owner, name, tensor.to(self.device), table is tensor_owner._parameters)
+                        is_param = table is tensor_owner._parameters
+                        _set_tensor(tensor_owner, name, tensor.to(self.device), is_param)
+                        if follow:
+                            followers.append((tensor_owner, name, is_param, tensor))
 
     def release(self, group: _Group, force: bool = False) -> None:
         if self.config.hold and not force:
@@ -384,6 +395,8 @@ class _Streamer:
         self.held.pop(group.index, None)
         for entry in group.entries:
             _set_tensor(entry.module, entry.name, torch.empty(0, dtype=entry.dtype), entry.is_param)
+        for owner, name, is_param, tensor in self.followers.pop(group.index, ()):
+            _set_tensor(owner, name, tensor, is_param)
 
     def release_all(self) -> None:
         self._drop_stale(keep=(), wait=True)

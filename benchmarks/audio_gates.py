@@ -38,11 +38,14 @@ def main(argv=None):
     work = Path(args.work or tempfile.mkdtemp(prefix="audio_gates_"))
     checkpoint = demo_checkpoint_dir(work / "cache")
     settings = FidelitySettings(prompts=[PROMPT], seeds=[0, 1], cases=["fast", "fastest"], against="exact",
-                                steps=args.steps, compile=False,
+                                num_frames=124, steps=args.steps, compile=False,
                                 model="tiny demo checkpoint")  # fmt: skip
     report = run_fidelity(lambda case: MiniMaxH3Pipeline.from_pretrained(checkpoint), settings, work / "run",
                           progress=sys.stderr.isatty(), html=False)  # fmt: skip
     rows = {}
+    failed = {n: c["error"] for n, c in report["cases"].items() if c.get("error")}
+    if failed:
+        raise SystemExit(f"cases failed: {failed}")
     for case in ("fast", "fastest"):
         clip = next(c for c in report["cases"][case]["clips"] if c["seed"] == 0)
         rows[f"{case} vs exact, seed 0"] = {k: clip["metrics"]["audio"][k] for k in AUDIO_KEYS}
@@ -54,7 +57,7 @@ def main(argv=None):
         row["default_gates_passed"] = all(g["passed"] for g in evaluate_gates(summary, gates).values())
     data = {**result_header("audio_gates", commit=args.commit, device="cpu"),
             "choices": {"checkpoint": "embedded tiny demo (random weights)", "prompt": PROMPT, "steps": args.steps,
-                        "canvas": "the demo's default, 64x96", "frames": "the pipeline's default", "compile": False, "crf": 0},
+                        "canvas": "the demo's default, 64x96", "frames": 124, "compile": False, "crf": 0},
             "default_gates": gates.active(), "rows": rows}  # fmt: skip
     write_json(args.out, json_ready(data))
     for name, row in rows.items():

@@ -36,6 +36,9 @@ from diffusers.utils import logging
 
 from ..attention_processors import add_gate_compress
 from ..quantizers import is_quantized_linear
+from ..quantizers.config import QuantizationConfigBase
+from ..quantizers.layers import quantize_linear_
+from ..quantizers.registry import weight_class_for
 
 
 logger = logging.get_logger(__name__)
@@ -443,8 +446,31 @@ def load_stack_gates(transformer: torch.nn.Module, transformer_dir: Union[str, P
         return ()
     to_q = transformer.transformer_blocks[0].attn.to_q  # a quantized DiT's gates take its compute dtype
     dtype = getattr(to_q, "compute_dtype", to_q.weight.dtype)
-    tensors = {k: v.to(device=to_q.weight.device, dtype=dtype) for k, v in tensors.items()}
-    return add_gate_compress(transformer, tensors)
+    config = dit_quantization_config(transformer)
+    by_block: Dict[int, Dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        by_block.setdefault(int(re.search(r"transformer_blocks\.(\d+)\.", key).group(1)), {})[key] = value
+    added = []
+    for index, block_tensors in sorted(by_block.items()):  # one gate at a time on the device
+        block_tensors = {k: v.to(device=to_q.weight.device, dtype=dtype) for k, v in block_tensors.items()}
+        added += add_gate_compress(transformer, block_tensors)
+        if config is not None:  # a DiT quantized while loading: its gates take the same format
+            name = f"transformer_blocks.{index}.attn.to_gate_compress"
+            keep = getattr(transformer, "_keep_in_fp32_modules", None) or []
+            gate = transformer.get_submodule(name)
+            if config.should_quantize(name, gate, keep):
+                quantize_linear_(gate, weight_class_for(config), config.compute_dtype, **config.layer_kwargs())
+        del block_tensors
+    return tuple(added)
+
+
+def dit_quantization_config(transformer: torch.nn.Module):
+    """The diffusers-h3 quantization config a DiT was loaded (or quantized) with, or ``None`` for a dense DiT."""
+    if not is_quantized_linear(transformer.transformer_blocks[0].attn.to_q):
+        return None
+    quantizer = getattr(transformer, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    return config if isinstance(config, QuantizationConfigBase) else None
 
 
 def read_adapter_alpha(path: Union[str, Path], metadata: Optional[Mapping[str, str]]) -> Optional[float]:

@@ -38,6 +38,8 @@ from diffusers_h3.pipelines.fasth3 import (
     load_fasth3_adapter,
 )
 from diffusers_h3.quantizers import NVFP4Tensor
+from diffusers_h3.quantizers.layers import quantize_linear_
+from diffusers_h3.quantizers.registry import weight_class_for
 from diffusers_h3.testing.fasth3 import (
     EIGHT_STEP_V2_CONTRACT,
     FOUR_STEP_CONTRACT,
@@ -396,6 +398,29 @@ def test_v2_stack_runs_eight_forwards_on_its_sidecar_schedule(tmp_path):
     video, audio = KNOWN_FASTH3_PRESETS["fasth3-8step-v2"].sigmas()
     assert len(calls) == 8
     assert pipe.scheduler.sigmas.tolist() == video and pipe.audio_scheduler.sigmas.tolist() == audio
+
+
+def test_stack_loaded_quantized_gets_gates_in_the_dit_format(stack):
+    """A stack loaded with its DiT quantized while loading (what fits one 80 GB card) gets its trained gates in the
+    same format, one block at a time: the codes of quantizing the file's gates, and the stack still runs."""
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    from diffusers_h3.quantizers import FP8Config, is_quantized_linear
+
+    root, gates = stack
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": FP8Config()})
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, quantization_config=config, **TINY_DURATION_LIMITS)
+    blocks = pipe.transformer.transformer_blocks
+    assert all(is_quantized_linear(b.attn.to_q) and is_quantized_linear(b.attn.to_gate_compress) for b in blocks)
+    for i, weight in gates.items():
+        expected = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        expected.weight.data.copy_(weight)
+        quantize_linear_(expected, weight_class_for(FP8Config()), None)
+        got = blocks[i].attn.to_gate_compress.weight.storage()
+        assert all(torch.equal(got[k], v) for k, v in expected.weight.storage().items())
+    assert vsa_state(pipe.transformer)["gated_blocks"] == 2
+    out = pipe(**CALL, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.frames).all()
 
 
 def test_stack_without_gates_is_refused_before_the_preset(stack, tmp_path):

@@ -131,14 +131,15 @@ def keep_fp32_modules(model):
     return model.eval().requires_grad_(False)
 
 
-def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None):
+def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None, build_on_cpu=()):
     """The pipeline with random weights: tiny components, or the released sizes built directly on ``device``.
 
     ``component_hook(name, module) -> module``, if given, is applied to each model right after it is built, in the
     order text_encoder, transformer, vae, audio_vae, before the next one is built (e.g. quantize in place and move
     to the CPU, so that no two 16-bit components sit on the device together). ``text_encoder_layers``: decoder layers
     of the text encoder (default ``TEXT_ENCODER_LAYER + 1``, the fewest the early exit needs; 64 is the released
-    model)."""
+    model). ``build_on_cpu``: components built on the CPU instead (released sizes); the hook then puts them on the
+    device (e.g. ``quantize(module, config, device=device)``: never the whole 16-bit model there)."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -182,13 +183,16 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     # Some parameters are created in fp32 whatever the default dtype: cast whole modules to bf16 first, then restore
     # `_keep_in_fp32_modules`, which is what `from_pretrained(dtype=torch.bfloat16)` ends up with. Each component is
     # built in its own context so that the hook runs with the default dtype and device restored.
-    with default_dtype_and_device(torch.bfloat16, device):
+    def where(name):
+        return torch.device("cpu") if name in build_on_cpu else device
+
+    with default_dtype_and_device(torch.bfloat16, where("text_encoder")):
         text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
     text_encoder = hook("text_encoder", text_encoder)
-    with default_dtype_and_device(torch.bfloat16, device):
+    with default_dtype_and_device(torch.bfloat16, where("transformer")):
         transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
     transformer = hook("transformer", transformer)
-    with default_dtype_and_device(torch.bfloat16, device):
+    with default_dtype_and_device(torch.bfloat16, where("vae")):
         vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
     vae = hook("vae", vae)
     with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)
@@ -342,13 +346,14 @@ def warm_up(pipe, case, tiny, decode):
     pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(forwards))
 
 
-def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot", reference_embeds=None):
+def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot", reference_embeds=None, sampler=None):
     """One request of ``case``; returns its record (ms, stages, forwards, peak). ``export="streamed"`` writes the MP4
     with ``pipe.decode_to_video`` (each decoded chunk encoded while the next decodes, as the CLI does): the video
     decode and the mux are then one stage, ``video_decode+mux``, and ``mux_after_last_chunk_ms`` is the time from the
     last chunk handed to the writer to the finished file. ``peak_gib`` / ``peak_reserved_gib``: the request's GPU peaks
     (weights included), ``stage_peak_gib``: ``[allocated, reserved]`` per stage; ``prompt_embeds_rel_l2``: the prompt
-    embeddings against ``reference_embeds`` (the first case's, bf16 text encoder)."""
+    embeddings against ``reference_embeds`` (the first case's, bf16 text encoder); ``sampler``: a
+    ``DeviceMemorySampler`` sampled again at every stage boundary."""
     from diffusers_h3 import export_to_video
     from diffusers_h3.pipelines import export as export_module
 
@@ -373,7 +378,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
 
     export_module.VideoWriter.write_frames = timed_write_frames
     try:
-        with StageTimer(pipe, device) as timer:
+        with StageTimer(pipe, device, sampler=sampler) as timer:
             start = time.perf_counter()
             out = pipe(**kwargs, generator=torch.Generator().manual_seed(0),
                        callback_on_step_end=stop_after(timed_forwards))  # fmt: skip

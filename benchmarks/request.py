@@ -54,8 +54,9 @@ from _common import result_header, write_json
 
 HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
 PROMPT_TOKENS = 512  # the byte-level tokenizer makes one token per byte
-CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest")
-DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer")  # that one needs flashinfer-python
+CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest",
+         "t2va_fast_first_block_cache", "t2va_fastest_first_block_cache", "t2va_fast_taylorseer",
+         "t2va_fastest_taylorseer")  # fmt: skip
 # case -> (task, speed preset or None, sigma points, flow_shift, audio_flow_shift)
 CASE_SETUP = {
     "t2va_native": ("t2va", None, 50, None, None),
@@ -64,7 +65,23 @@ CASE_SETUP = {
     "t2va_fast_flashinfer": ("t2va", "fast", 50, None, None),
     "t2va_fastest": ("t2va", "fastest", 50, None, None),
     "fl2va_light4_fastest": ("fl2va", "fastest", 5, 6.0, 3.0),  # lightx2v-fl2v-turbo-4step-768p
+    # The cache profiles (docs/speed.md): a step cache on a fast preset, the t2va 50-step request.
+    "t2va_fast_first_block_cache": ("t2va", "fast", 50, None, None),
+    "t2va_fastest_first_block_cache": ("t2va", "fastest", 50, None, None),
+    "t2va_fast_taylorseer": ("t2va", "fast", 50, None, None),
+    "t2va_fastest_taylorseer": ("t2va", "fastest", 50, None, None),
 }
+
+# The step cache per case (`diffusers_h3.hooks.cache` method), enabled before the preset compiles the blocks. One run
+# takes one cache setting: a run mixing them is refused (run each cache profile as its own --cases).
+CASE_CACHE = {
+    "t2va_fast_first_block_cache": "first-block",
+    "t2va_fastest_first_block_cache": "first-block",
+    "t2va_fast_taylorseer": "taylorseer",
+    "t2va_fastest_taylorseer": "taylorseer",
+}
+# t2va_fast_flashinfer needs flashinfer-python; the cache profiles run one per process (CASE_CACHE)
+DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer" and c not in CASE_CACHE)
 
 # The preset's flashinfer argument per case (None: automatic).
 CASE_FLASHINFER = {"t2va_fast_flashinfer": True}
@@ -464,12 +481,21 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/request.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
     run = [c for c in CASES if c in wanted and c not in skip]
+    caches = {CASE_CACHE.get(c) for c in run}
+    if len(caches) > 1:
+        raise SystemExit(f"cases with different step caches in one run ({sorted(map(str, caches))}): run each cache "
+                         "profile as its own --cases")  # fmt: skip
 
     import diffusers_h3
 
     started = time.perf_counter()
     pipe = build_pipeline(device, args.tiny)
     pipe.set_progress_bar_config(disable=True)
+    cache = next(iter(caches), None)
+    if cache is not None:  # before any preset: the preset compiles the blocks with the cache hooks in place
+        from diffusers_h3.hooks.cache import cache_config
+
+        pipe.transformer.enable_cache(cache_config(cache))
     build_s = time.perf_counter() - started
     print(f"built the pipeline in {build_s:.1f} s", flush=True)
 
@@ -512,6 +538,10 @@ def main(argv=None):
             record["gpu_cap_gib"] = args.gpu_cap_gib if capped else None
             record["warmup_s"] = round(warmup_s, 1)
             record["speed_preset"] = diffusers_h3.describe(pipe).get("speed_preset")
+            if cache is not None:  # the config and the steps the cache skipped in the timed request
+                from diffusers_h3.hooks.cache import describe_cache
+
+                record["cache"] = describe_cache(pipe.transformer)
             results[case] = record
             stages = " ".join(f"{k} {v / 1000:.2f}" for k, v in record["stages"].items())
             print(f"{case:22s} {record['ms'] / 1000:7.2f} s ({stages}) peak {record['peak_gib']} GiB "

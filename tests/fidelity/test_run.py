@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.fidelity import FidelityRunError, FidelitySettings, Gates, evaluate_gates, run_fidelity
@@ -145,3 +146,28 @@ def test_speed_leaves_out_the_first_clip_of_a_case(tmp_path):
     single = _speed(tmp_path, "fast", [(0, 0)])
     assert single["seconds"] == 90.0 and single["includes_warmup"] is True
     assert _speed(tmp_path, "exact", [(0, 0)])["seconds"] is None
+
+
+@pytest.mark.parametrize("name", ["fast_first_block_cache", "fast_taylorseer", "fastest_first_block_cache",
+                                  "fastest_taylorseer"])  # fmt: skip
+def test_cache_profiles_run_their_cache_under_their_preset(name):
+    """Each cache profile: its step cache and its speed preset on one pipeline; TaylorSeer skips steps on a fixed
+    interval (from the 3rd step on, 4 of every 5), so a 9-point request skips some; the preset records the weights."""
+    from diffusers_h3 import describe
+    from diffusers_h3.fidelity import apply_case, get_case
+    from diffusers_h3.hooks.cache import cache_stats
+
+    case = get_case(name)
+    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    pipe.set_progress_bar_config(disable=True)
+    applied = apply_case(pipe, case, compile=False)
+    assert applied[0] == f"step cache: {case.cache}" and applied[1].startswith(f"speed preset {case.speed}: ")
+    out = pipe(prompt="a cat", height=64, width=96, num_frames=TINY_NUM_FRAMES, num_inference_steps=9,
+               output_type="latent", generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.isfinite(out.frames).all()
+    stats = cache_stats(pipe.transformer)
+    assert stats.forwards == 8
+    if case.cache == "taylorseer":
+        assert len(stats.skipped_steps) > 0
+    report = describe(pipe)
+    assert report["speed_preset"]["preset"] == case.speed

@@ -57,10 +57,11 @@ from .lora_presets import (
     LoraDistillationPreset,
     detect_preset,
     get_preset,
+    preset_from_file_name,
     resolve_schedule,
     warn_schedule_differences,
 )
-from .single_file import check_fusable
+from .single_file import check_fusable, transformer_file_record
 
 
 logger = logging.get_logger(__name__)
@@ -350,6 +351,22 @@ def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
             _check_finite_weights(value, f"{where}[{index}]")
     elif isinstance(weights, (int, float)) and not math.isfinite(weights):
         raise ValueError(f"`{where}` is {weights}: an adapter weight must be a finite number (1.0 = as trained).")
+
+
+def merged_distillation_preset(pipe, task: Optional[str] = None):
+    """``(label, preset)`` for a DiT loaded from a single file whose name is a known step-distillation merge (e.g.
+    LightX2V's ``minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors``, the Turbo LoRA merged into an fp8 DiT), or
+    ``None``: such a DiT runs the schedule it was distilled for, as the LoRA would."""
+    wanted = partition_for_task(task) if task is not None else None
+    for component in (pipe.transformer_name, pipe.transformer_ref_name):
+        model = getattr(pipe, component, None)
+        record = transformer_file_record(model) if isinstance(model, nn.Module) else None
+        if record is None or (wanted is not None and component != wanted):
+            continue
+        preset = preset_from_file_name(record.path)
+        if preset is not None:
+            return f"transformer file {os.path.basename(record.path)}", preset
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -686,7 +703,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         """Fill ``None`` settings from the active distillation LoRA's preset and warn about explicit ones it was not
         trained for (:func:`~diffusers_h3.loaders.lora_presets.resolve_schedule`). Without an active distillation
         LoRA the values come back unchanged."""
-        active = self._active_distillation_preset(task)
+        active = self._active_distillation_preset(task) or merged_distillation_preset(self, task)
         if active is None:
             return num_inference_steps, flow_shift, audio_flow_shift
         adapter, preset = active

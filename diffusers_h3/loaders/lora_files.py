@@ -16,7 +16,8 @@ passed as a LoRA.
   (85 % of attention blocks skipped). Under dense attention they run off their training; this package has no SLA
   attention processor, so :func:`check_lora_file` refuses them by name or ``__metadata__``.
 - **A full DiT passed as a LoRA** (e.g. LightX2V's ``..._turbo_4step_v1.1_768p_fp8.safetensors``, the Turbo LoRA
-  merged into an fp8 DiT, 34 GB): refused with the way to load it (``--transformer-file`` / ``load_transformer_file``).
+  merged into an fp8 DiT, 34 GB): refused with the way to load it (``--transformer-file`` / ``load_transformer_file``;
+  the pipeline then runs the schedule the file's name gives, :func:`~diffusers_h3.loaders.lora.merged_distillation_preset`).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def check_lora_file(file_name: Optional[str], keys: Optional[Sequence[str]], met
     if keys and not any("lora" in k for k in keys) and any(_DIT_KEY.match(k) for k in keys):
         raise LoraFileError(
             f"{base or 'this file'!r} holds full MiniMax-H3 DiT weights, not LoRA factors (a Turbo LoRA merged into "
-            "the DiT): load it as the transformer with `--transformer-file` / `diffusers_h3.load_transformer_file`, "
-            "and pass its schedule (e.g. 4-step 768p: num_inference_steps=5, flow_shift=6, audio_flow_shift=3)."
+            "the DiT): load it as the transformer with `--transformer-file` / `diffusers_h3.load_transformer_file` "
+            "(a file named like a LightX2V Turbo file then runs that file's schedule)."
         )
 
 

@@ -432,14 +432,28 @@ def gate_tensors(transformer_dir: Union[str, Path]) -> Dict[str, torch.Tensor]:
     return found
 
 
+def _index_ranges(indices: List[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (a stack of 60 blocks missing most gates stays one line)."""
+    spans: List[List[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def load_stack_gates(transformer: torch.nn.Module, transformer_dir: Union[str, Path], required: bool) -> Tuple[int, ...]:
     """Add the trained gates of the DiT stored in ``transformer_dir`` to the loaded ``transformer`` (diffusers' loader
     skips them as keys its class lacks). ``required``: a VSA-distilled stack must carry one per block."""
     tensors = gate_tensors(transformer_dir)
     blocks = len(transformer.transformer_blocks)
-    if required and len(tensors) < blocks:
+    gated = {int(m.group(1)) for m in map(_GATE_WEIGHT.match, tensors) if m}
+    without = [i for i in range(blocks) if i not in gated]
+    if required and without:
         raise ValueError(
-            f"{transformer_dir} has {len(tensors)} to_gate_compress tensors for {blocks} blocks: a VSA-distilled "
+            f"{transformer_dir} has trained gates (to_gate_compress.weight) for {blocks - len(without)} of {blocks} "
+            f"blocks, none for block{'s' if len(without) > 1 else ''} {_index_ranges(without)}: a VSA-distilled "
             "FastH3 DiT carries one per block (the dense student has none: use its own contract)"
         )
     if not tensors:

@@ -207,6 +207,13 @@ def _layout(group: _Group) -> None:
     group.nbytes = offset
 
 
+def _aligned_host_buffer(nbytes: int) -> torch.Tensor:
+    """A host buffer whose start is aligned like a device allocation (the CPU allocator aligns to 64 bytes only)."""
+    storage = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    shift = -storage.data_ptr() % _ALIGN
+    return storage[shift : shift + nbytes]
+
+
 def _pread_into(fd: int, target: memoryview, offset: int) -> None:
     done = 0
     while done < len(target):
@@ -263,7 +270,7 @@ class _Streamer:
         if self.cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
                 return self._read_cuda(group)
-        buffer = torch.empty(group.nbytes, dtype=torch.uint8)
+        buffer = _aligned_host_buffer(group.nbytes)
         view = memoryview(buffer.numpy())
         for file, start, nbytes, entries in group.ranges:
             fd = self._fd(file)
@@ -351,13 +358,11 @@ class _Streamer:
             else:
                 self.running[group.index] = loaded
 
-    def _drop_stale(self, keep, wait: bool = False) -> None:
+    def _drop_stale(self, keep) -> None:
         for index in [i for i in self.pending if i not in keep]:
             future = self.pending.pop(index)
             if not future.cancel():
                 self.record.stats.dropped_prefetches += 1  # its buffer is freed once the read finishes
-                if wait:
-                    future.exception()
 
     def _place(self, group: _Group, loaded: _Loaded) -> None:
         buffer = loaded.buffer
@@ -398,8 +403,14 @@ class _Streamer:
         for owner, name, is_param, tensor in self.followers.pop(group.index, ()):
             _set_tensor(owner, name, tensor, is_param)
 
+    def wait_for_reads(self) -> None:
+        """Return once every read submitted so far has ended, those dropped while running included (the single
+        reader runs them in order, so a no-op submitted now ends after all of them)."""
+        self.executor.submit(int).result()
+
     def release_all(self) -> None:
-        self._drop_stale(keep=(), wait=True)
+        self._drop_stale(keep=())
+        self.wait_for_reads()  # nothing reads the files or fills a buffer after this returns
         for index in list(self.held) + list(self.running):
             self.release(self.groups[index], force=True)
 
@@ -598,7 +609,10 @@ def streaming_of(model: torch.nn.Module) -> Optional[StreamRecord]:
 
 
 def release_streamed_weights(model: torch.nn.Module) -> None:
-    """Release what a streamed ``model`` holds on its device (held groups, reads started ahead); no-op otherwise."""
+    """Release what a streamed ``model`` holds on its device (held groups, reads started ahead); no-op otherwise.
+
+    Returns once no read of the model is in flight: reads started ahead are cancelled, or waited for if already
+    running."""
     hook = get_h3_hook(model, H3_CHECKPOINT_STREAM_MODEL_HOOK)
     if hook is not None and hook.streamer is not None:
         hook.streamer.release_all()

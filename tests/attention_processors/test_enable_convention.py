@@ -175,3 +175,31 @@ def test_loose_arguments_still_work_for_one_release_with_a_future_warning(flashi
     for module in (diffusers_h3.FastVAEDecodeConfig, diffusers_h3.V100ModeConfig, diffusers_h3.SpeedPresetConfig,
                    diffusers_h3.MemoryBudgetConfig):  # fmt: skip
         assert module.__dataclass_params__.frozen, module
+
+
+def test_loose_arguments_next_to_a_config_change_only_their_fields(flashinfer_on_hopper):
+    """A config object with loose keyword arguments next to it (``enable(target, config, field=value)``, the
+    transition's mixed call): the loose values replace their fields and every other field keeps the config's value,
+    with the ``FutureWarning``. Fails if the shim builds the config from the loose arguments alone (dropping the
+    object) or ignores them."""
+    cases = [
+        (enable_low_precision_attention, LowPrecisionAttentionConfig("int8", smooth_k=False, backend="torch"),
+         {"pv_precision": "fp8"}, low_precision_attention_state),
+        (enable_flashinfer_attention, FlashInferAttentionConfig(precision="fp8"), {"backend": "fa3"},
+         flashinfer_attention_state),
+    ]  # fmt: skip
+    for enable, config, loose, state_of in cases:
+        expected_config = type(config)(**{**config.__dict__, **loose})
+        assert expected_config != config and expected_config != type(config)(**loose)  # the case tells them apart
+        new, mixed = _model().to(torch.bfloat16), _model().to(torch.bfloat16)
+        enable(new, expected_config)
+        with pytest.warns(FutureWarning, match=rf"{enable.__name__}\(target, {type(config).__name__}\("):
+            assert enable(mixed, config, **loose) is mixed
+        assert state_of(mixed) == state_of(new)
+    # the loose precision by position after a config object: it replaces the config's precision, nothing else
+    mixed = _model()
+    with pytest.warns(FutureWarning):
+        enable_low_precision_attention(mixed, LowPrecisionAttentionConfig("int8", smooth_k=False, backend="torch"),
+                                       "fp8")  # fmt: skip
+    state = low_precision_attention_state(mixed)
+    assert (state["precision"], state["smooth_k"], state["backend"]) == ("fp8", False, "torch")

@@ -185,6 +185,24 @@ def test_payload_strength_scales_deltas_and_new_gates():
     assert torch.equal(gate, raw["transformer_blocks.1.attn.to_gate_compress.set_weight"] * 0.5)
 
 
+@pytest.mark.parametrize("strength", [0.0, 0.5, 1.5])
+def test_set_weight_at_a_strength_moves_the_base_weight_towards_the_set_one(strength):
+    """`.set_weight` on a weight the DiT already has (not a gate created at zero, where both readings agree):
+    strength s writes base + s·(w − base), so 0 keeps the base and 1 gives w, not s·w."""
+    model = tiny_transformer()
+    target = model.transformer_blocks[0].attn.to_k
+    base = target.weight.detach().double().clone()
+    assert base.abs().max() > 0.01  # a real base: s·w and the interpolation differ
+    w = torch.randn(target.weight.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    payload, _ = split_fasth3_state_dict({"transformer_blocks.0.attn.to_k.set_weight": w.float()})
+    report = apply_fasth3_payload(model, payload, strength=strength)
+    assert (report.replaced, report.gates_created) == (1, ())
+    expected = base + strength * (w.float().double() - base)
+    got = target.weight.detach().double()
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5), (got - expected).abs().max()
+    assert not torch.allclose(got, strength * w.float().double(), rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
@@ -428,7 +446,25 @@ def test_stack_without_gates_is_refused_before_the_preset(stack, tmp_path):
     copy = tmp_path / "stack"
     shutil.copytree(root, copy)
     MiniMaxH3Transformer3DModel.from_pretrained(root / "transformer").save_pretrained(copy / "transformer")  # no gates
-    with pytest.raises(ValueError, match="0 to_gate_compress tensors for 2 blocks"):
+    with pytest.raises(ValueError, match=r"gates \(to_gate_compress.weight\) for 0 of 2 blocks, none for blocks 0-1: "):
+        MiniMaxH3Pipeline.from_pretrained(copy)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["weights", "weights-and-biases"])
+def test_stack_with_gates_for_only_some_blocks_is_refused_naming_them(stack, tmp_path, with_bias):
+    """A VSA stack needs a trained gate in every block: one with gates for block 0 only is refused, naming block 1,
+    however many tensors each gate has."""
+    root, gates = stack
+    copy = tmp_path / "stack"
+    shutil.copytree(root, copy)
+    dit = MiniMaxH3Transformer3DModel.from_pretrained(root / "transformer")  # the class drops the gates
+    partial = {"transformer_blocks.0.attn.to_gate_compress.weight": gates[0]}
+    if with_bias:  # two tensors for one block: as many as the stack has blocks
+        partial["transformer_blocks.0.attn.to_gate_compress.bias"] = torch.ones(gates[0].shape[0])
+    assert add_gate_compress(dit, partial) == (0,)
+    dit.save_pretrained(copy / "transformer")
+    with pytest.raises(ValueError, match=r"for 1 of 2 blocks, none for block 1: a VSA-distilled FastH3 DiT carries "
+                                         r"one per block"):  # fmt: skip
         MiniMaxH3Pipeline.from_pretrained(copy)
 
 

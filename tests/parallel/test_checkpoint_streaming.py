@@ -1,6 +1,8 @@
 """Streaming a model's weights from its own checkpoint files: same outputs, no weights left in memory, nothing
 written, and a model that does not match its files is refused before anything is released."""
 
+import time
+
 import pytest
 import torch
 
@@ -188,12 +190,20 @@ def test_read_ahead_follows_the_order_the_groups_ran_in(tmp_path, monkeypatch):
     _forward(streamed)
     first_misses = stats.misses
     assert first_misses >= 1
+    _wait_for_reads(streamed)  # the reads the first forward started are counted with it, not with the second
     before = (stats.misses, len(reads))
     _forward(streamed)
     assert stats.misses == before[0]  # every group read ahead, in the learned order
     second = reads[before[1]:]
     assert "transformer_blocks.1" not in second
     skipped.forward = original_forward
+
+
+def _wait_for_reads(model):
+    """Wait until the reader is idle without dropping what it read ahead (which release_streamed_weights drops)."""
+    from diffusers_h3._hooks import H3_CHECKPOINT_STREAM_MODEL_HOOK, get_h3_hook
+
+    get_h3_hook(model, H3_CHECKPOINT_STREAM_MODEL_HOOK).streamer.wait_for_reads()
 
 
 def test_streamed_tensors_arrive_in_the_models_dtype(tmp_path):
@@ -228,10 +238,21 @@ def test_a_shape_that_differs_from_the_files_is_refused_before_any_weight_is_rel
     assert _record_of(model) is None and get_hook(model.transformer_blocks[0]) is None
 
 
-def test_reads_use_no_mapping_and_drop_the_page_cache(tmp_path, monkeypatch):
+def _slow_reads(monkeypatch, seconds):
+    """Each group's read takes ``seconds`` longer, as on a busy machine or a slow disk: reads started ahead are
+    still running when the forward returns."""
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+
+    original = cs._Streamer._read
+    monkeypatch.setattr(cs._Streamer, "_read", lambda self, group: time.sleep(seconds) or original(self, group))
+
+
+@pytest.mark.parametrize("read_delay_s", [0.0, 0.05], ids=["reads-as-they-come", "slow-reads"])
+def test_reads_use_no_mapping_and_drop_the_page_cache(tmp_path, monkeypatch, read_delay_s):
     from diffusers_h3.parallel import checkpoint_streaming as cs
 
     _saved_dit(tmp_path / "dit")
+    _slow_reads(monkeypatch, read_delay_s)
     calls = []
     monkeypatch.setattr(cs.os, "posix_fadvise", lambda fd, start, n, advice: calls.append(advice))
     for drop in (True, False):
@@ -243,6 +264,8 @@ def test_reads_use_no_mapping_and_drop_the_page_cache(tmp_path, monkeypatch):
         streamed.transformer_blocks[0].register_forward_pre_hook(
             lambda m, a: mapped.extend(line for line in open("/proc/self/maps") if str(tmp_path / "dit") in line))
         _forward(streamed)
+        # the reads started ahead for a next forward end here, not during the next pass (whose list they would fill)
+        cs.release_streamed_weights(streamed)
         assert mapped == []  # pread into our buffers: no file page is mapped into the process
         assert (calls and set(calls) == {cs.os.POSIX_FADV_DONTNEED}) if drop else not calls
 
@@ -261,6 +284,43 @@ def test_held_groups_stay_until_released(tmp_path):
     release_streamed_weights(streamed)
     assert streamed.transformer_blocks[0].ff.net[2].weight.numel() == 0
     assert torch.equal(_forward(streamed), first) and record.stats.group_loads == 2 * record.groups
+
+
+def _streamed_pointers_off_alignment(tmp_path, device):
+    """Stream every tensor of a DiT (held, so all stay placed after a forward) and return those whose pointer is not
+    on the module's alignment, with the number checked. Stored and run in float32: a tensor cast as it arrives is a
+    new allocation, not a view of the buffer."""
+    from diffusers_h3.parallel import checkpoint_streaming as cs
+
+    dtype = torch.float32
+    _saved_dit(tmp_path / "dit", dtype=dtype)
+    streamed = _load_dit(tmp_path / "dit", dtype)
+    config = cs.StreamingConfig(hold=True, slot_mib=1)
+    stream_from_checkpoint(streamed, tmp_path / "dit", device, config, resident_below_bytes=0)
+    inputs = {k: (v.to(device, dtype) if v.is_floating_point() and k != "timestep" else v.to(device))
+              for k, v in tiny.tiny_transformer_inputs().items()}  # fmt: skip
+    with torch.no_grad():
+        streamed(**inputs, return_dict=False)
+    placed = streamed.state_dict()
+    assert all(t.numel() and t.device.type == device for t in placed.values())  # every tensor streamed and held
+    sizes = {t.numel() * t.element_size() % cs._ALIGN for t in placed.values()}
+    assert sizes - {0}, "every tensor's size is a multiple of the alignment: packing them would go unnoticed"
+    off = sorted(name for name, t in placed.items() if t.data_ptr() % cs._ALIGN)
+    cs.release_streamed_weights(streamed)
+    return off, len(placed)
+
+
+def test_every_streamed_tensor_starts_on_an_aligned_address(tmp_path):
+    """Kernels take other paths, with other rounding, for a misaligned pointer: each tensor of a group's buffer
+    starts on the alignment, the buffer's own start included (the CPU allocator aligns to less)."""
+    off, checked = _streamed_pointers_off_alignment(tmp_path, "cpu")
+    assert checked > 10 and off == []
+
+
+@pytest.mark.gpu
+def test_every_tensor_streamed_to_the_gpu_starts_on_an_aligned_address(tmp_path):
+    off, checked = _streamed_pointers_off_alignment(tmp_path, "cuda")
+    assert checked > 10 and off == []
 
 
 def test_streaming_options_are_checked():

@@ -20,7 +20,13 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
-from ._checkpoint_files import gguf_problem, safetensors_problem
+from ._checkpoint_files import (
+    gguf_problem,
+    safetensors_metadata,
+    safetensors_problem,
+    turbo_sla_message,
+    turbo_sla_reason,
+)
 from ._version import __version__
 from ._video_encoding import (
     CRF_RANGE,
@@ -578,6 +584,10 @@ def _check_lora_file(args) -> None:
         problem = safetensors_problem(lora_path)
         if problem:
             raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file")
+        reason = turbo_sla_reason(lora_path.name, safetensors_metadata(lora_path))
+        if reason is not None:  # before anything loads
+            message, _, fix = turbo_sla_message(lora_path.name, reason).rpartition("; ")
+            raise UsageError(f"--lora {args.lora}: {message}", fix.rstrip("."))
 
 
 def check_arguments(args) -> None:

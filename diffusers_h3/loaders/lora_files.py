@@ -28,13 +28,13 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from .._checkpoint_files import turbo_sla_message, turbo_sla_reason
+
 
 _FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _COMFY_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")
 _LIGHTX2V_SCALE_SUFFIX = "__fp8_scale"
 _FACTOR = re.compile(r"\.(lora_A|lora_B|lora_down|lora_up)(\.default)?\.weight$")
-_SLA_NAME = re.compile(r"(^|[-_.])sla([-_.]|$)", re.IGNORECASE)
-_SLA_METADATA_KEYS = ("sparse_attention", "attention_type", "attn_type", "attention", "sla_sparsity")
 _DIT_KEY = re.compile(r"^(model\.diffusion_model\.|diffusion_model\.)?(blocks|transformer_blocks)\.\d+\.")
 
 
@@ -62,15 +62,9 @@ def _file_name(file_name: Optional[str]) -> str:
 def check_lora_file(file_name: Optional[str], keys: Optional[Sequence[str]], metadata: Mapping[str, str]) -> None:
     """Refuse, in one line, a Turbo-SLA adapter or a full DiT passed as a LoRA (from the header alone)."""
     base = _file_name(file_name)
-    sla_metadata = [k for k in _SLA_METADATA_KEYS if k in metadata and "sla" in str(metadata[k]).lower()]
-    if _SLA_NAME.search(base.rsplit(".", 1)[0]) or "minimax-h3-turbo-sla" in str(file_name or "").lower() or sla_metadata:
-        what = f"{base!r}" if base else "this LoRA"
-        why = f" (its __metadata__ {sla_metadata[0]}={metadata[sla_metadata[0]]!r})" if sla_metadata else ""
-        raise LoraFileError(
-            f"{what} is a LightX2V Turbo-SLA adapter{why}: it was distilled with sparse-linear attention (SLA, 85 % "
-            "of attention blocks skipped), which diffusers-h3 does not implement, so under dense attention it runs off "
-            "its training; use a dense Turbo file instead (e.g. minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors)."
-        )
+    reason = turbo_sla_reason(file_name, dict(metadata))
+    if reason is not None:
+        raise LoraFileError(turbo_sla_message(file_name, reason))
     if keys and not any("lora" in k for k in keys) and any(_DIT_KEY.match(k) for k in keys):
         raise LoraFileError(
             f"{base or 'this file'!r} holds full MiniMax-H3 DiT weights, not LoRA factors (a Turbo LoRA merged into "

@@ -36,6 +36,7 @@ H3_FEED_FORWARD_CHUNKS_HOOK = "diffusers_h3.feed_forward_chunks"  # on each DiT 
 H3_STREAM_FROM_DISK_HOOK = "diffusers_h3.stream_from_disk"  # on a text encoder streamed from disk: where from
 H3_FORWARD_RECORD_HOOK = "diffusers_h3.forward_record"  # on the transformer: one record per call, per-call routes
 H3_SINGLE_FILE_HOOK = "diffusers_h3.single_file"  # on a transformer loaded from one file: which file and format
+H3_PDD_HEAD_BANK_HOOK = "diffusers_h3.pdd_head_bank"  # on proj_out / audio_proj_out holding a PDD head bank
 
 H3_HOOK_NAMES = (
     H3_FAST_VAE_DECODE_HOOK,
@@ -51,6 +52,7 @@ H3_HOOK_NAMES = (
     H3_STREAM_FROM_DISK_HOOK,
     H3_FORWARD_RECORD_HOOK,
     H3_SINGLE_FILE_HOOK,
+    H3_PDD_HEAD_BANK_HOOK,
 )
 
 

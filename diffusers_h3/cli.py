@@ -286,6 +286,9 @@ def _check_flag_combinations(args) -> None:
         raise UsageError("--lora-scale without --lora", "add --lora FILE or drop --lora-scale")
     if args.lora_allow_unmatched and args.lora is None:
         raise UsageError("--lora-allow-unmatched without --lora", "add --lora FILE or drop --lora-allow-unmatched")
+    if args.allow_step_recipe_stacking and args.lora is None:
+        raise UsageError("--allow-step-recipe-stacking without --lora",
+                         "add --lora FILE or drop --allow-step-recipe-stacking")  # fmt: skip
     if args.cache_threshold is not None and args.cache is None:
         raise UsageError("--cache-threshold without --cache", "add --cache first-block or --cache mag")
     speed = getattr(args, "speed", None)
@@ -762,12 +765,17 @@ def _load_transformer_file(args, task: str, dtype):
 
 def _load_lora(pipe, args) -> None:
     try:
-        report = pipe.load_lora_weights(args.lora, adapter_name="cli", allow_unmatched_keys=args.lora_allow_unmatched)
+        report = pipe.load_lora_weights(args.lora, adapter_name="cli", allow_unmatched_keys=args.lora_allow_unmatched,
+                                        allow_step_recipe_stacking=args.allow_step_recipe_stacking)  # fmt: skip
     except ValueError as error:
         message = str(error)
         what, marker, rest = message.partition(" Pass `allow_unmatched_keys=True` to load")
         if marker:
             raise UsageError(f"--lora {args.lora}: {what}", f"add --lora-allow-unmatched to load{rest}") from error
+        what, marker, _ = message.partition(" Unload the first")
+        if marker:
+            raise UsageError(f"--lora {args.lora}: {what}",
+                             "drop --lora, or add --allow-step-recipe-stacking to load both") from error  # fmt: skip
         raise UsageError(f"--lora {args.lora}: {_as_flags(message)}", "pass a MiniMax-H3 LoRA") from error
     pipe.set_adapters(["cli"], [1.0 if args.lora_scale is None else args.lora_scale])
     print(f"LoRA {args.lora}: {report}", file=sys.stderr)
@@ -1034,10 +1042,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="quantize the DiT while loading, in a registered format (built in: fp8, w8a16, nvfp4)")
     fast.add_argument("--quantize-text-encoder", default=None, metavar="FORMAT",
                       help="quantize the Qwen3-VL text encoder while loading (formats as --quantize)")
-    fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo files also set their schedule)")
+    fast.add_argument("--lora", default=None, help="LoRA file or repo (LightX2V Turbo and PDD Acc-LoRA files also set their schedule)")
     fast.add_argument("--lora-scale", type=_ranged(float, what="--lora-scale"), default=None, help="with --lora: adapter weight (default: 1.0)")
     fast.add_argument("--lora-allow-unmatched", action="store_true",
                       help="with --lora: load the matching modules and skip LoRA keys that match none")
+    fast.add_argument("--allow-step-recipe-stacking", action="store_true",
+                      help="with --lora: load a step-reduction LoRA (LightX2V Turbo, PDD) on a model that already has "
+                           "a step recipe (a FastH3 stack); refused by default")  # fmt: skip
     fast.add_argument("--cache", choices=CACHE_METHOD_CHOICES, default=None,
                       help="diffusers' step cache on the DiT: first-block (FirstBlockCache), mag (MagCache; needs "
                            "--steps, calibrates on its first run) or taylorseer (TaylorSeer)")  # fmt: skip

@@ -64,13 +64,17 @@ class PackedLayout:
     """All segments of one packed sequence, sorted by row, covering ``[0, seq_len)`` without gaps.
 
     ``step_index`` / ``num_steps`` say which denoising step the current transformer call belongs to (``None`` outside
-    a sampling loop), so processors can run dense for the first steps.
+    a sampling loop), so processors can run dense for the first steps. ``sigma_interval`` / ``audio_sigma_interval``
+    are the ``(sigma, next sigma)`` that step moves the video / audio latents across (``None`` outside a sampling
+    loop): a PDD head bank picks its interval heads from them.
     """
 
     segments: Tuple[LayoutSegment, ...]
     seq_len: int
     step_index: Optional[int] = None
     num_steps: Optional[int] = None
+    sigma_interval: Optional[Tuple[float, float]] = None
+    audio_sigma_interval: Optional[Tuple[float, float]] = None
 
     def __post_init__(self):
         segments = tuple(sorted(self.segments, key=lambda s: s.start))
@@ -88,9 +92,22 @@ class PackedLayout:
     def select(self, kind: Optional[str] = None, role: Optional[str] = None) -> Tuple[LayoutSegment, ...]:
         return tuple(s for s in self.segments if (kind is None or s.kind == kind) and (role is None or s.role == role))
 
-    def at_step(self, step_index: Optional[int], num_steps: Optional[int] = None) -> "PackedLayout":
-        """The same layout tagged with a denoising step (the pipeline publishes one per transformer call)."""
-        return dataclasses.replace(self, step_index=step_index, num_steps=num_steps)
+    def at_step(
+        self,
+        step_index: Optional[int],
+        num_steps: Optional[int] = None,
+        sigma_interval: Optional[Tuple[float, float]] = None,
+        audio_sigma_interval: Optional[Tuple[float, float]] = None,
+    ) -> "PackedLayout":
+        """The same layout tagged with a denoising step and the sigma intervals it spans (the pipeline publishes one
+        per transformer call)."""
+        return dataclasses.replace(
+            self,
+            step_index=step_index,
+            num_steps=num_steps,
+            sigma_interval=sigma_interval,
+            audio_sigma_interval=audio_sigma_interval,
+        )
 
     def describe(self) -> str:
         parts = []

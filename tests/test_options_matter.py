@@ -146,8 +146,8 @@ class _FakePipe:
         self.log.append(("to", device))
         return self
 
-    def load_lora_weights(self, path, adapter_name=None, allow_unmatched_keys=False):
-        self.log.append(("load_lora_weights", adapter_name, allow_unmatched_keys))
+    def load_lora_weights(self, path, adapter_name=None, allow_unmatched_keys=False, allow_step_recipe_stacking=False):
+        self.log.append(("load_lora_weights", adapter_name, allow_unmatched_keys, allow_step_recipe_stacking))
         return "report"
 
     def set_adapters(self, names, weights):
@@ -225,10 +225,12 @@ def test_cli_lora_scale_and_allow_unmatched(cli_run, tmp_path):
     save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32)}, str(lora))
     default = cli_run("--lora", str(lora))
     assert _entries(default, "set_adapters") == [("set_adapters", ["cli"], [1.0])]
-    assert _entries(default, "load_lora_weights") == [("load_lora_weights", "cli", False)]
+    assert _entries(default, "load_lora_weights") == [("load_lora_weights", "cli", False, False)]
     chosen = cli_run("--lora", str(lora), "--lora-scale", "0.25", "--lora-allow-unmatched")
     assert _entries(chosen, "set_adapters") == [("set_adapters", ["cli"], [0.25])]
-    assert _entries(chosen, "load_lora_weights") == [("load_lora_weights", "cli", True)]
+    assert _entries(chosen, "load_lora_weights") == [("load_lora_weights", "cli", True, False)]
+    stacked = cli_run("--lora", str(lora), "--allow-step-recipe-stacking")
+    assert _entries(stacked, "load_lora_weights") == [("load_lora_weights", "cli", False, True)]
 
 
 def test_cli_vsa_dense_first_steps_and_v100(cli_run):
@@ -353,6 +355,7 @@ def test_pipeline_card_tags_name_the_quantization_of_each_partition(tmp_path):
     [
         (["--reference-short-edge", "200"], "--reference-short-edge without --reference"),
         (["--lora-allow-unmatched"], "--lora-allow-unmatched without --lora"),
+        (["--allow-step-recipe-stacking"], "--allow-step-recipe-stacking without --lora"),
         (["--v100", "--vsa", "0.5"], "--v100 installs the FA-V100 attention"),
         (["--v100", "--attention-precision", "fp8"], "--v100 installs the FA-V100 attention"),
         (["--gpus", "0"], "--gpus 0"),

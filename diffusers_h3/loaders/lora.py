@@ -52,6 +52,7 @@ from torch import nn
 
 from ..quantizers import quantized_weight
 from ..tasks import partition_for_task, partition_for_tasks
+from . import pdd as _pdd
 from .lora_files import check_lora_file, read_fp8_lora
 from .lora_presets import (
     LoraDistillationPreset,
@@ -82,6 +83,8 @@ _KEY_RE = re.compile(
 )
 _PENDING_METADATA: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_pending_lora_metadata", default=None)
 _DEFAULT_ALPHA_NOTE = "default alpha == rank (scale 1.0): the file records no alpha"
+# Set while a PDD file loads its backbone: the file was already checked against the other step recipes as a whole.
+_RECIPE_CHECKED: contextvars.ContextVar = contextvars.ContextVar("diffusers_h3_step_recipe_checked", default=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -116,6 +119,7 @@ class LoraLoadReport:
     alpha_source: str
     preset: Optional[LoraDistillationPreset]
     hotswap: bool = False
+    pdd: Optional[str] = None  # what a PDD Acc-LoRA put beside the backbone (head bank, schedule)
 
     @property
     def num_matched_modules(self) -> int:
@@ -131,6 +135,8 @@ class LoraLoadReport:
         else:
             lines.append("  unmatched keys: none")
         lines.append(f"  distillation preset: {self.preset.describe() if self.preset else 'none'}")
+        if self.pdd:
+            lines.append(f"  PDD: {self.pdd}")
         return "\n".join(lines)
 
 
@@ -340,6 +346,23 @@ def _rebuild_offload_groups(model) -> None:
     _maybe_remove_and_reapply_group_offloading(model)
 
 
+def _first_lora_layer(model: nn.Module, adapter: str) -> Optional[nn.Module]:
+    """One PEFT layer holding ``adapter`` (its state says whether the adapter runs, and at which weight)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and adapter in getattr(module, "lora_A", {}):
+            return module
+    return None
+
+
+def _regroup_if_group_offloaded(model: nn.Module) -> None:
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+    if _is_group_offload_enabled(model):
+        _rebuild_offload_groups(model)
+
+
 def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
     """Every number in an adapter weight spec (a float, a list, or diffusers' per-component / per-block dicts) is
     finite."""
@@ -353,11 +376,11 @@ def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
         raise ValueError(f"`{where}` is {weights}: an adapter weight must be a finite number (1.0 = as trained).")
 
 
-def merged_distillation_preset(pipe, task: Optional[str] = None):
+def merged_distillation_preset(pipe, task: Optional[str] = None, partition: Optional[str] = None):
     """``(label, preset)`` for a DiT loaded from a single file whose name is a known step-distillation merge (e.g.
     LightX2V's ``minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors``, the Turbo LoRA merged into an fp8 DiT), or
     ``None``: such a DiT runs the schedule it was distilled for, as the LoRA would."""
-    wanted = partition_for_task(task) if task is not None else None
+    wanted = partition_for_task(task) if task is not None else partition
     for component in (pipe.transformer_name, pipe.transformer_ref_name):
         model = getattr(pipe, component, None)
         record = transformer_file_record(model) if isinstance(model, nn.Module) else None
@@ -386,6 +409,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         allow_unmatched_keys: bool = False,
         network_alpha: Optional[float] = None,
         distillation_preset: Union[str, LoraDistillationPreset, None] = "auto",
+        allow_step_recipe_stacking: bool = False,
         **kwargs,
     ) -> LoraLoadReport:
         """Load a LoRA into ``transformer`` (or ``transformer_ref``) and return a :class:`LoraLoadReport`.
@@ -408,7 +432,12 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
                 The sampling schedule this adapter was distilled for. `"auto"` detects LightX2V Turbo files by name
                 and reads schedule fields from the file's `__metadata__`; a name from
                 `diffusers_h3.loaders.lora_presets.KNOWN_PRESETS` or a `LoraDistillationPreset` sets it
-                explicitly; `None` marks the adapter as an ordinary (non-distillation) LoRA.
+                explicitly; `None` marks the adapter as an ordinary (non-distillation) LoRA. A PDD Acc-LoRA's
+                schedule is read from its `__metadata__` (`pdd_num_steps` / `pdd_block_size`).
+            allow_step_recipe_stacking (`bool`, defaults to `False`):
+                A step-reduction recipe (a distillation LoRA such as LightX2V Turbo, a PDD Acc-LoRA, a FastH3 stack)
+                loaded while another one is on the pipeline is refused, in one line naming both: they are
+                alternatives, each distilled for its own schedule. `True` loads it anyway (with a warning).
         """
         hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
         low_cpu_mem_usage = kwargs.pop("low_cpu_mem_usage", None)
@@ -425,6 +454,11 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
 
         source = _read_source(pretrained_model_name_or_path_or_dict, hub_kwargs)
         check_lora_file(source.file_name, source.raw_keys, source.file_metadata)
+        if source.raw_keys is not None and _pdd.is_pdd_file(source.raw_keys, source.file_metadata):
+            return self._load_pdd(
+                source, adapter_name, hotswap, load_into_transformer_ref, allow_unmatched_keys, network_alpha,
+                distillation_preset, allow_step_recipe_stacking, low_cpu_mem_usage,
+            )  # fmt: skip
         from_file = isinstance(source.load_from, str) and source.raw_keys is not None
         fp8 = read_fp8_lora(source.load_from) if from_file else None
         load_from = fp8.state_dict if fp8 is not None else source.load_from
@@ -445,10 +479,105 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys
         )
         preset = _select_preset(distillation_preset, source.file_name, source.file_metadata)
+        if preset is not None and not hotswap and not _RECIPE_CHECKED.get():
+            label = f"distillation LoRA {source.file_name or adapter_name or 'state dict'} ({preset.name})"
+            for component in matched:
+                self._check_one_step_recipe(label, allow_step_recipe_stacking, component)
         name = self._load_with_peft(kept, metadata, adapter_name, hotswap, load_into_transformer_ref, low_cpu_mem_usage)
         report = self._report_loaded(name, layout, matched, unmatched, alpha_source, preset, hotswap)
         logger.info(str(report))
         return report
+
+    def _load_pdd(self, source, adapter_name, hotswap, load_into_transformer_ref, allow_unmatched_keys, network_alpha,
+                  distillation_preset, allow_step_recipe_stacking, low_cpu_mem_usage) -> LoraLoadReport:  # fmt: skip
+        """A PDD Acc-LoRA (:mod:`~diffusers_h3.loaders.pdd`): everything checked first, then the backbone through the
+        ordinary path and the head bank onto the heads of the partition it went to."""
+        where = f"PDD file {source.file_name}" if source.file_name else "PDD state dict"
+        if hotswap:
+            raise ValueError(f"{where}: hotswap cannot swap a PDD head bank; unload_lora_weights() and load it again")
+        if isinstance(source.load_from, dict):
+            state_dict = source.load_from
+        else:
+            from safetensors.torch import load_file
+
+            state_dict = load_file(source.load_from)
+        pdd = _pdd.read_pdd_file(state_dict, source.file_metadata, source.file_name)
+        transformer = getattr(self, self.transformer_name, None)
+        into_ref = load_into_transformer_ref or transformer is None
+        component = self.transformer_ref_name if into_ref else self.transformer_name
+        model = getattr(self, component)
+        _pdd.check_head_bank_fits(model, pdd, component, where)
+        preset = pdd.preset() if isinstance(distillation_preset, str) and distillation_preset == "auto" else (
+            _select_preset(distillation_preset, source.file_name, {}))  # fmt: skip
+        self._check_one_step_recipe(f"PDD Acc-LoRA {source.file_name or 'state dict'}", allow_step_recipe_stacking,
+                                    component)  # fmt: skip
+        alpha_from_metadata = network_alpha is None and pdd.alpha is not None and not any(
+            k.endswith(".alpha") for k in pdd.backbone
+        )  # per-module `.alpha` tensors (the ComfyUI conversion) are folded in by diffusers' converter
+        if alpha_from_metadata:
+            network_alpha = pdd.alpha
+        load_args = {} if low_cpu_mem_usage is None else {"low_cpu_mem_usage": low_cpu_mem_usage}
+        token = _RECIPE_CHECKED.set(True)
+        try:
+            report = self.load_lora_weights(
+                pdd.backbone, adapter_name=adapter_name, load_into_transformer_ref=load_into_transformer_ref,
+                allow_unmatched_keys=allow_unmatched_keys, network_alpha=network_alpha, distillation_preset=preset,
+                **load_args,
+            )  # fmt: skip
+        finally:
+            _RECIPE_CHECKED.reset(token)
+        if set(report.components) != {component}:
+            self.delete_adapters(report.adapter_name)
+            raise ValueError(f"{where}: its backbone loaded into {sorted(report.components)}, not `{component}` "
+                             "where its head bank goes")  # fmt: skip
+        _pdd.install_head_bank(model, pdd, report.adapter_name, _first_lora_layer(model, report.adapter_name))
+        _regroup_if_group_offloaded(model)  # the offload groups hold the heads' old tensors
+        report.layout = pdd.layout
+        if alpha_from_metadata:
+            report.alpha_source = f"file __metadata__ lora_alpha={pdd.alpha:g}: scale alpha / rank per module"
+        report.pdd = f"backbone rank {pdd.rank}; {pdd.schedule.describe()} on `{component}`"
+        logger.info(f"PDD head bank of {report.adapter_name!r} on `{component}`: {pdd.schedule.describe()}")
+        return report
+
+    def _active_step_recipes(self) -> List[Tuple[str, str, str]]:
+        """``[(kind, label, partition)]`` of the step-reduction recipes on the pipeline: ``"pdd"`` and ``"lora"``
+        (distillation LoRAs) here; the pipeline adds its own (FastH3 stacks)."""
+        registry = self._lora_preset_registry()
+        adapters = self.get_list_adapters()
+        recipes = []
+        for component, model in self._lora_partitions().items():
+            banks = {r.adapter for r in _pdd.head_bank_records(model)}
+            for adapter in sorted(set(adapters.get(component, [])) | banks):
+                preset = registry.get(adapter)
+                if adapter in banks:
+                    label = f"PDD Acc-LoRA {adapter!r}" + (f" ({preset.name})" if preset else "")
+                    recipes.append(("pdd", label, component))
+                elif preset is not None:
+                    recipes.append(("lora", f"distillation LoRA {adapter!r} ({preset.name})", component))
+            merged = merged_distillation_preset(self, None, component)
+            if merged is not None:  # a Turbo LoRA merged into the DiT file this partition was loaded from
+                recipes.append(("merged", f"{merged[0]} ({merged[1].name})", component))
+        return recipes
+
+    def _check_one_step_recipe(self, new: str, allow: bool, partition: str, exclude: Sequence[str] = ()) -> None:
+        """Refuse ``new`` (a step-reduction recipe about to load onto ``partition``) while another one is on that
+        partition (each partition runs its own tasks), unless ``allow`` (then warn). ``exclude``: recipe kinds
+        ``new`` replaces rather than stacks on."""
+        present = [
+            f"{label} on `{where}`" for kind, label, where in self._active_step_recipes()
+            if where == partition and kind not in exclude
+        ]  # fmt: skip
+        if not present:
+            return
+        if not allow:
+            raise ValueError(
+                f"{new} is a step-reduction recipe and {present[0]} is already loaded: step recipes (LightX2V "
+                "Turbo, PDD, FastH3, VDN) are alternatives, each distilled for its own schedule, not a stack. Unload "
+                "the first (unload_lora_weights(), delete_adapters(), disable_fasth3_preset(pipe)), or pass "
+                "`allow_step_recipe_stacking=True` to load both."
+            )
+        logger.warning(f"Stacking step recipes: {new} on top of {', '.join(present)} (allow_step_recipe_stacking=True); "
+                       "the schedule of one of them runs, which the other was not distilled for.")  # fmt: skip
 
     def _alpha_provenance(self, state_dict, metadata, raw_keys, file_metadata, network_alpha):
         """The adapter metadata to load with and where its alpha comes from (for the report).
@@ -599,6 +728,9 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
     # ---- adapter bookkeeping ----------------------------------------------------------------------------------------
     def unload_lora_weights(self, *args, **kwargs):
         super().unload_lora_weights(*args, **kwargs)
+        for model in self._lora_partitions().values():
+            if _pdd.remove_head_banks(model):  # the base heads back, bit for bit
+                _regroup_if_group_offloaded(model)
         self._lora_preset_registry().clear()
 
     def set_adapters(
@@ -613,7 +745,11 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
 
     def delete_adapters(self, adapter_names: Union[List[str], str]):
         super().delete_adapters(adapter_names)
-        for name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for model in self._lora_partitions().values():
+            if _pdd.remove_head_banks(model, names):
+                _regroup_if_group_offloaded(model)
+        for name in names:
             self._lora_preset_registry().pop(name, None)
 
     def set_lora_distillation_preset(
@@ -645,6 +781,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
                     f"{component}: LoRA {adapter!r} weight={weight:g} {'active' if active else 'inactive'}"
                     + (f"; distillation preset {preset.describe()}" if preset else "")
                 )
+            lines += [f"{component}: {record.describe()}" for record in _pdd.head_bank_records(model)]
         return lines
 
     # ---- schedule hook ----------------------------------------------------------------------------------------------

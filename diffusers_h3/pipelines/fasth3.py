@@ -105,17 +105,27 @@ def _transformer(pipe, who: str) -> torch.nn.Module:
     return transformer
 
 
+def _check_one_step_recipe(pipe, new: str, allow: bool) -> None:
+    """The pipeline's one-step-recipe rule (``MiniMaxH3LoraMixin._check_one_step_recipe``); a FastH3 preset replaces
+    an earlier one rather than stacking on it."""
+    check = getattr(pipe, "_check_one_step_recipe", None)
+    if check is not None:
+        check(new, allow, "transformer", exclude=("fasth3",))
+
+
 def _gated_blocks(transformer) -> int:
     return sum(getattr(block.attn, "to_gate_compress", None) is not None for block in transformer.transformer_blocks)
 
 
 def enable_fasth3_preset(pipe, preset: Union[str, FastH3Preset], *, payload: Optional[str] = None,
-                         source: Optional[str] = None):  # fmt: skip
+                         source: Optional[str] = None, allow_step_recipe_stacking: bool = False):  # fmt: skip
     """Put a FastH3 preset (a known name or a :class:`FastH3Preset`) on ``pipe``: VSA at its trained sparsity with
     bf16 attention on the ``transformer`` partition (refused without the trained gates on every block; a dense
-    preset refuses a gated DiT) and its trained schedule for every later call. Returns the pipeline."""
+    preset refuses a gated DiT) and its trained schedule for every later call. Another step recipe on the pipeline (a
+    distillation or PDD LoRA) is refused unless ``allow_step_recipe_stacking``. Returns the pipeline."""
     preset = get_fasth3_preset(preset)
     transformer = _transformer(pipe, "enable_fasth3_preset")
+    _check_one_step_recipe(pipe, f"FastH3 preset {preset.name}", allow_step_recipe_stacking)
     blocks, gated = len(transformer.transformer_blocks), _gated_blocks(transformer)
     if preset.vsa_sparsity is not None:
         if gated != blocks:
@@ -277,15 +287,19 @@ def load_fasth3_adapter(
     strength: float = 1.0,
     preset: Union[str, FastH3Preset, None] = "auto",
     network_alpha: Optional[float] = None,
+    allow_step_recipe_stacking: bool = False,
 ):
     """Load a FastH3 adapter (``adapter_model.safetensors`` of ``FastVideo/FastVideo-FastH3-4-step-Preview-v1-LoRA``
     and alike) onto ``pipe``'s base DiT: the ``.diff`` / ``.diff_b`` / ``.set_weight`` payload folded into the weights
     (the VSA variant's gates created), the LoRA factors through PEFT (``pipe.load_lora_weights``, at weight
     ``strength``), and the preset (``"auto"``: a contract next to the file, else the published variant folder's name;
     a name or :class:`FastH3Preset`; ``None``: none). The payload is checked against the DiT before anything changes.
+    Another step recipe on the pipeline is refused before anything loads, unless ``allow_step_recipe_stacking``.
     Returns the LoRA load report (``None`` for a payload-only file).
     """
     transformer = _transformer(pipe, "load_fasth3_adapter")
+    label = path_or_state_dict if isinstance(path_or_state_dict, (str, Path)) else "state dict"
+    _check_one_step_recipe(pipe, f"FastH3 adapter {label}", allow_step_recipe_stacking)
     state_dict, metadata, path = _read_adapter(path_or_state_dict)
     payload, low_rank = split_fasth3_state_dict(state_dict)
     if preset == "auto":
@@ -303,5 +317,6 @@ def load_fasth3_adapter(
             pipe.set_adapters([adapter_name], [strength])
     applied = apply_fasth3_payload(transformer, plan, strength=strength)
     if preset is not None:
-        enable_fasth3_preset(pipe, preset, payload=applied.describe(), source=str(path or "state dict"))
+        enable_fasth3_preset(pipe, preset, payload=applied.describe(), source=str(path or "state dict"),
+                             allow_step_recipe_stacking=allow_step_recipe_stacking)  # fmt: skip
     return report

@@ -60,13 +60,14 @@ from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
 from ..layout import use_packed_layout
 from ..loaders.lora import MiniMaxH3LoraMixin
+from ..loaders.pdd import check_no_head_bank
 from ..loaders.single_file import check_saveable
 from ..packing import check_layout_matches_indices
 from ..parallel.checkpoint_streaming import release_streamed_weights, streaming_of
 from ..parallel.ranks import check_same_generator, context_parallel_group, run_on_main_rank
 from ..parallel.vae import parallel_vae_decode
 from ..tasks import PARTITIONS, LatentGeometry, TaskComponents, TaskConditions, get_task, select_task
-from .fasth3 import resolve_fasth3_schedule, save_fasth3_contract
+from .fasth3 import fasth3_record, resolve_fasth3_schedule, save_fasth3_contract
 from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
@@ -271,8 +272,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """diffusers' `save_pretrained` (and `push_to_hub=True`), with its parameters, plus a Hub model card
         (`README.md`) for the saved checkpoint when the folder has none: metadata (library, pipeline tag, base model,
         quantization and fused-LoRA tags) and a usage snippet that loads exactly this checkpoint. A partition holding
-        GGUF layers (loaded from a .gguf file) is refused in one line before anything is written."""
+        GGUF layers (loaded from a .gguf file) or a PDD head bank is refused in one line before anything is written."""
         check_saveable(self)
+        check_no_head_bank(self)
 
         def save(pipe, directory, **options):  # a FastH3 preset is saved as its contract, so that it reloads
             result = DiffusionPipeline.save_pretrained(pipe, directory, **options)
@@ -411,6 +413,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def _partitions(self):
         return partitions_of(self)
+
+    def _active_step_recipes(self) -> List[Tuple[str, str, str]]:
+        """The LoRA mixin's step recipes (distillation LoRAs, PDD) plus a FastH3 stack's preset (on `transformer`)."""
+        recipes = super()._active_step_recipes()
+        record = fasth3_record(self)
+        if record is not None:
+            recipes.append(("fasth3", f"FastH3 stack ({record.preset.name})", "transformer"))
+        return recipes
 
     # ------------------------------------------------------------------------------------------------------------
     # Input checks
@@ -912,6 +922,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             for t, t_audio in zip(timesteps, audio_timesteps)
         ]
 
+        # The (sigma, next sigma) each step spans, published with the layout (a PDD head bank mixes its heads by it).
+        video_sigmas, audio_sigmas = self.scheduler.sigmas.tolist(), self.audio_scheduler.sigmas.tolist()
+        intervals = [((video_sigmas[i], video_sigmas[i + 1]), (audio_sigmas[i], audio_sigmas[i + 1]))
+                     for i in range(len(timesteps))]  # fmt: skip
+
         # 8. Denoise: one transformer forward per step; only the generated rows are stepped.
         # The token refiner is timestep-free: it refines the prompt once per request, not once per step.
         with self.progress_bar(total=len(timesteps)) as progress_bar, refine_text_once(transformer):
@@ -920,8 +935,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     continue
                 unique_timesteps, timestep_indices = row_plan[i]
                 # cache_context tells diffusers' step-caching hooks (FirstBlockCache, MagCache, TaylorSeer) the step.
-                step = {"step_index": i, "sigma": float(self.scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
-                with use_packed_layout(layout.at_step(i, len(timesteps))), transformer.cache_context("cond", **step):
+                step = {"step_index": i, "sigma": video_sigmas[i], "num_inference_steps": len(timesteps)}
+                step_layout = layout.at_step(i, len(timesteps), *intervals[i])
+                with use_packed_layout(step_layout), transformer.cache_context("cond", **step):
                     noise_pred, audio_noise_pred = transformer(
                         hidden_states=latents[None],
                         audio_hidden_states=audio_latents[None],

@@ -178,3 +178,15 @@ def test_a_merged_turbo_fp8_file_runs_its_trained_schedule(pipe, tmp_path, h3_lo
     assert len(sigmas(loaded, num_inference_steps=3)[0]) == 3  # an explicit count is kept, with one warning
     assert "transformer file minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors" in h3_logs.text
     assert sigmas(other, num_inference_steps=5) != trained  # a file without a known name: the pipeline's shifts
+
+
+def test_a_turbo_lora_on_a_merged_turbo_file_is_refused(pipe, tmp_path):
+    """The merged file is a step recipe already: a distillation LoRA on top is refused in one line naming both."""
+    path = tmp_path / "minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors"
+    write_fp8_scaled_safetensors(pipe.transformer, path)
+    loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
+    lora = canonical_lora(loaded.transformer, seed=3)
+    lora_path = save_lora(tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0.safetensors", write_layout(lora, "peft_dump"))
+    with pytest.raises(ValueError, match="transformer file minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors") as e:
+        loaded.load_lora_weights(lora_path, "turbo8")
+    assert "\n" not in str(e.value) and "alternatives" in str(e.value)

@@ -27,7 +27,10 @@ def _layout(step=None):
         LayoutSegment("audio", "target", TEXT, TEXT + AUDIO),
         LayoutSegment("video", "target", TEXT + AUDIO, TEXT + AUDIO + video, grid=GRID),
     )
-    return PackedLayout(segments, seq_len=TEXT + AUDIO + video, step_index=step, num_steps=2)
+    # as the pipeline publishes it: each step with its own sigma intervals
+    sigmas = ((1.0, 0.5), (0.5, 0.0))[step or 0]
+    return PackedLayout(segments, seq_len=TEXT + AUDIO + video, step_index=step, num_steps=2, sigma_interval=sigmas,
+                        audio_sigma_interval=sigmas)  # fmt: skip
 
 
 def _run(model, step=None):

@@ -3,22 +3,34 @@ stack's layout, its 4-forward preset (the trained rungs 999/749/500/250, shifts 
 with the trained gates), its light VAE and its NVFP4 text encoder (docs/checkpoints.md, "FastH3 stacks").
 
     python benchmarks/fasth3.py --out benchmarks/results/fasth3_h200.json          # the two *_fastest cases
-    python benchmarks/fasth3.py --cases t2va_fasth3,fl2va_fasth3,t2va_fasth3_fastest,fl2va_fasth3_fastest --out ...
+    python benchmarks/fasth3.py --out benchmarks/results/fasth3_h100.json          # the same on one 80 GB H100
+    python benchmarks/fasth3.py --dit-format bf16 --cases t2va_fasth3,fl2va_fasth3,t2va_fasth3_fastest,\
+        fl2va_fasth3_fastest --out ...                                               # bf16 cases (an H200 holds them)
     python benchmarks/fasth3.py --tiny --out /tmp/fasth3_tiny.json                   # CPU smoke test
 
-The stack, built on the device (``benchmarks/request.py``'s builder with a hook per component):
+The stack (``benchmarks/request.py``'s builder with a hook per component). By default (``--dit-format quantized``)
+the text encoder, the DiT and the video VAE are built on the CPU and reach the device already quantized, one layer
+at a time (``quantize(module, config, device=...)``, what ``from_pretrained(..., quantization_config=...)`` does
+for a stack on disk): the 16-bit DiT never sits on the device whole, which is what fits one 80 GB card.
 
 * text encoder: Qwen3-VL-32B config, decoder layers 0-50, block linears quantized to weight-only NVFP4 (the vision
   tower and the LM head kept 16-bit, as the stack's NVFP4 encoder does);
-* DiT: ``MiniMaxH3Transformer3DModel()`` in bf16 plus one random ``to_gate_compress`` (7168 x 5376) per block, the
-  FastH3 preset applied with ``enable_fasth3_preset`` (schedule + VSA with the gates);
+* DiT: ``MiniMaxH3Transformer3DModel()`` plus one random ``to_gate_compress`` (7168 x 5376) per block; quantized to
+  the ``fastest`` preset's GEMM format (FP8 where FP8 tensor cores exist, gates included), which the preset then
+  keeps; with ``--dit-format bf16`` built in bf16 on the device (the ``_fastest`` cases then quantize it in place);
+  the FastH3 preset applied with ``enable_fasth3_preset`` (schedule + VSA with the gates);
 * video VAE: the released VAE's decoder depth-cut to 8 evenly spaced blocks through the exported-decoder loader
   (``load_nvfp4_decoder`` on a ``decoder.pt``-format dict of its own weights): weight-only NVFP4 decoder linears.
 
-Cases (in this order; the ``_fastest`` ones quantize the DiT in place, so the bf16 ones come first):
+Memory: ``peak_gib`` / ``peak_reserved_gib`` are PyTorch's allocator peaks of the timed request; ``device_peak_gib``
+is the card's count (``DeviceMemorySampler``: NVML, the CUDA context and workspaces included) over the case (warm-up
+and timed request), and ``build_device_peak_gib`` over building the stack; ``within_card_bound`` compares the case's
+with ``--card-bound-gib`` (75 by default: what must hold on an 80 GB card).
 
-* ``t2va_fasth3`` / ``fl2va_fasth3``: the preset as trained: bf16 weights, VSA 0.9 with bf16 attention, regional
-  compile, diffusers' tiled decode of the light decoder;
+Cases (in this order; the ``_fastest`` ones quantize a bf16 DiT in place, so the bf16 ones come first):
+
+* ``t2va_fasth3`` / ``fl2va_fasth3`` (``--dit-format bf16`` only): the preset as trained: bf16 weights, VSA 0.9 with
+  bf16 attention, regional compile, diffusers' tiled decode of the light decoder;
 * ``t2va_fasth3_fastest`` / ``fl2va_fasth3_fastest``: ``enable_speed_preset("fastest")`` (FP8 GEMMs, the gates
   included; batched-tile compiled decode), which keeps the stack's VSA 0.9, with INT8 Q/K.
 
@@ -29,6 +41,7 @@ all 4 forwards (``benchmarks/request.py``'s protocol and stage timer). The JSON 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 import traceback
@@ -36,7 +49,7 @@ import traceback
 import request as request_suite
 import torch
 
-from _common import result_header, write_json
+from _common import DeviceMemorySampler, device_peak_fields, result_header, write_json
 
 
 CASES = ("t2va_fasth3", "fl2va_fasth3", "t2va_fasth3_fastest", "fl2va_fasth3_fastest")
@@ -52,21 +65,41 @@ def case_setup(case):
     return task, "fastest" if case.endswith("_fastest") else None, 5, None, None
 
 
-def stack_hook(device, tiny):
-    """The component hook that gives ``request.build_pipeline``'s random components the FastH3 stack's layout."""
+BUILT_ON_CPU = ("text_encoder", "transformer", "vae")  # --dit-format quantized
+
+
+def dit_config(device):
+    """The DiT format of the ``fastest`` preset on ``device`` (FP8 with FP8 tensor cores, else W8A16)."""
+    from diffusers_h3.pipelines.speed_presets import gemm_format
+    from diffusers_h3.quantizers import FP8Config, W8A16Config
+
+    return FP8Config() if gemm_format(device) == "fp8" else W8A16Config()
+
+
+def stack_hook(device, tiny, dit_format="quantized"):
+    """The component hook that gives ``request.build_pipeline``'s random components the FastH3 stack's layout; with
+    ``dit_format="quantized"`` it also brings the components built on the CPU to ``device``, quantized layer by layer
+    (the DiT's gates included)."""
     from diffusers_h3.loaders.fasth3_vae import load_nvfp4_decoder
     from diffusers_h3.quantizers import NVFP4Config, quantize
     from diffusers_h3.quantizers.config import DEFAULT_MODULES_TO_NOT_CONVERT
     from diffusers_h3.testing.fasth3 import add_random_gates, nvfp4_decoder_export
 
+    moving = dit_format == "quantized" and not tiny
+    target = device if moving else None
+
     def hook(name, module):
         if name == "text_encoder":
-            quantize(module, NVFP4Config(modules_to_not_convert=[*DEFAULT_MODULES_TO_NOT_CONVERT, "visual"]))
+            config = NVFP4Config(modules_to_not_convert=[*DEFAULT_MODULES_TO_NOT_CONVERT, "visual"])
+            quantize(module, config, device=target)
         elif name == "transformer":
             add_random_gates(module)
+            if dit_format == "quantized":
+                quantize(module, dit_config(device), device=target)
         elif name == "vae":
             layers = min(STUDENT_LAYERS, len(module.decoder.transformer_blocks))
             load_nvfp4_decoder(module, nvfp4_decoder_export(module, layers), source="decoder.pt layout (random)")
+            module = module.to(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return module
@@ -76,7 +109,7 @@ def stack_hook(device, tiny):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/fasth3_h200.json")
+    parser.add_argument("--out", required=True, help="the JSON to write (e.g. benchmarks/results/fasth3_h100.json)")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
                         help=f"comma list from {', '.join(CASES)} (default: {','.join(DEFAULT_CASES)})")
     parser.add_argument("--no-compile", action="store_true", help="no regional torch.compile")
@@ -86,15 +119,26 @@ def main(argv=None):
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--export", choices=("one-shot", "streamed"), default="streamed",
                         help="streamed (default, what the CLI runs): the MP4 written while the video decodes")
+    parser.add_argument("--dit-format", choices=("quantized", "bf16"), default="quantized",
+                        help="quantized (default): the components reach the device quantized layer by layer, the "
+                             "DiT in the fastest preset's format (fits one 80 GB card); bf16: the DiT built in bf16 on "
+                             "the device (needed by the bf16 cases)")  # fmt: skip
+    parser.add_argument("--card-bound-gib", type=float, default=75.0,
+                        help="device peak each case must stay within (default: %(default)s, an 80 GB card)")
     args = parser.parse_args(argv)
 
     wanted = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(wanted) - set(CASES))
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
+    bf16_cases = [c for c in wanted if not c.endswith("_fastest")]
+    if bf16_cases and args.dit_format != "bf16":
+        raise SystemExit(f"{', '.join(bf16_cases)} run the bf16 DiT: pass --dit-format bf16 (a card that holds it)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or not args.tiny else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/fasth3.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
+    # Made before this process touches CUDA: NVML's count of the whole card for this process.
+    sampler = DeviceMemorySampler(device.index or 0).start() if device.type == "cuda" else None
     run = [c for c in CASES if c in wanted]
     for case in run:
         request_suite.CASE_SETUP[case] = case_setup(case)
@@ -106,11 +150,19 @@ def main(argv=None):
 
     preset = get_fasth3_preset(PRESET)
     started = time.perf_counter()
-    pipe = request_suite.build_pipeline(device, args.tiny, component_hook=stack_hook(device, args.tiny))
-    pipe.set_progress_bar_config(disable=True)
-    diffusers_h3.enable_fasth3_preset(pipe, preset)
+    build_window = sampler.window("build") if sampler is not None else contextlib.nullcontext()
+    with build_window:
+        on_cpu = BUILT_ON_CPU if args.dit_format == "quantized" else ()
+        pipe = request_suite.build_pipeline(device, args.tiny, build_on_cpu=on_cpu,
+                                            component_hook=stack_hook(device, args.tiny, args.dit_format))  # fmt: skip
+        pipe.set_progress_bar_config(disable=True)
+        diffusers_h3.enable_fasth3_preset(pipe, preset)
     build_s = time.perf_counter() - started
-    print(f"built the FastH3-shaped stack in {build_s:.1f} s", flush=True)
+    build_peak = None
+    if sampler is not None:
+        build_peak = device_peak_fields(sampler.windows["build"], None, sampler.source)
+    print(f"built the FastH3-shaped stack in {build_s:.1f} s" + (f", device peak {build_peak['device_peak_gib']} GiB"
+          if build_peak else ""), flush=True)  # fmt: skip
 
     results, notes, applied, decoders_warm = {}, {}, None, False
     out_dir = tempfile.mkdtemp(prefix="h3_fasth3_")
@@ -127,13 +179,18 @@ def main(argv=None):
                     compile_blocks(pipe.transformer, "fastest")
                 applied, decoders_warm = speed or "fasth3", False
             case_start = time.perf_counter()
-            if not args.no_warmup:
-                request_suite.warm_up(pipe, case, args.tiny, decode=not decoders_warm)
-                decoders_warm = True
-            warmup_s = time.perf_counter() - case_start
-            record = request_suite.request(pipe, case, device, out_dir, forwards_limit=None, tiny=args.tiny,
-                                           export=args.export)  # fmt: skip
+            window = sampler.window(case) if sampler is not None else contextlib.nullcontext()
+            with window:
+                if not args.no_warmup:
+                    request_suite.warm_up(pipe, case, args.tiny, decode=not decoders_warm)
+                    decoders_warm = True
+                warmup_s = time.perf_counter() - case_start
+                record = request_suite.request(pipe, case, device, out_dir, forwards_limit=None, tiny=args.tiny,
+                                               export=args.export, sampler=sampler)  # fmt: skip
             record.pop("prompt_embeds", None)
+            if sampler is not None:
+                record.update(device_peak_fields(sampler.windows[case], record["peak_reserved_gib"], sampler.source))
+                record["within_card_bound"] = record["device_peak_gib"] <= args.card_bound_gib
         except Exception as error:  # noqa: BLE001 - one failing case must not lose the others
             results[case] = {"ms": None, "stages": None, "peak_gib": None}
             notes[case] = f"failed: {type(error).__name__}: {str(error)[:400]}"
@@ -152,19 +209,27 @@ def main(argv=None):
             })  # fmt: skip
             results[case] = record
             stages = " ".join(f"{k} {v / 1000:.2f}" for k, v in record["stages"].items())
-            print(f"{case:22s} {record['ms'] / 1000:7.2f} s ({stages}) peak {record['peak_gib']} GiB", flush=True)
-        write_report(args, results, notes, build_s, preset)
+            device_peak = f", device {record['device_peak_gib']} GiB" if "device_peak_gib" in record else ""
+            print(f"{case:22s} {record['ms'] / 1000:7.2f} s ({stages}) peak {record['peak_gib']} GiB{device_peak}",
+                  flush=True)  # fmt: skip
+        write_report(args, results, notes, build_s, preset, build_peak)
+    if sampler is not None:
+        sampler.stop()
 
 
-def write_report(args, results, notes, build_s, preset):
+def write_report(args, results, notes, build_s, preset, build_peak=None):
     report = {
         **result_header("fasth3", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
+        "dit_format": args.dit_format,
+        "card_bound_gib": args.card_bound_gib,
+        "build_device_peak_gib": build_peak["device_peak_gib"] if build_peak else None,
         "shape": {"height": 64 if args.tiny else request_suite.HEIGHT, "width": 96 if args.tiny else request_suite.WIDTH,
                   "frames": request_suite.num_frames(args.tiny), "prompt_tokens": request_suite.PROMPT_TOKENS,
                   "tiny": args.tiny,
                   "stack": "FastH3-shaped, random weights: NVFP4 weight-only text encoder (Qwen3-VL-32B config, layers "
-                           "0-50), bf16 DiT with 50 to_gate_compress gates, released VAE depth-cut to an 8-block "
-                           "NVFP4 weight-only decoder (load_nvfp4_decoder)" if not args.tiny else "tiny",
+                           f"0-50), {'quantized-on-the-way' if args.dit_format == 'quantized' else 'bf16'} DiT with 50 "
+                           "to_gate_compress gates, released VAE depth-cut to an 8-block NVFP4 weight-only decoder "
+                           "(load_nvfp4_decoder)" if not args.tiny else "tiny",
                   "preset": preset.describe()},
         "protocol": "random weights built on the device; per case 1 warm-up request (2 forwards) + 1 timed request "
                     "with every forward (CUDA-synchronized wall times per stage, benchmarks/request.py's timer)",

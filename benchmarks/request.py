@@ -54,8 +54,9 @@ from _common import result_header, write_json
 
 HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
 PROMPT_TOKENS = 512  # the byte-level tokenizer makes one token per byte
-CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest")
-DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer")  # that one needs flashinfer-python
+CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest",
+         "t2va_fast_first_block_cache", "t2va_fastest_first_block_cache", "t2va_fast_taylorseer",
+         "t2va_fastest_taylorseer")  # fmt: skip
 # case -> (task, speed preset or None, sigma points, flow_shift, audio_flow_shift)
 CASE_SETUP = {
     "t2va_native": ("t2va", None, 50, None, None),
@@ -64,7 +65,23 @@ CASE_SETUP = {
     "t2va_fast_flashinfer": ("t2va", "fast", 50, None, None),
     "t2va_fastest": ("t2va", "fastest", 50, None, None),
     "fl2va_light4_fastest": ("fl2va", "fastest", 5, 6.0, 3.0),  # lightx2v-fl2v-turbo-4step-768p
+    # The cache profiles (docs/speed.md): a step cache on a fast preset, the t2va 50-step request.
+    "t2va_fast_first_block_cache": ("t2va", "fast", 50, None, None),
+    "t2va_fastest_first_block_cache": ("t2va", "fastest", 50, None, None),
+    "t2va_fast_taylorseer": ("t2va", "fast", 50, None, None),
+    "t2va_fastest_taylorseer": ("t2va", "fastest", 50, None, None),
 }
+
+# The step cache per case (`diffusers_h3.hooks.cache` method), enabled before the preset compiles the blocks. One run
+# takes one cache setting: a run mixing them is refused (run each cache profile as its own --cases).
+CASE_CACHE = {
+    "t2va_fast_first_block_cache": "first-block",
+    "t2va_fastest_first_block_cache": "first-block",
+    "t2va_fast_taylorseer": "taylorseer",
+    "t2va_fastest_taylorseer": "taylorseer",
+}
+# t2va_fast_flashinfer needs flashinfer-python; the cache profiles run one per process (CASE_CACHE)
+DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer" and c not in CASE_CACHE)
 
 # The preset's flashinfer argument per case (None: automatic).
 CASE_FLASHINFER = {"t2va_fast_flashinfer": True}
@@ -131,14 +148,15 @@ def keep_fp32_modules(model):
     return model.eval().requires_grad_(False)
 
 
-def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None):
+def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None, build_on_cpu=()):
     """The pipeline with random weights: tiny components, or the released sizes built directly on ``device``.
 
     ``component_hook(name, module) -> module``, if given, is applied to each model right after it is built, in the
     order text_encoder, transformer, vae, audio_vae, before the next one is built (e.g. quantize in place and move
     to the CPU, so that no two 16-bit components sit on the device together). ``text_encoder_layers``: decoder layers
     of the text encoder (default ``TEXT_ENCODER_LAYER + 1``, the fewest the early exit needs; 64 is the released
-    model)."""
+    model). ``build_on_cpu``: components built on the CPU instead (released sizes); the hook then puts them on the
+    device (e.g. ``quantize(module, config, device=device)``: never the whole 16-bit model there)."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -182,13 +200,16 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     # Some parameters are created in fp32 whatever the default dtype: cast whole modules to bf16 first, then restore
     # `_keep_in_fp32_modules`, which is what `from_pretrained(dtype=torch.bfloat16)` ends up with. Each component is
     # built in its own context so that the hook runs with the default dtype and device restored.
-    with default_dtype_and_device(torch.bfloat16, device):
+    def where(name):
+        return torch.device("cpu") if name in build_on_cpu else device
+
+    with default_dtype_and_device(torch.bfloat16, where("text_encoder")):
         text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
     text_encoder = hook("text_encoder", text_encoder)
-    with default_dtype_and_device(torch.bfloat16, device):
+    with default_dtype_and_device(torch.bfloat16, where("transformer")):
         transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
     transformer = hook("transformer", transformer)
-    with default_dtype_and_device(torch.bfloat16, device):
+    with default_dtype_and_device(torch.bfloat16, where("vae")):
         vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
     vae = hook("vae", vae)
     with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)
@@ -342,13 +363,14 @@ def warm_up(pipe, case, tiny, decode):
     pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(forwards))
 
 
-def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot", reference_embeds=None):
+def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot", reference_embeds=None, sampler=None):
     """One request of ``case``; returns its record (ms, stages, forwards, peak). ``export="streamed"`` writes the MP4
     with ``pipe.decode_to_video`` (each decoded chunk encoded while the next decodes, as the CLI does): the video
     decode and the mux are then one stage, ``video_decode+mux``, and ``mux_after_last_chunk_ms`` is the time from the
     last chunk handed to the writer to the finished file. ``peak_gib`` / ``peak_reserved_gib``: the request's GPU peaks
     (weights included), ``stage_peak_gib``: ``[allocated, reserved]`` per stage; ``prompt_embeds_rel_l2``: the prompt
-    embeddings against ``reference_embeds`` (the first case's, bf16 text encoder)."""
+    embeddings against ``reference_embeds`` (the first case's, bf16 text encoder); ``sampler``: a
+    ``DeviceMemorySampler`` sampled again at every stage boundary."""
     from diffusers_h3 import export_to_video
     from diffusers_h3.pipelines import export as export_module
 
@@ -373,7 +395,7 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
 
     export_module.VideoWriter.write_frames = timed_write_frames
     try:
-        with StageTimer(pipe, device) as timer:
+        with StageTimer(pipe, device, sampler=sampler) as timer:
             start = time.perf_counter()
             out = pipe(**kwargs, generator=torch.Generator().manual_seed(0),
                        callback_on_step_end=stop_after(timed_forwards))  # fmt: skip
@@ -459,12 +481,21 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/request.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
     run = [c for c in CASES if c in wanted and c not in skip]
+    caches = {CASE_CACHE.get(c) for c in run}
+    if len(caches) > 1:
+        raise SystemExit(f"cases with different step caches in one run ({sorted(map(str, caches))}): run each cache "
+                         "profile as its own --cases")  # fmt: skip
 
     import diffusers_h3
 
     started = time.perf_counter()
     pipe = build_pipeline(device, args.tiny)
     pipe.set_progress_bar_config(disable=True)
+    cache = next(iter(caches), None)
+    if cache is not None:  # before any preset: the preset compiles the blocks with the cache hooks in place
+        from diffusers_h3.hooks.cache import cache_config
+
+        pipe.transformer.enable_cache(cache_config(cache))
     build_s = time.perf_counter() - started
     print(f"built the pipeline in {build_s:.1f} s", flush=True)
 
@@ -507,6 +538,10 @@ def main(argv=None):
             record["gpu_cap_gib"] = args.gpu_cap_gib if capped else None
             record["warmup_s"] = round(warmup_s, 1)
             record["speed_preset"] = diffusers_h3.describe(pipe).get("speed_preset")
+            if cache is not None:  # the config and the steps the cache skipped in the timed request
+                from diffusers_h3.hooks.cache import describe_cache
+
+                record["cache"] = describe_cache(pipe.transformer)
             results[case] = record
             stages = " ".join(f"{k} {v / 1000:.2f}" for k, v in record["stages"].items())
             print(f"{case:22s} {record['ms'] / 1000:7.2f} s ({stages}) peak {record['peak_gib']} GiB "

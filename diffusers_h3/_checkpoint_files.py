@@ -4,6 +4,7 @@ importing torch; the pipeline's loader runs them before transformers reads a fil
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -52,3 +53,40 @@ def gguf_problem(path: Path) -> Optional[str]:
     if version not in (2, 3):
         return f"a GGUF file of version {version}, not 2 or 3 (the versions the gguf package reads)"
     return None
+
+
+# LightX2V Turbo-SLA adapters: "_sla" as a token of the file name, the Minimax-h3-Turbo-SLA repo, or "sla" in an
+# attention field of the file's __metadata__.
+_SLA_NAME = re.compile(r"(^|[-_.])sla([-_.]|$)", re.IGNORECASE)
+_SLA_METADATA_KEYS = ("sparse_attention", "attention_type", "attn_type", "attention", "sla_sparsity")
+
+
+def safetensors_metadata(path: Path) -> Dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (empty when it has none); reads its header only."""
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        return dict(json.loads(handle.read(header_size)).get("__metadata__") or {})
+
+
+def turbo_sla_reason(file_name: Optional[str], metadata: Dict[str, str]) -> Optional[str]:
+    """Why a LoRA file is a LightX2V Turbo-SLA adapter (its name or its ``__metadata__``), or ``None``."""
+    base = re.split(r"[/\\]", str(file_name or ""))[-1]
+    keys = [k for k in _SLA_METADATA_KEYS if k in metadata and "sla" in str(metadata[k]).lower()]
+    if keys:
+        return f"its __metadata__ {keys[0]}={metadata[keys[0]]!r}"
+    if _SLA_NAME.search(base.rsplit(".", 1)[0]):
+        return "its name"
+    if "minimax-h3-turbo-sla" in str(file_name or "").lower():
+        return "its repository (Minimax-h3-Turbo-SLA)"
+    return None
+
+
+def turbo_sla_message(file_name: Optional[str], reason: str) -> str:
+    """The one-line refusal of a Turbo-SLA adapter."""
+    base = re.split(r"[/\\]", str(file_name or ""))[-1]
+    what = repr(base) if base else "this LoRA"
+    return (
+        f"{what} is a LightX2V Turbo-SLA adapter ({reason}): it was distilled with sparse-linear attention (SLA, 85 % "
+        "of attention blocks skipped), which diffusers-h3 does not implement, so under dense attention it runs off its "
+        "training; use a dense Turbo file instead (e.g. minimax_h3_fl2v_turbo_4step_v1.2_768p.safetensors)."
+    )

@@ -20,7 +20,13 @@ import zipfile
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional
 
-from ._checkpoint_files import gguf_problem, safetensors_problem
+from ._checkpoint_files import (
+    gguf_problem,
+    safetensors_metadata,
+    safetensors_problem,
+    turbo_sla_message,
+    turbo_sla_reason,
+)
 from ._version import __version__
 from ._video_encoding import (
     CRF_RANGE,
@@ -617,6 +623,10 @@ def _check_lora_file(args) -> None:
         problem = safetensors_problem(lora_path)
         if problem:
             raise UsageError(f"--lora {args.lora}: {problem}", "pass a LoRA .safetensors file")
+        reason = turbo_sla_reason(lora_path.name, safetensors_metadata(lora_path))
+        if reason is not None:  # before anything loads
+            message, _, fix = turbo_sla_message(lora_path.name, reason).rpartition("; ")
+            raise UsageError(f"--lora {args.lora}: {message}", fix.rstrip("."))
 
 
 def check_arguments(args) -> None:
@@ -1346,10 +1356,15 @@ def cmd_train_lora(args) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 FIDELITY_COMMANDS = ("compare", "fidelity")
 # The names of `diffusers_h3.fidelity.FIDELITY_CASES`, spelled out so that `--help` imports no torch (tested).
-FIDELITY_CASE_CHOICES = ("native", "exact", "fast", "fastest", "low_ram", "fp8_decode", "first_block_cache")
+FIDELITY_CASE_CHOICES = ("native", "exact", "fast", "fastest", "low_ram", "fp8_decode", "first_block_cache",
+                         "fast_first_block_cache", "fast_taylorseer", "fastest_first_block_cache",
+                         "fastest_taylorseer")  # fmt: skip
 DEFAULT_FIDELITY_CASES = "fast,fastest"
 # Exit status of a comparison or fidelity run with a gate below its threshold or a case that failed to run.
 GATE_FAILED = 1
+# `diffusers_h3.fidelity.run`'s default audio gates, spelled out so that `--help` imports no torch (tested).
+DEFAULT_MIN_AUDIO_SI_SDR = 20.0
+DEFAULT_MIN_AUDIO_CORRELATION = 0.995
 
 
 def _seed_list(value: str):
@@ -1381,6 +1396,15 @@ def _ratio_range(value: str):
     return bounds
 
 
+def _or_off(parse):
+    """A gate threshold, or `off` for none (to turn a default gate off)."""
+
+    def parse_or_off(value: str):
+        return None if value.strip().lower() == "off" else parse(value)
+
+    return parse_or_off
+
+
 def _add_gate_options(p) -> None:
     gates = p.add_argument_group("gates (exit status 1 when a case falls outside; docs/fidelity.md)")
     gates.add_argument("--min-ssim", type=_ranged(float, -1.0, 1.0000001, what="--min-ssim", bounds="in [-1, 1]"),
@@ -1395,17 +1419,28 @@ def _add_gate_options(p) -> None:
                             "locally; not computed is a failure)")  # fmt: skip
     gates.add_argument("--rms-ratio-range", type=_ratio_range, default=None, metavar="LOW,HIGH",
                        help="the RMS ratio of the audio (case / reference) must lie in [LOW, HIGH]")
+    gates.add_argument("--min-audio-si-sdr", type=_or_off(_ranged(float, -1e9, what="--min-audio-si-sdr")),
+                       default=DEFAULT_MIN_AUDIO_SI_SDR, metavar="DB|off",
+                       help="lowest SI-SDR (dB) of a clip's audio channels (default: %(default)s; off: no gate)")
+    gates.add_argument("--min-audio-correlation", type=_or_off(_ranged(float, -1.0, 1.0000001,
+                                                                       what="--min-audio-correlation",
+                                                                       bounds="in [-1, 1]")),
+                       default=DEFAULT_MIN_AUDIO_CORRELATION, metavar="X|off",
+                       help="lowest waveform correlation of a clip's audio channels (default: %(default)s; off: no "
+                            "gate)")  # fmt: skip
 
 
 def _gates(args):
     from diffusers_h3.fidelity import Gates
 
     return Gates(min_ssim=args.min_ssim, min_psnr=args.min_psnr, min_audio_cosine=args.min_audio_cosine,
-                 max_lpips=args.max_lpips, rms_ratio_range=args.rms_ratio_range)  # fmt: skip
+                 max_lpips=args.max_lpips, rms_ratio_range=args.rms_ratio_range,
+                 min_audio_si_sdr=args.min_audio_si_sdr, min_audio_correlation=args.min_audio_correlation)  # fmt: skip
 
 
 def _add_fidelity_commands(sub) -> None:
-    cmp = sub.add_parser("compare", help="distances between two clips: PSNR/SSIM per frame, LPIPS, audio cosine")
+    cmp = sub.add_parser("compare", help="distances between two clips: PSNR/SSIM per frame, LPIPS, audio cosine, "
+                                        "SI-SDR and correlation")
     cmp.add_argument("reference", help="the reference clip (MP4)")
     cmp.add_argument("candidate", help="the clip to measure against it (same frame count and size)")
     cmp.add_argument("--json", action="store_true", help="print the full record (per-frame values) as JSON")
@@ -1499,7 +1534,9 @@ def cmd_compare(args) -> int:
     audio = record["audio"] or {}
     summary = {"ssim_yuv420": record["ssim_yuv420"]["mean"], "psnr_yuv420": record["psnr_yuv420"]["mean"],
                "lpips": record["lpips"]["value"], "audio_cosine": audio.get("spectral_cosine"),
-               "rms_ratio": audio.get("rms_ratio"),
+               "rms_ratio": audio.get("rms_ratio"), "audio_si_sdr_db": audio.get("si_sdr_db"),
+               "audio_correlation": audio.get("correlation"),
+               "no_audio": record["audio"] is None and "audio_missing" not in record,
                "rms_ratio_range": [audio["rms_ratio"]] * 2 if "rms_ratio" in audio else None}  # fmt: skip
     gates = evaluate_gates(summary, _gates(args))
     record["gates"] = gates
@@ -1563,6 +1600,7 @@ def cmd_fidelity(args) -> int:
         if summary:
             line += "".join(f"  {label} {_rounded(summary[key], digits)}" for label, key, digits in (
                 ("SSIM", "ssim_yuv420", 4), ("PSNR dB", "psnr_yuv420", 2), ("audio cosine", "audio_cosine", 4),
+                ("SI-SDR dB", "audio_si_sdr_db", 2), ("corr", "audio_correlation", 4),
                 ("RMS ratio", "rms_ratio", 3)))  # fmt: skip
         failed = [g for g, r in (case.get("gates") or {}).items() if not r["passed"]]
         if failed:

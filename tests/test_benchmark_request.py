@@ -87,3 +87,16 @@ def test_flashinfer_case_applies_the_fast_preset_with_flashinfer(tmp_path, monke
     monkeypatch.setattr(module, "request", lambda *args, **kwargs: dict(record))
     module.main(["--tiny", "--cases", "t2va_fast,t2va_fast_flashinfer", "--out", str(tmp_path / "r.json")])
     assert applied == [("fast", None), ("fast", True)]
+
+
+def test_cache_profiles_run_one_per_process(tmp_path):
+    mixed = run_script(SCRIPT, "--tiny", "--cases", "t2va_fast_first_block_cache,t2va_fast_taylorseer", "--out",
+                       tmp_path / "r.json")  # fmt: skip
+    assert mixed.returncode != 0 and "run each cache profile as its own --cases" in mixed.stderr
+    out = tmp_path / "cache.json"
+    run = run_script(SCRIPT, "--tiny", "--cases", "t2va_fast_taylorseer", "--forwards", "8", "--no-warmup",
+                     "--no-compile", "--out", out, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    case = json.loads(out.read_text())["cases"]["t2va_fast_taylorseer"]
+    assert case["preset"] == "fast" and "TaylorSeerCacheConfig" in case["cache"]["config"]
+    assert case["cache"]["last_request"].startswith("skipped ")

@@ -544,3 +544,20 @@ def test_dry_run_checks_the_request_and_loads_nothing(no_loading, capsys, monkey
     assert not out.exists()
     _fails(["generate", "--prompt", "a cat", "--out", str(out), "--device", "cpu", "--frames", "480",
             "--strict-duration", "--dry-run"], capsys, "--frames 480", "--strict-duration")  # fmt: skip
+
+
+def test_turbo_sla_lora_is_refused_before_loading(no_loading, capsys):
+    """A LightX2V Turbo-SLA adapter (by name, or by its __metadata__) is refused in one line before anything loads."""
+    import torch
+    from safetensors.torch import save_file
+
+    base = ["generate", "--prompt", "a cat", "--out", str(no_loading / "out.mp4"), "--device", "cpu"]
+    tensors = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8)}
+    by_name = no_loading / "minimax_h3_fl2v_turbo_4step_v0.1_768p_sla_bf16.safetensors"
+    save_file(tensors, str(by_name))
+    line = _fails([*base, "--lora", str(by_name)], capsys, "Turbo-SLA adapter (its name)", "sparse-linear attention")
+    assert "use a dense Turbo file" in line
+    by_metadata = no_loading / "renamed.safetensors"
+    save_file(tensors, str(by_metadata), metadata={"sparse_attention": "sla"})
+    _fails([*base, "--lora", str(by_metadata)], capsys, "its __metadata__ sparse_attention='sla'")
+    assert not (no_loading / "out.mp4").exists()

@@ -35,7 +35,8 @@ def test_compare_prints_one_line_per_metric(clips, capsys):
     assert main(["compare", clips["a"], clips["darker"]]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["frames", "psnr_y", "ssim_y", "psnr_yuv420", "ssim_yuv420", "lpips",
-                                                 "audio_cosine", "rms_ratio"]  # fmt: skip
+                                                 "audio_cosine", "audio_si_sdr", "audio_corr", "rms_ratio",
+                                                 "gate", "gate"]  # fmt: skip (the two default audio gates)
     assert re.match(r"psnr_y +mean \d+\.\d\d dB, worst \d+\.\d\d dB \(frame \d+\), drift -?\d+\.\d\d dB/s", out[1])
 
 
@@ -44,7 +45,7 @@ def test_compare_json_and_gates(clips, capsys):
                  "0.99"]) == 0  # fmt: skip
     record = json.loads(capsys.readouterr().out)
     assert record["psnr_y"]["mean"] == "inf" and record["identical_video"] is True
-    assert all(gate["passed"] for gate in record["gates"].values()) and len(record["gates"]) == 2
+    assert all(gate["passed"] for gate in record["gates"].values()) and len(record["gates"]) == 4  # + 2 default
     # The darker clip is far below SSIM 0.999: exit status 1, the failing gate named.
     assert main(["compare", clips["a"], clips["darker"], "--min-ssim", "0.999", "--rms-ratio-range", "0.9,1.1"]) == 1
     out = capsys.readouterr().out
@@ -135,3 +136,60 @@ def test_help_and_usage_errors_import_no_torch(tmp_path):
     for last in ("b.mp4", "missing.txt", "turbo", "-1"):
         assert f"EXIT {last} 2" in out, out
     assert "--min-audio-cosine" in out and "first_block_cache" in out
+
+
+@pytest.fixture(scope="module")
+def demo_clips(tmp_path_factory):
+    """Two clips of the demo checkpoint that differ only in the seed, and a second render of the first (the same
+    bytes: the CPU float32 pipeline is deterministic)."""
+    import torch
+
+    from diffusers_h3 import MiniMaxH3Pipeline
+    from diffusers_h3.testing.tiny import demo_checkpoint_dir
+
+    folder = tmp_path_factory.mktemp("demo")
+    pipe = MiniMaxH3Pipeline.from_pretrained(demo_checkpoint_dir(folder / "cache"))
+    pipe.set_progress_bar_config(disable=True)
+    paths = {}
+    for name, seed in (("seed0", 0), ("seed0_again", 0), ("seed1", 1)):
+        out = pipe(prompt="a street drummer under neon lights, rain on the pavement", num_inference_steps=4,
+                   output_type="latent", generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        paths[name] = str(pipe.decode_to_video(out.frames, out.audio, folder / f"{name}.mp4", crf=0))
+    return paths
+
+
+def test_another_seed_fails_the_default_audio_gates_and_the_same_clip_passes(demo_clips, capsys):
+    # The same clip: every default gate passes (SI-SDR infinite, correlation 1).
+    assert main(["compare", demo_clips["seed0"], demo_clips["seed0_again"], "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert set(same["gates"]) == {"min_audio_si_sdr", "min_audio_correlation"}
+    assert same["audio"]["si_sdr_db"] == "inf" and same["audio"]["correlation"] == pytest.approx(1.0)
+    # Another seed: the spectral cosine barely moves, SI-SDR and correlation fail the default gates (exit status 1).
+    assert main(["compare", demo_clips["seed0"], demo_clips["seed1"], "--json"]) == 1
+    other = json.loads(capsys.readouterr().out)
+    audio, gates = other["audio"], other["gates"]
+    assert audio["spectral_cosine"] > 0.95  # what did not separate the two
+    # the demo's random weights make seeds sound alike: still below 20 dB / 0.995, where the fast presets are above
+    assert audio["si_sdr_db"] < 20.0 and audio["correlation"] < 0.995
+    assert not gates["min_audio_si_sdr"]["passed"] and not gates["min_audio_correlation"]["passed"]
+    # The text output names the failing gates; `off` turns a default gate off.
+    assert main(["compare", demo_clips["seed0"], demo_clips["seed1"], "--min-audio-si-sdr", "off",
+                 "--min-audio-correlation", "off"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "audio_si_sdr" in out and "audio_corr" in out and "gate " not in out
+
+
+def test_default_audio_gates_do_not_apply_to_clips_without_audio(tmp_path, capsys):
+    yy, xx = np.meshgrid(np.linspace(0, 1, 64), np.linspace(0, 1, 96), indexing="ij")
+    video = np.stack([np.stack([yy, xx, 0.5 * (yy + xx)], axis=-1)] * 24).astype(np.float32)
+    a = export_to_video(video[None], tmp_path / "a.mp4", fps=24)
+    assert main(["compare", a, a]) == 0
+    assert "not applicable: neither clip has an audio track" in capsys.readouterr().out
+
+
+def test_cli_default_gates_are_the_library_defaults():
+    from diffusers_h3 import cli
+    from diffusers_h3.fidelity import run
+
+    assert (cli.DEFAULT_MIN_AUDIO_SI_SDR, cli.DEFAULT_MIN_AUDIO_CORRELATION) == (
+        run.DEFAULT_MIN_AUDIO_SI_SDR, run.DEFAULT_MIN_AUDIO_CORRELATION)

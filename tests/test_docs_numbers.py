@@ -65,7 +65,21 @@ def _recipe_host(recipe):
     return lambda: f"{next(r for r in table['recipes'] if r['recipe'] == recipe)['host_gib']:.2f}"
 
 
+def _audio(row, field, digits):
+    return lambda: f"{_json('audio_gates_cpu.json')['rows'][row][field]:.{digits}f}"
+
+
+SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
+    ("docs/fidelity.md", "seed 0 scores a cosine of {}", _audio(SEED, "spectral_cosine", 4)),
+    ("docs/fidelity.md", "against {} / 0.9997 for the `fast`", _audio(FAST, "spectral_cosine", 4)),
+    ("docs/fidelity.md", "against 0.9996 / {} for the `fast`", _audio(FASTEST, "spectral_cosine", 4)),
+    ("docs/fidelity.md", "the other seed scores {} dB", _audio(SEED, "si_sdr_db", 2)),
+    ("docs/fidelity.md", "the other seed scores 18.10 dB / {},", _audio(SEED, "correlation", 4)),
+    ("docs/fidelity.md", "the presets {} / 24.20 dB", _audio(FAST, "si_sdr_db", 2)),
+    ("docs/fidelity.md", "the presets 23.20 / {} dB", _audio(FASTEST, "si_sdr_db", 2)),
+    ("docs/fidelity.md", "dB and {} / 0.9981", _audio(FAST, "correlation", 4)),
+    ("docs/fidelity.md", "dB and 0.9976 / {}, so", _audio(FASTEST, "correlation", 4)),
     ("README.md", "`low_ram_16gb`: peak {} GiB reserved", _placement("low_ram_16gb", "peak_reserved_gib")),
     ("README.md", "host peak RSS {} GiB (load included)", _placement("low_ram_16gb", "host_peak_rss_gib")),
     ("README.md", "t2va 50 steps {} s (1 forward", lambda: f"{_json('placement_h200.json')['cases']['low_ram_16gb']['request_s_extrapolated']}"),

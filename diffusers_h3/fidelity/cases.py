@@ -30,6 +30,12 @@ class FidelityCase:
     fp8_decode: bool = False
 
 
+# (case-name suffix, `hooks.cache` method, description) of the cache profiles on `fast` and `fastest`.
+CACHE_PROFILE_METHODS = (
+    ("first_block_cache", "first-block", "diffusers' FirstBlockCache (threshold 0.05)"),
+    ("taylorseer", "taylorseer", "diffusers' TaylorSeer (every 5th step computed from step 3 on, first order)"),
+)
+
 FIDELITY_CASES: Dict[str, FidelityCase] = {
     case.name: case
     for case in (
@@ -46,6 +52,10 @@ FIDELITY_CASES: Dict[str, FidelityCase] = {
                      fp8_decode=True),  # fmt: skip
         FidelityCase("first_block_cache", "speed preset exact + diffusers' FirstBlockCache (threshold 0.05)",
                      speed="exact", cache="first-block"),  # fmt: skip
+        # The cache profiles: a step cache on top of a fast preset (the cache hooks first, the preset compiles last).
+        *(FidelityCase(f"{speed}_{name}", f"speed preset {speed} + {what}", speed=speed, cache=method)
+          for speed in ("fast", "fastest")
+          for name, method, what in CACHE_PROFILE_METHODS),
     )
 }
 

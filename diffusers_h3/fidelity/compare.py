@@ -121,6 +121,10 @@ def format_comparison(record: Dict[str, Any]) -> str:
         lines.append(f"audio         not compared: {record.get('audio_missing', 'neither clip has an audio track')}")
     else:
         lines.append(f"audio_cosine  {audio['spectral_cosine']:.4f} (log-mel)")
+        channels = ", ".join(_number(v, 2) for v in audio["si_sdr_db_per_channel"])
+        lines.append(f"audio_si_sdr  {_number(audio['si_sdr_db'], 2)} dB worst channel (per channel: {channels})")
+        channels = ", ".join(_number(v, 4) for v in audio["correlation_per_channel"])
+        lines.append(f"audio_corr    {_number(audio['correlation'], 4)} worst channel (per channel: {channels})")
         lines.append(f"rms_ratio     {_number(audio['rms_ratio'], 4)} (candidate / reference)")
     return "\n".join(lines)
 

@@ -190,7 +190,8 @@ def write_page(report: Dict[str, Any], out_dir: Path) -> Path:
                  f"{esc(report['environment']['device'])}. Overall: <span class='{verdict}'>{verdict}</span>.</p>")
     parts.append("<h2>Cases</h2><table><tr><th>case</th><th>status</th><th>seconds / clip</th><th>speed-up</th>"
                  "<th>SSIM 4:2:0</th><th>PSNR 4:2:0 (dB)</th><th>SSIM Y</th><th>PSNR Y (dB)</th>"
-                 "<th>worst frame SSIM</th><th>LPIPS</th><th>audio cosine</th><th>RMS ratio</th><th>gates</th></tr>")
+                 "<th>worst frame SSIM</th><th>LPIPS</th><th>audio cosine</th><th>SI-SDR (dB)</th><th>audio corr.</th>"
+                 "<th>RMS ratio</th><th>gates</th></tr>")
     for name, case in report["cases"].items():
         summary = case.get("summary") or {}
         speed = case["speed"]
@@ -204,7 +205,8 @@ def write_page(report: Dict[str, Any], out_dir: Path) -> Path:
                      f"<td>{_fmt(speed.get('speedup_vs_reference'), 2)}</td>"
                      + "".join(f"<td>{_fmt(summary.get(k), d)}</td>" for k, d in
                                (("ssim_yuv420", 4), ("psnr_yuv420", 2), ("ssim_y", 4), ("psnr_y", 2),
-                                ("worst_frame_ssim_yuv420", 4), ("lpips", 4), ("audio_cosine", 4), ("rms_ratio", 4)))
+                                ("worst_frame_ssim_yuv420", 4), ("lpips", 4), ("audio_cosine", 4),
+                                ("audio_si_sdr_db", 2), ("audio_correlation", 4), ("rms_ratio", 4)))
                      + f"<td>{gate_cell}</td></tr>")  # fmt: skip
     parts.append("</table><p>Each value is the worst clip of the case (lowest similarity, highest LPIPS, the RMS ratio "
                  "farthest from 1); seconds: median wall time of a clip (generation, decode, MP4), the first clip of a "
@@ -238,5 +240,7 @@ def write_page(report: Dict[str, Any], out_dir: Path) -> Path:
 def _clip_line(summary: Dict[str, Any]) -> str:
     return (f"SSIM 4:2:0 {_fmt(summary['ssim_yuv420'])}, PSNR 4:2:0 {_fmt(summary['psnr_yuv420'], 2)} dB, SSIM Y "
             f"{_fmt(summary['ssim_y'])} (worst frame {_fmt(summary['worst_frame_ssim_yuv420'])}, drift "
-            f"{_fmt(summary['ssim_yuv420_drift_per_s'])}/s), audio cosine {_fmt(summary['audio_cosine'])}, RMS ratio "
+            f"{_fmt(summary['ssim_yuv420_drift_per_s'])}/s), audio cosine {_fmt(summary['audio_cosine'])}, SI-SDR "
+            f"{_fmt(summary.get('audio_si_sdr_db'), 2)} dB, correlation {_fmt(summary.get('audio_correlation'))}, "
+            f"RMS ratio "
             f"{_fmt(summary['rms_ratio'])}")  # fmt: skip

@@ -1,6 +1,6 @@
 # Copyright 2026 The diffusers-h3 authors. Licensed under the Apache License, Version 2.0.
 """Distances between two clips, in pure torch: PSNR and SSIM per frame over 8-bit YUV 4:2:0 planes, a log-mel
-spectral cosine and an RMS ratio for the audio, and LPIPS when its network weights are on this machine.
+spectral cosine, an RMS ratio, SI-SDR and waveform correlation for the audio, and LPIPS when its network weights are on this machine.
 
 torchvision has no PSNR / SSIM and torchmetrics is not a dependency (its SSIM is the same Gaussian-window SSIM as
 this one); the formulas are short, so they live here.
@@ -18,6 +18,13 @@ Definitions (docs/fidelity.md):
   Hann STFT, hop 10 ms), each in dB relative to its own peak and floored 80 dB below it. Relative to each clip's own
   peak, so a louder copy of the same sound scores 1: loudness is the RMS ratio's job.
 * **RMS ratio**: the candidate's RMS over the reference's, over all samples of both channels.
+* **SI-SDR** per channel (scale-invariant signal-to-distortion ratio, Le Roux et al. 2019), in dB: both channels made
+  zero-mean, the reference scaled by ``alpha = <candidate, reference> / ||reference||^2`` (the projection of the
+  candidate on it), then ``10 log10(||alpha reference||^2 / ||candidate - alpha reference||^2)``. Infinite for a
+  candidate that is a nonzero multiple of the reference (an inverted copy too: the correlation tells those apart).
+  It compares waveforms sample by sample, so two clips of the same spectrum but another phase (another seed) score
+  far below 0 dB where the spectral cosine stays near 1.
+* **Waveform correlation** per channel: Pearson's correlation of the samples (1 for identical channels).
 """
 
 from __future__ import annotations
@@ -185,9 +192,49 @@ def log_mel(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
     return 10.0 * torch.log10(torch.clamp(mel / peak, min=10.0 ** (-DB_RANGE / 10)))
 
 
+def si_sdr_db(reference: torch.Tensor, candidate: torch.Tensor) -> List[float]:
+    """SI-SDR in dB of each channel of two ``(channels, samples)`` tracks of the same length (float64). ``inf`` when
+    the candidate is exactly a nonzero multiple of the reference, inverted copies included (silent channels: ``inf``
+    when both are silent, ``-inf`` when only the reference is)."""
+    reference, candidate = (torch.as_tensor(t, dtype=torch.float64) for t in (reference, candidate))
+    reference = reference - reference.mean(-1, keepdim=True)
+    candidate = candidate - candidate.mean(-1, keepdim=True)
+    values = []
+    for ref, cand in zip(reference.reshape(-1, reference.shape[-1]), candidate.reshape(-1, candidate.shape[-1])):
+        energy = float(ref.pow(2).sum())
+        if energy == 0.0:
+            values.append(math.inf if float(cand.pow(2).sum()) == 0.0 else -math.inf)
+            continue
+        target = (float((cand * ref).sum()) / energy) * ref
+        target_energy, residual = float(target.pow(2).sum()), float((cand - target).pow(2).sum())
+        if residual == 0.0:
+            values.append(math.inf)
+        elif target_energy == 0.0:
+            values.append(-math.inf)
+        else:
+            values.append(10.0 * math.log10(target_energy / residual))
+    return values
+
+
+def waveform_correlation(reference: torch.Tensor, candidate: torch.Tensor) -> List[float]:
+    """Pearson correlation of each channel's samples (float64); a constant channel correlates 1 with an identical
+    one and 0 with anything else."""
+    reference, candidate = (torch.as_tensor(t, dtype=torch.float64) for t in (reference, candidate))
+    values = []
+    for ref, cand in zip(reference.reshape(-1, reference.shape[-1]), candidate.reshape(-1, candidate.shape[-1])):
+        ref_c, cand_c = ref - ref.mean(), cand - cand.mean()
+        norms = float(ref_c.norm() * cand_c.norm())
+        if norms == 0.0:
+            values.append(1.0 if torch.equal(ref, cand) else 0.0)
+        else:
+            values.append(float((ref_c * cand_c).sum()) / norms)
+    return values
+
+
 def audio_metrics(reference: torch.Tensor, candidate: torch.Tensor, sample_rate: int) -> Dict[str, Optional[float]]:
-    """``spectral_cosine`` (log-mel) and ``rms_ratio`` (candidate / reference) of two ``(channels, samples)`` tracks;
-    the longer one is cut to the shorter (AAC pads its last frame)."""
+    """``spectral_cosine`` (log-mel), ``rms_ratio`` (candidate / reference), ``si_sdr_db`` and ``correlation`` (the
+    worst channel's; ``..._per_channel`` lists every channel's) of two ``(channels, samples)`` tracks; the longer one is
+    cut to the shorter (AAC pads its last frame)."""
     reference, candidate = (torch.as_tensor(t, dtype=torch.float64) for t in (reference, candidate))
     if reference.shape[:-1] != candidate.shape[:-1]:
         raise ValueError(f"the audio tracks have {reference.shape[0]} and {candidate.shape[0]} channels.")
@@ -202,8 +249,14 @@ def audio_metrics(reference: torch.Tensor, candidate: torch.Tensor, sample_rate:
         cosine = 1.0 if ref_rms == cand_rms == 0.0 else 0.0
     else:
         cosine = float((ref_mel * cand_mel).sum()) / norms
+    si_sdr = si_sdr_db(reference, candidate)
+    correlation = waveform_correlation(reference, candidate)
     return {
         "spectral_cosine": cosine,
+        "si_sdr_db": min(si_sdr),
+        "si_sdr_db_per_channel": si_sdr,
+        "correlation": min(correlation),
+        "correlation_per_channel": correlation,
         "rms_ratio": cand_rms / ref_rms if ref_rms > 0 else (1.0 if cand_rms == 0 else math.inf),
         "rms_reference": ref_rms,
         "rms_candidate": cand_rms,

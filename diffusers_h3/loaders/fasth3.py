@@ -36,6 +36,9 @@ from diffusers.utils import logging
 
 from ..attention_processors import add_gate_compress
 from ..quantizers import is_quantized_linear
+from ..quantizers.config import QuantizationConfigBase
+from ..quantizers.layers import quantize_linear_
+from ..quantizers.registry import weight_class_for
 
 
 logger = logging.get_logger(__name__)
@@ -161,12 +164,20 @@ def preset_from_contract(
     if "pdd_steps" in contract or contract.get("model_type") == "ref2va":
         raise ValueError(f"{where} is a Ref2VA PDD student (pdd_steps, 128-token tiles): not supported yet; only the "
                          "t2va DMD stacks (dmd_denoising_steps) load")  # fmt: skip
+    if "schema" in contract and contract["schema"] != CONTRACT_SCHEMA:
+        raise ValueError(f"{where}: schema={contract['schema']!r} disagrees with schema_version {CONTRACT_SCHEMA!r}")
+    if contract.get("transformer_component", "transformer") != "transformer":
+        raise ValueError(f"{where}: transformer_component={contract['transformer_component']!r}; the t2va DMD "
+                         "students run on `transformer`")  # fmt: skip
     if contract.get("task", "t2av") != "t2av":
         raise ValueError(f"{where}: task must be 't2av' (the FastH3 DMD students), got {contract.get('task')!r}")
     if contract.get("guidance_scale", 1.0) != 1.0:
         raise ValueError(f"{where}: guidance_scale={contract['guidance_scale']!r}; H3 runs the guidance-distilled "
                          "branch only (1.0)")  # fmt: skip
     rungs = _check_rungs(contract.get("dmd_denoising_steps"), where)
+    for key in ("transformer_forwards", "num_inference_steps"):
+        if key in contract and type(contract[key]) is not int:
+            raise ValueError(f"{where}: {key} must be an integer, got {contract[key]!r}")
     if contract.get("transformer_forwards") != len(rungs) or contract.get("num_inference_steps") != len(rungs) + 1:
         raise ValueError(
             f"{where}: {len(rungs)} rungs need transformer_forwards={len(rungs)} and num_inference_steps="
@@ -194,6 +205,11 @@ def preset_from_contract(
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
             raise ValueError(f"{where}: vsa_sparsity must be in [0, 1), got {sparsity!r}")
         sparsity = float(sparsity)
+    else:
+        stray = [k for k in ("vsa_sparsity", "vsa_tile_size") if k in contract]
+        if stray:
+            raise ValueError(f"{where}: {stray[0]} is set but attention_backend is {backend!r}, not {VSA_BACKEND!r}; "
+                             "a VSA student names its backend, a dense one carries no VSA fields")  # fmt: skip
     name = str(contract.get("model_id") or "fasth3").rsplit("/", 1)[-1]
     return FastH3Preset(name=name, rungs=rungs, flow_shift=shifts["video"], audio_flow_shift=shifts["audio"],
                         vsa_sparsity=sparsity, source=source)  # fmt: skip
@@ -444,8 +460,31 @@ def load_stack_gates(transformer: torch.nn.Module, transformer_dir: Union[str, P
         return ()
     to_q = transformer.transformer_blocks[0].attn.to_q  # a quantized DiT's gates take its compute dtype
     dtype = getattr(to_q, "compute_dtype", to_q.weight.dtype)
-    tensors = {k: v.to(device=to_q.weight.device, dtype=dtype) for k, v in tensors.items()}
-    return add_gate_compress(transformer, tensors)
+    config = dit_quantization_config(transformer)
+    by_block: Dict[int, Dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        by_block.setdefault(int(re.search(r"transformer_blocks\.(\d+)\.", key).group(1)), {})[key] = value
+    added = []
+    for index, block_tensors in sorted(by_block.items()):  # one gate at a time on the device
+        block_tensors = {k: v.to(device=to_q.weight.device, dtype=dtype) for k, v in block_tensors.items()}
+        added += add_gate_compress(transformer, block_tensors)
+        if config is not None:  # a DiT quantized while loading: its gates take the same format
+            name = f"transformer_blocks.{index}.attn.to_gate_compress"
+            keep = getattr(transformer, "_keep_in_fp32_modules", None) or []
+            gate = transformer.get_submodule(name)
+            if config.should_quantize(name, gate, keep):
+                quantize_linear_(gate, weight_class_for(config), config.compute_dtype, **config.layer_kwargs())
+        del block_tensors
+    return tuple(added)
+
+
+def dit_quantization_config(transformer: torch.nn.Module):
+    """The diffusers-h3 quantization config a DiT was loaded (or quantized) with, or ``None`` for a dense DiT."""
+    if not is_quantized_linear(transformer.transformer_blocks[0].attn.to_q):
+        return None
+    quantizer = getattr(transformer, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    return config if isinstance(config, QuantizationConfigBase) else None
 
 
 def read_adapter_alpha(path: Union[str, Path], metadata: Optional[Mapping[str, str]]) -> Optional[float]:

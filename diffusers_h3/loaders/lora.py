@@ -53,14 +53,16 @@ from torch import nn
 from ..quantizers import quantized_weight
 from ..tasks import partition_for_task, partition_for_tasks
 from . import pdd as _pdd
+from .lora_files import check_lora_file, read_fp8_lora
 from .lora_presets import (
     LoraDistillationPreset,
     detect_preset,
     get_preset,
+    preset_from_file_name,
     resolve_schedule,
     warn_schedule_differences,
 )
-from .single_file import check_fusable
+from .single_file import check_fusable, transformer_file_record
 
 
 logger = logging.get_logger(__name__)
@@ -235,6 +237,19 @@ def _uniform_alpha_metadata(state_dict: Dict[str, torch.Tensor], alpha: float, p
     return metadata
 
 
+def _file_alpha_metadata(state_dict, file_metadata, raw_keys, prefixes) -> Optional[dict]:
+    """LoraConfig kwargs for the numeric ``alpha`` a file's ``__metadata__`` records (diffusers' rule for files), or
+    ``None`` without one or with per-module ``.alpha`` tensors."""
+    if "alpha" not in file_metadata or any(k.endswith(".alpha") for k in raw_keys):
+        return None
+    try:
+        alpha = float(file_metadata["alpha"])
+    except ValueError:
+        return None
+    present = sorted({k.split(".", 1)[0] for k in state_dict} & set(prefixes))
+    return _uniform_alpha_metadata(state_dict, alpha, present) or None
+
+
 @contextlib.contextmanager
 def _pending_metadata(metadata: Optional[dict]):
     token = _PENDING_METADATA.set(metadata)
@@ -361,6 +376,22 @@ def _check_finite_weights(weights, where: str = "adapter_weights") -> None:
         raise ValueError(f"`{where}` is {weights}: an adapter weight must be a finite number (1.0 = as trained).")
 
 
+def merged_distillation_preset(pipe, task: Optional[str] = None, partition: Optional[str] = None):
+    """``(label, preset)`` for a DiT loaded from a single file whose name is a known step-distillation merge (e.g.
+    LightX2V's ``minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors``, the Turbo LoRA merged into an fp8 DiT), or
+    ``None``: such a DiT runs the schedule it was distilled for, as the LoRA would."""
+    wanted = partition_for_task(task) if task is not None else partition
+    for component in (pipe.transformer_name, pipe.transformer_ref_name):
+        model = getattr(pipe, component, None)
+        record = transformer_file_record(model) if isinstance(model, nn.Module) else None
+        if record is None or (wanted is not None and component != wanted):
+            continue
+        preset = preset_from_file_name(record.path)
+        if preset is not None:
+            return f"transformer file {os.path.basename(record.path)}", preset
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixin
 # ---------------------------------------------------------------------------------------------------------------------
@@ -422,19 +453,27 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
             )
 
         source = _read_source(pretrained_model_name_or_path_or_dict, hub_kwargs)
+        check_lora_file(source.file_name, source.raw_keys, source.file_metadata)
         if source.raw_keys is not None and _pdd.is_pdd_file(source.raw_keys, source.file_metadata):
             return self._load_pdd(
                 source, adapter_name, hotswap, load_into_transformer_ref, allow_unmatched_keys, network_alpha,
                 distillation_preset, allow_step_recipe_stacking, low_cpu_mem_usage,
             )  # fmt: skip
+        from_file = isinstance(source.load_from, str) and source.raw_keys is not None
+        fp8 = read_fp8_lora(source.load_from) if from_file else None
+        load_from = fp8.state_dict if fp8 is not None else source.load_from
         # diffusers converts every layout (and folds kohya `.alpha` tensors / reads `__metadata__` alpha).
-        state_dict, metadata = self.lora_state_dict(source.load_from, return_lora_metadata=True, **source.load_kwargs)
-        raw_keys = source.raw_keys if source.raw_keys is not None else list(state_dict)
-        layout = detect_lora_layout(raw_keys)
+        state_dict, metadata = self.lora_state_dict(load_from, return_lora_metadata=True, **source.load_kwargs)
+        raw_keys = list(fp8.state_dict) if fp8 is not None else source.raw_keys
+        raw_keys = raw_keys if raw_keys is not None else list(state_dict)
+        layout = detect_lora_layout(raw_keys) + (f"; {fp8.describe()}" if fp8 is not None else "")
         state_dict = {
             k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
             for k, v in state_dict.items()
         }
+        if fp8 is not None and metadata is None:  # the file's `__metadata__` alpha, which diffusers reads from files only
+            metadata = _file_alpha_metadata(state_dict, source.file_metadata, raw_keys,
+                                            (self.transformer_name, self.transformer_ref_name))  # fmt: skip
         metadata, alpha_source = self._alpha_provenance(state_dict, metadata, raw_keys, source.file_metadata, network_alpha)
         kept, matched, unmatched = self._checked_match(
             state_dict, raw_keys, layout, load_into_transformer_ref, allow_unmatched_keys
@@ -515,6 +554,9 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
                     recipes.append(("pdd", label, component))
                 elif preset is not None:
                     recipes.append(("lora", f"distillation LoRA {adapter!r} ({preset.name})", component))
+            merged = merged_distillation_preset(self, None, component)
+            if merged is not None:  # a Turbo LoRA merged into the DiT file this partition was loaded from
+                recipes.append(("merged", f"{merged[0]} ({merged[1].name})", component))
         return recipes
 
     def _check_one_step_recipe(self, new: str, allow: bool, partition: str, exclude: Sequence[str] = ()) -> None:
@@ -798,7 +840,7 @@ class MiniMaxH3LoraMixin(MiniMaxH3LoraLoaderMixin):
         """Fill ``None`` settings from the active distillation LoRA's preset and warn about explicit ones it was not
         trained for (:func:`~diffusers_h3.loaders.lora_presets.resolve_schedule`). Without an active distillation
         LoRA the values come back unchanged."""
-        active = self._active_distillation_preset(task)
+        active = self._active_distillation_preset(task) or merged_distillation_preset(self, task)
         if active is None:
             return num_inference_steps, flow_shift, audio_flow_shift
         adapter, preset = active

@@ -8,7 +8,7 @@ For a diffusers ``ModelMixin`` or a transformers ``PreTrainedModel`` the config 
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 from diffusers import ModelMixin
@@ -23,13 +23,21 @@ from .registry import format_names, quantizer_for, transformers_quantizer_for, w
 
 @torch.no_grad()
 def quantize(
-    module: nn.Module, config: QuantizationConfigBase, keep_in_fp32_modules: Optional[Iterable[str]] = None
+    module: nn.Module,
+    config: QuantizationConfigBase,
+    keep_in_fp32_modules: Optional[Iterable[str]] = None,
+    device: Union[str, torch.device, None] = None,
 ) -> nn.Module:
     """Quantize the weights of the selected ``nn.Linear`` layers of ``module`` (in place; returns ``module``): each
     keeps its class and gets a quantized tensor as its ``weight``.
 
     ``keep_in_fp32_modules`` (default: the model's ``_keep_in_fp32_modules`` if it has one) is always skipped, also
     with an explicit ``config.modules_to_not_convert``.
+
+    ``device``: move ``module`` there while quantizing, one layer at a time: each selected linear moves in 16 bits and
+    is quantized there (the quantized weights are the same as quantizing on either device), then the rest of the
+    module follows. A model built or loaded on the CPU reaches the GPU quantized without its 16-bit weights ever
+    being there whole.
     """
     if not isinstance(config, QuantizationConfigBase):
         raise TypeError(
@@ -45,7 +53,11 @@ def quantize(
         linear = module.get_submodule(name)
         if linear.weight.device.type == "meta":
             raise ValueError(f"Cannot quantize {name}: its weight is on the meta device; load its weight first.")
+        if device is not None:
+            linear.to(device)
         quantize_linear_(linear, cls, config.compute_dtype, **config.layer_kwargs())
+    if device is not None:
+        module.to(device)
     register_packed_state_dict(module)
     _attach_to_model(module, config)
     return module

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from ..attention_processors import add_gate_compress
-from ..loaders.fasth3 import CONTRACT_FILE
+from ..loaders.fasth3 import CONTRACT_FILE, SCHEDULER_FILES
 from ..loaders.fasth3_vae import DECODER_BLOCK_LINEAR, DEPLOY_FORMAT, evenly_spaced_blocks
 
 
@@ -28,6 +28,19 @@ FOUR_STEP_CONTRACT: Dict[str, Any] = {
     "attention_backend": "VIDEO_SPARSE_ATTN_H3",
     "vsa_tile_size": 64,
     "vsa_sparsity": 0.9,
+}
+
+# The 8-step V2's fastvideo_inference.json (FastVideo/FastVideo-FastH3-8-Step-V2): an explicit 8-rung DMD ladder; its
+# video shift 10 is in scheduler/scheduler_config.json (and may be repeated here as video_scheduler_shift).
+EIGHT_STEP_V2_CONTRACT: Dict[str, Any] = {
+    **FOUR_STEP_CONTRACT,
+    "model_id": "FastVideo/FastVideo-FastH3-8-Step-V2",
+    "transformer_forwards": 8,
+    "num_inference_steps": 9,
+    "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250, 125],
+    "video_scheduler_shift": 10.0,
+    "audio_scheduler_shift": 3.0,
+    "vsa_sparsity": 0.8,
 }
 
 
@@ -88,7 +101,13 @@ def write_fasth3_stack(
     if components.get("transformer") is not None:
         add_random_gates(components["transformer"], seed=gate_seed, std=1.0)
     save_hub_layout(components, directory)
-    (directory / CONTRACT_FILE).write_text(json.dumps(contract or FOUR_STEP_CONTRACT, indent=2))
+    contract = contract or FOUR_STEP_CONTRACT
+    (directory / CONTRACT_FILE).write_text(json.dumps(contract, indent=2))
+    for modality, file in SCHEDULER_FILES.items():  # the checkpoint's schedulers carry the contract's shifts
+        shift = contract.get(f"{modality}_scheduler_shift")
+        if shift is not None:
+            config = json.loads((directory / file).read_text())
+            (directory / file).write_text(json.dumps({**config, "shift": shift}, indent=2))
     if decoder_student_layers is not None:
         export = nvfp4_decoder_export(components["vae"], decoder_student_layers, seed=5)
         torch.save(export, directory / "vae" / "decoder.pt")

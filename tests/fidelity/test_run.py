@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from diffusers_h3 import MiniMaxH3Pipeline
 from diffusers_h3.fidelity import FidelityRunError, FidelitySettings, Gates, evaluate_gates, run_fidelity
@@ -47,7 +48,8 @@ def test_report_schema_and_values(first_run):
     assert set(report["cases"]["native"]) == {"description", "status", "error", "applied", "speed", "summary", "clips",
                                               "gates", "passed"}
     assert report["settings"]["prompts"] == ["a cat", "a drum"]
-    assert report["gates"] == {"min_ssim": 0.99, "min_audio_cosine": 0.99}
+    assert report["gates"] == {"min_ssim": 0.99, "min_audio_cosine": 0.99, "min_audio_si_sdr": 20.0,
+                               "min_audio_correlation": 0.995}  # the two default audio gates
     exact, native = report["cases"]["exact"], report["cases"]["native"]
     assert exact["status"] == "reference" and "summary" not in exact and exact["speed"]["seconds"] > 0
     assert native["status"] == "ok" and native["error"] is None and len(native["clips"]) == 2
@@ -96,11 +98,12 @@ def test_gates():
     summary = {"ssim_yuv420": 0.93, "psnr_yuv420": 28.2, "audio_cosine": 0.85, "lpips": None, "rms_ratio": 1.3,
                "rms_ratio_range": [0.95, 1.3]}  # fmt: skip
     results = evaluate_gates(summary, Gates(min_ssim=0.93, min_psnr=30.0, min_audio_cosine=0.8, max_lpips=0.2,
-                                            rms_ratio_range=(0.8, 1.25)))  # fmt: skip
+                                            rms_ratio_range=(0.8, 1.25), min_audio_si_sdr=None,
+                                            min_audio_correlation=None))  # fmt: skip
     assert {name: r["passed"] for name, r in results.items()} == {
         "min_ssim": True, "min_psnr": False, "min_audio_cosine": True, "max_lpips": False, "rms_ratio_range": False}
     assert "not computed" in results["max_lpips"]["reason"]  # a metric that is missing fails its gate
-    assert evaluate_gates(summary, Gates()) == {}
+    assert evaluate_gates(summary, Gates.none()) == {}
     # Each gate's direction: a maximum passes below its threshold, a minimum above it, a range inside it.
     for lpips, passed in ((0.1, True), (0.2, True), (0.3, False)):
         assert evaluate_gates({**summary, "lpips": lpips}, Gates(max_lpips=0.2))["max_lpips"]["passed"] is passed
@@ -109,6 +112,20 @@ def test_gates():
     inside = evaluate_gates({**summary, "rms_ratio_range": [0.81, 1.2]}, Gates(rms_ratio_range=(0.8, 1.25)))
     below = evaluate_gates({**summary, "rms_ratio_range": [0.79, 1.0]}, Gates(rms_ratio_range=(0.8, 1.25)))
     assert inside["rms_ratio_range"]["passed"] and not below["rms_ratio_range"]["passed"]
+
+
+def test_default_audio_gates():
+    """On by default: SI-SDR >= 20 dB and correlation >= 0.995 of the worst clip; a summary without them fails, one
+    where neither clip had audio passes as not applicable."""
+    assert Gates().active() == {"min_audio_si_sdr": 20.0, "min_audio_correlation": 0.995}
+    for si_sdr, corr, passed in ((19.9, 0.999, (False, True)), (20.0, 0.995, (True, True)), (35.0, 0.99, (True, False)),
+                                 (float("inf"), 1.0, (True, True))):  # fmt: skip
+        results = evaluate_gates({"audio_si_sdr_db": si_sdr, "audio_correlation": corr}, Gates())
+        assert (results["min_audio_si_sdr"]["passed"], results["min_audio_correlation"]["passed"]) == passed
+    missing = evaluate_gates({"audio_si_sdr_db": None, "audio_correlation": None}, Gates())
+    assert not missing["min_audio_si_sdr"]["passed"] and "not computed" in missing["min_audio_si_sdr"]["reason"]
+    silent = evaluate_gates({"no_audio": True}, Gates(min_audio_cosine=0.9))
+    assert all(r["passed"] and r["reason"].startswith("not applicable") for r in silent.values()) and len(silent) == 3
 
 
 def test_case_names_match_the_cli():
@@ -129,3 +146,28 @@ def test_speed_leaves_out_the_first_clip_of_a_case(tmp_path):
     single = _speed(tmp_path, "fast", [(0, 0)])
     assert single["seconds"] == 90.0 and single["includes_warmup"] is True
     assert _speed(tmp_path, "exact", [(0, 0)])["seconds"] is None
+
+
+@pytest.mark.parametrize("name", ["fast_first_block_cache", "fast_taylorseer", "fastest_first_block_cache",
+                                  "fastest_taylorseer"])  # fmt: skip
+def test_cache_profiles_run_their_cache_under_their_preset(name):
+    """Each cache profile: its step cache and its speed preset on one pipeline; TaylorSeer skips steps on a fixed
+    interval (from the 3rd step on, 4 of every 5), so a 9-point request skips some; the preset records the weights."""
+    from diffusers_h3 import describe
+    from diffusers_h3.fidelity import apply_case, get_case
+    from diffusers_h3.hooks.cache import cache_stats
+
+    case = get_case(name)
+    pipe = tiny_pipeline(seed=0, with_transformer_ref=False)
+    pipe.set_progress_bar_config(disable=True)
+    applied = apply_case(pipe, case, compile=False)
+    assert applied[0] == f"step cache: {case.cache}" and applied[1].startswith(f"speed preset {case.speed}: ")
+    out = pipe(prompt="a cat", height=64, width=96, num_frames=TINY_NUM_FRAMES, num_inference_steps=9,
+               output_type="latent", generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.isfinite(out.frames).all()
+    stats = cache_stats(pipe.transformer)
+    assert stats.forwards == 8
+    if case.cache == "taylorseer":
+        assert len(stats.skipped_steps) > 0
+    report = describe(pipe)
+    assert report["speed_preset"]["preset"] == case.speed

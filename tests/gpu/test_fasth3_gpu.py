@@ -57,3 +57,43 @@ def test_tiny_stack_on_the_gpu_matches_the_cpu(tmp_path):
     assert out.frames.is_cuda and torch.isfinite(out.frames).all()
     # bf16 with the Triton VSA kernels against the fp32 torch references, over 4 steps
     assert rel_l2(out.frames.cpu(), reference.frames) < 2e-2 and rel_l2(out.audio.cpu(), reference.audio) < 2e-2
+
+
+def test_quantize_while_moving_to_the_gpu_matches_quantizing_there():
+    """`quantize(model, config, device="cuda")` on a model built on the CPU: the same FP8 codes and scales as
+    moving it whole and quantizing on the GPU, and the same forward."""
+    from diffusers_h3.quantizers import FP8Config, quantize
+    from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
+
+    torch.manual_seed(0)
+    moved = tiny_transformer().to(torch.bfloat16)
+    whole = tiny_transformer().to(torch.bfloat16)
+    whole.load_state_dict(moved.state_dict())
+    quantize(moved, FP8Config(), device="cuda")
+    quantize(whole.to("cuda"), FP8Config())
+    a, b = moved.state_dict(), whole.state_dict()
+    assert a.keys() == b.keys() and all(v.is_cuda and torch.equal(v, b[k]) for k, v in a.items())
+    inputs = {k: v.to("cuda", torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else
+              (v.to("cuda") if torch.is_tensor(v) else v) for k, v in tiny_transformer_inputs().items()}  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(moved(**inputs)[0], whole(**inputs)[0])
+
+
+def test_tiny_stack_loaded_fp8_on_the_gpu_has_fp8_gates(tmp_path):
+    """What fits one 80 GB card, on a tiny stack: the DiT quantized while loading, the gates in FP8 too, VSA 0.9."""
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    from diffusers_h3.quantizers import FP8Config, is_quantized_linear
+
+    components = tiny_components(seed=4, with_transformer_ref=False)
+    root = write_fasth3_stack(tmp_path / "stack", components, decoder_student_layers=1)
+    quant = PipelineQuantizationConfig(quant_mapping={"transformer": FP8Config()})
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, dtype=torch.bfloat16, quantization_config=quant,
+                                             **TINY_DURATION_LIMITS).to("cuda")  # fmt: skip
+    blocks = pipe.transformer.transformer_blocks
+    assert all(is_quantized_linear(b.attn.to_gate_compress) and b.attn.to_gate_compress.weight.is_cuda for b in blocks)
+    pipe.enable_speed_preset("fastest")
+    assert "already quantized: kept" in describe(pipe)["speed_preset"]["weights"]["transformer"]
+    out = pipe(prompt="a cat", height=64, width=96, num_frames=22, output_type="latent",
+               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.isfinite(out.frames).all() and vsa_state(pipe.transformer)["sparsity"] == 0.9

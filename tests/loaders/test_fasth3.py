@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -37,7 +38,14 @@ from diffusers_h3.pipelines.fasth3 import (
     load_fasth3_adapter,
 )
 from diffusers_h3.quantizers import NVFP4Tensor
-from diffusers_h3.testing.fasth3 import FOUR_STEP_CONTRACT, nvfp4_decoder_export, write_fasth3_stack
+from diffusers_h3.quantizers.layers import quantize_linear_
+from diffusers_h3.quantizers.registry import weight_class_for
+from diffusers_h3.testing.fasth3 import (
+    EIGHT_STEP_V2_CONTRACT,
+    FOUR_STEP_CONTRACT,
+    nvfp4_decoder_export,
+    write_fasth3_stack,
+)
 from diffusers_h3.testing.tiny import (
     TINY_DURATION_LIMITS,
     TINY_NUM_FRAMES,
@@ -84,6 +92,40 @@ def test_contract_gives_the_trained_sigmas():
 def test_contract_refusals(change, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         preset_from_contract({**FOUR_STEP, **change}, SHIFTS)
+
+
+def test_v2_sidecar_gives_shift_10_and_the_explicit_eight_rung_ladder():
+    preset = preset_from_contract(EIGHT_STEP_V2_CONTRACT, {"video": 10.0, "audio": 3.0})
+    assert (preset.forwards, preset.sigma_points, preset.flow_shift, preset.vsa_sparsity) == (8, 9, 10.0, 0.8)
+    video, audio = preset.sigmas()
+    ladder = [0.999, 0.874, 0.749, 0.624, 0.5, 0.375, 0.25, 0.125, 0.0]  # the rungs / 1000, by hand
+    for sigmas, shift in ((video, 10.0), (audio, 3.0)):
+        assert sigmas == pytest.approx([shift * x / (1 + (shift - 1) * x) for x in ladder], abs=2e-7)  # float32
+    assert video[0] < 1.0 and video[4] == pytest.approx(10 / 11)  # rung 500 at shift 10: 5 / 5.5
+    assert preset == KNOWN_FASTH3_PRESETS["fasth3-8step-v2"].replace(name=preset.name, source=preset.source)
+    # the sidecar alone is enough when the schedulers carry no shift; a base H3 scheduler (12) contradicts it
+    assert preset_from_contract(EIGHT_STEP_V2_CONTRACT, {}).flow_shift == 10.0
+    with pytest.raises(ValueError, match="video_scheduler_shift=10 disagrees"):
+        preset_from_contract(EIGHT_STEP_V2_CONTRACT, {"video": 12.0, "audio": 3.0})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"transformer_forwards": 8.0}, "transformer_forwards must be an integer"),
+        ({"num_inference_steps": True}, "num_inference_steps must be an integer"),
+        ({"schema": "fasth3-inference-contract-v2"}, "disagrees with schema_version"),
+        ({"transformer_component": "transformer_ref"}, "transformer_component='transformer_ref'"),
+        ({"attention_backend": "FLASH_ATTN"}, "vsa_sparsity is set but attention_backend is 'FLASH_ATTN'"),
+        ({"dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250]}, "7 rungs need transformer_forwards=7"),
+        ({"dmd_denoising_steps": [999.0, 874, 749, 624, 500, 375, 250, 125]}, "strictly decreasing integers"),
+        ({"audio_scheduler_shift": 0}, "audio_scheduler_shift must be a positive finite number"),
+    ],
+)
+def test_v2_sidecar_fields_are_checked_strictly(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        preset_from_contract({**EIGHT_STEP_V2_CONTRACT, **change}, {"video": 10.0, "audio": 3.0})
+    assert "\n" not in str(error.value)
 
 
 def test_dense_student_contract_has_no_vsa():
@@ -359,6 +401,44 @@ def test_stack_loads_with_gates_preset_and_light_vae_and_runs(stack):
     handle.remove()
     assert len(calls) == 4 and out.frames.shape[:3] == (1, TINY_NUM_FRAMES, 3) and torch.isfinite(out.frames).all()
     assert pipe.scheduler.sigmas.tolist() == KNOWN_FASTH3_PRESETS["fasth3-4step-preview-vsa"].sigmas()[0]
+
+
+def test_v2_stack_runs_eight_forwards_on_its_sidecar_schedule(tmp_path):
+    components = tiny_components(seed=4, with_transformer_ref=False)
+    root = write_fasth3_stack(tmp_path / "v2", components, contract=EIGHT_STEP_V2_CONTRACT)
+    assert json.loads((root / "scheduler" / "scheduler_config.json").read_text())["shift"] == 10.0
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, **TINY_DURATION_LIMITS)
+    assert (pipe.scheduler.config.shift, pipe.audio_scheduler.config.shift) == (10.0, 3.0)
+    assert vsa_state(pipe.transformer)["sparsity"] == 0.8
+    calls, handle = _forward_count(pipe)
+    pipe(**CALL, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    video, audio = KNOWN_FASTH3_PRESETS["fasth3-8step-v2"].sigmas()
+    assert len(calls) == 8
+    assert pipe.scheduler.sigmas.tolist() == video and pipe.audio_scheduler.sigmas.tolist() == audio
+
+
+def test_stack_loaded_quantized_gets_gates_in_the_dit_format(stack):
+    """A stack loaded with its DiT quantized while loading (what fits one 80 GB card) gets its trained gates in the
+    same format, one block at a time: the codes of quantizing the file's gates, and the stack still runs."""
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    from diffusers_h3.quantizers import FP8Config, is_quantized_linear
+
+    root, gates = stack
+    config = PipelineQuantizationConfig(quant_mapping={"transformer": FP8Config()})
+    pipe = MiniMaxH3Pipeline.from_pretrained(root, quantization_config=config, **TINY_DURATION_LIMITS)
+    blocks = pipe.transformer.transformer_blocks
+    assert all(is_quantized_linear(b.attn.to_q) and is_quantized_linear(b.attn.to_gate_compress) for b in blocks)
+    for i, weight in gates.items():
+        expected = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        expected.weight.data.copy_(weight)
+        quantize_linear_(expected, weight_class_for(FP8Config()), None)
+        got = blocks[i].attn.to_gate_compress.weight.storage()
+        assert all(torch.equal(got[k], v) for k, v in expected.weight.storage().items())
+    assert vsa_state(pipe.transformer)["gated_blocks"] == 2
+    out = pipe(**CALL, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.frames).all()
 
 
 def test_stack_without_gates_is_refused_before_the_preset(stack, tmp_path):

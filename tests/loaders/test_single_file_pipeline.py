@@ -154,3 +154,39 @@ def test_lora_on_fp8_scaled_layers(pipe, tmp_path):
     lora_pipe.unfuse_lora()
     assert all(torch.equal(b, codes[n]) for n, b in model.state_dict().items() if n in codes)  # the file's codes, exactly
     assert _rel_l2(_run(model), unfused) < 1e-5  # (the dense layers' LoRA is subtracted in floating point)
+
+
+def test_a_merged_turbo_fp8_file_runs_its_trained_schedule(pipe, tmp_path, h3_logs):
+    """LightX2V's v1.1 768p fp8 file is the Turbo merged into an fp8-scaled DiT: loaded as the transformer, calls run
+    its 4-step 768p schedule (5 sigma points, shifts 6 / 3) unless they set their own (kept, with one warning)."""
+    path = tmp_path / "minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors"
+    write_fp8_scaled_safetensors(pipe.transformer, path)
+    loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
+    loaded.set_progress_bar_config(disable=True)
+    plain = tmp_path / "h3_fp8.safetensors"
+    write_fp8_scaled_safetensors(pipe.transformer, plain)
+    other = _with_transformer(pipe, load_transformer_file(plain, TINY, dtype=torch.float32))
+    other.set_progress_bar_config(disable=True)
+
+    def sigmas(p, **call):
+        p(prompt="a fox", generator=torch.Generator().manual_seed(0), **{**RUN, "num_inference_steps": None, **call})
+        return p.scheduler.sigmas.tolist(), p.audio_scheduler.sigmas.tolist()
+
+    trained = sigmas(other, num_inference_steps=5, flow_shift=6.0, audio_flow_shift=3.0)  # the schedule, by hand
+    assert sigmas(loaded) == trained and len(trained[0]) == 5
+    h3_logs.caplog.clear()
+    assert len(sigmas(loaded, num_inference_steps=3)[0]) == 3  # an explicit count is kept, with one warning
+    assert "transformer file minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors" in h3_logs.text
+    assert sigmas(other, num_inference_steps=5) != trained  # a file without a known name: the pipeline's shifts
+
+
+def test_a_turbo_lora_on_a_merged_turbo_file_is_refused(pipe, tmp_path):
+    """The merged file is a step recipe already: a distillation LoRA on top is refused in one line naming both."""
+    path = tmp_path / "minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors"
+    write_fp8_scaled_safetensors(pipe.transformer, path)
+    loaded = _with_transformer(pipe, load_transformer_file(path, TINY, dtype=torch.float32))
+    lora = canonical_lora(loaded.transformer, seed=3)
+    lora_path = save_lora(tmp_path / "minimax_h3_fl2v_turbo_8step_v1.0.safetensors", write_layout(lora, "peft_dump"))
+    with pytest.raises(ValueError, match="transformer file minimax_h3_fl2v_turbo_4step_v1.1_768p_fp8.safetensors") as e:
+        loaded.load_lora_weights(lora_path, "turbo8")
+    assert "\n" not in str(e.value) and "alternatives" in str(e.value)

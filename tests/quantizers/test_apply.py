@@ -87,3 +87,30 @@ def test_quantize_qwen3vl_text_encoder():
     with torch.no_grad():
         out = te.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
     assert rel(out, ref) < 0.05
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+def test_quantize_while_moving_to_a_device(method, monkeypatch):
+    """`quantize(..., device=)` moves each selected linear right before quantizing it (one 16-bit layer at a time on
+    the device), then the rest; the result is the same as quantizing in place."""
+    import diffusers_h3.quantizers.apply as apply
+
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 32))
+    twin = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 32))
+    twin.load_state_dict(net.state_dict())
+    events = []
+    linear_to, module_to, quantize_linear = torch.nn.Linear.to, torch.nn.Sequential.to, apply.quantize_linear_
+    monkeypatch.setattr(torch.nn.Linear, "to", lambda self, *a, **k: events.append(("to", id(self))) or
+                        linear_to(self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(torch.nn.Sequential, "to", lambda self, *a, **k: events.append(("to all", id(self))) or
+                        module_to(self, *a, **k))  # fmt: skip
+    monkeypatch.setattr(apply, "quantize_linear_", lambda linear, *a, **k: events.append(("quantize", id(linear))) or
+                        quantize_linear(linear, *a, **k))  # fmt: skip
+    quantize(net, CONFIGS[method](), device="cpu")
+    assert events == [("to", id(net[0])), ("quantize", id(net[0])), ("to", id(net[2])), ("quantize", id(net[2])),
+                      ("to all", id(net))]  # fmt: skip
+    monkeypatch.undo()
+    quantize(twin, CONFIGS[method]())
+    moved, in_place = net.state_dict(), twin.state_dict()
+    assert moved.keys() == in_place.keys() and all(torch.equal(moved[k], in_place[k]) for k in moved)

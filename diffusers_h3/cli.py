@@ -16,11 +16,10 @@ import re
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import List, Optional
 
-from ._checkpoint_files import gguf_problem, safetensors_problem
+from ._checkpoint_files import gguf_problem, looks_like_local_path, safetensors_problem, torch_checkpoint_problem
 from ._version import __version__
 from ._video_encoding import (
     CRF_RANGE,
@@ -48,8 +47,6 @@ DEMO_CANVAS = (64, 96)
 # a larger count is a typo rather than a setting.
 MAX_STEPS = 1000
 STEPS_BOUNDS = f"from 2 to {MAX_STEPS} (20x the default 50: more is hours per clip for no gain)"
-# A hub repo id: `name` or `namespace/name` (huggingface_hub's characters).
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _PYTHON_TO_FLAGS = (
     ("`height` and `width`", "--height and --width"),
     ("height=", "--height "),
@@ -105,37 +102,12 @@ def _local_path(value: str, flag: str) -> Optional[Path]:
     path = Path(value).expanduser()
     if path.exists():
         return path
-    first_part_exists = "/" in value and Path(value.split("/")[0]).expanduser().exists()
-    looks_like_path = (
-        value.startswith(("./", "../", "/", "~", ".\\", "..\\"))
-        or value in (".", "..")
-        or (os.sep in value and os.sep != "/")
-        or first_part_exists
-        or not _REPO_ID.match(value)
-    )
-    if looks_like_path:
+    if looks_like_local_path(value):
         raise UsageError(
             f"{flag} {value}: no such file or folder ({path.absolute()} does not exist)",
             "check the path, or pass a hub repo id such as 'namespace/name'",
         )
     return None
-
-
-def torch_checkpoint_problem(path: Path) -> Optional[str]:
-    """Why `path` is not a file `torch.load` reads, or `None`; reads its first bytes or its zip directory only."""
-    if zipfile.is_zipfile(path):  # torch.save's format: a zip archive with <name>/data.pkl
-        with zipfile.ZipFile(path) as archive:
-            if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist()):
-                return "a zip archive but not a PyTorch checkpoint (no data.pkl in it)"
-        return None
-    with open(path, "rb") as handle:
-        head = handle.read(2)
-    if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # the legacy format: a pickle (PROTO opcode)
-        return None
-    return (
-        f"not a PyTorch checkpoint ({path.stat().st_size} bytes, neither torch.save's zip format, complete, nor "
-        "a pickle)"
-    )
 
 
 def check_hub_reachable(repo_id: str, flag: str, file: Optional[str] = None) -> None:

@@ -37,7 +37,7 @@ from .fasth3 import apply_fasth3_stack, check_fasth3_stack, load_gates_without_c
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
 PIPELINE_CONFIG_KEYS = (
     "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "min_duration_s",
-    "max_duration_s", "max_prompt_tokens",
+    "max_duration_s", "max_prompt_tokens", "max_canvas_pixels",
 )  # fmt: skip
 
 
@@ -240,6 +240,22 @@ def pop_dtype(kwargs: Dict[str, Any]):
     from diffusers.utils.deprecation_utils import _resolve_dtype
 
     return _resolve_dtype(kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None))
+
+
+def check_dtype(kwargs: Dict[str, Any]) -> None:
+    """`dtype` / `torch_dtype` of `from_pretrained`, before anything loads: a `torch.dtype` or a dict of component
+    name → `torch.dtype` (diffusers' loader would load float32 in place of anything else, without a word)."""
+    import torch
+
+    for name in ("dtype", "torch_dtype"):
+        value = kwargs.get(name)
+        values = value.values() if isinstance(value, dict) else [value]
+        bad = next((v for v in values if v is not None and not isinstance(v, torch.dtype)), None)
+        if bad is not None:
+            raise ValueError(
+                f"`{name}` must be a torch.dtype (e.g. torch.bfloat16) or a dict of component name to torch.dtype, "
+                f"got {bad!r}."
+            )
 
 
 def component_dtype(dtype, name: str):
@@ -507,6 +523,7 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
 
 def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
+    check_dtype(kwargs)
     path = str(pretrained_model_name_or_path)
     if not os.path.isdir(path):
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}

@@ -11,11 +11,13 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG
 
 from diffusers_h3.pipelines.request import (
+    DEFAULT_MAX_CANVAS_PIXELS,
     DEFAULT_MAX_DURATION_S,
     DEFAULT_MIN_DURATION_S,
     H3Clip,
     H3Request,
     RequestConfig,
+    check_inputs,
     frame_range,
 )
 from diffusers_h3.tasks import get_task
@@ -126,16 +128,67 @@ def test_default_pipeline_config_refuses_4_and_16_seconds():
 
 def test_limits_come_from_the_pipeline_config():
     """Fails if a duration limit stops coming from the pipeline's config (e.g. back to a module constant)."""
+
+    def check(pipe, num_frames):
+        return check_inputs(pipe.request_config(), "t2va", prompt="a cat", height=32, width=32, num_frames=num_frames,
+                            conditioning={})  # fmt: skip
+
     default = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S)
     with pytest.raises(ValueError, match="5–15 s"):
-        default.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None)
+        check(default, 22)
     short = tiny_pipeline(min_duration_s=0.5, max_duration_s=2.0)
     assert (short.config.min_duration_s, short.config.max_duration_s) == (0.5, 2.0)
-    assert short.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None) == 22
+    assert check(short, 22) == 22
     with pytest.raises(ValueError, match=r"0\.5–2 s.*rounds up to 56 frames"):
-        short.check_inputs("t2va", "a cat", 32, 32, 40, {}, "np", None, None, None)
+        check(short, 40)
     with pytest.raises(ValueError, match=r"0\.5–2 s"):
         short(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
+
+
+def test_one_check_inputs_for_the_api_and_the_cli():
+    """One request check: `check_inputs` in this module, run by `H3Request.build` for `__call__` and the CLI; the
+    pipeline keeps no second copy."""
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    assert not hasattr(MiniMaxH3Pipeline, "check_inputs")
+    cli_source = (Path(__file__).resolve().parents[2] / "diffusers_h3" / "cli.py").read_text()
+    assert "H3Request.build(" in cli_source
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("min_duration_s", None, "`min_duration_s` .* must be a finite number above 0, got None"),
+        ("max_duration_s", float("nan"), "`max_duration_s` .* must be a finite number above 0, got nan"),
+        ("text_encoder_layer", None, "`text_encoder_layer` .* must be a positive int, got None"),
+        ("text_encoder_layer", 50.0, "`text_encoder_layer` .* must be a positive int, got 50.0"),
+        ("canvas_short_edge", "768", "`canvas_short_edge` .* must be a positive int"),
+        ("max_prompt_tokens", 0, "`max_prompt_tokens` .* must be a positive int"),
+        ("max_canvas_pixels", 32 * 32, r"`canvas_max_pixels`=.* is above `max_canvas_pixels`=1024"),
+    ],
+)
+def test_pipeline_settings_are_checked_at_construction(setting, value, message):
+    """A wrong type for a typed pipeline setting is refused when the pipeline is built (it used to be accepted and
+    fail later as a bare TypeError in `encode_prompt`)."""
+    with pytest.raises(ValueError, match=message):
+        tiny_pipeline(**{setting: value})
+
+
+def test_canvas_limit_is_the_pipeline_setting(tmp_path):
+    config = _config()
+    assert config.max_canvas_pixels == DEFAULT_MAX_CANVAS_PIXELS == 1920 * 1088
+    _build(config, height=1088, width=1920)
+    _build(config, height=1920, width=1088)
+    with pytest.raises(ValueError, match=r"height=1120, width=1920 has 2,150,400 pixels"):
+        _build(config, height=1120, width=1920)
+    _build(_config(max_canvas_pixels=1120 * 1920), height=1120, width=1920)
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    tiny_pipeline(canvas_short_edge=64, canvas_max_pixels=64 * 64, max_canvas_pixels=64 * 64).save_pretrained(tmp_path)
+    loaded = MiniMaxH3Pipeline.from_pretrained(tmp_path)
+    assert loaded.request_config().max_canvas_pixels == RequestConfig.from_folder(tmp_path).max_canvas_pixels == 4096
+    with pytest.raises(ValueError, match="more than this pipeline generates"):
+        loaded(prompt="a cat", height=64, width=96, num_frames=22, num_inference_steps=2, output_type="latent")
 
 
 def test_bad_limits_are_refused():

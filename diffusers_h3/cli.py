@@ -450,6 +450,39 @@ def _check_request(args, task: str, conditioning):
     return config
 
 
+def _check_gpus(args, task: str) -> None:
+    """`--gpus N`: Ulysses splits the DiT's attention heads over the ranks, so N must divide the head count (the
+    checkpoint's config; a hub repo's is read when it loads: the released model's 56 here), and each rank needs a GPU
+    (on the CPU: a core)."""
+    if args.gpus <= 1:
+        return
+    from diffusers_h3.attention_processors._ulysses import usable_ulysses_degrees
+    from diffusers_h3.tasks import partition_for_task
+
+    if args.model is None:
+        from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
+        config = TINY_TRANSFORMER_CONFIG
+    else:
+        file = args.model_path / partition_for_task(task) / "config.json" if args.model_path is not None else None
+        config = json.loads(file.read_text()) if file is not None and file.is_file() else {}
+    heads = int(config.get("num_attention_heads", 56))  # MiniMaxH3Transformer3DModel's default, the released model's
+    if heads % args.gpus:
+        usable = " / ".join(str(n) for n in usable_ulysses_degrees(heads)) or "1"
+        raise UsageError(f"--gpus {args.gpus}: context parallelism splits the DiT's {heads} attention heads over the "
+                         f"ranks, and {heads} does not divide by {args.gpus}", f"pass --gpus {usable}")  # fmt: skip
+    import torch
+
+    if _device(args).startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if args.gpus > visible:
+            raise UsageError(f"--gpus {args.gpus}: only {visible} CUDA device(s) visible",
+                             "lower --gpus or make more GPUs visible")  # fmt: skip
+    elif args.gpus > (os.cpu_count() or 1):
+        raise UsageError(f"--gpus {args.gpus} on --device {args.device} starts {args.gpus} processes, but this host "
+                         f"has {os.cpu_count() or 1} CPU cores", f"pass --gpus {os.cpu_count() or 1} or fewer")  # fmt: skip
+
+
 def _check_prompt_length(args, config) -> None:
     """The prompt fits what the checkpoint encodes: `config.max_prompt_tokens` (the pipeline's `max_prompt_tokens`,
     lowered to the text encoder's `max_position_embeddings`), counted as the pipeline presents it (no chat template).
@@ -611,6 +644,7 @@ def check_generate(args):
     _check_choices(args)
     _check_transformer_file_contents(args, task)
     _check_prompt_length(args, _check_request(args, task, conditioning))
+    _check_gpus(args, task)
     args.task = task
     return conditioning
 
@@ -801,10 +835,7 @@ def cmd_generate(args) -> int:
     if args.gpus > 1:
         from diffusers_h3.parallel._launch import launch
 
-        backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"
-        if args.device.startswith("cuda") and torch.cuda.device_count() < args.gpus:
-            raise UsageError(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA device(s) visible",
-                             "lower --gpus or make more GPUs visible")  # fmt: skip
+        backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"  # --gpus: `_check_gpus`
         if args.model is None:  # build the demo checkpoint once here, not concurrently in every rank
             from diffusers_h3.testing.tiny import demo_checkpoint_dir
 
@@ -963,8 +994,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_ranged(int, 0, 2**64, what="--seed", bounds="from 0 to 2**64-1"), default=0,
                      help="seed of the one CPU generator, 0 to 2**64-1 (default: %(default)s)")
     gen.add_argument("--gpus", type=int, default=1,
-                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
-                          "(default: %(default)s)")  # fmt: skip
+                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes, at "
+                          "most one per core); must divide the DiT's attention heads (56 for the released model: 2, "
+                          "4, 7, 8, 14, 28, 56) (default: %(default)s)")  # fmt: skip
     gen.add_argument("--memory", default=None, metavar="auto|GPU,HOST",
                      help="fit a memory budget on a CUDA GPU: 'auto' reads the visible GPU's free memory (less 0.5 "
                           "GiB) and the host's available memory (at most all but 4 GiB), '16,32' gives 16 GiB of GPU "

@@ -113,6 +113,13 @@ BAD_INPUTS = {
     "crf not an integer": (["--crf", "18.5"], ["argument --crf", "invalid int value: '18.5'"]),
     "unknown x264 preset": (["--preset", "fastest"], ["argument --preset", "'fastest'", "veryfast"]),
     "unknown pixel format": (["--pix-fmt", "rgb24"], ["argument --pix-fmt", "'rgb24'", "yuv420p"]),
+    # Both ran: the first failed after loading with a traceback asking for 8.7e17 bytes, the second ran on.
+    "canvas of a billion squared": (["--height", "1000000000", "--width", "1000000000"],
+                                    ["The canvas --height 1000000000 --width 1000000000 has",
+                                     "more than this pipeline generates (2,088,960", "1080p"]),
+    "4096 square canvas": (["--height", "4096", "--width", "4096"], ["16,777,216 pixels", "e.g. --height 768"]),
+    "gpus that do not divide the heads": (["--gpus", "3"], ["--gpus 3: context parallelism splits the DiT's 2 "
+                                                            "attention heads", "pass --gpus 2"]),
 }
 
 
@@ -514,3 +521,17 @@ def test_nan_latents_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsy
     _fails(["generate", "--prompt", "a cat", "--out", str(out), "--steps", "2", "--device", "cpu"], capsys,
            "the video latents hold", "NaN/inf", "likely causes", "--lora-scale", after_loading=True)  # fmt: skip
     assert not out.exists()
+
+
+def test_gpus_beyond_the_cores_or_devices_is_one_line_before_loading(no_loading, capsys, monkeypatch):
+    """`--gpus N` started N processes whatever the host held."""
+    import torch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    argv = ["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"), "--gpus", "2"]
+    _fails([*argv, "--device", "cpu"], capsys, "--gpus 2 on --device cpu starts 2 processes", "has 1 CPU cores",
+           "pass --gpus 1 or fewer")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli, "_check_device", lambda args: None)
+    _fails([*argv, "--device", "cuda"], capsys, "--gpus 2: only 1 CUDA device(s) visible")

@@ -535,3 +535,28 @@ def test_gpus_beyond_the_cores_or_devices_is_one_line_before_loading(no_loading,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(cli, "_check_device", lambda args: None)
     _fails([*argv, "--device", "cuda"], capsys, "--gpus 2: only 1 CUDA device(s) visible")
+
+
+def test_torchvision_that_does_not_fit_torch_is_one_line(tmp_path):
+    """A CPU torch with a CUDA torchvision: torchvision's import raises 'operator torchvision::nms does not exist',
+    which transformers reported as a 30-line traceback ending "Could not import module 'PreTrainedModel'". Simulated
+    with a torchvision whose import raises exactly that, ahead of the real one on the path."""
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    root = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), root])}
+    command = ("import sys, diffusers_h3_launcher; "
+               "sys.exit(diffusers_h3_launcher.main(['generate', '--prompt', 'a cat', '--out', 'x.mp4']))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=env)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("diffusers-h3: error: torchvision ") and "torchvision::nms does not exist" in lines[0]
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in lines[0]
+    # The Python API: `import diffusers_h3` raises the same one-line ImportError, not transformers' chain.
+    result = subprocess.run([sys.executable, "-c", "import diffusers_h3"], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("diffusers_h3._torch_install.BrokenTorchInstallError: torchvision "), result.stderr
+    assert "PreTrainedModel" not in result.stderr

@@ -377,12 +377,15 @@ def _check_sigmas(name: str, sigmas) -> None:
     decreasing in float32 (the scheduler's precision), ending at 0. A NaN or inf would run and return NaN frames."""
     if isinstance(sigmas, torch.Tensor):
         values = sigmas.detach().flatten().cpu().tolist() if sigmas.ndim == 1 and sigmas.is_floating_point() else None
-    elif isinstance(sigmas, Sequence) and not isinstance(sigmas, (str, bytes)):
-        values = list(sigmas) if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in sigmas) else None
     else:
-        values = None
+        if hasattr(sigmas, "tolist") and getattr(sigmas, "ndim", None) == 1:  # a 1-D NumPy array
+            sigmas = sigmas.tolist()
+        is_sequence = isinstance(sigmas, Sequence) and not isinstance(sigmas, (str, bytes))
+        numbers_only = is_sequence and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in sigmas)
+        values = [float(v) for v in sigmas] if numbers_only else None
     if values is None:
-        raise ValueError(f"`{name}` must be a list of numbers (or a 1-D float tensor), got {sigmas!r}.")
+        got = repr(sigmas) if len(repr(sigmas)) <= 80 else f"a {type(sigmas).__name__}"
+        raise ValueError(f"`{name}` must be a list of numbers (or a 1-D float tensor or array), got {got}.")
     bad = [v for v in values if not (math.isfinite(v) and 0.0 <= v <= 1.0)]
     if bad:
         raise ValueError(f"`{name}` must hold finite values in [0, 1] (rectified-flow noise levels), got {bad[0]!r}.")

@@ -303,3 +303,18 @@ def test_build_takes_the_call_arguments_by_keyword():
     with pytest.raises(TypeError, match="positional"):
         H3Request.build(_config(), "a cat")
     assert _build().clips[0].prompt == "a cat"
+
+
+def test_schedule_check_takes_what_the_scheduler_takes():
+    """Lists, 1-D tensors and 1-D NumPy arrays of noise levels pass (the scheduler takes them verbatim); the bounds
+    are the scheduler's own: strictly decreasing in float32, ending at 0."""
+    import numpy as np
+
+    from diffusers_h3.pipelines.request import check_schedule
+
+    for sigmas in ([1, 0.5, 0], torch.tensor([1.0, 0.5, 0.0]), np.array([1.0, 0.5, 0.0])):
+        check_schedule(None, sigmas, None, 6, 3.0)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        check_schedule(None, [1.0, 1.0 - 1e-9, 0.0], None, None, None)  # distinct in float64, equal in float32
+    with pytest.raises(ValueError, match="`sigmas` must be a list of numbers .* got a list"):
+        check_schedule(None, ["x"] * 100, None, None, None)

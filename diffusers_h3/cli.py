@@ -453,8 +453,11 @@ def _check_request(args, task: str, conditioning):
 def _check_gpus(args, task: str) -> None:
     """`--gpus N`: Ulysses splits the DiT's attention heads over the ranks, so N must divide the head count (the
     checkpoint's config; a hub repo's is read when it loads: the released model's 56 here), and each rank needs a GPU
-    (on the CPU: a core)."""
-    if args.gpus <= 1:
+    (on the CPU: a core). Under torchrun / accelerate launch (`WORLD_SIZE` ranks, `--gpus 1`) the heads are checked
+    against the world size."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    ranks, flag = (args.gpus, f"--gpus {args.gpus}") if args.gpus > 1 else (launched, f"WORLD_SIZE={launched}")
+    if ranks <= 1:
         return
     from diffusers_h3.attention_processors._ulysses import usable_ulysses_degrees
     from diffusers_h3.tasks import partition_for_task
@@ -467,10 +470,13 @@ def _check_gpus(args, task: str) -> None:
         file = args.model_path / partition_for_task(task) / "config.json" if args.model_path is not None else None
         config = json.loads(file.read_text()) if file is not None and file.is_file() else {}
     heads = int(config.get("num_attention_heads", 56))  # MiniMaxH3Transformer3DModel's default, the released model's
-    if heads % args.gpus:
+    if heads % ranks:
         usable = " / ".join(str(n) for n in usable_ulysses_degrees(heads)) or "1"
-        raise UsageError(f"--gpus {args.gpus}: context parallelism splits the DiT's {heads} attention heads over the "
-                         f"ranks, and {heads} does not divide by {args.gpus}", f"pass --gpus {usable}")  # fmt: skip
+        raise UsageError(f"{flag}: context parallelism splits the DiT's {heads} attention heads over the ranks, and "
+                         f"{heads} does not divide by {ranks}",
+                         f"pass --gpus {usable}" if args.gpus > 1 else f"launch {usable} ranks")  # fmt: skip
+    if args.gpus <= 1:  # torchrun placed the ranks itself
+        return
     import torch
 
     if _device(args).startswith("cuda"):

@@ -560,3 +560,9 @@ def test_torchvision_that_does_not_fit_torch_is_one_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("diffusers_h3._torch_install.BrokenTorchInstallError: torchvision "), result.stderr
     assert "PreTrainedModel" not in result.stderr
+
+
+def test_torchrun_world_size_that_does_not_divide_the_heads_is_one_line(no_loading, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    _fails(["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"), "--device", "cpu"], capsys,
+           "WORLD_SIZE=3: context parallelism splits the DiT's 2 attention heads", "launch 2 ranks")

@@ -47,6 +47,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the package imports: one line, as in the command itself
         print(f"{PACKAGE.replace('_', '-')}: interrupted", file=sys.stderr)
         return 130
+    except ImportError as error:  # `_torch_install.BrokenTorchInstallError`: torch and torchvision do not fit
+        if type(error).__name__ != "BrokenTorchInstallError":
+            raise
+        print(f"{PACKAGE.replace('_', '-')}: error: {error}", file=sys.stderr)
+        return 2
 
     return run(argv)
 

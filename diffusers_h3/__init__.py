@@ -4,6 +4,9 @@
 resolves it for both our own layout and the official hub layout, and registers the quantizers with diffusers.
 """
 
+# First: a torch / torchvision pair that does not fit together is named in one line before diffusers imports it.
+from . import _torch_install  # noqa: F401, I001
+
 from diffusers.modular_pipelines.minimax_h3.references import (
     MiniMaxH3AudioReference,
     MiniMaxH3ImageReference,

@@ -4,10 +4,47 @@ importing torch; the pipeline's loader runs them before transformers reads a fil
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
+
+
+# A hub repo id: `name` or `namespace/name` (huggingface_hub's characters).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def looks_like_local_path(value: str) -> bool:
+    """Whether `value`, which does not exist, was meant as a local path rather than a hub repo id (`./x`, `/x`, `~/x`,
+    a Windows path, a first part that exists as a folder, or anything a repo id cannot spell): such a value is
+    refused as a missing file or folder instead of being sent to the hub."""
+    first_part_exists = "/" in value and Path(value.split("/")[0]).expanduser().exists()
+    return (
+        value.startswith(("./", "../", "/", "~", ".\\", "..\\"))
+        or value in (".", "..")
+        or (os.sep in value and os.sep != "/")
+        or first_part_exists
+        or not _REPO_ID.match(value)
+    )
+
+
+def torch_checkpoint_problem(path: Path) -> Optional[str]:
+    """Why `path` is not a file `torch.load` reads, or `None`; reads its first bytes or its zip directory only."""
+    if zipfile.is_zipfile(path):  # torch.save's format: a zip archive with <name>/data.pkl
+        with zipfile.ZipFile(path) as archive:
+            if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist()):
+                return "a zip archive but not a PyTorch checkpoint (no data.pkl in it)"
+        return None
+    with open(path, "rb") as handle:
+        head = handle.read(2)
+    if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # the legacy format: a pickle (PROTO opcode)
+        return None
+    return (
+        f"not a PyTorch checkpoint ({path.stat().st_size} bytes, neither torch.save's zip format, complete, nor "
+        "a pickle)"
+    )
 
 
 def read_safetensors_header(path: Path) -> Tuple[int, Dict[str, Any]]:

@@ -16,14 +16,15 @@ import re
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional
 
 from ._checkpoint_files import (
     gguf_problem,
+    looks_like_local_path,
     safetensors_metadata,
     safetensors_problem,
+    torch_checkpoint_problem,
     turbo_sla_message,
     turbo_sla_reason,
 )
@@ -54,8 +55,6 @@ DEMO_CANVAS = (64, 96)
 # a larger count is a typo rather than a setting.
 MAX_STEPS = 1000
 STEPS_BOUNDS = f"from 2 to {MAX_STEPS} (20x the default 50: more is hours per clip for no gain)"
-# A hub repo id: `name` or `namespace/name` (huggingface_hub's characters).
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _PYTHON_TO_FLAGS = (
     ("`height` and `width`", "--height and --width"),
     ("height=", "--height "),
@@ -112,37 +111,12 @@ def _local_path(value: str, flag: str) -> Optional[Path]:
     path = Path(value).expanduser()
     if path.exists():
         return path
-    first_part_exists = "/" in value and Path(value.split("/")[0]).expanduser().exists()
-    looks_like_path = (
-        value.startswith(("./", "../", "/", "~", ".\\", "..\\"))
-        or value in (".", "..")
-        or (os.sep in value and os.sep != "/")
-        or first_part_exists
-        or not _REPO_ID.match(value)
-    )
-    if looks_like_path:
+    if looks_like_local_path(value):
         raise UsageError(
             f"{flag} {value}: no such file or folder ({path.absolute()} does not exist)",
             "check the path, or pass a hub repo id such as 'namespace/name'",
         )
     return None
-
-
-def torch_checkpoint_problem(path: Path) -> Optional[str]:
-    """Why `path` is not a file `torch.load` reads, or `None`; reads its first bytes or its zip directory only."""
-    if zipfile.is_zipfile(path):  # torch.save's format: a zip archive with <name>/data.pkl
-        with zipfile.ZipFile(path) as archive:
-            if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist()):
-                return "a zip archive but not a PyTorch checkpoint (no data.pkl in it)"
-        return None
-    with open(path, "rb") as handle:
-        head = handle.read(2)
-    if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # the legacy format: a pickle (PROTO opcode)
-        return None
-    return (
-        f"not a PyTorch checkpoint ({path.stat().st_size} bytes, neither torch.save's zip format, complete, nor "
-        "a pickle)"
-    )
 
 
 def check_hub_reachable(repo_id: str, flag: str, file: Optional[str] = None) -> None:
@@ -496,6 +470,45 @@ def _check_request(args, task: str, conditioning) -> CheckedRequest:
     return CheckedRequest(request, config)
 
 
+def _check_gpus(args, task: str) -> None:
+    """`--gpus N`: Ulysses splits the DiT's attention heads over the ranks, so N must divide the head count (the
+    checkpoint's config; a hub repo's is read when it loads: the released model's 56 here), and each rank needs a GPU
+    (on the CPU: a core). Under torchrun / accelerate launch (`WORLD_SIZE` ranks, `--gpus 1`) the heads are checked
+    against the world size."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    ranks, flag = (args.gpus, f"--gpus {args.gpus}") if args.gpus > 1 else (launched, f"WORLD_SIZE={launched}")
+    if ranks <= 1:
+        return
+    from diffusers_h3.attention_processors._ulysses import usable_ulysses_degrees
+    from diffusers_h3.tasks import partition_for_task
+
+    if args.model is None:
+        from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG
+
+        config = TINY_TRANSFORMER_CONFIG
+    else:
+        file = args.model_path / partition_for_task(task) / "config.json" if args.model_path is not None else None
+        config = json.loads(file.read_text()) if file is not None and file.is_file() else {}
+    heads = int(config.get("num_attention_heads", 56))  # MiniMaxH3Transformer3DModel's default, the released model's
+    if heads % ranks:
+        usable = " / ".join(str(n) for n in usable_ulysses_degrees(heads)) or "1"
+        raise UsageError(f"{flag}: context parallelism splits the DiT's {heads} attention heads over the ranks, and "
+                         f"{heads} does not divide by {ranks}",
+                         f"pass --gpus {usable}" if args.gpus > 1 else f"launch {usable} ranks")  # fmt: skip
+    if args.gpus <= 1:  # torchrun placed the ranks itself
+        return
+    import torch
+
+    if _device(args).startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if args.gpus > visible:
+            raise UsageError(f"--gpus {args.gpus}: only {visible} CUDA device(s) visible",
+                             "lower --gpus or make more GPUs visible")  # fmt: skip
+    elif args.gpus > (os.cpu_count() or 1):
+        raise UsageError(f"--gpus {args.gpus} on --device {args.device} starts {args.gpus} processes, but this host "
+                         f"has {os.cpu_count() or 1} CPU cores", f"pass --gpus {os.cpu_count() or 1} or fewer")  # fmt: skip
+
+
 def _check_prompt_length(args, config) -> None:
     """The prompt fits what the checkpoint encodes: `config.max_prompt_tokens` (the pipeline's `max_prompt_tokens`,
     lowered to the text encoder's `max_position_embeddings`), counted as the pipeline presents it (no chat template).
@@ -694,6 +707,7 @@ def check_generate(args):
     _check_transformer_file_contents(args, task)
     request = _check_request(args, task, conditioning)
     _check_prompt_length(args, request.config)
+    _check_gpus(args, task)
     args.task = task
     args.checked_request = request
     _check_memory(args, request)
@@ -901,10 +915,7 @@ def cmd_generate(args) -> int:
     if args.gpus > 1:
         from diffusers_h3.parallel._launch import launch
 
-        backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"
-        if args.device.startswith("cuda") and torch.cuda.device_count() < args.gpus:
-            raise UsageError(f"--gpus {args.gpus}: only {torch.cuda.device_count()} CUDA device(s) visible",
-                             "lower --gpus or make more GPUs visible")  # fmt: skip
+        backend = "cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "cpu:gloo"  # --gpus: `_check_gpus`
         if args.model is None:  # build the demo checkpoint once here, not concurrently in every rank
             from diffusers_h3.testing.tiny import demo_checkpoint_dir
 
@@ -1070,8 +1081,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_ranged(int, 0, 2**64, what="--seed", bounds="from 0 to 2**64-1"), default=0,
                      help="seed of the one CPU generator, 0 to 2**64-1 (default: %(default)s)")
     gen.add_argument("--gpus", type=int, default=1,
-                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes) "
-                          "(default: %(default)s)")  # fmt: skip
+                     help="context-parallel ranks (Ulysses): starts one process per GPU (on CPU: gloo processes, at "
+                          "most one per core); must divide the DiT's attention heads (56 for the released model: 2, "
+                          "4, 7, 8, 14, 28, 56) (default: %(default)s)")  # fmt: skip
     gen.add_argument("--memory", default=None, metavar="auto|GPU,HOST",
                      help="fit a memory budget on a CUDA GPU: 'auto' reads the visible GPU's free memory (less 0.5 "
                           "GiB) and the host's available memory (at most all but 4 GiB), '16,32' gives 16 GiB of GPU "

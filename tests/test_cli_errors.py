@@ -114,6 +114,13 @@ BAD_INPUTS = {
     "crf not an integer": (["--crf", "18.5"], ["argument --crf", "invalid int value: '18.5'"]),
     "unknown x264 preset": (["--preset", "fastest"], ["argument --preset", "'fastest'", "veryfast"]),
     "unknown pixel format": (["--pix-fmt", "rgb24"], ["argument --pix-fmt", "'rgb24'", "yuv420p"]),
+    # Both ran: the first failed after loading with a traceback asking for 8.7e17 bytes, the second ran on.
+    "canvas of a billion squared": (["--height", "1000000000", "--width", "1000000000"],
+                                    ["The canvas --height 1000000000 --width 1000000000 has",
+                                     "more than this pipeline generates (2,088,960", "1080p"]),
+    "4096 square canvas": (["--height", "4096", "--width", "4096"], ["16,777,216 pixels", "e.g. --height 768"]),
+    "gpus that do not divide the heads": (["--gpus", "3"], ["--gpus 3: context parallelism splits the DiT's 2 "
+                                                            "attention heads", "pass --gpus 2"]),
 }
 
 
@@ -561,3 +568,48 @@ def test_turbo_sla_lora_is_refused_before_loading(no_loading, capsys):
     save_file(tensors, str(by_metadata), metadata={"sparse_attention": "sla"})
     _fails([*base, "--lora", str(by_metadata)], capsys, "its __metadata__ sparse_attention='sla'")
     assert not (no_loading / "out.mp4").exists()
+
+
+def test_gpus_beyond_the_cores_or_devices_is_one_line_before_loading(no_loading, capsys, monkeypatch):
+    """`--gpus N` started N processes whatever the host held."""
+    import torch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    argv = ["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"), "--gpus", "2"]
+    _fails([*argv, "--device", "cpu"], capsys, "--gpus 2 on --device cpu starts 2 processes", "has 1 CPU cores",
+           "pass --gpus 1 or fewer")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli, "_check_device", lambda args: None)
+    _fails([*argv, "--device", "cuda"], capsys, "--gpus 2: only 1 CUDA device(s) visible")
+
+
+def test_torchvision_that_does_not_fit_torch_is_one_line(tmp_path):
+    """A CPU torch with a CUDA torchvision: torchvision's import raises 'operator torchvision::nms does not exist',
+    which transformers reported as a 30-line traceback ending "Could not import module 'PreTrainedModel'". Simulated
+    with a torchvision whose import raises exactly that, ahead of the real one on the path."""
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    root = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), root])}
+    command = ("import sys, diffusers_h3_launcher; "
+               "sys.exit(diffusers_h3_launcher.main(['generate', '--prompt', 'a cat', '--out', 'x.mp4']))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=env)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("diffusers-h3: error: torchvision ") and "torchvision::nms does not exist" in lines[0]
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in lines[0]
+    # The Python API: `import diffusers_h3` raises the same one-line ImportError, not transformers' chain.
+    result = subprocess.run([sys.executable, "-c", "import diffusers_h3"], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("diffusers_h3._torch_install.BrokenTorchInstallError: torchvision "), result.stderr
+    assert "PreTrainedModel" not in result.stderr
+
+
+def test_torchrun_world_size_that_does_not_divide_the_heads_is_one_line(no_loading, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    _fails(["generate", "--prompt", "a cat", "--out", str(no_loading / "o.mp4"), "--device", "cpu"], capsys,
+           "WORLD_SIZE=3: context parallelism splits the DiT's 2 attention heads", "launch 2 ranks")

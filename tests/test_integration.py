@@ -193,6 +193,8 @@ def stand_in_hub(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    # The stand-in answers as the Hub would: its host resolves (this machine may have no DNS at all).
+    monkeypatch.setattr("diffusers_h3.pipelines.loading._hub_reachable", lambda hub_kwargs: True)
     return repos, calls
 
 

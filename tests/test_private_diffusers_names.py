@@ -234,3 +234,50 @@ class Ours:
     }  # fmt: skip
     definitions = _DEFINITION.findall("def _a(x):\n    _b: int = 1\n    obj._c = 2\n    setattr(obj, '_d', 3)\n    x == _e\n")
     assert {next(g for g in groups if g) for groups in definitions} == {"_a", "_b", "_c", "_d"}
+
+
+OTHER_SECTION = "## Private transformers and Accelerate names the package uses"
+
+
+def _other_private_names() -> Dict[str, Set[str]]:
+    """Private names of transformers and Accelerate the package uses, with the files: Accelerate's attributes on a
+    module (`module._hf_hook`, set by `accelerate.hooks`), transformers' quantizer hooks (`HfQuantizer` members the
+    package overrides or calls, in files that import transformers' quantizers) and `PreTrainedModel` attributes that
+    diffusers' `ModelMixin` does not have (those are in the diffusers list), in files that import transformers."""
+    import accelerate.hooks
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+    from transformers.quantizers.base import HfQuantizer
+
+    accelerate_source = Path(accelerate.hooks.__file__).read_text()
+    found: Dict[str, Set[str]] = {}
+    for path in sorted((ROOT / "diffusers_h3").rglob("*.py")):
+        source = path.read_text()
+        imports_transformers = re.search(r"^\s*(from|import) transformers\b", source, re.M) is not None
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+                names += [a.value for a in node.args[1:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            for name in filter(_is_private, names):
+                if (
+                    re.search(rf"\.{name}\s*=", accelerate_source)
+                    or (imports_transformers and "transformers.quantizers" in source and hasattr(HfQuantizer, name))
+                    or (imports_transformers and hasattr(PreTrainedModel, name) and not hasattr(ModelMixin, name))
+                ):
+                    found.setdefault(name, set()).add(path.relative_to(ROOT / "diffusers_h3").as_posix())
+    return found
+
+
+def test_every_private_transformers_or_accelerate_name_in_use_is_documented():
+    section = DOC.read_text().split(OTHER_SECTION, 1)
+    assert len(section) == 2, f"{DOC} lost its section {OTHER_SECTION!r}"
+    rows = dict(re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", section[1].split("\n## ", 1)[0], re.M))
+    used = _other_private_names()
+    assert {"_hf_hook", "_dequantize", "_keep_in_fp32_modules_strict"} <= set(used), used  # the scan finds them
+    assert set(rows) == set(used), f"undocumented: {set(used) - set(rows)}; stale: {set(rows) - set(used)}"
+    for name, files in used.items():
+        assert set(re.findall(r"`([^`]+\.py)`", rows[name])) == files, (name, rows[name], files)

@@ -50,6 +50,7 @@ from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
 from diffusers.utils import logging
 from torch import nn
 
+from .._checkpoint_files import looks_like_local_path, safetensors_problem, torch_checkpoint_problem
 from ..quantizers import quantized_weight
 from ..tasks import partition_for_task, partition_for_tasks
 from . import pdd as _pdd
@@ -172,7 +173,13 @@ def _resolve_lora_file(path_or_dict: Any, hub_kwargs: Dict[str, Any]) -> Optiona
         return None
     path = os.fspath(path_or_dict)
     if os.path.isfile(path):
+        _check_local_lora_file(path)
         return path if path.endswith(".safetensors") else None
+    if not os.path.exists(path) and looks_like_local_path(path):
+        raise FileNotFoundError(
+            f"{path}: no such LoRA file or folder ({os.path.abspath(os.path.expanduser(path))} does not exist): check "
+            "the path, or pass a hub repo id."
+        )
     from diffusers.loaders.lora_base import _best_guess_weight_name
     from diffusers.utils import _get_model_file
 
@@ -200,6 +207,18 @@ def _resolve_lora_file(path_or_dict: Any, hub_kwargs: Dict[str, Any]) -> Optiona
         subfolder=hub_kwargs.get("subfolder"),
         user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
     )
+
+
+def _check_local_lora_file(path: str) -> None:
+    """A local LoRA file is a complete safetensors file or a torch.save checkpoint, named in one line when it is not
+    (safetensors would say "header too small" / "too large", torch an unpickling error)."""
+    from pathlib import Path
+
+    is_torch = path.lower().endswith((".bin", ".pt", ".pth", ".ckpt"))
+    problem = torch_checkpoint_problem(Path(path)) if is_torch else safetensors_problem(Path(path))
+    if problem:
+        kind = "a torch.save LoRA checkpoint" if is_torch else "a safetensors LoRA"
+        raise ValueError(f"{path} is not {kind}: {problem}. Pass a LoRA .safetensors file.")
 
 
 def _read_header(file: str) -> Tuple[List[str], Dict[str, str]]:

@@ -27,7 +27,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging
 from diffusers.utils.distributed_utils import is_torch_dist_rank_zero
 
-from .._checkpoint_files import safetensors_problem
+from .._checkpoint_files import looks_like_local_path, safetensors_problem
 from ..loaders.fasth3 import CONTRACT_FILE
 from ..loaders.fasth3_text_encoder import is_fasth3_nvfp4_text_encoder, load_nvfp4_text_encoder
 from ..tasks import PARTITIONS, partitions_for_task
@@ -37,7 +37,7 @@ from .fasth3 import apply_fasth3_stack, check_fasth3_stack, load_gates_without_c
 # The pipeline's own config values (its `__init__` arguments that are not components), passed through on loading.
 PIPELINE_CONFIG_KEYS = (
     "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "min_duration_s",
-    "max_duration_s", "max_prompt_tokens", "strict_duration",
+    "max_duration_s", "max_prompt_tokens", "strict_duration", "max_canvas_pixels",
 )  # fmt: skip
 
 
@@ -206,11 +206,69 @@ def _needed_subfolders(index: Dict[str, Any], task: Optional[str]) -> list:
     return folders
 
 
+def _hub_reachable(hub_kwargs: Dict[str, Any]) -> bool:
+    """Whether the Hub's host name resolves (no request is made). Behind a proxy the proxy resolves it: assumed
+    reachable. Without this, an unplugged network costs huggingface_hub's retries (close to a minute) and then an
+    error that does not name the network."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    proxy_variables = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
+    if hub_kwargs.get("proxies") or any(os.environ.get(name) for name in proxy_variables):
+        return True
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+def _hub_kwargs_for_network(repo_id: str, hub_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """`hub_kwargs`, offline when the Hub cannot be reached but the cache holds the repo (with a warning that says
+    so); one error naming the network when it cannot be reached and the cache does not hold the repo."""
+    if _offline(hub_kwargs) or _hub_reachable(hub_kwargs):
+        return hub_kwargs
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    if classify_cached_repo(repo_id, hub_kwargs) is None:
+        raise OSError(
+            f"{repo_id!r}: cannot reach the Hugging Face Hub (the network cannot resolve {host}) and the local cache "
+            f"({hub_kwargs.get('cache_dir') or constants.HF_HUB_CACHE}) does not hold the repo: check the network, "
+            "or pass a local folder."
+        )
+    logger.warning(f"Cannot reach the Hugging Face Hub (the network cannot resolve {host}): loading {repo_id!r} from "
+                   "the local cache, without checking for updates (set HF_HUB_OFFLINE=1 to do so without asking).")
+    return {**hub_kwargs, "local_files_only": True}
+
+
+def check_local_source(source: str) -> None:
+    """A `from_pretrained` source that is not a folder: a file, or a path that does not exist, is refused in one line
+    (a hub repo id passes; the Hub answers for it)."""
+    if os.path.isdir(source):
+        return
+    if os.path.exists(source):
+        raise NotADirectoryError(
+            f"{source} is a file, not a checkpoint folder: pass the folder that holds model_index.json."
+        )
+    if looks_like_local_path(source):
+        raise FileNotFoundError(
+            f"{source}: no such folder ({os.path.abspath(os.path.expanduser(source))} does not exist): check the "
+            "path, or pass a hub repo id such as 'MiniMaxAI/MiniMax-H3'."
+        )
+
+
 def resolve_repo(repo_id: str, task: Optional[str], hub_kwargs: Dict[str, Any]) -> str:
     """A local snapshot of hub repo `repo_id` holding the index files, the shared components and the DiT
     partition(s) `task` needs (nothing else is downloaded)."""
     from huggingface_hub import snapshot_download
 
+    hub_kwargs = _hub_kwargs_for_network(repo_id, hub_kwargs)
     modular, root = fetch_repo_indexes(repo_id, hub_kwargs)
     kind = classify_index(modular, root)
     if modular is None and root is None:
@@ -240,6 +298,22 @@ def pop_dtype(kwargs: Dict[str, Any]):
     from diffusers.utils.deprecation_utils import _resolve_dtype
 
     return _resolve_dtype(kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None))
+
+
+def check_dtype(kwargs: Dict[str, Any]) -> None:
+    """`dtype` / `torch_dtype` of `from_pretrained`, before anything loads: a `torch.dtype` or a dict of component
+    name → `torch.dtype` (diffusers' loader would load float32 in place of anything else, without a word)."""
+    import torch
+
+    for name in ("dtype", "torch_dtype"):
+        value = kwargs.get(name)
+        values = value.values() if isinstance(value, dict) else [value]
+        bad = next((v for v in values if v is not None and not isinstance(v, torch.dtype)), None)
+        if bad is not None:
+            raise ValueError(
+                f"`{name}` must be a torch.dtype (e.g. torch.bfloat16) or a dict of component name to torch.dtype, "
+                f"got {bad!r}."
+            )
 
 
 def component_dtype(dtype, name: str):
@@ -443,6 +517,31 @@ def _check_transformers_weights(directory: Path, index: Dict[str, Any], kwargs: 
                 raise OSError(f"Unable to load weights from checkpoint file {file}: {problem}.")
 
 
+def check_component_files(directory: Path, index: Dict[str, Any], task: Optional[str], kwargs: Dict[str, Any]) -> None:
+    """Before anything loads: every component the index lists (and the call does not pass) has its folder, and the
+    JSON files of those folders parse. The loaders would otherwise say "no file named config.json found in directory
+    <checkpoint>" for a missing `vae/`, or raise a JSONDecodeError that names no file."""
+    wanted = partitions_for_task(task)
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, (list, tuple)) or entry[0] is None or name in kwargs:
+            continue
+        if name in PARTITIONS:  # a missing partition is `_check_partitions_present`'s to explain
+            if name not in wanted or not _has_component(directory, index, name):
+                continue
+        spec = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+        folder = directory / (spec.get("subfolder") or name)
+        if not folder.is_dir():
+            raise OSError(
+                f"{directory}: {folder.name}/ is missing (the index lists the `{name}` component): copy or download "
+                f"it again, or pass `{name}=...` to from_pretrained."
+            )
+        for file in sorted(folder.glob("*.json")):
+            try:
+                json.loads(file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError) as error:
+                raise OSError(f"{file} is not valid JSON ({error}): restore it from the original checkpoint.") from None
+
+
 def load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str] = None, **kwargs):
     """`MiniMaxH3Pipeline.from_pretrained`: see the module docstring.
 
@@ -507,16 +606,24 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
 
 def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     wanted = partitions_for_task(task)  # validates `task` before anything is downloaded
+    check_dtype(kwargs)
     path = str(pretrained_model_name_or_path)
+    check_local_source(path)
     if not os.path.isdir(path):
         hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
         path = resolve_repo(path, task, hub_kwargs)
     directory = Path(path)
+    for name in INDEX_FILES:
+        try:
+            _read_json(directory / name)
+        except (UnicodeDecodeError, ValueError) as error:
+            raise OSError(f"{directory / name} is not valid JSON ({error}): restore it from the original checkpoint.") from None
     kind = classify_checkpoint(directory)
     if kind not in ("ours", "hub"):
         raise _refusal(directory, kind)
     index = _read_index(directory, kind)
     _check_partitions_present(directory, index, task, kwargs)
+    check_component_files(directory, index, task, kwargs)
     _load_nvfp4_text_encoder(directory, index, kwargs)  # FastVideo's serialized NVFP4 layout (transformers cannot)
     _check_transformers_weights(directory, index, kwargs)  # a truncated file first: the next check reads headers
     _check_quantized_components(directory, index, task, kwargs)

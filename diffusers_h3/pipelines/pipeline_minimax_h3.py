@@ -72,6 +72,7 @@ from .loading import load_pipeline
 from .request import (
     DEFAULT_CANVAS_MAX_PIXELS,
     DEFAULT_CANVAS_SHORT_EDGE,
+    DEFAULT_MAX_CANVAS_PIXELS,
     DEFAULT_MAX_DURATION_S,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MIN_DURATION_S,
@@ -81,9 +82,10 @@ from .request import (
     ScheduleSettings,
     align_frames,
     check_canvas,
-    check_inputs,
+    check_pipeline_settings,
     check_prompt,
     check_prompt_tokens,
+    check_schedule,
     check_text_encoder_loaded,
     latent_geometry,
     memory_shape,
@@ -193,6 +195,11 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             encoder's `max_position_embeddings`); a longer one is refused before any model runs. The text rows join
             the DiT's packed sequence, so this bounds what a prompt costs; override it with
             `from_pretrained(..., max_prompt_tokens=N)`.
+        max_canvas_pixels (`int`, defaults to 1920 * 1088): The largest canvas (height x width) a request may ask
+            for: 1080p, the largest resolution the released model is trained at; a larger one is refused before any
+            model runs. Override it with `from_pretrained(..., max_canvas_pixels=N)`.
+
+    Every setting is checked when the pipeline is built (a wrong type is refused in one line naming it).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->transformer_ref->vae->audio_vae"
@@ -219,7 +226,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         max_duration_s: float = DEFAULT_MAX_DURATION_S,
         max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
         strict_duration: bool = False,
+        max_canvas_pixels: int = DEFAULT_MAX_CANVAS_PIXELS,
     ):
+        check_pipeline_settings(
+            text_encoder_layer=text_encoder_layer, canvas_short_edge=canvas_short_edge,
+            canvas_max_pixels=canvas_max_pixels, reference_image_short_edge=reference_image_short_edge,
+            min_duration_s=min_duration_s, max_duration_s=max_duration_s, max_prompt_tokens=max_prompt_tokens,
+            max_canvas_pixels=max_canvas_pixels,
+        )  # fmt: skip
         super().__init__()
         self.register_modules(
             text_encoder=text_encoder,
@@ -241,6 +255,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             max_duration_s=max_duration_s,
             max_prompt_tokens=max_prompt_tokens,
             strict_duration=strict_duration,
+            max_canvas_pixels=max_canvas_pixels,
         )
         self.vae_spatial_compression_ratio = vae.spatial_compression_ratio if vae is not None else 16
         self.image_processor = VaeImageProcessor(vae_scale_factor=16)
@@ -248,6 +263,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         self.video_processor = VideoProcessor(vae_scale_factor=16, do_normalize=False)
         self._interrupt = False
         self._num_timesteps = 0
+        self._current_timestep = None
         # The schedulers' state (timesteps, step index, shift) and `interrupt` belong to the running denoising loop:
         # concurrent calls take turns in the loop (text encoding, conditioning and decoding still overlap).
         self.denoise_lock = threading.Lock()
@@ -332,6 +348,14 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     @property
     def num_timesteps(self) -> int:
         return self._num_timesteps
+
+    @property
+    def current_timestep(self):
+        """The running denoising step's noise level on the scale of diffusers' flow-matching pipelines, `1000 * sigma`
+        (1000 at pure noise, towards 0 as the clip clears), and `None` outside the loop. Pyramid attention broadcast
+        and FasterCache (`current_timestep_callback=lambda: pipe.current_timestep`) read it, so their default skip
+        ranges mean here what they mean for Wan or LTX. (The scheduler's own timesteps are `t = 1 - sigma`.)"""
+        return self._current_timestep
 
     def enable_vsa(self, config=None, **options):
         """Install video sparse attention on the loaded transformer partition(s); see `diffusers_h3.enable_vsa`
@@ -433,44 +457,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
     # ------------------------------------------------------------------------------------------------------------
 
     def request_config(self) -> RequestConfig:
-        """What checking and building a request reads from this pipeline: its configs and loaded components."""
+        """What checking and building a request reads from this pipeline: its configs and loaded components.
+        `__call__` checks its arguments with `request.check_inputs` against it (through `H3Request.build`), the one
+        check the CLI also runs on a checkpoint folder's configs before loading."""
         return RequestConfig.from_pipeline(self)
-
-    def check_inputs(
-        self,
-        task,
-        prompt,
-        height,
-        width,
-        num_frames,
-        conditioning,
-        output_type,
-        callback_on_step_end_tensor_inputs,
-        sigmas,
-        audio_sigmas,
-        prompt_embeds=None,
-        text_token_tags=None,
-    ) -> int:
-        """Validate a request before any model runs; returns the aligned frame count.
-
-        `task` is a task name or `TaskSpec`; `conditioning` maps the conditioning inputs (`image`, `last_image`,
-        `references`) to their values, which the task's spec checks. `__call__` checks through `H3Request.build`.
-        """
-        return check_inputs(
-            self.request_config(), task, prompt=prompt, height=height, width=width, num_frames=num_frames,
-            conditioning=conditioning, output_type=output_type,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, sigmas=sigmas,
-            audio_sigmas=audio_sigmas, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
-        )  # fmt: skip
-
-    def _check_text_encoder_loaded(self, alternative: str) -> None:
-        check_text_encoder_loaded(self.request_config(), alternative)
-
-    def _check_canvas(self, height, width) -> None:
-        check_canvas(self.request_config(), height, width)
-
-    def _align_num_frames(self, num_frames) -> int:
-        return align_frames(self.request_config(), num_frames)
 
     # ------------------------------------------------------------------------------------------------------------
     # Text encoder
@@ -600,7 +590,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         """
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
-        self._check_text_encoder_loaded("load it (e.g. on another machine) to encode prompts")
+        config = self.request_config()
+        check_text_encoder_loaded(config, "load it (e.g. on another machine) to encode prompts")
         components = self.task_components()
         if conditions is None:
             if not isinstance(prompt, str):
@@ -608,9 +599,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     f"`encode_prompt` encodes one prompt, got {type(prompt).__name__}: call it once per prompt."
                 )
             check_prompt(prompt)
-            check_prompt_tokens(self.request_config(), prompt)
-            self._check_canvas(height, width)
-            num_frames = self._align_num_frames(num_frames)
+            check_prompt_tokens(config, prompt)
+            check_canvas(config, height, width)
+            num_frames = align_frames(config, num_frames)
             spec.check_conditions(conditioning)
             conditions = spec.prepare_conditions(components, conditioning, height, width, num_frames)
         token_ids, token_tags, vision_inputs = spec.present(components, prompt, conditions)
@@ -810,7 +801,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             [`MiniMaxH3PipelineOutput`] or `(frames, audio, sampling_rate)`; a batch is stacked along the first axis
             (frames `(batch, ...)`, audio `(batch, 2, samples)`; for `"latent"`, audio `(2 * batch, C, n)`).
         """
-        # 1. Route the task and check the request before any model runs.
+        # 1. Route the task and check the request before any model runs (the schedule first: a LoRA's or FastH3
+        # preset's defaults are resolved from it).
+        check_schedule(num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift)
         conditioning = {"image": image, "last_image": last_image, "references": references}
         spec = get_task(select_task(**conditioning))
         # A step-distillation LoRA fills unset schedule values and warns about settings it was not trained for.
@@ -958,6 +951,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
             for i, t in enumerate(timesteps):
                 if self.interrupt:
                     continue
+                self._current_timestep = 1000.0 * float(self.scheduler.sigmas[i])  # diffusers' flow-matching scale
                 unique_timesteps, timestep_indices = row_plan[i]
                 # cache_context tells diffusers' step-caching hooks (FirstBlockCache, MagCache, TaylorSeer) the step.
                 step = {"step_index": i, "sigma": video_sigmas[i], "num_inference_steps": len(timesteps)}
@@ -988,6 +982,7 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
                     audio_latents = outputs.get("audio_latents", audio_latents)
                     prompt_embeds = outputs.get("prompt_embeds", prompt_embeds)
                 progress_bar.update()
+        self._current_timestep = None
 
         return latents, audio_latents
 

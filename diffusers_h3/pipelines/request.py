@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import types
 from pathlib import Path
@@ -49,7 +50,15 @@ TEXT_ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "processor")
 DEFAULT_MIN_DURATION_S, DEFAULT_MAX_DURATION_S = 5.0, 15.0
 # The default canvas rule (the released checkpoint's training canvas), the pipeline's config defaults.
 DEFAULT_CANVAS_SHORT_EDGE, DEFAULT_CANVAS_MAX_PIXELS = 768, 768 * 1344
+# The largest canvas a request may ask for (the pipeline config's `max_canvas_pixels`): 1080p, 1920x1088 in multiples of
+# 32 (either orientation), the largest resolution MiniMax-H3 is trained at. The sequence, and with it attention's
+# cost, grows with the pixels: a larger canvas is untested ground for the model and hours or an out-of-memory error
+# for the machine. Raise it with `from_pretrained(..., max_canvas_pixels=N)`.
+DEFAULT_MAX_CANVAS_PIXELS = 1920 * 1088
 DEFAULT_NUM_INFERENCE_STEPS = 50
+# `num_inference_steps` / the length of `sigmas`: the model is distilled for 50 steps; 1000 (999 forwards, hours per
+# clip) is far beyond any use, so a larger count is a typo. The CLI's `--steps` has the same bound (`cli.MAX_STEPS`).
+MAX_INFERENCE_STEPS = 1000
 # The most prompt tokens a request may encode (the pipeline config's `max_prompt_tokens`): the text rows join the DiT's
 # packed sequence and the text encoder's cost grows with them, so a runaway prompt (a pasted file) would run for hours.
 # Long descriptive prompts take a few hundred tokens; raise it with `from_pretrained(..., max_prompt_tokens=N)`.
@@ -66,6 +75,7 @@ class RequestConfig:
             VAE's geometry (16, 17 and 5 for the released model).
         patch_size (`tuple[int, int, int]`): The transformer's patch size.
         canvas_short_edge (`int`), canvas_max_pixels (`int`): The pipeline's default canvas rule.
+        max_canvas_pixels (`int`): The largest canvas (height x width) a request may ask for.
         min_duration_s (`float`), max_duration_s (`float`): The recommended clip lengths, after alignment (what the
             model was trained for): outside them a request warns once and runs, from one VAE chunk up.
         strict_duration (`bool`): Refuse clips outside `min_duration_s`–`max_duration_s` instead of warning.
@@ -92,6 +102,7 @@ class RequestConfig:
     callback_tensor_inputs: Tuple[str, ...] = CALLBACK_TENSOR_INPUTS
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     strict_duration: bool = False
+    max_canvas_pixels: int = DEFAULT_MAX_CANVAS_PIXELS
     count_prompt_tokens: Optional[Callable[[str], int]] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -137,6 +148,7 @@ class RequestConfig:
             ),
             strict_duration=bool(config.get("strict_duration", False)),
             count_prompt_tokens=None if pipe.tokenizer is None else functools.partial(count_tokens, pipe.tokenizer),
+            max_canvas_pixels=int(config.get("max_canvas_pixels", DEFAULT_MAX_CANVAS_PIXELS)),
         )
 
     @classmethod
@@ -173,6 +185,7 @@ class RequestConfig:
                 pipeline_config.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS), text_encoder_config
             ),
             strict_duration=bool(pipeline_config.get("strict_duration", False)),
+            max_canvas_pixels=int(pipeline_config.get("max_canvas_pixels", DEFAULT_MAX_CANVAS_PIXELS)),
         )
 
     @classmethod
@@ -259,8 +272,17 @@ def check_prompt(prompt) -> None:
         raise ValueError("`prompt` is an empty list: pass a non-empty string or a list of them.")
     for i, text in enumerate(prompts):
         where = f"`prompt[{i}]`" if isinstance(prompt, (list, tuple)) else "`prompt`"
+        if isinstance(text, (bytes, bytearray)):
+            raise ValueError(f"{where} must be a string, got {type(text).__name__}: decode it, e.g. `.decode('utf-8')`.")
         if not isinstance(text, str):
             raise ValueError(f"{where} must be a string (or `prompt` a list of strings), got {type(text).__name__}.")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # undecodable bytes reach Python as lone surrogates (PEP 383)
+            raise ValueError(
+                f"{where} is not valid UTF-8 text (the lone surrogate {text[error.start]!a} at character {error.start}, "
+                "left by bytes that were not UTF-8): decode the text as UTF-8."
+            ) from None
         if not text.strip():
             raise ValueError(
                 f"{where} is empty: MiniMax-H3 needs a text description of the clip (any language), e.g. "
@@ -321,20 +343,142 @@ def check_prompt_embeds(config: RequestConfig, spec: TaskSpec, prompt_embeds, te
 def check_canvas(config: RequestConfig, height, width) -> None:
     if (height is None) != (width is None):
         raise ValueError("`height` and `width` have to be passed together, or neither of them.")
-    if height is not None:
-        multiple = config.canvas_multiple
-        if height <= 0 or width <= 0 or height % multiple or width % multiple:
+    if height is None:
+        return
+    for name, value in (("height", height), ("width", width)):
+        if not _is_int(value):
+            raise ValueError(f"`{name}` must be an int (pixels), got {value!r}.")
+    multiple = config.canvas_multiple
+    if height <= 0 or width <= 0 or height % multiple or width % multiple:
+        raise ValueError(
+            f"`height` and `width` must be positive multiples of {multiple}, got height={height}, "
+            f"width={width}; for example height={max(multiple, round(height / multiple) * multiple)}, "
+            f"width={max(multiple, round(width / multiple) * multiple)}."
+        )
+    ratio = width / height
+    if not MINIMAX_H3_MIN_ASPECT_RATIO <= ratio <= MINIMAX_H3_MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1 (width:height), got height={height}, "
+            f"width={width} ({ratio:.3g}:1)."
+        )
+    limit = config.max_canvas_pixels
+    if height * width > limit:
+        raise ValueError(
+            f"The canvas height={height}, width={width} has {height * width:,} pixels, more than this pipeline "
+            f"generates ({limit:,}, its `max_canvas_pixels`; the released model is trained up to 1080p, 1920x1088): "
+            f"pass a smaller canvas, e.g. height=768, width=1344, or load the pipeline with `max_canvas_pixels=N`."
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_sigmas(name: str, sigmas) -> None:
+    """`sigmas` as the scheduler uses it verbatim: 2 to `MAX_INFERENCE_STEPS` finite values in [0, 1], strictly
+    decreasing in float32 (the scheduler's precision), ending at 0. A NaN or inf would run and return NaN frames."""
+    if isinstance(sigmas, torch.Tensor):
+        values = sigmas.detach().flatten().cpu().tolist() if sigmas.ndim == 1 and sigmas.is_floating_point() else None
+    else:
+        if hasattr(sigmas, "tolist") and getattr(sigmas, "ndim", None) == 1:  # a 1-D NumPy array
+            sigmas = sigmas.tolist()
+        is_sequence = isinstance(sigmas, Sequence) and not isinstance(sigmas, (str, bytes))
+        numbers_only = is_sequence and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in sigmas)
+        values = [float(v) for v in sigmas] if numbers_only else None
+    if values is None:
+        got = repr(sigmas) if len(repr(sigmas)) <= 80 else f"a {type(sigmas).__name__}"
+        raise ValueError(f"`{name}` must be a list of numbers (or a 1-D float tensor or array), got {got}.")
+    bad = [v for v in values if not (math.isfinite(v) and 0.0 <= v <= 1.0)]
+    if bad:
+        raise ValueError(f"`{name}` must hold finite values in [0, 1] (rectified-flow noise levels), got {bad[0]!r}.")
+    as_float32 = torch.tensor(values, dtype=torch.float32)
+    decreasing = bool((as_float32[1:] < as_float32[:-1]).all())
+    if not 2 <= len(values) <= MAX_INFERENCE_STEPS or not decreasing or values[-1] != 0.0:
+        raise ValueError(
+            f"`{name}` must hold 2 to {MAX_INFERENCE_STEPS} strictly decreasing values (in float32) ending at 0.0, "
+            f"got {values if len(values) <= 8 else f'{len(values)} values'}."
+        )
+
+
+def check_schedule(num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift) -> None:
+    """The schedule settings of a call (`None`: unset), before any model runs."""
+    if num_inference_steps is not None and not (
+        _is_int(num_inference_steps) and 2 <= num_inference_steps <= MAX_INFERENCE_STEPS
+    ):
+        raise ValueError(
+            f"`num_inference_steps` must be an int from 2 to {MAX_INFERENCE_STEPS} (sigma grid points, the final 0 "
+            f"included; the model is distilled for 50), got {num_inference_steps!r}."
+        )
+    for name, value in (("sigmas", sigmas), ("audio_sigmas", audio_sigmas)):
+        if value is not None:
+            _check_sigmas(name, value)
+    if audio_sigmas is not None and sigmas is None:
+        raise ValueError("`audio_sigmas` needs `sigmas` too (both schedules must have the same number of steps).")
+    if sigmas is not None and audio_sigmas is not None and len(sigmas) != len(audio_sigmas):
+        raise ValueError(
+            f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
+        )
+    for name, value in (("flow_shift", flow_shift), ("audio_flow_shift", audio_flow_shift)):
+        if value is not None and not (_is_finite_number(value) and value > 0):
             raise ValueError(
-                f"`height` and `width` must be positive multiples of {multiple}, got height={height}, "
-                f"width={width}; for example height={max(multiple, round(height / multiple) * multiple)}, "
-                f"width={max(multiple, round(width / multiple) * multiple)}."
+                f"`{name}` must be a finite number above 0 (the sigma shift; the schedulers' defaults are 12 for video "
+                f"and 3 for audio), got {value!r}."
             )
-        ratio = width / height
-        if not MINIMAX_H3_MIN_ASPECT_RATIO <= ratio <= MINIMAX_H3_MAX_ASPECT_RATIO:
-            raise ValueError(
-                f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1 (width:height), got height={height}, "
-                f"width={width} ({ratio:.3g}:1)."
-            )
+
+
+def check_noise(latents, audio_latents) -> None:
+    """Initial noise, when given: finite float tensors of the right rank (the row count is checked against the
+    request's layout once it is built)."""
+    for name, value, shape in (
+        ("latents", latents, "(batch, channels, latent_frames, h, w)"),
+        ("audio_latents", audio_latents, "(2 * batch, channels, num_latents)"),
+    ):
+        if value is None:
+            continue
+        rank = shape.count(",") + 1
+        if not isinstance(value, torch.Tensor) or value.ndim != rank or not value.is_floating_point():
+            got = f"a {value.ndim}-D {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"`{name}` must be a float tensor {shape}, got {got}.")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"`{name}` holds NaN or inf values: pass finite noise (e.g. from `torch.randn`).")
+
+
+def check_attention_kwargs(attention_kwargs) -> None:
+    if attention_kwargs is None:
+        return
+    if not isinstance(attention_kwargs, Mapping):
+        raise ValueError(f"`attention_kwargs` must be a dict, got {type(attention_kwargs).__name__}.")
+    scale = attention_kwargs.get("scale")
+    if scale is not None and not _is_finite_number(scale):
+        raise ValueError(f"`attention_kwargs['scale']` (the LoRA weight) must be a finite number, got {scale!r}.")
+
+
+# The pipeline's typed settings (its config), checked when a pipeline is built or loaded: a wrong type would otherwise
+# surface as a bare TypeError in the middle of a call.
+_POSITIVE_INT_SETTINGS = (
+    "text_encoder_layer", "canvas_short_edge", "canvas_max_pixels", "reference_image_short_edge", "max_prompt_tokens",
+    "max_canvas_pixels",
+)  # fmt: skip
+_POSITIVE_NUMBER_SETTINGS = ("min_duration_s", "max_duration_s")
+
+
+def check_pipeline_settings(**settings) -> None:
+    """The pipeline's config values (`text_encoder_layer=...`, ...): positive ints / finite positive numbers."""
+    for name, value in settings.items():
+        if name in _POSITIVE_INT_SETTINGS and not (_is_int(value) and value > 0):
+            raise ValueError(f"`{name}` (a MiniMaxH3Pipeline setting) must be a positive int, got {value!r}.")
+        if name in _POSITIVE_NUMBER_SETTINGS and not (_is_finite_number(value) and value > 0):
+            raise ValueError(f"`{name}` (a MiniMaxH3Pipeline setting) must be a finite number above 0, got {value!r}.")
+    canvas, limit = settings.get("canvas_max_pixels"), settings.get("max_canvas_pixels")
+    if canvas is not None and limit is not None and canvas > limit:
+        raise ValueError(
+            f"`canvas_max_pixels`={canvas} (the default canvas) is above `max_canvas_pixels`={limit} (the largest "
+            "canvas a request may ask for): raise `max_canvas_pixels` or lower the default canvas."
+        )
 
 
 def frame_range(config: RequestConfig) -> Tuple[int, int]:
@@ -418,16 +562,28 @@ def check_inputs(
     width,
     num_frames,
     conditioning,
-    output_type,
-    callback_on_step_end_tensor_inputs,
-    sigmas,
-    audio_sigmas,
+    output_type="np",
+    callback_on_step_end=None,
+    callback_on_step_end_tensor_inputs=None,
+    num_inference_steps=None,
+    sigmas=None,
+    audio_sigmas=None,
+    flow_shift=None,
+    audio_flow_shift=None,
+    latents=None,
+    audio_latents=None,
     prompt_embeds=None,
     text_token_tags=None,
+    attention_kwargs=None,
     strict_duration: Optional[bool] = None,
 ) -> int:
-    """Validate a request before any model runs; returns the aligned frame count (see
-    `MiniMaxH3Pipeline.check_inputs`; `strict_duration`: :func:`align_frames`)."""
+    """Validate a request of `MiniMaxH3Pipeline.__call__` (its arguments, by keyword) against `config` before any
+    model runs; returns the aligned frame count. `task` is a task name or `TaskSpec`; `conditioning` maps the
+    conditioning inputs (`image`, `last_image`, `references`) to their values, which the task's spec checks;
+    `strict_duration` (default: the config's): :func:`align_frames`.
+
+    The one check of a request: `H3Request.build` runs it, for `__call__` and for the CLI (on the configs of a
+    checkpoint folder, before loading)."""
     spec = get_task(task) if isinstance(task, str) else task
     if prompt is not None and prompt_embeds is not None:
         raise ValueError(
@@ -454,18 +610,17 @@ def check_inputs(
     check_canvas(config, height, width)
     aligned = align_frames(config, num_frames, strict_duration)
     spec.check_conditions(conditioning)
+    if callback_on_step_end is not None and not callable(callback_on_step_end):
+        raise ValueError(f"`callback_on_step_end` must be callable, got {type(callback_on_step_end).__name__}.")
     if callback_on_step_end_tensor_inputs is not None:
         unknown = [k for k in callback_on_step_end_tensor_inputs if k not in config.callback_tensor_inputs]
         if unknown:
             raise ValueError(
                 f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {list(config.callback_tensor_inputs)}."
             )
-    if audio_sigmas is not None and sigmas is None:
-        raise ValueError("`audio_sigmas` needs `sigmas` too (both schedules must have the same number of steps).")
-    if sigmas is not None and audio_sigmas is not None and len(sigmas) != len(audio_sigmas):
-        raise ValueError(
-            f"`sigmas` ({len(sigmas)} points) and `audio_sigmas` ({len(audio_sigmas)} points) must be the same length."
-        )
+    check_schedule(num_inference_steps, sigmas, audio_sigmas, flow_shift, audio_flow_shift)
+    check_noise(latents, audio_latents)
+    check_attention_kwargs(attention_kwargs)
     return aligned
 
 
@@ -483,6 +638,13 @@ def latent_geometry(config: RequestConfig, num_frames: int, height: int, width: 
 
 def split_batch(batch_size: int, generator, latents, audio_latents):
     """`(generator, latents, audio_latents)` per clip; one shared generator advances from clip to clip."""
+    for i, item in enumerate(generator if isinstance(generator, (list, tuple)) else [generator]):
+        if item is not None and not isinstance(item, torch.Generator):
+            where = f"`generator[{i}]`" if isinstance(generator, (list, tuple)) else "`generator`"
+            raise ValueError(
+                f"{where} must be a torch.Generator (or `generator` a list of them, one per clip), got "
+                f"{type(item).__name__}: pass e.g. torch.Generator().manual_seed(0)."
+            )
     if isinstance(generator, (list, tuple)):
         if len(generator) != batch_size:
             raise ValueError(
@@ -635,8 +797,11 @@ class H3Request:
             num_inference_steps = DEFAULT_NUM_INFERENCE_STEPS
         num_frames = check_inputs(
             config, spec, prompt=prompt, height=height, width=width, num_frames=num_frames, conditioning=conditioning,
-            output_type=output_type, callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            sigmas=sigmas, audio_sigmas=audio_sigmas, prompt_embeds=prompt_embeds, text_token_tags=text_token_tags,
+            output_type=output_type, callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            num_inference_steps=num_inference_steps, sigmas=sigmas, audio_sigmas=audio_sigmas, flow_shift=flow_shift,
+            audio_flow_shift=audio_flow_shift, latents=latents, audio_latents=audio_latents,
+            prompt_embeds=prompt_embeds, text_token_tags=text_token_tags, attention_kwargs=attention_kwargs,
             strict_duration=strict_duration,
         )  # fmt: skip
         count = num_videos_per_prompt

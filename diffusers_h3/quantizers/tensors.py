@@ -185,6 +185,12 @@ class QuantizedTensor(torch.Tensor):
         """Bytes of the packed codes and scales."""
         return sum(t.numel() * t.element_size() for t in self.storage().values())
 
+    def nelement(self) -> int:
+        """The packed bytes in units of the logical element size (rounded up), so that `nelement() * element_size()`
+        — the footprint formula of diffusers' and transformers' `get_memory_footprint` — counts what the weight holds,
+        not its dense size. `numel()` (the shape's element count, which everything else reads) is unchanged."""
+        return -(-self.quantized_nbytes() // self.element_size())
+
     def _with(self, tensors=None, shape=None, dtype=None, share_merge: bool = True) -> "QuantizedTensor":
         inner = {name: getattr(self, name) for name in self.inner_names()}
         inner.update(tensors or {})

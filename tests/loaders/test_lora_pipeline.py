@@ -128,3 +128,17 @@ def test_non_finite_adapter_weights_are_refused_before_they_apply(pipe, tmp_path
         np.testing.assert_array_equal(after[0], before[0])
     finally:
         pipe.unload_lora_weights()
+
+
+def test_a_file_that_is_not_a_lora_is_named_in_one_line(pipe, tmp_path):
+    """A text file given as a LoRA: safetensors said "header too small" / "too large" without the file's name; a
+    mistyped path went to the hub as a repo id (HFValidationError)."""
+    for name in ("notes.safetensors", "notes.txt", "adapter.pt"):
+        path = tmp_path / name
+        path.write_text("these are my notes, not a LoRA\n")
+        with pytest.raises(ValueError, match=rf"^{path} is not a (safetensors|torch.save) LoRA.*Pass a LoRA") as error:
+            pipe.load_lora_weights(str(path))
+        assert "\n" not in str(error.value)
+    missing = tmp_path / "missing.safetensors"
+    with pytest.raises(FileNotFoundError, match=rf"{missing}: no such LoRA file or folder"):
+        pipe.load_lora_weights(str(missing))

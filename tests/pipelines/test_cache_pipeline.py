@@ -123,3 +123,27 @@ def test_cache_composes_with_vsa_and_a_quantizer():
     assert any("W8A16" in path for path in transformer["quantized_layers"])
     processors = [block.attn.processor for block in cached.transformer.transformer_blocks]
     assert any(p._last_sparse_kernel is not None for p in processors), "the sparse VSA path must have run"
+
+
+def test_pipeline_reports_current_timestep_for_diffusers_attention_caches():
+    """diffusers' pyramid attention broadcast and FasterCache read `pipe.current_timestep` (an AttributeError before
+    the pipeline had it). On diffusers' flow-matching scale (1000 * sigma) their default skip ranges apply: at flow
+    shift 1 the sigmas fall linearly, so the middle steps skip attention and the output changes."""
+    from diffusers import FasterCacheConfig, PyramidAttentionBroadcastConfig
+
+    run = {"num_inference_steps": 8, "flow_shift": 1.0}
+    expected = _call(_pipe(), **run)
+    for make_config in (PyramidAttentionBroadcastConfig, FasterCacheConfig):
+        pipe, seen = _pipe(), []
+
+        def timestep(pipe=pipe, seen=seen):
+            seen.append(pipe.current_timestep)
+            return pipe.current_timestep
+
+        extra = {"is_guidance_distilled": True} if make_config is FasterCacheConfig else {}
+        pipe.transformer.enable_cache(make_config(current_timestep_callback=timestep, **extra))
+        assert pipe.current_timestep is None
+        frames = _call(pipe, **run)
+        assert pipe.current_timestep is None, "outside the loop there is no current timestep"
+        assert seen[0] == 1000.0 and min(seen) < 300 and seen == sorted(seen, reverse=True), seen
+        assert not torch.equal(frames, expected), f"{make_config.__name__} skipped no attention"

@@ -65,10 +65,14 @@ class _GraphRecorder:
         return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
 
 
+# Whether the attention kernels run on these CPU tensors: under the Triton interpreter (a CPU host). On a CUDA host
+# triton compiles the kernels for the GPU, so CPU tensors take the torch references, traced inline (no custom op):
+# the blocks must still compile to one graph each, but the attention ops are not in it.
+KERNELS_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 # The custom ops each preset's blocks must call on this CPU (W8A16 GEMMs: no FP8 tensor cores here).
 PRESET_OPS = {
     "exact": set(),  # diffusers' processor and bf16 weights: no kernel of ours on a CPU
-    "fast": {"diffusers_h3.w8a16_linear.default", "diffusers_h3.fp8_attention.default"},
+    "fast": {"diffusers_h3.w8a16_linear.default"} | ({"diffusers_h3.fp8_attention.default"} if KERNELS_ON_CPU else set()),
     "fastest": {"diffusers_h3.w8a16_linear.default", "diffusers_h3.vsa_attention.default"},
 }
 
@@ -149,7 +153,7 @@ def test_other_processors_compile_fullgraph(make, op, flashinfer_stand_in):
     recorder = _GraphRecorder()
     model.compile_repeated_blocks(fullgraph=True, backend=recorder)
     compiled = _run(model)
-    assert op in recorder.ops()
+    assert op in recorder.ops() or not (KERNELS_ON_CPU or make.startswith("flashinfer")), sorted(recorder.ops())
     for got, ref in zip(compiled, eager):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()

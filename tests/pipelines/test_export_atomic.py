@@ -87,3 +87,21 @@ def test_a_full_disk_names_the_target_and_the_cause_not_the_temporary(tmp_path, 
     assert str(target) in message and ".partial" not in message, message
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
     assert target.read_bytes() == good and _files(tmp_path) == ["clip.mp4"]
+
+
+def test_two_writers_of_one_target_leave_one_complete_clip(tmp_path):
+    """Two runs writing the same `--out` (what docs/getting_started.md says): each encodes into its own temporary
+    file, and the one that finishes last replaces the target with its complete clip; no mix, no leftovers."""
+    from diffusers_h3 import VideoWriter
+
+    target = tmp_path / "clip.mp4"
+    long_clip, short_clip = FRAMES, FRAMES[:2]
+    first, second = VideoWriter(target, 24, None), VideoWriter(target, 24, None)
+    with first:
+        with second:
+            first.write_frames((long_clip * 255).astype(np.uint8))
+            second.write_frames((short_clip * 255).astype(np.uint8))
+        assert target.exists()  # the second finished first: its clip is there while the first still encodes
+    with av.open(str(target)) as container:
+        assert container.streams.video[0].frames == len(long_clip), "the run that finished last owns the file"
+    assert _files(tmp_path) == ["clip.mp4"]

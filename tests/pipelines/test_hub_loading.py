@@ -149,3 +149,52 @@ def test_missing_variant_is_refused_on_both_layouts_as_diffusers_does(offline):
             MiniMaxH3Pipeline.from_pretrained(source, task="t2va", variant="fp16")
         assert str(error.value) == str(diffusers_error.value)
     assert "variant=fp16" in str(diffusers_error.value)
+
+
+@pytest.fixture
+def no_network(hub_cache, monkeypatch):
+    """Online mode on a machine whose network cannot resolve the Hub; any download attempt fails the test."""
+    import socket
+
+    cache, snapshots = hub_cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def unresolvable(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+
+    def download(repo_id, filename, local_files_only=False, **kwargs):
+        assert local_files_only, f"a request for {repo_id}/{filename} went to the network"
+        return original_download(repo_id, filename, local_files_only=True, **kwargs)
+
+    def snapshot(repo_id, local_files_only=False, **kwargs):
+        assert local_files_only, f"a snapshot of {repo_id} was requested from the network"
+        return original_snapshot(repo_id, local_files_only=True, **kwargs)
+
+    original_download, original_snapshot = huggingface_hub.hf_hub_download, huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    return snapshots
+
+
+def test_unreachable_hub_fails_fast_naming_the_network(no_network):
+    """Without a network a repo id retried for close to a minute, then suggested passing the very id passed."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(OSError, match=r"'nobody/not-cached': cannot reach the Hugging Face Hub \(the network cannot "
+                                      r"resolve huggingface.co\) and the local cache .* check the network") as error:
+        MiniMaxH3Pipeline.from_pretrained("nobody/not-cached")
+    assert time.perf_counter() - start < 5 and "\n" not in str(error.value)
+
+
+def test_unreachable_hub_loads_a_cached_repo_with_a_warning(no_network, h3_logs):
+    with h3_logs.expect(r"Cannot reach the Hugging Face Hub .* from the local cache"):
+        pipe = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", revision=REVISION)
+    assert pipe.transformer is not None

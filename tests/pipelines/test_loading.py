@@ -223,3 +223,46 @@ def test_truncated_text_encoder_weights_are_named(layout, own_dir, hub_dir, tmp_
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(OSError, match=f"{weights}: truncated"):
         MiniMaxH3Pipeline.from_pretrained(directory)
+
+
+def test_missing_folder_is_named_not_sent_to_the_hub(tmp_path, monkeypatch):
+    """A path that does not exist said `HFValidationError: Repo id must be in the form ...`."""
+    monkeypatch.chdir(tmp_path)
+    for source in (str(tmp_path / "nowhere" / "ckpt"), "./missing_ckpt"):
+        with pytest.raises(FileNotFoundError, match=r"no such folder \(.* does not exist\): check the path"):
+            MiniMaxH3Pipeline.from_pretrained(source)
+    (tmp_path / "file.json").write_text("{}")
+    with pytest.raises(NotADirectoryError, match="is a file, not a checkpoint folder"):
+        MiniMaxH3Pipeline.from_pretrained(tmp_path / "file.json")
+
+
+@pytest.mark.parametrize("layout", ["own", "hub"])
+@pytest.mark.parametrize("damage", ["index", "vae config", "missing vae", "missing tokenizer"])
+def test_damaged_checkpoint_is_named_before_loading(layout, damage, own_dir, hub_dir, tmp_path):
+    """A corrupt JSON file raised a JSONDecodeError without its name; a checkpoint without `vae/` said "no file named
+    config.json found in directory <checkpoint>"; one without `tokenizer/` loaded without a tokenizer."""
+    import shutil
+
+    directory = shutil.copytree(own_dir if layout == "own" else hub_dir, tmp_path / "copy")
+    index_name = "model_index.json" if layout == "own" else "modular_model_index.json"
+    target, message = {
+        "index": (directory / index_name, rf"{directory / index_name} is not valid JSON \(.*\): restore it"),
+        "vae config": (directory / "vae" / "config.json", r"vae/config.json is not valid JSON"),
+        "missing vae": (directory / "vae", r": vae/ is missing \(the index lists the `vae` component\)"),
+        "missing tokenizer": (directory / "tokenizer", r": tokenizer/ is missing"),
+    }[damage]
+    if damage.startswith("missing"):
+        shutil.rmtree(target)
+    else:
+        target.write_text("{not json")
+    with pytest.raises(OSError, match=message) as error:
+        MiniMaxH3Pipeline.from_pretrained(directory, task="t2va")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", ["potato", "bfloat16", {"default": torch.float32, "vae": "fp16"}])
+def test_dtype_that_is_not_a_torch_dtype_is_refused(own_dir, dtype):
+    """`dtype="potato"` loaded float32 without a word."""
+    for name in ("dtype", "torch_dtype"):
+        with pytest.raises(ValueError, match=rf"`{name}` must be a torch.dtype .* got '(potato|bfloat16|fp16)'"):
+            MiniMaxH3Pipeline.from_pretrained(own_dir, **{name: dtype})

@@ -48,17 +48,46 @@ def _image(w=40, h=36):
         ({"callback_on_step_end_tensor_inputs": ["noise"]}, "callback_on_step_end_tensor_inputs"),
         ({"audio_sigmas": [1.0, 0.0]}, "`audio_sigmas` needs `sigmas`"),
         ({"sigmas": [1.0, 0.5, 0.0], "audio_sigmas": [1.0, 0.0]}, "same length"),
+        # Each of these ran before: NaN frames without a word, or a failure after the text encoder ran.
+        ({"sigmas": [float("inf"), 0.5, 0.0]}, r"`sigmas` must hold finite values in \[0, 1\].*inf"),
+        ({"sigmas": [1.0, float("nan"), 0.0]}, r"`sigmas` must hold finite values"),
+        ({"sigmas": [1.5, 0.5, 0.0]}, r"`sigmas` must hold finite values in \[0, 1\]"),
+        ({"sigmas": [1.0, 0.5, 0.0], "audio_sigmas": [1.0, float("inf"), 0.0]}, "`audio_sigmas` must hold finite"),
+        ({"sigmas": [1.0, 0.5, 0.5, 0.0]}, "strictly decreasing"),
+        ({"sigmas": 0.5}, "`sigmas` must be a list of numbers"),
+        ({"flow_shift": float("nan")}, "`flow_shift` must be a finite number above 0"),
+        ({"audio_flow_shift": float("inf")}, "`audio_flow_shift` must be a finite number above 0"),
+        ({"flow_shift": 0.0}, "`flow_shift` must be a finite number above 0"),
+        ({"num_inference_steps": float("nan")}, "`num_inference_steps` must be an int from 2 to 1000"),
+        ({"num_inference_steps": 2.5}, "`num_inference_steps` must be an int"),
+        ({"num_inference_steps": 10**12}, "`num_inference_steps` must be an int from 2 to 1000"),
+        ({"num_inference_steps": 1}, "`num_inference_steps` must be an int from 2"),
+        ({"height": float("nan"), "width": 32}, "`height` must be an int"),
+        ({"height": 32, "width": 32.0}, "`width` must be an int"),
+        ({"height": 10**9, "width": 10**9}, "more than this pipeline generates.*`max_canvas_pixels`"),
+        ({"height": 4096, "width": 4096}, r"16,777,216 pixels, more than this pipeline generates \(2,088,960"),
+        ({"generator": "seed0"}, "`generator` must be a torch.Generator"),
+        ({"generator": [torch.Generator(), 0]}, r"`generator\[1\]` must be a torch.Generator"),
+        ({"latents": torch.randn(4, 7, 2, 2)}, r"`latents` must be a float tensor \(batch, channels"),
+        ({"latents": torch.full((1, 4, 7, 2, 2), float("nan"))}, "`latents` holds NaN or inf"),
+        ({"audio_latents": torch.randn(2, 8)}, "`audio_latents` must be a float tensor"),
+        ({"prompt": "caf\udce9"}, r"`prompt` is not valid UTF-8 text \(the lone surrogate '\\udce9' at character 3"),
+        ({"prompt": b"a cat"}, r"`prompt` must be a string, got bytes: decode it"),
+        ({"attention_kwargs": {"scale": float("nan")}}, r"`attention_kwargs\['scale'\]` .* must be a finite number"),
+        ({"attention_kwargs": [("scale", 1.0)]}, "`attention_kwargs` must be a dict"),
+        ({"callback_on_step_end": "print"}, "`callback_on_step_end` must be callable"),
     ],
 )
 def test_bad_input_raises_clear_error(pipe, overrides, message):
     calls = []
     hook = pipe.text_encoder.model.register_forward_pre_hook(lambda *args: calls.append(1))
     try:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as refused:
             pipe(**{**BASE, **overrides})
     finally:
         hook.remove()
     assert not calls, "bad input must be refused before any model runs"
+    assert "\n" not in str(refused.value), "one line"
 
 
 def test_too_many_references(pipe):

@@ -11,11 +11,13 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG, video_latent_num_frames
 
 from diffusers_h3.pipelines.request import (
+    DEFAULT_MAX_CANVAS_PIXELS,
     DEFAULT_MAX_DURATION_S,
     DEFAULT_MIN_DURATION_S,
     H3Clip,
     H3Request,
     RequestConfig,
+    check_inputs,
     frame_range,
 )
 from diffusers_h3.tasks import get_task
@@ -174,15 +176,20 @@ def test_pipeline_warns_outside_the_range_and_refuses_when_strict(fresh_duration
 
 def test_limits_come_from_the_pipeline_config():
     """Fails if a duration limit stops coming from the pipeline's config (e.g. back to a module constant)."""
+
+    def check(pipe, num_frames):
+        return check_inputs(pipe.request_config(), "t2va", prompt="a cat", height=32, width=32, num_frames=num_frames,
+                            conditioning={})  # fmt: skip
+
     default = tiny_pipeline(min_duration_s=DEFAULT_MIN_DURATION_S, max_duration_s=DEFAULT_MAX_DURATION_S,
                             strict_duration=True)  # fmt: skip
     with pytest.raises(ValueError, match="5–15 s"):
-        default.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None)
+        check(default, 22)
     short = tiny_pipeline(min_duration_s=0.5, max_duration_s=2.0, strict_duration=True)
     assert (short.config.min_duration_s, short.config.max_duration_s) == (0.5, 2.0)
-    assert short.check_inputs("t2va", "a cat", 32, 32, 22, {}, "np", None, None, None) == 22
+    assert check(short, 22) == 22
     with pytest.raises(ValueError, match=r"0\.5–2 s.*rounds up to 56 frames"):
-        short.check_inputs("t2va", "a cat", 32, 32, 40, {}, "np", None, None, None)
+        check(short, 40)
     with pytest.raises(ValueError, match=r"0\.5–2 s"):
         short(prompt="a cat", height=32, width=32, num_frames=124, num_inference_steps=2, output_type="latent")
 
@@ -213,6 +220,52 @@ def test_cli_and_api_read_one_duration_rule(fresh_duration_warnings, tmp_path):
     for num_frames in (5, 22, 40, 124, 400):
         assert outcome(demo_cli, num_frames) == outcome(api, num_frames)
         assert outcome(folder_cli, num_frames) == outcome(loaded, num_frames)
+
+
+def test_one_check_inputs_for_the_api_and_the_cli():
+    """One request check: `check_inputs` in this module, run by `H3Request.build` for `__call__` and the CLI; the
+    pipeline keeps no second copy."""
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    assert not hasattr(MiniMaxH3Pipeline, "check_inputs")
+    cli_source = (Path(__file__).resolve().parents[2] / "diffusers_h3" / "cli.py").read_text()
+    assert "H3Request.build(" in cli_source
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("min_duration_s", None, "`min_duration_s` .* must be a finite number above 0, got None"),
+        ("max_duration_s", float("nan"), "`max_duration_s` .* must be a finite number above 0, got nan"),
+        ("text_encoder_layer", None, "`text_encoder_layer` .* must be a positive int, got None"),
+        ("text_encoder_layer", 50.0, "`text_encoder_layer` .* must be a positive int, got 50.0"),
+        ("canvas_short_edge", "768", "`canvas_short_edge` .* must be a positive int"),
+        ("max_prompt_tokens", 0, "`max_prompt_tokens` .* must be a positive int"),
+        ("max_canvas_pixels", 32 * 32, r"`canvas_max_pixels`=.* is above `max_canvas_pixels`=1024"),
+    ],
+)
+def test_pipeline_settings_are_checked_at_construction(setting, value, message):
+    """A wrong type for a typed pipeline setting is refused when the pipeline is built (it used to be accepted and
+    fail later as a bare TypeError in `encode_prompt`)."""
+    with pytest.raises(ValueError, match=message):
+        tiny_pipeline(**{setting: value})
+
+
+def test_canvas_limit_is_the_pipeline_setting(tmp_path):
+    config = _config()
+    assert config.max_canvas_pixels == DEFAULT_MAX_CANVAS_PIXELS == 1920 * 1088
+    _build(config, height=1088, width=1920)
+    _build(config, height=1920, width=1088)
+    with pytest.raises(ValueError, match=r"height=1120, width=1920 has 2,150,400 pixels"):
+        _build(config, height=1120, width=1920)
+    _build(_config(max_canvas_pixels=1120 * 1920), height=1120, width=1920)
+    from diffusers_h3 import MiniMaxH3Pipeline
+
+    tiny_pipeline(canvas_short_edge=64, canvas_max_pixels=64 * 64, max_canvas_pixels=64 * 64).save_pretrained(tmp_path)
+    loaded = MiniMaxH3Pipeline.from_pretrained(tmp_path)
+    assert loaded.request_config().max_canvas_pixels == RequestConfig.from_folder(tmp_path).max_canvas_pixels == 4096
+    with pytest.raises(ValueError, match="more than this pipeline generates"):
+        loaded(prompt="a cat", height=64, width=96, num_frames=22, num_inference_steps=2, output_type="latent")
 
 
 def test_bad_limits_are_refused():
@@ -327,3 +380,18 @@ def test_build_takes_the_call_arguments_by_keyword():
     with pytest.raises(TypeError, match="positional"):
         H3Request.build(_config(), "a cat")
     assert _build().clips[0].prompt == "a cat"
+
+
+def test_schedule_check_takes_what_the_scheduler_takes():
+    """Lists, 1-D tensors and 1-D NumPy arrays of noise levels pass (the scheduler takes them verbatim); the bounds
+    are the scheduler's own: strictly decreasing in float32, ending at 0."""
+    import numpy as np
+
+    from diffusers_h3.pipelines.request import check_schedule
+
+    for sigmas in ([1, 0.5, 0], torch.tensor([1.0, 0.5, 0.0]), np.array([1.0, 0.5, 0.0])):
+        check_schedule(None, sigmas, None, 6, 3.0)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        check_schedule(None, [1.0, 1.0 - 1e-9, 0.0], None, None, None)  # distinct in float64, equal in float32
+    with pytest.raises(ValueError, match="`sigmas` must be a list of numbers .* got a list"):
+        check_schedule(None, ["x"] * 100, None, None, None)

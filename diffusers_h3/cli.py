@@ -650,6 +650,7 @@ def check_arguments(args) -> None:
         return
     if args.command == "plan":
         _check_plan_arguments(args)
+        return
     if args.command == "train-lora":
         _check_train_lora_arguments(args)
         return

@@ -605,11 +605,22 @@ def parse_shapes(text):
 
 
 def shape_record(kwargs, recipe_settings, lora_rank, prompt_tokens, references=(0, 0)):
-    """The request's shape fields of a memory-model record (``benchmarks/memory_model.py`` reads them)."""
-    return {"task": "fl2va" if "image" in kwargs else ("ref2va" if "references" in kwargs else "t2va"),
-            "height": kwargs["height"], "width": kwargs["width"], "num_frames": kwargs["num_frames"],
-            "prompt_tokens": prompt_tokens, "reference_images": references[0], "reference_videos": references[1],
+    """The request's shape fields of a memory-model record (``benchmarks/memory_model.py`` reads them): frames as
+    the pipeline aligns them (17n+5), ``prompt_tokens`` the text rows packed (a keyframe's vision tokens included)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames
+
+    task = "fl2va" if "image" in kwargs else ("ref2va" if "references" in kwargs else "t2va")
+    keyframes = (2 if kwargs.get("last_image") is not None else 1) if task == "fl2va" else 0
+    return {"task": task, "height": kwargs["height"], "width": kwargs["width"],
+            "num_frames": align_num_frames(kwargs["num_frames"], 17, 5), "prompt_tokens": int(prompt_tokens),
+            "reference_images": references[0], "reference_videos": references[1], "keyframes": keyframes,
             "lora_rank": lora_rank, "recipe": "low_ram", "settings": dict(recipe_settings)}  # fmt: skip
+
+
+def text_rows(timer, default=PROMPT_TOKENS):
+    """The text rows a request packed: its text token tags' length (the prompt's tokens and any vision tokens)."""
+    tags = getattr(timer, "text_token_tags", None)
+    return int(tags.numel()) if tags is not None else default
 
 
 def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
@@ -619,7 +630,7 @@ def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
     height, width, frames = shape
     kwargs = {"prompt_embeds": prompt_embeds[0], "text_token_tags": prompt_embeds[1], "height": height, "width": width, "num_frames": frames,
               "num_inference_steps": SIGMA_POINTS, "output_type": "np"}  # fmt: skip
-    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=PROMPT_TOKENS)
+    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=int(prompt_embeds[1].numel()))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -815,7 +826,8 @@ def timed_light4_request(pipe, device, tiny):
     stages["other"] = ms - sum(stages.values())
     record = {"ms": round(ms, 1), "stages": {k: round(v, 1) for k, v in stages.items()},
               "forward_ms": [round(t, 1) for t in timer.forwards], "forwards": len(timer.forwards),
-              "sigma_points": kwargs["num_inference_steps"], "disk": io_since(io_before)}  # fmt: skip
+              "sigma_points": kwargs["num_inference_steps"], "disk": io_since(io_before),
+              "text_rows": text_rows(timer)}  # fmt: skip
     if device.type == "cuda":
         peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
         record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
@@ -900,6 +912,14 @@ def child_main(args):
         (record["ms"] - record["stages"]["forwards"] + (SIGMA_POINTS - 1) * record["stages"]["forwards"]) / 1000, 1)
     record["disk_per_t2va_request_gib_extrapolated"] = round(
         record["disk"].get("read_bytes_gib", 0.0) + (SIGMA_POINTS - 2) * record["pcie"]["per_forward_gib"], 2)
+    # The memory model's requests: this t2va one (its host peak includes the load), then Light4's and the sweep's.
+    shapes = record["shapes"] = [{
+        **shape_record(request_kwargs(REQUEST_CASE, args.tiny), recipe.settings, lora_rank=0,
+                       prompt_tokens=_PROMPT_EMBEDS[1].numel() if _PROMPT_EMBEDS[1] is not None else PROMPT_TOKENS),
+        **{k: record.get(k) for k in ("device_peak_gib", "device_peak_source", "peak_reserved_gib",
+                                      "peak_allocated_gib", "ms")},
+        "host_peak_rss_gib": record["host_peak_rss_t2va_gib"], "fits": True, "forwards": 1}]  # fmt: skip
+    host_peaks = [record["host_peak_rss_t2va_gib"]]
     if not args.no_light4:
         try:
             started = time.perf_counter()
@@ -911,35 +931,43 @@ def child_main(args):
             else:
                 attention = "dense (no VSA on this device)"
             window = sampler.window("fl2va_light4") if sampler is not None else contextlib.nullcontext()
+            reset_vm_hwm()
             with window:
                 light4 = timed_light4_request(pipe, device, args.tiny)
+            light4["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
+            host_peaks.append(light4["host_peak_rss_gib"])
             if sampler is not None:
                 light4.update(device_peak_fields(sampler.windows["fl2va_light4"], light4["peak_reserved_gib"],
                                                  sampler.source))  # fmt: skip
             light4["shape"] = shape_record(request_kwargs(LIGHT4_CASE, args.tiny), recipe.settings,
-                                           lora_rank=LIGHT4_LORA_RANK, prompt_tokens=PROMPT_TOKENS)  # fmt: skip
+                                           lora_rank=LIGHT4_LORA_RANK, prompt_tokens=light4["text_rows"])  # fmt: skip
+            shapes.append({**light4["shape"], **{k: light4.get(k) for k in (
+                "device_peak_gib", "device_peak_source", "peak_reserved_gib", "peak_allocated_gib", "ms",
+                "host_peak_rss_gib", "forwards")}, "fits": True})  # fmt: skip
             light4.update(lora=f"random rank-{LIGHT4_LORA_RANK} LoRA on every block Linear, unfused",
                           lora_load_s=round(lora_s, 1), attention=attention)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - recorded: the t2va record stands on its own
             traceback.print_exc()
             light4 = {"failed": f"{type(error).__name__}: {str(error)[:400]}"}
         record["fl2va_light4"] = light4
-    record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())  # before the shape sweep resets the high-water mark
+    host_peaks.append(_gib(vm_hwm_bytes()))
+    # the whole process's host peak: the largest of the high-water marks, each reset before a request
+    record["host_peak_rss_gib"] = max(host_peaks)
     if args.shapes:
         if "light4" in getattr(pipe, "get_active_adapters", lambda: [])():
             pipe.unload_lora_weights()
         disable_vsa(pipe)  # the sweep's requests run as the t2va one did: dense attention, no LoRA
         embeds = (_PROMPT_EMBEDS[0].to(device, torch.bfloat16), _PROMPT_EMBEDS[1])
-        shapes = record["shapes"] = []
         for shape in parse_shapes(args.shapes):
             Path(args.child_out).write_text(json.dumps(record, indent=1))  # what is measured so far survives a kill
             print(f"{case}: shape {shape}", flush=True)
             shapes.append(timed_shape_request(pipe, device, shape, embeds, recipe.settings, sampler))
             print(f"{case}: {shapes[-1].get('device_peak_gib')} GiB device, fits {shapes[-1]['fits']}", flush=True)
+    record["host_peak_rss_gib"] = max([record["host_peak_rss_gib"]] + [r["host_peak_rss_gib"] for r in shapes])
     if sampler is not None:
         sampler.stop()
         whole = device_peak_fields(sampler.peak_bytes, max(
-            [record["peak_reserved_gib"]] + [r.get("peak_reserved_gib") or 0 for r in record.get("shapes", [])]
+            [record["peak_reserved_gib"] or 0] + [r.get("peak_reserved_gib") or 0 for r in record.get("shapes", [])]
             + [record.get("fl2va_light4", {}).get("peak_reserved_gib") or 0]), sampler.source)  # fmt: skip
         record.update(whole, device_samples=sampler.samples, device_sample_interval_s=sampler.interval_s,
                       card_bound_gib=CARD_BOUND_GIB.get(case))  # fmt: skip

@@ -6,6 +6,7 @@ The scripts import this module as ``_common``: Python puts a script's own folder
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -14,6 +15,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -120,7 +122,7 @@ class DeviceMemorySampler:
         self.samples = 0
         self.windows: Dict[str, int] = {}
         self._open: Dict[str, int] = {}
-        self._lock = __import__("threading").Lock()
+        self._lock = threading.Lock()
         self._stop = None
         self._thread = None
 
@@ -167,8 +169,6 @@ class DeviceMemorySampler:
             self.sample()
 
     def start(self) -> "DeviceMemorySampler":
-        import threading
-
         self._stop = threading.Event()
         self.sample()
         self._thread = threading.Thread(target=self._loop, name="device_memory_sampler", daemon=True)
@@ -182,23 +182,18 @@ class DeviceMemorySampler:
             self._thread = None
         self.sample()
 
+    @contextlib.contextmanager
     def window(self, name: str):
         """``with sampler.window("fl2va_light4"):`` the peak of the samples taken inside the block."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope():
-            with self._lock:
-                self._open[name] = 0
+        with self._lock:
+            self._open[name] = 0
+        self.sample()
+        try:
+            yield self
+        finally:
             self.sample()
-            try:
-                yield self
-            finally:
-                self.sample()
-                with self._lock:
-                    self.windows[name] = max(self.windows.get(name, 0), self._open.pop(name))
-
-        return scope()
+            with self._lock:
+                self.windows[name] = max(self.windows.get(name, 0), self._open.pop(name))
 
 
 def device_peak_fields(sampled_bytes: int, peak_reserved_gib: Optional[float], source: str) -> Dict[str, Any]:

@@ -623,21 +623,10 @@ def text_rows(timer, default=PROMPT_TOKENS):
     return int(tags.numel()) if tags is not None else default
 
 
-def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
-    """One t2va request at ``shape`` (one forward, both decodes) with the prompt embedded once before (the text
-    encoder's stage peaks at a fixed 512 tokens, below the forward's): its peaks as the card counts them, the
-    allocator's, and the host's since the request began. An out-of-memory error is recorded, not raised."""
-    height, width, frames = shape
-    kwargs = {"prompt_embeds": prompt_embeds[0], "text_token_tags": prompt_embeds[1], "height": height, "width": width, "num_frames": frames,
-              "num_inference_steps": SIGMA_POINTS, "output_type": "np"}  # fmt: skip
-    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=int(prompt_embeds[1].numel()))
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    record["host_peak_reset"] = reset_vm_hwm()
-    name = f"{height}x{width}x{frames}"
+def one_forward_request(pipe, device, kwargs, record, name, sampler):
+    """Run ``pipe(**kwargs)`` for one forward and both decodes, and fill ``record`` with whether it fitted (an
+    out-of-memory error is recorded, not raised), its times, the text rows it packed, and its peaks: the
+    allocator's, and the card's in the sampler window ``name``."""
     window = sampler.window(name) if sampler is not None else contextlib.nullcontext()
     start = time.perf_counter()
     with window, StageTimer(pipe, device, sampler=sampler) as timer:
@@ -648,17 +637,35 @@ def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
             record["fits"] = out.frames is not None and out.audio is not None
         except torch.OutOfMemoryError as error:
             timer.mark("at_failure")
-            record["fits"] = False
-            record["error"] = f"OutOfMemoryError: {str(error).splitlines()[0][:300]}"
-    record["ms"] = round((time.perf_counter() - start) * 1000, 1)
-    record["stages"] = {k: round(v, 1) for k, v in timer.stages.items()}
-    record["forward_ms"] = [round(t, 1) for t in timer.forwards]
+            record.update(fits=False, error=f"OutOfMemoryError: {str(error).splitlines()[0][:300]}")
+    record.update(ms=round((time.perf_counter() - start) * 1000, 1),
+                  stages={k: round(v, 1) for k, v in timer.stages.items()},
+                  forward_ms=[round(t, 1) for t in timer.forwards],
+                  prompt_tokens=text_rows(timer, record["prompt_tokens"]))  # fmt: skip
     if device.type == "cuda":
         peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
         record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
                       stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
         if sampler is not None:
             record.update(device_peak_fields(sampler.windows[name], record["peak_reserved_gib"], sampler.source))
+    return record
+
+
+def timed_shape_request(pipe, device, shape, prompt_embeds, settings, sampler):
+    """One t2va request at ``shape`` (one forward, both decodes) with the prompt embedded once before (the text
+    encoder's stage peaks at a fixed 512 tokens, below the forward's): its peaks as the card counts them, the
+    allocator's, and the host's since the request began. An out-of-memory error is recorded, not raised."""
+    height, width, frames = shape
+    kwargs = {"prompt_embeds": prompt_embeds[0], "text_token_tags": prompt_embeds[1], "height": height,
+              "width": width, "num_frames": frames, "num_inference_steps": SIGMA_POINTS, "output_type": "np"}
+    record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=int(prompt_embeds[1].numel()))
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    record["host_peak_reset"] = reset_vm_hwm()
+    one_forward_request(pipe, device, kwargs, record, f"{height}x{width}x{frames}", sampler)
     record["host_peak_rss_gib"] = _gib(vm_hwm_bytes())
     del kwargs
     gc.collect()
@@ -685,24 +692,7 @@ def ref2va_request(pipe, device, settings, sampler):
               "height": height, "width": width, "num_frames": frames, "num_inference_steps": SIGMA_POINTS,
               "output_type": "np"}  # fmt: skip
     record = shape_record(kwargs, settings, lora_rank=0, prompt_tokens=PROMPT_TOKENS, references=(REF2VA_IMAGES, 1))
-    window = sampler.window("ref2va") if sampler is not None else contextlib.nullcontext()
-    start = time.perf_counter()
-    with window, StageTimer(pipe, device, sampler=sampler) as timer:
-        try:
-            out = pipe(**kwargs, generator=torch.Generator().manual_seed(0), callback_on_step_end=stop_after(1))
-            record["fits"] = out.frames is not None
-        except torch.OutOfMemoryError as error:
-            timer.mark("at_failure")
-            record.update(fits=False, error=f"OutOfMemoryError: {str(error).splitlines()[0][:300]}")
-    record.update(ms=round((time.perf_counter() - start) * 1000, 1),
-                  stages={k: round(v, 1) for k, v in timer.stages.items()})  # fmt: skip
-    if device.type == "cuda":
-        peak_allocated, peak_reserved = peak_over_stages(timer.peaks)
-        record.update(peak_allocated_gib=round(peak_allocated, 2), peak_reserved_gib=round(peak_reserved, 2),
-                      stage_peak_gib=rounded_stage_peaks(timer.peaks))  # fmt: skip
-        if sampler is not None:
-            record.update(device_peak_fields(sampler.windows["ref2va"], record["peak_reserved_gib"], sampler.source))
-    return record
+    return one_forward_request(pipe, device, kwargs, record, "ref2va", sampler)
 
 
 def ref2va_checkpoint(checkpoint, work):
@@ -853,8 +843,6 @@ def child_main(args):
     # made before this process touches CUDA: its context is counted, the parent's is not
     sampler = DeviceMemorySampler(0).start() if device.type == "cuda" else None
     _SAMPLER = sampler
-    load_window = sampler.window("load_and_t2va") if sampler is not None else contextlib.nullcontext()
-    load_window.__enter__()
     cap_gib = CASE_SETUP[case][1] if device.type == "cuda" else None
     fraction = None
     if device.type == "cuda":  # the cap holds from the load on
@@ -868,7 +856,6 @@ def child_main(args):
     pipe = load_for_memory_budget(args.checkpoint, task=task, recipe=recipe, device=device,
                                   offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
     if task == "ref2va":
-        load_window.__exit__(None, None, None)
         record = {"recipe_name": "low_ram", "recipe": RECIPE_LINES["low_ram"], "cap_gib": cap_gib,
                   "settings": recipe.settings, "load_s": round(time.perf_counter() - started, 1),
                   "ref2va": ref2va_request(pipe, device, recipe.settings, sampler)}  # fmt: skip
@@ -890,11 +877,10 @@ def child_main(args):
     warmup_s = time.perf_counter() - warm
     io_before = proc_io()
     record = timed_request(pipe, device, args.tiny)
-    load_window.__exit__(None, None, None)
     record["disk"] = io_since(io_before)
-    if sampler is not None:
+    if sampler is not None:  # started before the load: its peak so far is the load's and the t2va request's
         record.update({k.replace("device_peak", "device_peak_t2va"): v for k, v in device_peak_fields(
-            sampler.windows["load_and_t2va"], record["peak_reserved_gib"], sampler.source).items()})
+            sampler.peak_bytes, record["peak_reserved_gib"], sampler.source).items()})
     streams = {name: streaming_of(c).stats.as_dict() for name, c in pipe.components.items()
                if isinstance(c, torch.nn.Module) and streaming_of(c) is not None}  # fmt: skip
     record.update(

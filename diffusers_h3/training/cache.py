@@ -178,18 +178,13 @@ class LatentCache:
             self._encode_text(pipe, self._missing("text"), missing_validation, missing_uncond)
             del pipe
             free_memory()
-        missing_video = self._missing("video")
-        if missing_video:
-            pipe = _load_pipeline(settings.model, ("vae",), settings.task, dtype, device)
-            self._encode_video(pipe, missing_video)
-            del pipe
-            free_memory()
-        missing_audio = self._missing("audio")
-        if missing_audio:
-            pipe = _load_pipeline(settings.model, ("audio_vae",), settings.task, dtype, device)
-            self._encode_audio(pipe, missing_audio)
-            del pipe
-            free_memory()
+        for kind, component, encode in (("video", "vae", self._encode_video), ("audio", "audio_vae", self._encode_audio)):
+            missing = self._missing(kind)
+            if missing:
+                pipe = _load_pipeline(settings.model, (component,), settings.task, dtype, device)
+                encode(pipe, missing)
+                del pipe
+                free_memory()
 
     def _decode(self, item: DataItem, sampling_rate: int = 32000):
         s = self.settings

@@ -17,6 +17,7 @@ and the pipeline remembers the repo id as its `_name_or_path` (for the model car
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -601,7 +602,33 @@ def _load_nvfp4_text_encoder(directory: Path, index: Dict[str, Any], kwargs: Dic
 
 def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):
     source, passed = str(pretrained_model_name_or_path), set(kwargs)
-    return _remember_source(_load_from_source(cls, source, task, kwargs), source, passed)
+    use_kernels = kwargs.pop("use_kernels", False)
+    if not isinstance(use_kernels, bool):
+        raise TypeError(f"use_kernels must be True or False, got {use_kernels!r}")
+    with transformers_hub_kernels(use_kernels):
+        pipe = _load_from_source(cls, source, task, kwargs)
+    return _remember_source(pipe, source, passed)
+
+
+@contextlib.contextmanager
+def transformers_hub_kernels(enabled: bool):
+    """Whether the transformers components loaded inside kernelize themselves with kernels fetched from the Hub
+    (transformers >= 5.25 does by default when `kernels` is installed, and a load onto CUDA then fails offline). Off
+    unless asked for: the load must work offline and run the layers the package was checked with. diffusers' loader
+    forwards no `use_kernels` to its transformers components, and transformers reads `USE_HUB_KERNELS` at each
+    `from_pretrained`, so the variable is set for the duration of the load and restored after."""
+    if enabled:
+        yield
+        return
+    previous = os.environ.get("USE_HUB_KERNELS")
+    os.environ["USE_HUB_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("USE_HUB_KERNELS", None)
+        else:
+            os.environ["USE_HUB_KERNELS"] = previous
 
 
 def _load_from_source(cls, pretrained_model_name_or_path, task: Optional[str], kwargs: Dict[str, Any]):

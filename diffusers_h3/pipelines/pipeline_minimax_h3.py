@@ -278,6 +278,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         Load from a `save_pretrained` folder of this pipeline or from (a local snapshot of) the official hub repo
         layout (`modular_model_index.json`), loading only the transformer partition `task` needs: `transformer` for
         `"t2va"`/`"fl2va"`, `transformer_ref` for `"ref2va"`, both (where present) for `task=None`.
+
+        `use_kernels=True` lets transformers replace the text encoder's layers with kernels fetched from the Hub (its
+        default when the `kernels` package is installed); the default `False` loads offline and runs the layers this
+        package is tested with.
         """
         return load_pipeline(cls, pretrained_model_name_or_path, task=task, **kwargs)
 

@@ -36,7 +36,7 @@ from ..parallel.memory_recipes import (
     visible_host_gib,
 )
 from ..tasks import partition_for_task, partitions_for_task
-from .loading import resolve_repo
+from .loading import resolve_repo, transformers_hub_kernels
 from .pipeline_minimax_h3 import MiniMaxH3Pipeline
 
 
@@ -105,7 +105,8 @@ def _load_text_encoder_alone(directory: Path, config, dtype, text_encoder_layer:
     kwargs = {"config": model_config, "dtype": dtype}
     if config is not None:
         kwargs["quantization_config"] = config
-    return cls.from_pretrained(str(folder), **kwargs).eval().requires_grad_(False)
+    with transformers_hub_kernels(False):  # loads offline, with the layers the package was checked with
+        return cls.from_pretrained(str(folder), **kwargs).eval().requires_grad_(False)
 
 
 def load_for_memory_budget(

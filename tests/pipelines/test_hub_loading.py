@@ -1,6 +1,8 @@
 """Loading by hub repo id: an offline `huggingface_hub` cache holding the tiny official layout (and our own layout)
 resolves, through `DiffusionPipeline` and `MiniMaxH3Pipeline`, to the same loader as the folder itself."""
 
+import os
+
 import huggingface_hub
 import pytest
 import torch
@@ -198,3 +200,49 @@ def test_unreachable_hub_loads_a_cached_repo_with_a_warning(no_network, h3_logs)
     with h3_logs.expect(r"Cannot reach the Hugging Face Hub .* from the local cache"):
         pipe = MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", revision=REVISION)
     assert pipe.transformer is not None
+
+
+@pytest.fixture
+def hub_kernels_unreachable(monkeypatch):
+    """transformers' default as a user gets it (no `USE_HUB_KERNELS` set) with Hub kernels that cannot be fetched, as
+    offline on CUDA: every `kernelize` is recorded and fails."""
+    import transformers.modeling_utils
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    calls = []
+
+    def unreachable(model, **kwargs):
+        calls.append(type(model).__name__)
+        raise OSError("cannot reach the Hub to fetch kernels (offline)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "kernelize", unreachable)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["hub", "ours"])
+def test_offline_load_does_not_fetch_hub_kernels(offline, hub_kernels_unreachable, layout):
+    repo_id = HUB_REPO_ID if layout == "hub" else OWN_REPO_ID
+    pipe = MiniMaxH3Pipeline.from_pretrained(repo_id, task="t2va")
+    assert hub_kernels_unreachable == []
+    assert pipe.text_encoder.use_kernels is False
+    assert "USE_HUB_KERNELS" not in os.environ  # the load's scope is restored
+
+
+def test_use_kernels_true_asks_transformers_for_hub_kernels(offline, hub_kernels_unreachable):
+    with pytest.raises(OSError, match="fetch kernels"):
+        MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", use_kernels=True)
+    assert hub_kernels_unreachable and "USE_HUB_KERNELS" not in os.environ
+
+
+def test_use_kernels_must_be_a_bool(offline):
+    with pytest.raises(TypeError, match="use_kernels must be True or False"):
+        MiniMaxH3Pipeline.from_pretrained(HUB_REPO_ID, task="t2va", use_kernels="yes")
+
+
+def test_recipe_loader_text_encoder_does_not_fetch_hub_kernels(offline, hub_kernels_unreachable):
+    from pathlib import Path
+
+    from diffusers_h3.pipelines.recipe_loading import _load_text_encoder_alone
+
+    model = _load_text_encoder_alone(Path(offline["ours"]), None, torch.float32, 2)
+    assert hub_kernels_unreachable == [] and model.use_kernels is False

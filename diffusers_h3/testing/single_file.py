@@ -23,42 +23,12 @@ from typing import Dict, Optional, Union
 import numpy as np
 import torch
 
+from ..loaders.native_names import native_name
 
-# diffusers -> ComfyUI names (applied in order, on the key with its block prefix already mapped)
-_RENAMES = (
-    ("time_embedder.linear_1.", "time_embedder.proj_in."),
-    ("time_embedder.linear_2.", "time_embedder.proj_out."),
-    ("norm_out.norm.", "final_layer.norm."),
-    ("norm_out.linear.", "final_layer.adaln_proj.linear."),
-    (".attn.norm_q.", ".attn.q_norm."),
-    (".attn.norm_k.", ".attn.k_norm."),
-    (".attn.to_out.0.", ".attn.out_proj."),
-    (".ff.net.0.proj.", ".mlp.fc1."),
-    (".ff.net.2.", ".mlp.fc2."),
-)
-_TOP_LEVEL = {
-    "proj_in.": "video_patch_proj.",
-    "audio_proj_in.": "audio_patch_proj.",
-    "context_embedder.": "condition_proj.",
-    "proj_out.": "final_layer.video_out.",
-    "audio_proj_out.": "final_layer.audio_out.",
-}
+
 # The modules the released checkpoint (and ComfyUI's repack) keeps in float32.
 FLOAT32_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
                     "final_layer.audio_out.")  # fmt: skip
-
-
-def _comfy_name(name: str) -> str:
-    if name.startswith("transformer_blocks."):
-        name = "blocks." + name[len("transformer_blocks.") :]
-    elif name.startswith("token_refiner.refiner_blocks."):
-        name = "token_refiner.blocks." + name[len("token_refiner.refiner_blocks.") :]
-    for old, new in _TOP_LEVEL.items():
-        if name.startswith(old):
-            return new + name[len(old) :]
-    for old, new in _RENAMES:
-        name = name.replace(old, new)
-    return name
 
 
 def to_comfy_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -69,12 +39,12 @@ def to_comfy_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.
             continue
         if ".attn.to_q." in name:
             stack = [state_dict[name.replace(".to_q.", f".to_{p}.")] for p in "qkv"]
-            out[_comfy_name(name.replace(".attn.to_q.", ".attn.qkv_proj."))] = torch.cat(stack, 0)
+            out[native_name(name.replace(".attn.to_q.", ".attn.qkv_proj."))] = torch.cat(stack, 0)
         elif ".ff.net.0.proj." in name:
             value, gate = tensor.chunk(2, 0)
-            out[_comfy_name(name)] = torch.cat([gate, value], 0)
+            out[native_name(name)] = torch.cat([gate, value], 0)
         else:
-            out[_comfy_name(name)] = tensor
+            out[native_name(name)] = tensor
     return out
 
 

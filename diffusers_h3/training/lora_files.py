@@ -26,28 +26,17 @@ from typing import Dict, Optional, Sequence
 import torch
 from safetensors.torch import save_file
 
+from ..loaders.native_names import native_name
+
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 COMFY_PREFIX = "diffusion_model."
-# diffusers module -> reference / ComfyUI module, outside the blocks.
-_STANDALONE = {
-    "proj_in": "video_patch_proj",
-    "audio_proj_in": "audio_patch_proj",
-    "context_embedder": "condition_proj",
-    "time_embedder.linear_1": "time_embedder.proj_in",
-    "time_embedder.linear_2": "time_embedder.proj_out",
-    "norm_out.linear": "final_layer.adaln_proj.linear",
-    "proj_out": "final_layer.video_out",
-    "audio_proj_out": "final_layer.audio_out",
-}
-_IN_BLOCK = {"attn.to_out.0": "attn.out_proj", "ff.net.0.proj": "mlp.fc1", "ff.net.2": "mlp.fc2",
-             "adaln_proj.linear": "adaln_proj.linear"}  # fmt: skip
+# The modules a LoRA may train outside the blocks, and inside a block (besides q / k / v, fused on writing).
+_STANDALONE = ("proj_in", "audio_proj_in", "context_embedder", "time_embedder.linear_1", "time_embedder.linear_2",
+               "norm_out.linear", "proj_out", "audio_proj_out")  # fmt: skip
+_IN_BLOCK = ("attn.to_out.0", "ff.net.2", "adaln_proj.linear")
 _BLOCK = re.compile(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)$")
 _QKV = ("to_q", "to_k", "to_v")
-
-
-def _native_block(prefix: str, index: str) -> str:
-    return f"blocks.{index}" if prefix == "transformer_blocks" else f"token_refiner.blocks.{index}"
 
 
 def to_comfyui_layout(state_dict: Dict[str, torch.Tensor], scales: Dict[str, float]) -> Dict[str, torch.Tensor]:
@@ -68,19 +57,19 @@ def to_comfyui_layout(state_dict: Dict[str, torch.Tensor], scales: Dict[str, flo
     for module, pair in pairs.items():
         down, up, scale = pair["A"], pair["B"], scales[module]
         if module in _STANDALONE:
-            put(_STANDALONE[module], down, up, scale)
+            put(native_name(module), down, up, scale)
             continue
         match = _BLOCK.match(module)
         if match is None:
             raise ValueError(f"The LoRA module {module!r} has no name in the reference / ComfyUI layout.")
-        block, rest = _native_block(match.group(1), match.group(2)), match.group(3)
+        block, rest = native_name(f"{match.group(1)}.{match.group(2)}"), match.group(3)
         if rest.startswith("attn.") and rest[5:] in _QKV:
             fused.setdefault(block, {})[rest[5:]] = module
         elif rest == "ff.net.0.proj":  # diffusers' SwiGLU holds [value; gate], the reference [gate; value]
             value_half, gate_half = up.chunk(2, dim=0)
             put(f"{block}.mlp.fc1", down, torch.cat([gate_half, value_half]), scale)
         elif rest in _IN_BLOCK:
-            put(f"{block}.{_IN_BLOCK[rest]}", down, up, scale)
+            put(native_name(module), down, up, scale)
         else:
             raise ValueError(f"The LoRA module {module!r} has no name in the reference / ComfyUI layout.")
     for block, modules in fused.items():

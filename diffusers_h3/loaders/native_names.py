@@ -5,6 +5,7 @@ maps from, for the writers of files in that layout (single-file DiTs, ComfyUI-na
 
 from __future__ import annotations
 
+
 _BLOCKS = (("transformer_blocks.", "blocks."), ("token_refiner.refiner_blocks.", "token_refiner.blocks."))
 _TOP_LEVEL = {
     "proj_in.": "video_patch_proj.",

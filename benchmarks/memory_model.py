@@ -65,7 +65,13 @@ def main(argv=None) -> int:
         for row in model[name]:
             print(f"{name:10s} {row['case']:16s} {row['shape']}: device {row['predicted_device_gib']:.2f} predicted / "
                   f"{row['measured_device_gib']:.2f} measured GiB ({row['device_error']:+.1%}), host "
-                  f"{row['predicted_host_gib']:.2f} / {row['measured_host_gib']:.2f} GiB ({row['host_error']:+.1%})")
+                  f"{row['predicted_host_gib']:.2f} / {row['measured_host_gib']:.2f} GiB ({row['host_error']:+.1%}), "
+                  f"allocations {row['predicted_allocated_gib']:.2f} / {row['measured_allocated_gib']:.2f} GiB "
+                  f"({row['allocated_error']:+.1%})")
+    for row in model["beyond_cap"]:
+        print(f"beyond_cap {row['case']:16s} {row['shape']}: {row['predicted_allocated_gib']:.2f} GiB of allocations "
+              f"predicted against a {row['cap_gib']} GiB cap: {'refused' if row['model_refuses'] else 'NOT refused'} "
+              f"(measured: {row['measured'][:60]})")
     print(f"wrote {out}: holdout error up to {model['holdout_max_error']}, fit error up to "
           f"{model['fit_shapes_max_error']}")
     return 0

@@ -1117,16 +1117,18 @@ def estimate_low_ram(results):
                      "+ VAEs + its memory beyond the weights, time its request"}  # fmt: skip
 
 
-def write_recipe_table(results_path, table_path):
+def write_recipe_table(results_path, table_path, newer=()):
     """``diffusers_h3/parallel/memory_recipes.json`` from a placement result (estimates for unmeasured recipes) and the
     consumer-GPU model's predictions (``benchmarks/consumer_model.py``; run it first when the placement result
-    changed)."""
-    from diffusers_h3.parallel.memory_recipes import derive_recipe_table
+    changed). The cases of each result in ``newer`` replace those of the same name (each keeps its device)."""
+    from diffusers_h3.parallel.memory_recipes import derive_recipe_table, merged_placement_results
 
-    results = json.loads(Path(results_path).read_text())
+    newer_results = [json.loads(Path(path).read_text()) for path in newer]
+    results = merged_placement_results(json.loads(Path(results_path).read_text()), newer_results)
+    results_path = " + ".join([str(results_path)] + [str(path) for path in newer])
     consumer = Path(__file__).resolve().parent / "results" / "consumer_model.json"  # predicted times per GPU
     predictions = json.loads(consumer.read_text()) if consumer.exists() else None
-    table = derive_recipe_table(results, predictions=predictions)
+    table = derive_recipe_table(results, source=results_path, predictions=predictions)
     if not any(e["recipe"] == "low_ram" for e in table["recipes"]):
         estimate = estimate_low_ram(results)
         if estimate is not None:
@@ -1183,6 +1185,8 @@ def main():
                         help="low_ram cases: stop a case's process after S seconds and keep what it recorded")
     parser.add_argument("--no-light4", action="store_true",
                         help="low_ram cases: skip the fl2va Light4 request after the t2va one")  # fmt: skip
+    parser.add_argument("--newer-results", action="append", default=[], metavar="PATH",
+                        help="with --recipe-table: placement results whose cases replace those of --out")
     parser.add_argument("--recipe-table", default=None, metavar="PATH",
                         help="write the recipe table derived from --out (e.g. diffusers_h3/parallel/"
                              "memory_recipes.json) and exit")  # fmt: skip
@@ -1194,7 +1198,7 @@ def main():
     internal.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.recipe_table:
-        write_recipe_table(args.out, args.recipe_table)
+        write_recipe_table(args.out, args.recipe_table, args.newer_results)
         return
     if args.write_checkpoint:
         device = torch.device("cuda", 0) if not args.tiny else torch.device("cpu")

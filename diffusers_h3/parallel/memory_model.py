@@ -11,7 +11,12 @@ host holds the decoded clip, whose size tracks the rows too closely for both to 
     host_peak_gib   = fixed + b * (canvas megapixel-frames / 100) + c * (LoRA rank / 64)
 
 ``device_peak_gib`` is the process's whole device memory as the card counts it (the allocator's peak, the CUDA
-context and the libraries' workspaces), ``host_peak_gib`` its peak RSS, load included. Chunking the feed-forward (a
+context and the libraries' workspaces), ``host_peak_gib`` its peak RSS, load included. A third law of the same terms
+fits the allocator's peak (what the request needs under the recipe's cap): a request fits the entry when that need
+stays below the cap. Under a cap the allocator keeps freed blocks cached up to the cap, so the card-counted peak of a
+fitting request is bounded by the cap plus the measured memory outside the allocator (``device_bound_gib``), and the
+device prediction is clipped to that bound. Requests that ran out of memory under the cap are not fitted; they are
+listed under ``beyond_cap`` with the need the model predicts for them (it must exceed the cap). Chunking the feed-forward (a
 recipe setting) bounds part of the per-row term: each settings variant is its own entry with its own law.
 
 :func:`derive_memory_model` fits the laws by least squares on measured requests (``benchmarks/memory_model.py`` runs
@@ -65,8 +70,11 @@ DIT_BLOCKS, DIT_HIDDEN, DIT_ATTENTION_WIDTH, DIT_FFN = 50, 5376, 56 * 128, 14336
 # The terms of each peak: name -> (what it counts, the unit its weight is per).
 FEATURES = {
     "device_gib": ("rows", "decode_megapixels", "lora_rank"),
+    "allocated_gib": ("rows", "decode_megapixels", "lora_rank"),
     "host_gib": ("clip_megapixel_frames", "lora_rank"),
 }
+# Each law's target field in a measured request's record.
+LAW_FIELDS = {"device_gib": "device_peak_gib", "allocated_gib": "peak_allocated_gib", "host_gib": "host_peak_rss_gib"}
 FEATURE_UNITS = {
     "rows": "10,000 packed rows (text, keyframe / reference, audio and video rows)",
     "decode_megapixels": "megapixel of canvas (height x width / 1e6): a decoded video chunk on the device",
@@ -233,6 +241,19 @@ def _apply(law: Mapping[str, float], x: Mapping[str, float]) -> float:
     return law["fixed"] + sum(weight * x[name] for name, weight in law.items() if name != "fixed")
 
 
+FEATURE_NAMES = tuple(dict.fromkeys(name for names in FEATURES.values() for name in names))
+
+
+def _predict_entry(entry: Mapping[str, Any], x: Mapping[str, float]) -> Dict[str, float]:
+    """Each law of ``entry`` at ``x``; the device peak no higher than the entry's bound (cap + outside the allocator)
+    while the need fits the cap."""
+    out = {law_name: _apply(entry[law_name], x) for law_name in LAW_FIELDS if law_name in entry}
+    bound = entry.get("device_bound_gib")
+    if bound is not None and "device_gib" in out and out.get("allocated_gib", 0.0) <= entry["cap_gib"]:
+        out["device_gib"] = min(out["device_gib"], bound)
+    return out
+
+
 def shape_records(results: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
     """``(case, record)`` of every measured request of a placement result: the records listed under each case's
     ``shapes`` that carry a device peak."""
@@ -267,23 +288,33 @@ def derive_memory_model(
         "source": source, "device": results.get("device"), "commit": results.get("commit"),
         "label": "fitted on measured requests; holdout requests were not fitted",
         "units": FEATURE_UNITS, "holdout_shapes": sorted(holdout), "cases": {}, "fit_shapes": [], "holdout": [],
-        "not_fit": {},
+        "beyond_cap": [], "not_fit": {},
     }  # fmt: skip
-    for case_name, records in sorted(by_case.items()):
+    for case_name, all_records in sorted(by_case.items()):
         case = results["cases"][case_name]
+        records = [r for r in all_records if r.get("fits", True) and r.get(LAW_FIELDS["allocated_gib"]) is not None]
+        beyond = [r for r in all_records if not r.get("fits", True)]
         shapes = [RequestShape.from_record(r) for r in records]
         xs = [features(s) for s in shapes]
         is_holdout = [bool(r.get("holdout")) or _holdout_key(r) in holdout for r in records]
         fit_index = [i for i, h in enumerate(is_holdout) if not h]
-        needed = 1 + max(len(names) for names in FEATURES.values())
-        if len(fit_index) < needed:
-            model["not_fit"][case_name] = f"{len(fit_index)} measured requests to fit, {needed} needed"
+        varying = [n for n in FEATURE_NAMES if len({round(xs[i][n], 9) for i in fit_index}) > 1]
+        needed = 1 + max(len([n for n in names if n in varying]) for names in FEATURES.values())
+        if len(fit_index) < max(needed, 2):
+            model["not_fit"][case_name] = (f"{len(fit_index)} measured requests that fit the cap to fit, "
+                                           f"{max(needed, 2)} needed")  # fmt: skip
             continue
         entry = {"recipe": case.get("recipe_name") or records[0].get("recipe"),
                  "settings": dict(case.get("settings") or records[0].get("settings") or {}),
-                 "cap_gib": case.get("cap_gib"), "fitted_requests": len(fit_index)}  # fmt: skip
-        targets = {"device_gib": "device_peak_gib", "host_gib": "host_peak_rss_gib"}
-        for law_name, field in targets.items():
+                 "cap_gib": case.get("cap_gib"), "fitted_requests": len(fit_index),
+                 # terms every fitted request shared: a request that differs in one is not modelled
+                 "constant_terms": {n: round(xs[fit_index[0]][n], 6) for n in FEATURE_NAMES if n not in varying}}  # fmt: skip
+        outside = [float(records[i]["device_peak_gib"]) - float(records[i]["peak_reserved_gib"]) for i in fit_index
+                   if records[i].get("peak_reserved_gib") is not None]  # fmt: skip
+        if entry["cap_gib"] is not None and outside:
+            entry["outside_allocator_gib"] = round(max(outside), 3)
+            entry["device_bound_gib"] = round(entry["cap_gib"] + max(outside), 3)
+        for law_name, field in LAW_FIELDS.items():
             fitted = _fit_law([xs[i] for i in fit_index], [float(records[i][field]) for i in fit_index],
                               FEATURES[law_name])  # fmt: skip
             entry[law_name] = fitted["law"]
@@ -292,15 +323,24 @@ def derive_memory_model(
         model["cases"][case_name] = entry
         for record, shape, x, held in zip(records, shapes, xs, is_holdout):
             row = {"case": case_name, "shape": shape.label(), "rows": packed_rows(shape)["total"]}
-            for law_name, field in targets.items():
-                predicted, measured = _apply(entry[law_name], x), float(record[field])
-                prefix = "device" if law_name == "device_gib" else "host"
+            predicted_peaks = _predict_entry(entry, x)
+            for law_name, field in LAW_FIELDS.items():
+                predicted, measured = predicted_peaks[law_name], float(record[field])
+                prefix = law_name[: -len("_gib")]
                 row[f"predicted_{prefix}_gib"] = round(predicted, 3)
                 row[f"measured_{prefix}_gib"] = round(measured, 3)
                 row[f"{prefix}_error"] = round((predicted - measured) / measured, 4)
             model["holdout" if held else "fit_shapes"].append(row)
+        for record in beyond:
+            shape = RequestShape.from_record(record)
+            need = _predict_entry(entry, features(shape))["allocated_gib"]
+            model["beyond_cap"].append({
+                "case": case_name, "shape": shape.label(), "rows": packed_rows(shape)["total"],
+                "predicted_allocated_gib": round(need, 3), "cap_gib": entry["cap_gib"],
+                "model_refuses": entry["cap_gib"] is not None and need > entry["cap_gib"],
+                "measured": (record.get("error") or "ran out of memory under the cap")[:160]})  # fmt: skip
     for name in ("fit_shapes", "holdout"):
-        errors = [abs(r[f"{p}_error"]) for r in model[name] for p in ("device", "host")]
+        errors = [abs(r[f"{p}_error"]) for r in model[name] for p in ("device", "allocated", "host")]
         model[f"{name}_max_error"] = round(max(errors), 4) if errors else None
     return model
 
@@ -317,6 +357,12 @@ class MemoryPrediction:
     host_gib: float
     rows: int
     basis: str
+    allocated_gib: Optional[float] = None  # the allocator's need (fits the entry when no more than cap_gib)
+    cap_gib: Optional[float] = None
+
+    @property
+    def fits_cap(self) -> bool:
+        return self.cap_gib is None or self.allocated_gib is None or self.allocated_gib <= self.cap_gib
 
 
 @dataclass(frozen=True)
@@ -333,16 +379,26 @@ class MemoryModel:
     def has(self, case: str) -> bool:
         return case in self.cases
 
+    def models(self, case: str, shape: RequestShape) -> bool:
+        """Whether the entry's laws speak for ``shape``: every term its measured requests held fixed (a LoRA rank,
+        typically) has the same value in ``shape``."""
+        if case not in self.cases:
+            return False
+        x = features(shape)
+        return all(abs(x[n] - v) < 1e-6 for n, v in self.cases[case].get("constant_terms", {}).items())
+
     def predict(self, case: str, shape: RequestShape) -> MemoryPrediction:
         """The peaks of ``shape``'s request under the recipe entry ``case``."""
         entry = self.cases[case]
         rows = packed_rows(shape)["total"]
         x = features(shape, rows)
-        device, host = _apply(entry["device_gib"], x), _apply(entry["host_gib"], x)
+        peaks = _predict_entry(entry, x)
+        device, host, allocated = peaks["device_gib"], peaks["host_gib"], peaks.get("allocated_gib")
         error = f", holdout error up to {self.holdout_max_error:.0%}" if self.holdout_max_error is not None else ""
         basis = (f"predicted by the memory model fitted on {entry['fitted_requests']} requests measured as {case} on "
                  f"the {self.device}{error}")  # fmt: skip
-        return MemoryPrediction(case, round(device, 2), round(host, 2), rows, basis)
+        return MemoryPrediction(case, round(device, 2), round(host, 2), rows, basis,
+                                None if allocated is None else round(allocated, 2), entry.get("cap_gib"))
 
 
 def load_memory_model(path: Union[str, Path, None] = None) -> Optional[MemoryModel]:

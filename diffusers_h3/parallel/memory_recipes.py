@@ -31,7 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers.utils import logging
@@ -136,16 +136,23 @@ class MemoryRecipe:
         """This entry with its needs for ``shape``'s request: predicted by ``memory_model`` when it has this entry,
         else the measured needs when they bound the request (no larger than the measured ones); None when neither
         says."""
-        if memory_model is not None and memory_model.has(self.case):
+        modelled = memory_model is not None and memory_model.models(self.case, shape)
+        if modelled:
             prediction = memory_model.predict(self.case, shape)
             gpu, host, basis = prediction.device_gib, prediction.host_gib, prediction.basis
+            if not prediction.fits_cap:  # the allocator would run out under the entry's cap, whatever the card
+                gpu = math.inf
+                basis = (f"needs {prediction.allocated_gib:.2f} GiB of allocations, above the {prediction.cap_gib:g} "
+                         f"GiB cap it was measured under ({basis})")  # fmt: skip
+        elif memory_model is not None and memory_model.has(self.case):
+            return None  # the model replaced this entry's measurements and was not fitted on a request like this one
         elif bounded_by_measured(shape):
             gpu, host = self.gpu_gib, self.host_gib
             basis = "the measured needs of the 768x1344x124 requests, which bound this request (no memory model yet)"
         else:
             return None
         scale = time_scale(shape, MEASURED_SHAPES[0])
-        whole_device = memory_model is not None and memory_model.has(self.case)
+        whole_device = modelled or self.whole_device
         return dataclasses.replace(self, gpu_gib=gpu, host_gib=host, request=shape.label(), needs_basis=basis,
                                    time_scale=scale, whole_device=whole_device)  # fmt: skip
 
@@ -190,6 +197,17 @@ def _later_requests(case: Dict[str, Any]):
     return [light4] if isinstance(light4, dict) and light4.get("peak_reserved_gib") is not None else []
 
 
+def merged_placement_results(base: Dict[str, Any], newer: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """``base``'s placement result with the measured cases of each result in ``newer`` in place of those of the same
+    name, each case keeping the device it was measured on (``case["device"]``)."""
+    merged = {**base, "cases": dict(base.get("cases", {}))}
+    for other in newer:
+        for name, case in other.get("cases", {}).items():
+            if case.get("ms") is not None:
+                merged["cases"][name] = {**case, "device": other.get("device")}
+    return merged
+
+
 def derive_recipe_table(
     results: Dict[str, Any],
     source: str = "benchmarks/results/placement_h200.json",
@@ -220,12 +238,19 @@ def derive_recipe_table(
             host = max(host, weights)
             basis = ("host need: max(peak RSS of a process that built its weights on the GPU, the weights' size, "
                      "which a load moves through host memory)")  # fmt: skip
-        # the GPU need: the largest peak of the case's requests (the fl2va Light4 request runs after the t2va one)
-        gpu = max([case["peak_reserved_gib"]] + [r["peak_reserved_gib"] for r in _later_requests(case)])
-        entries.append({"recipe": recipe, "case": case_name, "cap_gib": case.get("cap_gib"),
-                        "gpu_gib": round(gpu, 2), "host_gib": round(host, 2),
-                        "request_s": round(_case_request_s(case), 1), "measured": True, "basis": basis,
-                        "settings": dict(case.get("settings") or {})})  # fmt: skip
+        # the GPU need: the largest peak of the case's requests (the fl2va Light4 request runs after the t2va one),
+        # as the card counts it where the case measured that (the allocator's reserved peak otherwise)
+        requests = [case] + _later_requests(case)
+        whole_device = all(r.get("device_peak_gib") is not None for r in requests)
+        field = "device_peak_gib" if whole_device else "peak_reserved_gib"
+        gpu = max(r[field] for r in requests)
+        entry = {"recipe": recipe, "case": case_name, "cap_gib": case.get("cap_gib"),
+                 "gpu_gib": round(gpu, 2), "host_gib": round(host, 2),
+                 "request_s": round(_case_request_s(case), 1), "measured": True, "basis": basis,
+                 "settings": dict(case.get("settings") or {})}  # fmt: skip
+        if whole_device:
+            entry.update(whole_device=True, device=case.get("device") or results.get("device"))
+        entries.append(entry)
     order = list(RECIPES)
     entries.sort(key=lambda e: (order.index(e["recipe"]), e["gpu_gib"], e["host_gib"], e["case"]))
     table = {"source": source, "device": results.get("device"), "commit": results.get("commit"), "recipes": entries}
@@ -264,7 +289,8 @@ def load_recipe_table(path: Union[str, Path, None] = None) -> Tuple[MemoryRecipe
         out.append(MemoryRecipe(RECIPES[entry["recipe"]], gpu_gib=float(entry["gpu_gib"]),
                                 host_gib=float(entry["host_gib"]), request_s=float(entry["request_s"]),
                                 case=entry["case"], measured=bool(entry["measured"]), basis=entry["basis"],
-                                cap_gib=entry.get("cap_gib"), settings=dict(entry.get("settings") or {})))
+                                cap_gib=entry.get("cap_gib"), settings=dict(entry.get("settings") or {}),
+                                whole_device=bool(entry.get("whole_device", False))))
     return tuple(out)  # fmt: skip
 
 
@@ -529,9 +555,19 @@ def select_recipe(
         candidates = [needs for _, needs in for_shape if needs is not None]
     else:
         candidates = list(table)
+    beyond_cap = [r for r in candidates if math.isinf(r.gpu_gib)]
+    candidates = [r for r in candidates if not math.isinf(r.gpu_gib)]
     fitting = [r for r in candidates if _fits(r, budget)]
     if not fitting:
         request = f" {shape.label()}" if shape is not None else ""
+        if not candidates and beyond_cap:
+            suggestion = _suggestion(table, budget, shape, memory_model)
+            raise MemoryBudgetError(
+                f"no memory recipe holds{request}: " + "; ".join(f"{r.case} {r.needs_basis}" for r in beyond_cap)
+                + (f"; {', '.join(unknown)} not modelled for this request" if unknown else "")
+                + f"; on this machine {suggestion}",
+                "shorten the clip or lower the resolution, or use a larger GPU (docs/memory.md)",
+            )
         if not candidates:
             raise MemoryBudgetError(
                 f"no memory recipe is measured or modelled for{request}: the table's entries were measured at "

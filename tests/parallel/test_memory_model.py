@@ -68,6 +68,7 @@ def test_ref2va_references_enter_as_rows():
 
 LAW = {
     "device_gib": {"fixed": 5.5, "rows": 0.42, "decode_megapixels": 0.8, "lora_rank": 0.25},
+    "allocated_gib": {"fixed": 4.1, "rows": 0.35, "decode_megapixels": 0.5, "lora_rank": 0.2},
     "host_gib": {"fixed": 6.9, "clip_megapixel_frames": 0.6, "lora_rank": 0.1},
 }
 SHAPES = [("t2va", 480, 832, 124, 0), ("fl2va", 480, 832, 124, 64), ("t2va", 768, 1344, 124, 0),
@@ -86,13 +87,18 @@ def _record(task, height, width, frames, rank, law=LAW, scale=1.0, **extra):
     return {"task": task, "height": height, "width": width, "num_frames": frames, "prompt_tokens": 512,
             "reference_images": 0, "reference_videos": 0, "lora_rank": rank, "recipe": "low_ram",
             "settings": {"read_ahead": 1}, "device_peak_gib": peak("device_gib"), "peak_reserved_gib": None,
-            "peak_allocated_gib": None, "host_peak_rss_gib": peak("host_gib"), "ms": 1.0, **extra}  # fmt: skip
+            "peak_allocated_gib": peak("allocated_gib"), "host_peak_rss_gib": peak("host_gib"), "ms": 1.0,
+            "fits": True, **extra}  # fmt: skip
 
 
 def _results(records, case="pc_8gb_16gib"):
     return {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234",
             "cases": {case: {"recipe_name": "low_ram", "settings": {"read_ahead": 1}, "cap_gib": 7.0,
                              "shapes": records}}}  # fmt: skip
+
+
+def _entry(model):
+    return model["cases"]["pc_8gb_16gib"]
 
 
 def test_fit_recovers_a_known_law_and_reports_the_holdout_error():
@@ -116,7 +122,7 @@ def test_fit_recovers_a_known_law_and_reports_the_holdout_error():
 
 
 def test_a_negative_or_constant_term_is_dropped_with_its_reason():
-    law = {"device_gib": {**LAW["device_gib"], "decode_megapixels": -0.3}, "host_gib": LAW["host_gib"]}
+    law = {**LAW, "device_gib": {**LAW["device_gib"], "decode_megapixels": -0.3}}
     records = [_record(*s, law=law) for s in SHAPES]
     entry = derive_memory_model(_results(records), "x")["cases"]["pc_8gb_16gib"]
     assert entry["device_gib"]["decode_megapixels"] == 0.0
@@ -138,6 +144,54 @@ def test_too_few_requests_leave_the_case_out():
     model = derive_memory_model(_results([_record(*s) for s in SHAPES[:3]]), "x")
     assert model["cases"] == {} and "3 measured requests" in model["not_fit"]["pc_8gb_16gib"]
     assert 1 + max(len(v) for v in FEATURES.values()) == 4
+
+
+def test_requests_that_ran_out_under_the_cap_are_not_fitted_and_the_model_refuses_them():
+    """A request that ran out of memory under the cap measured the cap, not its need: it is listed under
+    ``beyond_cap`` with the need the allocations law predicts, which must exceed the cap."""
+    big = _record("t2va", 1088, 1920, 345, 0, fits=False, device_peak_gib=7.4, peak_allocated_gib=6.9,
+                  error="OutOfMemoryError: CUDA out of memory")  # fmt: skip
+    model = derive_memory_model(_results([_record(*s) for s in SHAPES] + [big]), "x")
+    assert _entry(model)["fitted_requests"] == len(SHAPES)
+    assert _entry(model)["allocated_gib"]["rows"] == pytest.approx(LAW["allocated_gib"]["rows"], abs=2e-4)
+    [row] = model["beyond_cap"]
+    assert row["shape"].startswith("t2va 1088x1920x345") and row["cap_gib"] == 7.0
+    assert row["predicted_allocated_gib"] > 7.0 and row["model_refuses"] is True
+
+
+def test_the_device_prediction_is_bounded_by_the_cap_and_what_lies_outside_the_allocator(tmp_path):
+    """Under a cap the allocator caches freed blocks up to the cap: a request that fits is predicted no higher than
+    the cap plus the largest measured memory outside the allocator (device peak less reserved peak)."""
+    records = [_record(*s, peak_reserved_gib=_record(*s)["device_peak_gib"] - 0.75) for s in SHAPES]
+    model = derive_memory_model(_results(records), "x")
+    entry = _entry(model)
+    assert entry["outside_allocator_gib"] == pytest.approx(0.75, abs=1e-6)
+    assert entry["device_bound_gib"] == pytest.approx(7.75, abs=1e-6)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(model))
+    loaded = load_memory_model(path)
+    small = loaded.predict("pc_8gb_16gib", RequestShape(height=480, width=832))
+    assert small.fits_cap and small.device_gib == pytest.approx(_record("t2va", 480, 832, 124, 0)["device_peak_gib"],
+                                                                abs=0.01)  # fmt: skip
+    # a request whose law exceeds the bound but whose allocations still fit the cap: the bound
+    entry["device_gib"]["fixed"] += 5.0
+    path.write_text(json.dumps(model))
+    assert load_memory_model(path).predict("pc_8gb_16gib", RequestShape(height=480, width=832)).device_gib == 7.75
+    huge = loaded.predict("pc_8gb_16gib", RequestShape(height=1088, width=1920, num_frames=345))
+    assert not huge.fits_cap and huge.allocated_gib > 7.0
+
+
+def test_a_term_every_fitted_request_held_fixed_is_not_modelled(tmp_path):
+    """Fitted without a LoRA, the model does not speak for a request with one (the LoRA's cost was never measured)."""
+    no_lora = [_record(t, h, w, f, 0) for t, h, w, f, _ in SHAPES]
+    model = derive_memory_model(_results(no_lora), "x")
+    assert _entry(model)["constant_terms"] == {"lora_rank": 0.0}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(model))
+    loaded = load_memory_model(path)
+    assert loaded.models("pc_8gb_16gib", RequestShape(task="fl2va"))
+    assert not loaded.models("pc_8gb_16gib", RequestShape(task="fl2va", lora_rank=64))
+    assert not loaded.models("pc_12gb_32gib", RequestShape())
 
 
 def test_loaded_model_predicts_what_the_fit_recorded(tmp_path):

@@ -63,11 +63,12 @@ def test_host_budget_auto_reads_meminfo_and_a_cgroup_limit(monkeypatch):
 
 
 def test_packaged_table_is_the_one_derived_from_the_committed_measurements():
-    results = json.loads((ROOT / "benchmarks" / "results" / "placement_h200.json").read_text())
+    packaged = json.loads(mb.RECIPE_TABLE_PATH.read_text())
+    base, *newer = [json.loads((ROOT / path).read_text()) for path in packaged["source"].split(" + ")]
+    results = mb.merged_placement_results(base, newer)
     consumer = ROOT / "benchmarks" / "results" / "consumer_model.json"
     predictions = json.loads(consumer.read_text()) if consumer.exists() else None
     derived = mb.derive_recipe_table(results, predictions=predictions)
-    packaged = json.loads(mb.RECIPE_TABLE_PATH.read_text())
     assert packaged["commit"] == derived["commit"]
     measured = [e for e in packaged["recipes"] if e["measured"]]
     assert measured == derived["recipes"]
@@ -75,6 +76,20 @@ def test_packaged_table_is_the_one_derived_from_the_committed_measurements():
     # every recipe the table holds can be loaded by name, and unmeasured ones say so in their line
     for recipe in mb.load_recipe_table():
         assert recipe.measured or "NOT measured" in recipe.line()
+
+
+def test_a_case_that_counted_the_card_needs_its_device_peak_and_keeps_its_device():
+    case = {"ms": 1000.0, "stages": {"forwards": 100.0}, "forwards": 1, "sigma_points": 50, "peak_reserved_gib": 6.3,
+            "device_peak_gib": 7.05, "host_peak_rss_gib": 4.0, "host_includes_load": True, "cap_gib": 6.4,
+            "recipe_name": "low_ram"}  # fmt: skip
+    base = {"device": "NVIDIA H200", "cases": {"pc_8gb_16gib": {**case, "device_peak_gib": None}}}
+    newer = {"device": "NVIDIA H100 80GB HBM3", "cases": {"pc_8gb_16gib": case, "failed": {"ms": None}}}
+    merged = mb.merged_placement_results(base, [newer])
+    assert set(merged["cases"]) == {"pc_8gb_16gib"}
+    [entry] = mb.derive_recipe_table(merged)["recipes"]
+    assert entry["gpu_gib"] == 7.05 and entry["whole_device"] is True and entry["device"] == "NVIDIA H100 80GB HBM3"
+    [old] = mb.derive_recipe_table(base)["recipes"]
+    assert old["gpu_gib"] == 6.3 and "whole_device" not in old
 
 
 def test_cases_built_on_the_gpu_need_at_least_their_weights_in_host_memory():

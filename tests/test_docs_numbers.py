@@ -56,8 +56,12 @@ def _text_encoder_layers():
 
 
 E2E, FWD, FI, FAST_FI = "end_to_end_h200.json", "forward_h200.json", "forward_flashinfer_h200.json", "forward_fast_flashinfer_h200.json"
-def _placement(case, field):
-    return lambda: f"{_json('placement_h200.json')['cases'][case][field]:.2f}"
+def _placement(case, field, result="placement_h200.json"):
+    return lambda: f"{_json(result)['cases'][case][field]:.2f}"
+
+
+def _h100_shape(case, index, field):
+    return lambda: f"{_json('placement_h100.json')['cases'][case]['shapes'][index][field]:.2f}"
 
 
 def _recipe_host(recipe):
@@ -83,10 +87,12 @@ QUOTES = [
     ("README.md", "`low_ram_16gb`: peak {} GiB reserved", _placement("low_ram_16gb", "peak_reserved_gib")),
     ("README.md", "host peak RSS {} GiB (load included)", _placement("low_ram_16gb", "host_peak_rss_gib")),
     ("README.md", "t2va 50 steps {} s (1 forward", lambda: f"{_json('placement_h200.json')['cases']['low_ram_16gb']['request_s_extrapolated']}"),
-    ("README.md", "`pc_8gb_16gib`: peak {} GiB reserved", _placement("pc_8gb_16gib", "peak_reserved_gib")),
-    ("README.md", "7.5 GiB cap (7.50 in the fl2va Light4 request), host peak RSS {} GiB", _placement("pc_8gb_16gib", "host_peak_rss_gib")),
-    ("README.md", "`pc_12gb_32gib`: peak {} GiB reserved", _placement("pc_12gb_32gib", "peak_reserved_gib")),
-    ("README.md", "an 11.5 GiB cap, host peak RSS {} GiB", _placement("pc_12gb_32gib", "host_peak_rss_gib")),
+    ("README.md", "t2va 768x1344x124 at {} GiB as the card counts it** (7,279", _h100_shape("pc_8gb_16gib", 0, "device_peak_gib")),
+    ("README.md", "GiB), {} GiB reserved under a 6.4 GiB cap", _h100_shape("pc_8gb_16gib", 0, "peak_reserved_gib")),
+    ("README.md", "6.4 GiB cap, host peak RSS {} GiB", _placement("pc_8gb_16gib", "host_peak_rss_gib", "placement_h100.json")),
+    ("README.md", "t2va 768x1344x124 at {} GiB as the card counts it** (11.01", _h100_shape("pc_12gb_32gib", 0, "device_peak_gib")),
+    ("README.md", "({} over the whole run, 11,281", _placement("pc_12gb_32gib", "device_peak_gib", "placement_h100.json")),
+    ("README.md", "a 12 GB card gives about 11.2 GiB), host peak RSS {} GiB", _placement("pc_12gb_32gib", "host_peak_rss_gib", "placement_h100.json")),
     ("docs/multi_gpu.md", "predicts a {} s 50-step denoise", lambda: f"{_json('multi_gpu_model_h200.json')['predicted']['presets']['exact']['4']['denoise_s']:.1f}"),
     ("README.md", "`offload_24gb`: peak {} GiB reserved", _placement("offload_24gb", "peak_reserved_gib")),
     ("README.md", "GiB reserved, host {} GiB (`offload_40gb`", _placement("offload_24gb", "host_peak_rss_gib")),

@@ -396,9 +396,12 @@ class _Streamer:
                         continue  # a quantized weight's packed tensors are entries of its group, placed above
                     if tensor.device != self.device:
                         is_param = table is tensor_owner._parameters
+                        # a Parameter keeps its object and gets the device data: remember the host data, not the
+                        # object (which would hold the device data by the time it is restored)
+                        host = tensor.data if is_param else tensor
                         _set_tensor(tensor_owner, name, tensor.to(self.device), is_param)
                         if follow:
-                            followers.append((tensor_owner, name, is_param, tensor))
+                            followers.append((tensor_owner, name, is_param, host))
 
     def release(self, group: _Group, force: bool = False) -> None:
         if self.config.hold and not force:

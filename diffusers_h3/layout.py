@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
 
 
 SEGMENT_KINDS = ("text", "video", "audio")
@@ -151,18 +154,31 @@ class CallPlan:
 # of each transformer forward.
 _CALL_PLAN: contextvars.ContextVar[Optional[CallPlan]] = contextvars.ContextVar("diffusers_h3_call_plan", default=None)
 
+# The same plan in a thread-local mirror, for code that torch.compile traces: dynamo traces ContextVar.get only in
+# recent torch (older releases raise under fullgraph=True and break the graph otherwise), but it traces an attribute of
+# a threading.local on every supported release, guarding (in the calling thread) only on the fields the traced code
+# reads: a processor's plan, its sizes and choices, never the step. use_call_plan keeps it equal to the context
+# variable; the call-plan hook publishes each call's plan in the calling thread right before the blocks run.
+_COMPILED = threading.local()
+
 
 @contextlib.contextmanager
 def use_call_plan(plan: Optional[CallPlan]) -> Iterator[Optional[CallPlan]]:
     """Publish ``plan`` for the calls made inside the block (what :func:`current_call_plan` returns)."""
     token = _CALL_PLAN.set(plan)
+    _COMPILED.plan = plan
     try:
         yield plan
     finally:
         _CALL_PLAN.reset(token)
+        _COMPILED.plan = _CALL_PLAN.get()
 
 
 def current_call_plan() -> Optional[CallPlan]:
+    """The published plan: the context variable's in eager code, its thread-local mirror's in code that
+    ``torch.compile`` traces (see ``_COMPILED``)."""
+    if torch.compiler.is_compiling():
+        return getattr(_COMPILED, "plan", None)
     return _CALL_PLAN.get()
 
 
@@ -174,7 +190,7 @@ def use_packed_layout(layout: Optional[PackedLayout]) -> Iterator[Optional[Packe
 
 
 def current_packed_layout() -> Optional[PackedLayout]:
-    plan = _CALL_PLAN.get()
+    plan = current_call_plan()
     return None if plan is None else plan.layout
 
 

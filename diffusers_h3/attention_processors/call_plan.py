@@ -4,8 +4,8 @@ The attention ``enable_*`` helpers register :class:`CallPlanHook` on the transfo
 top of every forward, eagerly (outside the compiled blocks), it asks each attention processor of this package in the
 blocks for its plan of the call (:meth:`~.base.MiniMaxH3AttnProcessorBase.plan_call`: route, tile plan, kernel choice,
 precisions, from the published :class:`~diffusers_h3.layout.PackedLayout`, the call's device and the attention dtype),
-puts the plans in one frozen :class:`~diffusers_h3.layout.CallPlan`, publishes it for the call (a context variable:
-a call in another thread has its own) and keeps it as the transformer's last plan, which ``describe()`` reads. The
+puts the plans in one frozen :class:`~diffusers_h3.layout.CallPlan`, publishes it for the call (a context variable,
+mirrored thread-locally for compiled code: a call in another thread has its own) and keeps it as the transformer's last plan, which ``describe()`` reads. The
 blocks read their processor's plan as plain data, so compiled blocks specialize on the route and the plan's sizes and
 choices, never on a layout object or a denoising step; the kernels they call write nothing back.
 """

@@ -82,3 +82,64 @@ def test_a_call_plan_is_published_for_one_call_and_found_by_its_key():
         assert current_call_plan() is published
     assert call.describe() == {"layout": layout.describe(), "attention": ["first"]}
     assert current_call_plan() is None and CallPlan().describe()["layout"] == "none published"
+
+
+def test_compiled_code_reads_the_published_plan_without_recompiling_per_step():
+    # torch.compile(fullgraph=True) code reads the published plan on every supported torch (dynamo traces
+    # ContextVar.get only in recent releases), and guards only on what it reads: a new step's layout and a new CallPlan
+    # object for each call do not recompile.
+    import torch
+    import torch._dynamo
+
+    key = object()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def read(x):
+        plan = current_call_plan()
+        return x + plan.plan_for(key).text.count("o") + current_packed_layout().seq_len
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step in range(3):
+                layout = _layout().at_step(step, 3, (1.0 - step / 3, 1.0 - (step + 1) / 3))
+                with use_call_plan(CallPlan(layout=layout, attention=((key, _Plan("two o")),))):
+                    assert read(torch.zeros(())).item() == 2 + 40
+    finally:
+        torch._dynamo.reset()
+    assert current_call_plan() is None
+
+
+def test_compiled_code_in_each_thread_reads_its_own_plan():
+    # Two threads inside their own transformer call at once: the compiled reader returns each thread's plan.
+    import threading
+
+    import torch
+    import torch._dynamo
+
+    key = object()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def read(x):
+        return x + current_call_plan().plan_for(key).text.count("o")
+
+    both_published = threading.Barrier(2)
+    got = {}
+
+    def call(text):
+        with use_call_plan(CallPlan(layout=_layout(), attention=((key, _Plan(text)),))):
+            both_published.wait(timeout=60)
+            got[text] = read(torch.zeros(())).item()
+            both_published.wait(timeout=60)  # neither leaves its call before the other has read
+        got[text, "after"] = current_call_plan()
+
+    torch._dynamo.reset()
+    try:
+        threads = [threading.Thread(target=call, args=(text,)) for text in ("o", "ooo")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch._dynamo.reset()
+    assert got == {"o": 1, "ooo": 3, ("o", "after"): None, ("ooo", "after"): None}

@@ -94,7 +94,8 @@ def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
     # decision dynamo cannot trace) raises here.
     model.compile_repeated_blocks(fullgraph=True, backend=recorder)
     compiled = _run(model)
-    again = _run(model, step=1)  # another denoising step's layout: same graphs, no recompilation
+    with torch._dynamo.config.patch(error_on_recompile=True):  # raises on a recompilation
+        again = _run(model, step=1)  # another denoising step's layout: same graphs, no recompilation
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert recorder.graphs and len(recorder.graphs) == counters["stats"]["unique_graphs"]
     assert PRESET_OPS[preset] <= recorder.ops(), sorted(op for op in recorder.ops() if "diffusers_h3" in op)
@@ -153,7 +154,9 @@ def test_other_processors_compile_fullgraph(make, op, flashinfer_stand_in):
     recorder = _GraphRecorder()
     model.compile_repeated_blocks(fullgraph=True, backend=recorder)
     compiled = _run(model)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = _run(model, step=1)  # another denoising step: no recompilation
     assert op in recorder.ops() or not (KERNELS_ON_CPU or make.startswith("flashinfer")), sorted(recorder.ops())
-    for got, ref in zip(compiled, eager):
+    for got, ref in zip(compiled + again, eager + eager):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()

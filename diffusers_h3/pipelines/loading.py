@@ -605,13 +605,13 @@ def _load_pipeline(cls, pretrained_model_name_or_path, task: Optional[str], kwar
     use_kernels = kwargs.pop("use_kernels", False)
     if not isinstance(use_kernels, bool):
         raise TypeError(f"use_kernels must be True or False, got {use_kernels!r}")
-    with transformers_hub_kernels(use_kernels):
+    with _transformers_hub_kernels(use_kernels):
         pipe = _load_from_source(cls, source, task, kwargs)
     return _remember_source(pipe, source, passed)
 
 
 @contextlib.contextmanager
-def transformers_hub_kernels(enabled: bool):
+def _transformers_hub_kernels(enabled: bool):
     """Whether the transformers components loaded inside kernelize themselves with kernels fetched from the Hub
     (transformers >= 5.25 does by default when `kernels` is installed, and a load onto CUDA then fails offline). Off
     unless asked for: the load must work offline and run the layers the package was checked with. diffusers' loader

@@ -36,7 +36,7 @@ from ..parallel.memory_recipes import (
     visible_host_gib,
 )
 from ..tasks import partition_for_task, partitions_for_task
-from .loading import resolve_repo, transformers_hub_kernels
+from .loading import resolve_repo
 from .pipeline_minimax_h3 import MiniMaxH3Pipeline
 
 
@@ -102,11 +102,11 @@ def _load_text_encoder_alone(directory: Path, config, dtype, text_encoder_layer:
         text_config.num_hidden_layers = keep
         if isinstance(getattr(text_config, "layer_types", None), list):
             text_config.layer_types = text_config.layer_types[:keep]
-    kwargs = {"config": model_config, "dtype": dtype}
+    # no Hub kernels: the load works offline and runs the layers the package was checked with
+    kwargs = {"config": model_config, "dtype": dtype, "use_kernels": False}
     if config is not None:
         kwargs["quantization_config"] = config
-    with transformers_hub_kernels(False):  # loads offline, with the layers the package was checked with
-        return cls.from_pretrained(str(folder), **kwargs).eval().requires_grad_(False)
+    return cls.from_pretrained(str(folder), **kwargs).eval().requires_grad_(False)
 
 
 def load_for_memory_budget(

@@ -102,9 +102,9 @@ REF2VA_IMAGES, REF2VA_VIDEO_FRAMES = 3, 48
 CASE_SETTINGS = {
     "low_ram_16gb": {"read_ahead": 2},
     "low_ram_24gb": {"read_ahead": 2},
-    "pc_12gb_32gib": {"read_ahead": 2},
-    "pc_8gb_16gib": {"read_ahead": 1, "ffn_chunk_rows": 8192},
-    "pc_12gb_ref2va": {"read_ahead": 2},
+    "pc_12gb_32gib": {"read_ahead": 2, "ffn_chunk_rows": 16384, "attention_head_groups": 8},
+    "pc_8gb_16gib": {"read_ahead": 1, "ffn_chunk_rows": 8192, "attention_head_groups": 8},
+    "pc_12gb_ref2va": {"read_ahead": 2, "ffn_chunk_rows": 16384, "attention_head_groups": 8},
 }
 CASE_HOST_BUDGET_GIB = {"low_ram_16gb": 20.0, "low_ram_24gb": 32.0, "pc_12gb_32gib": 20.0, "pc_8gb_16gib": 12.0,
                         "pc_12gb_ref2va": 20.0}

@@ -62,6 +62,7 @@ from .install import (
     processor_entry_points,
     register_attention_processor,
     transformer_blocks,
+    transformer_models,
 )
 from .low_precision import (
     QK_8BIT,
@@ -106,6 +107,10 @@ class VSAConfig:
         kernel (`str`, defaults to `"auto"`): the flash kernel of the fine stage and of 8-bit dense layers: ``"sm90"``
             (Hopper Gluon kernel), ``"triton"`` (portable Triton kernel) or ``"auto"`` (the Hopper kernel where it runs
             these inputs, else Triton).
+        head_groups (`int`, *optional*): run the sparse core over this many groups of heads in turn, so that its
+            temporary copies (packed K/V, 8-bit Q/K/V, tile means) take that fraction of the memory; the result is
+            the same bit for bit (every scale, mean and tile selection is per head). ``None``: the transformer's
+            memory setting (:func:`set_vsa_head_groups`, which the PC memory recipes set), else one group.
     """
 
     sparsity: float = 0.8
@@ -119,6 +124,7 @@ class VSAConfig:
     strict: bool = False
     backend: str = "auto"
     kernel: str = "auto"
+    head_groups: Optional[int] = None
 
     def __post_init__(self):
         sparsity = self.sparsity
@@ -134,6 +140,7 @@ class VSAConfig:
             raise ValueError(f"pv_precision='fp8' needs tiles of at least 32 tokens (FP8 MMA K dimension), got {tile}")
         if int(self.dense_first_steps) < 0:
             raise ValueError(f"dense_first_steps must be >= 0, got {self.dense_first_steps}")
+        check_head_groups(self.head_groups)
         object.__setattr__(self, "sparsity", float(sparsity))
         object.__setattr__(self, "tile", tile)
         object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
@@ -407,24 +414,31 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             layer_index is not None and layer_index in self.config.dense_layers
         )
         self._plans = TilePlanCache()
+        # A plain attribute for torch.compile (one traced version for all blocks); `prepare` may set the model's.
+        self.head_groups = int(self.config.head_groups or 1)
         self._low_precision = self.config.low_precision_processor()
         if self._low_precision is not None:
             self._low_precision._who = type(self).__name__
 
     # -- installation (enable_vsa) ------------------------------------------------------------------------------------
     @classmethod
-    def prepare(cls, config: VSAConfig, model, blocks) -> TilePlanCache:
+    def prepare(cls, config: VSAConfig, model, blocks) -> Tuple[TilePlanCache, int]:
         """``dense_layers`` must name blocks of ``model``; one plan cache per model (one plan object per layout for
-        every block: one compiled version serves them all)."""
+        every block: one compiled version serves them all) and the model's head groups (``config.head_groups``,
+        else :func:`set_vsa_head_groups`'s setting, else 1)."""
         bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
-        return TilePlanCache()
+        groups = config.head_groups if config.head_groups is not None else getattr(model, HEAD_GROUPS_ATTR, None)
+        return TilePlanCache(), int(groups or 1)
 
     @classmethod
-    def for_block(cls, config: VSAConfig, tiles: TilePlanCache, index: int, block) -> "MiniMaxH3VSAProcessor":
+    def for_block(cls, config: VSAConfig, prepared: Tuple[TilePlanCache, int], index: int,
+                  block) -> "MiniMaxH3VSAProcessor":
+        tiles, groups = prepared
         processor = cls(config, layer_index=index)
         processor._plans = tiles
+        processor.head_groups = groups
         if config.strict:
             processor._emulate(next(block.parameters()).device)  # raise now rather than mid-denoising
         return processor
@@ -445,6 +459,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             "precision": config.precision,
             "sparsity": config.sparsity,
             "tile": tuple(config.tile),
+            "head_groups": processors[0].head_groups,
             "path": processors[0].describe_path(),
         }
 
@@ -537,10 +552,26 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             raise ValueError(
                 f"{type(self).__name__} got an attention_mask; VSA attends over one packed document and takes none"
             )
+        heads = query.shape[2]
+        groups = min(self.head_groups, heads)
+        if groups <= 1:
+            return self._sparse_core(plan, query, key, value.contiguous(), gate)
+        # One group of heads at a time: the op's temporaries shrink by the group count; every head's numbers are
+        # computed as in one call (scales, means and tile selection are per head).
+        out = torch.empty(query.shape, device=query.device, dtype=query.dtype)
+        bounds = [heads * g // groups for g in range(groups + 1)]
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            heads_slice = slice(start, stop)
+            out[:, :, heads_slice] = self._sparse_core(
+                plan, query[:, :, heads_slice].contiguous(), key[:, :, heads_slice].contiguous(),
+                value[:, :, heads_slice].contiguous(), gate[:, :, heads_slice] if gate is not None else None)
+        return out
+
+    def _sparse_core(self, plan: VSAPlan, query, key, value, gate):
         tiles = plan.tiles
         flags = [int(self.config.smooth_k), int(self.config.pv_precision == "fp8"), int(plan.emulated),
                  int(gate is not None)]  # fmt: skip
-        out, out_coarse = vsa_attention_op(query, key, value.contiguous(), [tiles.slot_rows, tiles.tile_counts],
+        out, out_coarse = vsa_attention_op(query, key, value, [tiles.slot_rows, tiles.tile_counts],
                                            [tiles.block, tiles.num_prefix_tiles, plan.topk], self.precision, flags,
                                            plan.sparse_kernel.launch, list(plan.launch_options))  # fmt: skip
         if gate is not None:
@@ -584,6 +615,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         else:
             kernel = f"Triton pooling/selection + {choice.describe()}"
         extra = f", dense for the first {config.dense_first_steps} steps" if config.dense_first_steps else ""
+        extra += f", {self.head_groups} head groups in turn" if self.head_groups > 1 else ""
         return (f"VSA sparsity={config.sparsity} tile={config.tile} {prec} via {kernel}{extra}; coarse gate when "
                 "to_gate_compress exists")
 
@@ -596,6 +628,24 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         self._last_plan = plan
         if plan is not None and plan.route == "sparse":
             self._last_sparse_kernel = plan.sparse_kernel  # the sparse path keeps its report through dense steps
+
+
+# Where a transformer keeps the head groups its VSA processors default to (a memory recipe's setting).
+HEAD_GROUPS_ATTR = "_h3_vsa_head_groups"
+
+
+def check_head_groups(groups) -> None:
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+        raise ValueError(f"head_groups must be a positive int (or None), got {groups!r}")
+
+
+def set_vsa_head_groups(pipe_or_transformer, groups: Optional[int]) -> None:
+    """The head groups that VSA processors installed later on these transformer partition(s) run in, unless their
+    :class:`VSAConfig` names its own (``None``: one group). A memory recipe sets it so that a user's ``enable_vsa``
+    fits the card the recipe is for."""
+    check_head_groups(groups)
+    for _, model in transformer_models(pipe_or_transformer, "set_vsa_head_groups"):
+        setattr(model, HEAD_GROUPS_ATTR, groups)
 
 
 def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **options):

@@ -240,7 +240,7 @@ def _check_host_for_transformer_file(recipe: MemoryRecipe, transformer_file, hos
 
 
 # What a recipe's measured case ran with (``settings`` of its table entry); what is absent takes these defaults.
-DEFAULT_RECIPE_SETTINGS = {"read_ahead": 2, "ffn_chunk_rows": None, "stream_vae": True}
+DEFAULT_RECIPE_SETTINGS = {"read_ahead": 2, "ffn_chunk_rows": None, "stream_vae": True, "attention_head_groups": None}
 
 
 def recipe_settings(recipe: MemoryRecipe) -> Dict[str, Any]:
@@ -258,7 +258,8 @@ def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[st
     """Stream ``partitions`` (DiT partitions stored in the format they run in) and, with ``settings["stream_vae"]``,
     the VAEs from their files in ``directory`` (:func:`~diffusers_h3.parallel.checkpoint_streaming.
     stream_from_checkpoint`; the VAE's groups stay on the device while a stage encodes or decodes); chunk the DiT's
-    feed-forward over ``settings["ffn_chunk_rows"]`` rows. Returns (and records) each component's placement."""
+    feed-forward over ``settings["ffn_chunk_rows"]`` rows; make video sparse attention enabled later run over
+    ``settings["attention_head_groups"]`` groups of heads. Returns (and records) each component's placement."""
     from ..hooks.feed_forward_chunks import FeedForwardChunking, enable_feed_forward_chunking
     from ..parallel.checkpoint_streaming import StreamingConfig, stream_from_checkpoint, streaming_of
     from ..parallel.placement import _record_placement
@@ -280,5 +281,11 @@ def stream_components_from_checkpoint(pipe, directory, device, settings: Dict[st
     if rows:
         enable_feed_forward_chunking(pipe, FeedForwardChunking(rows=int(rows)))
         placements["feed_forward"] = f"chunked over {int(rows)} rows"
+    groups = settings["attention_head_groups"]
+    if groups:
+        from ..attention_processors.vsa import set_vsa_head_groups
+
+        set_vsa_head_groups(pipe, int(groups))
+        placements["attention"] = f"video sparse attention, when enabled, over {int(groups)} head groups in turn"
     _record_placement(pipe, **placements)
     return placements

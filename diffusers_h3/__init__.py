@@ -40,6 +40,7 @@ from .attention_processors import (
     flashinfer_attention_state,
     low_precision_attention_state,
     register_attention_processor,
+    set_vsa_head_groups,
     vsa_state,
 )
 from .hooks.fast_vae_decode import FastVAEDecodeConfig, disable_fast_vae_decode, enable_fast_vae_decode, vae_decode
@@ -95,6 +96,7 @@ __all__ = [
     "enable_vsa",
     "disable_vsa",
     "vsa_state",
+    "set_vsa_head_groups",
     "VSAConfig",
     "add_gate_compress",
     "enable_low_precision_attention",

@@ -32,6 +32,7 @@ from .vsa import (
     add_gate_compress,
     disable_vsa,
     enable_vsa,
+    set_vsa_head_groups,
     vsa_attention,
     vsa_state,
 )
@@ -64,4 +65,5 @@ __all__ = [
     "low_precision_attention_state",
     "vsa_attention",
     "vsa_state",
+    "set_vsa_head_groups",
 ]

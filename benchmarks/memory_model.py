@@ -1,7 +1,8 @@
 """Fit the memory model by rows on measured requests and write it (no GPU: it reads committed measurements).
 
     python benchmarks/memory_model.py --results benchmarks/results/placement_h100.json \\
-        --holdout 640x1088x175 --package-copy diffusers_h3/parallel/memory_model.json
+        --holdout 640x1088x175 --activations benchmarks/results/activation_trace.json \\
+        --package-copy diffusers_h3/parallel/memory_model.json
 
 Reads the requests each case of a placement result measured (``cases[<case>]["shapes"]``: task, canvas, frames,
 text rows, references, LoRA rank, ``device_peak_gib``, ``host_peak_rss_gib``), fits per case the laws of
@@ -37,9 +38,13 @@ def relative_source(path: Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
-def build(results_path: Path, holdout=()):
+def build(results_path: Path, holdout=(), activations_path: Path = None):
     results = json.loads(results_path.read_text())
-    return derive_memory_model(results, relative_source(results_path), holdout)
+    activations = json.loads(activations_path.read_text()) if activations_path is not None else None
+    model = derive_memory_model(results, relative_source(results_path), holdout, activations)
+    if activations_path is not None:
+        model["activations_source"] = relative_source(activations_path)
+    return model
 
 
 def main(argv=None) -> int:
@@ -50,8 +55,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/memory_model_<device>.json")
     parser.add_argument("--package-copy", type=Path, default=None, help="also write the model here")
+    parser.add_argument("--activations", type=Path, default=None,
+                        help="an activation trace (benchmarks/activation_trace.py): fit the allocations per stage")
     args = parser.parse_args(argv)
-    model = build(args.results, args.holdout)
+    model = build(args.results, args.holdout, args.activations)
     if not model["cases"]:
         print(f"{args.results}: no case has enough measured requests to fit ({model['not_fit'] or 'none measured'})",
               file=sys.stderr)

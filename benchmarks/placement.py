@@ -903,7 +903,7 @@ def child_main(args):
         **shape_record(request_kwargs(REQUEST_CASE, args.tiny), recipe.settings, lora_rank=0,
                        prompt_tokens=_PROMPT_EMBEDS[1].numel() if _PROMPT_EMBEDS[1] is not None else PROMPT_TOKENS),
         **{k: record.get(k) for k in ("device_peak_gib", "device_peak_source", "peak_reserved_gib",
-                                      "peak_allocated_gib", "ms")},
+                                      "peak_allocated_gib", "stage_peak_gib", "ms")},
         "host_peak_rss_gib": record["host_peak_rss_t2va_gib"], "fits": True, "forwards": 1}]  # fmt: skip
     host_peaks = [record["host_peak_rss_t2va_gib"]]
     if not args.no_light4:
@@ -928,8 +928,8 @@ def child_main(args):
             light4["shape"] = shape_record(request_kwargs(LIGHT4_CASE, args.tiny), recipe.settings,
                                            lora_rank=LIGHT4_LORA_RANK, prompt_tokens=light4["text_rows"])  # fmt: skip
             shapes.append({**light4["shape"], **{k: light4.get(k) for k in (
-                "device_peak_gib", "device_peak_source", "peak_reserved_gib", "peak_allocated_gib", "ms",
-                "host_peak_rss_gib", "forwards")}, "fits": True})  # fmt: skip
+                "device_peak_gib", "device_peak_source", "peak_reserved_gib", "peak_allocated_gib", "stage_peak_gib",
+                "ms", "host_peak_rss_gib", "forwards")}, "fits": True})  # fmt: skip
             light4.update(lora=f"random rank-{LIGHT4_LORA_RANK} LoRA on every block Linear, unfused",
                           lora_load_s=round(lora_s, 1), attention=attention)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - recorded: the t2va record stands on its own

@@ -19,6 +19,18 @@ device prediction is clipped to that bound. Requests that ran out of memory unde
 listed under ``beyond_cap`` with the need the model predicts for them (it must exceed the cap). Chunking the feed-forward (a
 recipe setting) bounds part of the per-row term: each settings variant is its own entry with its own law.
 
+With an activation trace (``benchmarks/activation_trace.py``: the DiT forward's activation peak by rows, traced on the
+meta device for each feed-forward chunking) and per-stage peaks in the records, the allocations are predicted per
+stage instead, as the largest of::
+
+    forwards     = fixed + traced activations(rows) + c * (LoRA rank / 64)
+    video_decode = fixed + b * (canvas megapixels)
+    other stages = the largest measured (text encode, audio decode, condition encode)
+
+The trace carries the forward's curve beyond the measured rows (where the rotary embedding's temporaries overtake a
+chunked feed-forward, it steepens), which a straight line through a few measured peaks, most of them set by the video
+decode, cannot show.
+
 :func:`derive_memory_model` fits the laws by least squares on measured requests (``benchmarks/memory_model.py`` runs
 it on ``benchmarks/results/placement_<device>.json``; the package's ``memory_model.json`` is its result, checked by a
 test). A term whose least-squares weight comes out negative is dropped and the law refit: memory does not shrink as a
@@ -248,10 +260,55 @@ def _predict_entry(entry: Mapping[str, Any], x: Mapping[str, float]) -> Dict[str
     """Each law of ``entry`` at ``x``; the device peak no higher than the entry's bound (cap + outside the allocator)
     while the need fits the cap."""
     out = {law_name: _apply(entry[law_name], x) for law_name in LAW_FIELDS if law_name in entry}
+    if "allocated_stages" in entry:
+        out["allocated_gib"] = _stage_allocations(entry["allocated_stages"], x)
     bound = entry.get("device_bound_gib")
     if bound is not None and "device_gib" in out and out.get("allocated_gib", 0.0) <= entry["cap_gib"]:
         out["device_gib"] = min(out["device_gib"], bound)
     return out
+
+
+# The measured stages whose allocation peaks the stage laws fit; the other stages' largest peak is taken as it is.
+FORWARD_STAGE, DECODE_STAGE = "forwards", "video_decode"
+
+
+def traced_activations_gib(trace: Mapping[str, Sequence[float]], rows: float) -> float:
+    """The traced forward activation peak at ``rows`` (in 10,000s), linear between the traced rows and along the last
+    (first) segment beyond them."""
+    xs, ys = trace["rows"], trace["gib"]
+    if len(xs) < 2:
+        raise ValueError("an activation trace needs at least two traced row counts")
+    index = max(1, min(len(xs) - 1, int(np.searchsorted(xs, rows))))
+    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+
+def _trace_of(activations: Optional[Mapping[str, Any]], settings: Mapping[str, Any]) -> Optional[Dict[str, list]]:
+    """The trace of the entry's feed-forward chunking from an activation-trace result (rows in 10,000s)."""
+    if not activations:
+        return None
+    chunk = settings.get("ffn_chunk_rows")
+    peaks = activations.get("peaks_gib", {}).get(str(chunk) if chunk else "none")
+    if peaks is None:
+        return None
+    return {"rows": [r / 1e4 for r in activations["rows"]], "gib": list(peaks),
+            "ffn_chunk_rows": chunk, "label": activations.get("label", "traced")}  # fmt: skip
+
+
+def _fit_stages(records, xs, trace) -> Dict[str, Any]:
+    """The stage laws of the allocations (see the module's docstring) from the records' ``stage_peak_gib``."""
+    forwards = [float(r["stage_peak_gib"][FORWARD_STAGE][0]) - traced_activations_gib(trace, x["rows"])
+                for r, x in zip(records, xs)]  # fmt: skip
+    decode = [float(r["stage_peak_gib"][DECODE_STAGE][0]) for r in records]
+    rest = max(float(peaks[0]) for r in records for stage, peaks in r["stage_peak_gib"].items()
+               if stage not in (FORWARD_STAGE, DECODE_STAGE))  # fmt: skip
+    return {"forwards": _fit_law(xs, forwards, ("lora_rank",)),
+            "video_decode": _fit_law(xs, decode, ("decode_megapixels",)), "rest_gib": round(rest, 4)}  # fmt: skip
+
+
+def _stage_allocations(stages: Mapping[str, Any], x: Mapping[str, float]) -> float:
+    forwards = _apply(stages["forwards"], x) + traced_activations_gib(stages["activation_trace"], x["rows"])
+    return max(forwards, _apply(stages["video_decode"], x), stages["rest_gib"])
 
 
 def shape_records(results: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
@@ -273,13 +330,15 @@ def derive_memory_model(
     results: Mapping[str, Any],
     source: str,
     holdout: Iterable[str] = (),
+    activations: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The memory model (the content of ``memory_model.json``) from a placement result's measured requests.
 
     Per case: the two laws fitted on its requests, except the holdout ones (a record with ``"holdout": true``, or
     whose ``HxWxF`` is in ``holdout``), and every request's predicted and measured peaks: ``fit_shapes`` and
     ``holdout`` with their relative errors. A case with fewer fitted requests than terms is left out (named in
-    ``not_fit``)."""
+    ``not_fit``). With ``activations`` (an activation-trace result) and per-stage peaks on every fitted request, the
+    allocations are fitted per stage (``allocated_stages``)."""
     holdout = set(holdout)
     by_case: Dict[str, List[Dict[str, Any]]] = {}
     for case_name, record in shape_records(results):
@@ -320,6 +379,14 @@ def derive_memory_model(
             entry[law_name] = fitted["law"]
             if fitted["dropped"]:
                 entry[f"{law_name}_dropped"] = fitted["dropped"]
+        trace = _trace_of(activations, entry["settings"])
+        fitted_records = [records[i] for i in fit_index]
+        if trace is not None and all(FORWARD_STAGE in (r.get("stage_peak_gib") or {}) and DECODE_STAGE in
+                                     r["stage_peak_gib"] for r in fitted_records):  # fmt: skip
+            stages = _fit_stages(fitted_records, [xs[i] for i in fit_index], trace)
+            entry["allocated_stages"] = {"forwards": stages["forwards"]["law"],
+                                         "video_decode": stages["video_decode"]["law"],
+                                         "rest_gib": stages["rest_gib"], "activation_trace": trace}  # fmt: skip
         model["cases"][case_name] = entry
         for record, shape, x, held in zip(records, shapes, xs, is_holdout):
             row = {"case": case_name, "shape": shape.label(), "rows": packed_rows(shape)["total"]}

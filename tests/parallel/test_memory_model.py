@@ -16,6 +16,7 @@ from diffusers_h3.parallel.memory_model import (
     features,
     largest_fitting,
     load_memory_model,
+    traced_activations_gib,
     packed_rows,
     shape_records,
 )
@@ -252,7 +253,13 @@ def test_committed_model_is_the_fit_of_the_committed_measurements():
     model = json.loads(MEMORY_MODEL_PATH.read_text())
     assert model["source"] in measured, (model["source"], sorted(measured))
     results = measured[model["source"]]
-    assert derive_memory_model(results, model["source"], model["holdout_shapes"]) == model
+    activations = None
+    if model.get("activations_source"):
+        activations = json.loads((ROOT / model["activations_source"]).read_text())
+    derived = derive_memory_model(results, model["source"], model["holdout_shapes"], activations)
+    if activations is not None:
+        derived["activations_source"] = model["activations_source"]
+    assert derived == model
     loaded = load_memory_model()
     records = {(case, RequestShape.from_record(r).label()): r for case, r in shape_records(results)}
     for row in model["fit_shapes"] + model["holdout"]:
@@ -262,3 +269,75 @@ def test_committed_model_is_the_fit_of_the_committed_measurements():
         assert math.isclose(prediction.host_gib, row["predicted_host_gib"], abs_tol=0.01)
         assert math.isclose(record["device_peak_gib"], row["measured_device_gib"], abs_tol=0.001)
     assert model["holdout"], "the committed model names no holdout request"
+
+
+# A synthetic activation trace: flat-ish up to 30k rows (a chunked feed-forward's peak), then steep (the rotary
+# embedding's temporaries), as benchmarks/activation_trace.py traces the released DiT.
+TRACE = {"rows": [10_000, 20_000, 30_000, 40_000, 80_000], "peaks_gib": {"8192": [1.5, 2.0, 2.5, 4.9, 9.7]},
+         "label": "synthetic"}
+STAGE_FIXED, STAGE_LORA, DECODE_FIXED, DECODE_PER_MP, REST = 1.0, 0.5, 5.0, 0.6, 2.2
+
+
+def _stage_record(task, height, width, frames, rank, **extra):
+    shape = RequestShape(task=task, height=height, width=width, num_frames=frames, lora_rank=rank)
+    x = features(shape)
+    trace = {"rows": [r / 1e4 for r in TRACE["rows"]], "gib": TRACE["peaks_gib"]["8192"]}
+    forwards = STAGE_FIXED + traced_activations_gib(trace, x["rows"]) + STAGE_LORA * x["lora_rank"]
+    decode = DECODE_FIXED + DECODE_PER_MP * x["decode_megapixels"]
+    record = _record(task, height, width, frames, rank, **extra)
+    record.update(settings={"read_ahead": 1, "ffn_chunk_rows": 8192}, peak_allocated_gib=max(forwards, decode, REST),
+                  stage_peak_gib={"forwards": [forwards, 7.0], "video_decode": [decode, 7.0],
+                                  "text_encode": [REST, 3.0], "audio_decode": [0.6, 6.0]})  # fmt: skip
+    return record
+
+
+def _stage_results(records):
+    results = _results(records)
+    results["cases"]["pc_8gb_16gib"]["settings"] = {"read_ahead": 1, "ffn_chunk_rows": 8192}
+    return results
+
+
+def test_traced_activations_interpolate_and_extend_the_last_segment():
+    trace = {"rows": [1.0, 2.0, 4.0], "gib": [1.0, 2.0, 6.0]}
+    assert traced_activations_gib(trace, 1.5) == pytest.approx(1.5)
+    assert traced_activations_gib(trace, 3.0) == pytest.approx(4.0)
+    assert traced_activations_gib(trace, 6.0) == pytest.approx(10.0)  # the last slope beyond the trace
+    assert traced_activations_gib(trace, 0.5) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="at least two"):
+        traced_activations_gib({"rows": [1.0], "gib": [1.0]}, 1.0)
+
+
+def test_the_allocations_are_the_largest_stage_with_the_trace_as_the_forward_rows_term(tmp_path):
+    """Fitted per stage, the model recovers the forward's fixed part and LoRA term and the decode's law, and predicts
+    a request beyond the measured rows from the trace's steep part: refused under a cap the straight-line law, fitted
+    on the same requests (mostly decode-bound), lets through."""
+    small = [("t2va", 480, 832, 124, 0), ("fl2va", 480, 832, 124, 64), ("t2va", 768, 1344, 124, 0),
+             ("t2va", 544, 960, 175, 0), ("fl2va", 768, 1344, 124, 64)]  # fmt: skip
+    records = [_stage_record(*s) for s in small]
+    model = derive_memory_model(_stage_results(records), "x", activations=TRACE)
+    stages = _entry(model)["allocated_stages"]
+    assert stages["forwards"]["fixed"] == pytest.approx(STAGE_FIXED, abs=1e-3)
+    assert stages["forwards"]["lora_rank"] == pytest.approx(STAGE_LORA, abs=1e-3)
+    assert stages["video_decode"]["decode_megapixels"] == pytest.approx(DECODE_PER_MP, abs=1e-3)
+    assert stages["rest_gib"] == pytest.approx(REST) and stages["activation_trace"]["ffn_chunk_rows"] == 8192
+    assert model["fit_shapes_max_error"] is not None
+    assert max(abs(r["allocated_error"]) for r in model["fit_shapes"]) < 1e-3
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(model))
+    long_clip = RequestShape(height=768, width=1344, num_frames=260)
+    staged = load_memory_model(path).predict("pc_8gb_16gib", long_clip)
+    expected = _stage_record("t2va", 768, 1344, 260, 0)["peak_allocated_gib"]
+    assert staged.allocated_gib == pytest.approx(expected, abs=0.01) and not staged.fits_cap
+    straight = derive_memory_model(_stage_results(records), "x")  # no trace: the one straight line
+    assert "allocated_stages" not in _entry(straight)
+    path.write_text(json.dumps(straight))
+    assert load_memory_model(path).predict("pc_8gb_16gib", long_clip).allocated_gib < expected - 1.0
+
+
+def test_without_stage_peaks_or_a_trace_for_the_setting_the_straight_line_law_stays():
+    records = [_stage_record(*s) for s in SHAPES]
+    records[0].pop("stage_peak_gib")
+    assert "allocated_stages" not in _entry(derive_memory_model(_stage_results(records), "x", activations=TRACE))
+    other = {**TRACE, "peaks_gib": {"16384": TRACE["peaks_gib"]["8192"]}}
+    full = [_stage_record(*s) for s in SHAPES]
+    assert "allocated_stages" not in _entry(derive_memory_model(_stage_results(full), "x", activations=other))

@@ -39,6 +39,7 @@ their cap targets and larger, with memory "to be measured".
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 from pathlib import Path
@@ -230,7 +231,10 @@ def predict(gpu, traffic, weight_format, extra, nvme):
     }  # fmt: skip
 
 
-def build(placement):
+def build(placement, memory_results=None):
+    """The GPUs, cases and predictions. Times come from ``placement`` (the H200's measurements the model carries
+    over); each case's memory needs from ``memory_results`` (default: ``placement``; a merged result whose newer
+    cases, e.g. the PC recipes re-measured on an H100 as the card counts it, replace the H200's)."""
     sys.path.insert(0, str(ROOT))
     from diffusers_h3.parallel.memory_recipes import GPU_MARGIN_GIB, derive_recipe_table
 
@@ -241,14 +245,18 @@ def build(placement):
                      "bf16_basis": f"{gpu['sms']} SMs x {gpu['boost_ghz']} GHz boost x {TENSOR_FLOP_PER_SM_CLOCK} "
                                    "FLOP/clock (dense, FP32 accumulate)",
                      "sources": [gpu["source"], SPEC_SOURCES[gpu["architecture"]], SPEC_SOURCES["fp32_accumulate"]]})  # fmt: skip
-    table = derive_recipe_table(placement)["recipes"]
+    h200_times = {entry["case"]: entry["request_s"] for entry in derive_recipe_table(placement)["recipes"]}
+    table = derive_recipe_table(memory_results or placement)["recipes"]
     cases = {}
     for entry in table:
+        if entry["case"] not in h200_times:
+            continue  # no H200 measurement to carry the times over from
         case = placement["cases"][entry["case"]]
         cases[entry["case"]] = {"recipe": entry["recipe"], "measured_memory": True, "gpu_gib": entry["gpu_gib"],
                                 "host_gib": entry["host_gib"], "cap_gib": entry["cap_gib"],
+                                "memory_measured_on": short_device(entry.get("device") or placement.get("device")),
                                 "traffic": case_traffic(entry["case"], case, planned=False),
-                                "h200_request_s": entry["request_s"], "unexplained_from": entry["case"]}  # fmt: skip
+                                "h200_request_s": h200_times[entry["case"]], "unexplained_from": entry["case"]}  # fmt: skip
     for name, plan in PLANNED.items():
         if name in cases:
             continue  # measured since: its table entry above
@@ -280,6 +288,22 @@ def build(placement):
                                "forward_flops_fl2va": dict(zip(("gemm", "attention"), forward_flops(ROWS_FL2VA))),
                                "h200_forward_split_s": {f: {k: round(v, 3) for k, v in h200_forward_split(f).items()}
                                                         for f in ("bf16", "w8a16", "nvfp4")}}  # fmt: skip
+
+
+def measured_inputs():
+    """The H200 placement result (the times carried over) and the same merged with the H100's (the memory needs of
+    the cases re-measured there, as the card counts it)."""
+    sys.path.insert(0, str(ROOT))
+    from diffusers_h3.parallel.memory_recipes import merged_placement_results
+
+    placement = load("placement_h200.json")
+    return placement, merged_placement_results(placement, [load("placement_h100.json")])
+
+
+def short_device(device):
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
+    return match.group(1) if match else (device or "unknown device")
 
 
 def plot(rows, gpus, path):
@@ -340,7 +364,8 @@ def readme_rows(report):
             case = report["cases"][measured["case"]]
             ram = int(-(-(case["host_gib"] + HOST_HEADROOM_GIB) // 1))
             lines.append(f"| {gpu['name']} ({link}) | ≥ {ram} GiB | `{case['recipe']}` as `{measured['case']}`: "
-                         f"{case['gpu_gib']:.2f} / {case['host_gib']:.2f} GiB (measured on an H200) | "
+                         f"{case['gpu_gib']:.2f} / {case['host_gib']:.2f} GiB (measured on an "
+                         f"{case.get('memory_measured_on', 'H200')}) | "
                          f"{_minutes(measured['t2va_50_s'])} (predicted) | {_minutes(measured['fl2va_light4_s'])} "
                          "(predicted) |")  # fmt: skip
         planned = [r for r in rows if not r["measured_memory"]]
@@ -374,16 +399,18 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import result_header, write_json
 
-    placement = load("placement_h200.json")
-    gpus, cases, rows, inputs = build(placement)
+    placement, memory = measured_inputs()
+    gpus, cases, rows, inputs = build(placement, memory)
     header = result_header("consumer_model", args.commit, device="none: a model of measurements and specs")
     report = {
         **header,
         "label": "PREDICTED request times, not measured on these GPUs",
         "model": __doc__.split("\n\n", 3)[3].strip(),
         "inputs": {"files": ["forward_h200.json", "gemm_h200.json", "attention_h200.json", "vae_h200.json",
-                             "request_h200.json", "placement_h200.json"], **inputs,
-                   "placement_commit": placement.get("commit")},
+                             "request_h200.json", "placement_h200.json", "placement_h100.json (memory needs of its "
+                             "cases)"], **inputs,
+                   "placement_commit": placement.get("commit"), "memory_commit": memory["cases"].get(
+                       "pc_8gb_16gib", {}).get("commit")},
         "assumptions": {"nvme_gb_s": list(NVME_GB_S), "pcie_efficiency": PCIE_EFFICIENCY,
                         "context_gib": CONTEXT_GIB, "h200_disk_gb_s": H200_DISK_GB_S,
                         "same_fraction_of_peak_as_the_h200": True, "read_ahead_overlaps_transfer_and_compute": True,

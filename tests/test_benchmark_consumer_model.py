@@ -110,7 +110,7 @@ def test_the_committed_result_and_the_readme_rows_are_the_models_output(model):
     """benchmarks/results/consumer_model.json is what the model gives for the committed measurements, and the README's
     consumer-GPU rows are generated from it (regenerate both with the command in the script's docstring)."""
     committed = json.loads((ROOT / "benchmarks" / "results" / "consumer_model.json").read_text())
-    _, cases, rows, _ = model.build(model.load("placement_h200.json"))
+    _, cases, rows, _ = model.build(*model.measured_inputs())
     assert committed["predictions"] == rows and committed["cases"] == cases
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index(model.README_START) + len(model.README_START) : readme.index(model.README_END)]

@@ -64,6 +64,10 @@ def _h100_shape(case, index, field):
     return lambda: f"{_json('placement_h100.json')['cases'][case]['shapes'][index][field]:.2f}"
 
 
+def _h100_light4(case, field, scale=1.0, digits=2):
+    return lambda: f"{_json('placement_h100.json')['cases'][case]['fl2va_light4'][field] * scale:.{digits}f}"
+
+
 def _recipe_host(recipe):
     table = json.loads((ROOT / "diffusers_h3" / "parallel" / "memory_recipes.json").read_text())
     return lambda: f"{next(r for r in table['recipes'] if r['recipe'] == recipe)['host_gib']:.2f}"
@@ -87,7 +91,11 @@ QUOTES = [
     ("README.md", "`low_ram_16gb`: peak {} GiB reserved", _placement("low_ram_16gb", "peak_reserved_gib")),
     ("README.md", "host peak RSS {} GiB (load included)", _placement("low_ram_16gb", "host_peak_rss_gib")),
     ("README.md", "t2va 50 steps {} s (1 forward", lambda: f"{_json('placement_h200.json')['cases']['low_ram_16gb']['request_s_extrapolated']}"),
-    ("README.md", "t2va 768x1344x124 at {} GiB as the card counts it** (7,279", _h100_shape("pc_8gb_16gib", 0, "device_peak_gib")),
+    ("README.md", "t2va 768x1344x124 at {} GiB as the card counts it** (7,241", _h100_shape("pc_8gb_16gib", 0, "device_peak_gib")),
+    ("README.md", "**fl2va Light4 (VSA FP8 + rank-64 LoRA, unfused) at {} GiB**", _h100_light4("pc_8gb_16gib", "device_peak_gib")),
+    ("README.md", "unfused) at 7.07 GiB**, {} s on the H100", _h100_light4("pc_8gb_16gib", "ms", scale=1e-3, digits=1)),
+    ("README.md", "**fl2va Light4 at {} GiB**", _h100_light4("pc_12gb_32gib", "device_peak_gib")),
+    ("README.md", "**fl2va Light4 at 11.01 GiB**, {} s on the H100", _h100_light4("pc_12gb_32gib", "ms", scale=1e-3, digits=1)),
     ("README.md", "GiB), {} GiB reserved under a 6.4 GiB cap", _h100_shape("pc_8gb_16gib", 0, "peak_reserved_gib")),
     ("README.md", "6.4 GiB cap, host peak RSS {} GiB", _placement("pc_8gb_16gib", "host_peak_rss_gib", "placement_h100.json")),
     ("README.md", "t2va 768x1344x124 at {} GiB as the card counts it** (11.01", _h100_shape("pc_12gb_32gib", 0, "device_peak_gib")),

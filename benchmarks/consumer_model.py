@@ -39,8 +39,8 @@ their cap targets and larger, with memory "to be measured".
 from __future__ import annotations
 
 import argparse
-import re
 import json
+import re
 import sys
 from pathlib import Path
 

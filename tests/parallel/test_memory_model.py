@@ -16,9 +16,9 @@ from diffusers_h3.parallel.memory_model import (
     features,
     largest_fitting,
     load_memory_model,
-    traced_activations_gib,
     packed_rows,
     shape_records,
+    traced_activations_gib,
 )
 
 

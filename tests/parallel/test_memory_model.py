@@ -341,3 +341,17 @@ def test_without_stage_peaks_or_a_trace_for_the_setting_the_straight_line_law_st
     other = {**TRACE, "peaks_gib": {"16384": TRACE["peaks_gib"]["8192"]}}
     full = [_stage_record(*s) for s in SHAPES]
     assert "allocated_stages" not in _entry(derive_memory_model(_stage_results(full), "x", activations=other))
+
+
+def test_a_prediction_names_its_own_entrys_holdout_errors_per_peak(tmp_path):
+    records = [_record(*s) for s in SHAPES] + [_record(*s, scale=1.1) for s in HOLDOUT]
+    model = derive_memory_model(_results(records), "x", holdout=["640x1088x175"])
+    other = {**_entry(model), "fitted_requests": 1}
+    model["cases"]["pc_12gb_32gib"] = other  # an entry without holdout rows of its own
+    model["holdout_max_error"] = 0.5
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(model))
+    loaded = load_memory_model(path)
+    basis = loaded.predict("pc_8gb_16gib", RequestShape()).basis
+    assert "holdout error up to 9% for the allocations, 9% for the device peak, 9% for the host peak" in basis
+    assert loaded.predict("pc_12gb_32gib", RequestShape()).basis.endswith("holdout error up to 50%")

@@ -906,6 +906,7 @@ def child_main(args):
                                       "peak_allocated_gib", "stage_peak_gib", "ms")},
         "host_peak_rss_gib": record["host_peak_rss_t2va_gib"], "fits": True, "forwards": 1}]  # fmt: skip
     host_peaks = [record["host_peak_rss_t2va_gib"]]
+    Path(args.child_out).write_text(json.dumps(record, indent=1))  # the t2va request survives a kill during Light4
     if not args.no_light4:
         try:
             started = time.perf_counter()

@@ -127,3 +127,34 @@ def test_bad_head_groups_are_refused_in_one_line(model, bad):
         VSAConfig(head_groups=bad)
     with pytest.raises(ValueError, match="head_groups must be a positive int"):
         set_vsa_head_groups(model, bad)
+
+
+@pytest.mark.triton_interpreter
+def test_head_groups_compile_to_one_graph_per_block_with_one_op_call_per_group():
+    """Under ``compile_repeated_blocks(fullgraph=True)`` the group loop unrolls into the block's one graph: the VSA op
+    once per group, the eager output, and no recompilation for the next step."""
+    import torch._dynamo
+
+    from diffusers_h3.testing.tiny import tiny_transformer
+
+    from ..pipelines.test_compile_fullgraph import KERNELS_ON_CPU, _GraphRecorder
+    from ..pipelines.test_compile_fullgraph import _run as run_compiled
+
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    enable_vsa(model, sparsity=0.5, head_groups=2)
+    eager = run_compiled(model)
+    torch._dynamo.reset()
+    recorder = _GraphRecorder()
+    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    compiled = run_compiled(model)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = run_compiled(model, step=1)
+    per_graph = [sum(node.op == "call_function" and "vsa_attention" in str(node.target) for node in gm.graph.nodes)
+                 for gm in recorder.aten_graphs]  # fmt: skip
+    # the transformer block's graph calls the op per group; the token refiner's (dense SDPA) none
+    assert (2 in per_graph and set(per_graph) <= {0, 2}) or not KERNELS_ON_CPU, (per_graph, sorted(recorder.ops()))
+    for got, ref in zip(compiled, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert again[0].shape == eager[0].shape
+    torch._dynamo.reset()

@@ -137,19 +137,12 @@ def test_head_groups_compile_to_one_graph_per_block_with_one_op_call_per_group()
 
     from diffusers_h3.testing.tiny import tiny_transformer
 
-    from ..pipelines.test_compile_fullgraph import KERNELS_ON_CPU, _GraphRecorder
-    from ..pipelines.test_compile_fullgraph import _run as run_compiled
+    from ..pipelines.test_compile_fullgraph import KERNELS_ON_CPU, compile_blocks_and_rerun
 
     torch.manual_seed(0)
     model = tiny_transformer()
     enable_vsa(model, sparsity=0.5, head_groups=2)
-    eager = run_compiled(model)
-    torch._dynamo.reset()
-    recorder = _GraphRecorder()
-    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
-    compiled = run_compiled(model)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        again = run_compiled(model, step=1)
+    eager, compiled, again, recorder = compile_blocks_and_rerun(model)
     per_graph = [sum(node.op == "call_function" and "vsa_attention" in str(node.target) for node in gm.graph.nodes)
                  for gm in recorder.aten_graphs]  # fmt: skip
     # the transformer block's graph calls the op per group; the token refiner's (dense SDPA) none

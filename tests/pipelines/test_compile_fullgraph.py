@@ -65,6 +65,24 @@ class _GraphRecorder:
         return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
 
 
+def compile_blocks_and_rerun(model, before_compile=None):
+    """The eager output, then ``compile_repeated_blocks(fullgraph=True)`` (any graph break raises) with a recording
+    backend, its output, and the next denoising step's (any recompilation raises): ``(eager, compiled, again,
+    recorder)``."""
+    import torch._dynamo
+
+    eager = _run(model)
+    torch._dynamo.reset()
+    if before_compile is not None:
+        before_compile()
+    recorder = _GraphRecorder()
+    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
+    compiled = _run(model)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # raises on a recompilation
+        again = _run(model, step=1)  # another denoising step's layout: same graphs, no recompilation
+    return eager, compiled, again, recorder
+
+
 # Whether the attention kernels run on these CPU tensors: under the Triton interpreter (a CPU host). On a CUDA host
 # triton compiles the kernels for the GPU, so CPU tensors take the torch references, traced inline (no custom op):
 # the blocks must still compile to one graph each, but the attention ops are not in it.
@@ -86,16 +104,9 @@ def test_preset_blocks_compile_fullgraph_around_the_kernel_ops(preset):
     torch.manual_seed(0)
     model = tiny_transformer()
     enable_speed_preset_on_transformer(model, SpeedPresetConfig(preset, compile=False))
-    eager = _run(model)
-    torch._dynamo.reset()
-    counters.clear()
-    recorder = _GraphRecorder()
     # fullgraph=True: any graph break inside a block (an op put back behind torch.compiler.disable, a Python-level
     # decision dynamo cannot trace) raises here.
-    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
-    compiled = _run(model)
-    with torch._dynamo.config.patch(error_on_recompile=True):  # raises on a recompilation
-        again = _run(model, step=1)  # another denoising step's layout: same graphs, no recompilation
+    eager, compiled, again, recorder = compile_blocks_and_rerun(model, before_compile=counters.clear)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert recorder.graphs and len(recorder.graphs) == counters["stats"]["unique_graphs"]
     assert PRESET_OPS[preset] <= recorder.ops(), sorted(op for op in recorder.ops() if "diffusers_h3" in op)
@@ -149,13 +160,7 @@ def test_other_processors_compile_fullgraph(make, op, flashinfer_stand_in):
         processor = MiniMaxH3LowPrecisionAttnProcessor("fp4")
     for block in model.transformer_blocks:
         block.attn.set_processor(processor)
-    eager = _run(model)
-    torch._dynamo.reset()
-    recorder = _GraphRecorder()
-    model.compile_repeated_blocks(fullgraph=True, backend=recorder)
-    compiled = _run(model)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        again = _run(model, step=1)  # another denoising step: no recompilation
+    eager, compiled, again, recorder = compile_blocks_and_rerun(model)
     assert op in recorder.ops() or not (KERNELS_ON_CPU or make.startswith("flashinfer")), sorted(recorder.ops())
     for got, ref in zip(compiled + again, eager + eager):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -713,6 +713,15 @@ def plan_request(
                        time_basis=basis + scaled)  # fmt: skip
 
 
+def recipe_gpu_cap(recipe: "MemoryRecipe", gpu_gib: Optional[float]) -> Optional[float]:
+    """The allocator cap a placed recipe runs under: the cap its table entry was measured under (its figures, the
+    card-counted peak included, hold under that cap and not under a looser one: the caching allocator keeps freed
+    blocks up to whatever cap it is given), no higher than the budget ``gpu_gib``; the budget alone for an entry
+    measured without a cap; None when neither is known."""
+    caps = [c for c in (getattr(recipe, "cap_gib", None), gpu_gib) if c is not None]
+    return min(caps) if caps else None
+
+
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
     """Hold PyTorch's caching allocator to ``gpu_gib`` on ``device`` (the condition the recipes were measured under);
     returns the fraction set, None when the budget is the whole device or more."""
@@ -764,8 +773,8 @@ class MemoryBudgetConfig:
         offload_folder (`str`, *optional*): where the ``low_ram`` recipe writes the text encoder's offload files
             (default: a new folder under the system's temporary directory; it must be on disk, not in a RAM-backed
             tmpfs).
-        cap_gpu (`bool`, defaults to `True`): hold the allocator to ``gpu_gib`` (:func:`apply_gpu_cap`) as in the
-            measurement.
+        cap_gpu (`bool`, defaults to `True`): hold the allocator to the cap the chosen recipe entry was measured
+            under, no higher than ``gpu_gib`` (:func:`recipe_gpu_cap`, :func:`apply_gpu_cap`).
     """
 
     gpu_gib: Optional[float] = None
@@ -795,8 +804,9 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
     if getattr(pipe, "text_encoder", None) is not None:
         drop_unused_text_encoder_layers(pipe)
     device = torch.device(device)
-    if config.cap_gpu and gpu_gib is not None and device.type == "cuda":
-        apply_gpu_cap(gpu_gib, device)
+    cap = recipe_gpu_cap(recipe, gpu_gib)
+    if config.cap_gpu and cap is not None and device.type == "cuda":
+        apply_gpu_cap(cap, device)
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line())
     pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)

@@ -30,6 +30,7 @@ from ..parallel.memory_recipes import (
     MemoryRecipe,
     apply_gpu_cap,
     enable_memory_budget,
+    recipe_gpu_cap,
     resolve_recipe,
     stream_text_encoder_from_disk,
     text_encoder_stream_placement,
@@ -137,7 +138,8 @@ def load_for_memory_budget(
         offload_folder: an empty folder on disk for the ``low_ram`` text encoder's offload files when it is quantized
             while loading (a converted checkpoint streams from its own files instead; default: a new
             temporary folder).
-        cap_gpu: hold PyTorch's allocator to ``gpu_gib``, as in the measurement.
+        cap_gpu: hold PyTorch's allocator to the cap the chosen recipe entry was measured under, no higher than
+            ``gpu_gib`` (its measured figures hold under that cap).
         transformer_file: a single-file DiT (bf16, fp8-scaled or GGUF: docs/checkpoints.md) for the task's partition
             instead of the checkpoint's. It loads in the file's own format and, under a streaming recipe, stays in
             host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT
@@ -169,8 +171,9 @@ def load_for_memory_budget(
         partitions = [name for name in partitions if name != file_partition]
     plan = _quantization_plan(directory, recipe, partitions, device)
     logger.info(recipe.line())
-    if device.type == "cuda" and cap_gpu and gpu_gib is not None:
-        apply_gpu_cap(gpu_gib, device)
+    cap = recipe_gpu_cap(recipe, gpu_gib)
+    if device.type == "cuda" and cap_gpu and cap is not None:
+        apply_gpu_cap(cap, device)
 
     components = {}
     if recipe.spec.text_encoder_placement == "disk":

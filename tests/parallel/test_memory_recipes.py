@@ -369,3 +369,43 @@ def test_a_dit_file_the_host_budget_cannot_hold_beside_the_recipe_is_refused_bef
                                       host_gib=recipe.host_gib)  # fmt: skip
     message = str(error.value)
     assert "\n" not in message and "dit-Q8_0.gguf" in message and "stays in host memory" in message, message
+
+
+def test_a_placed_recipe_runs_under_the_cap_its_entry_was_measured_under():
+    """The card-counted figures of a capped entry hold under its cap: a budget read from the card (None) or larger
+    than the entry's cap does not loosen it; a smaller budget tightens it; an entry measured without a cap takes the
+    budget."""
+    from types import SimpleNamespace
+
+    entry = SimpleNamespace(cap_gib=6.4)
+    assert mb.recipe_gpu_cap(entry, None) == 6.4
+    assert mb.recipe_gpu_cap(entry, 7.3) == 6.4
+    assert mb.recipe_gpu_cap(entry, 6.0) == 6.0
+    assert mb.recipe_gpu_cap(SimpleNamespace(cap_gib=None), 20.0) == 20.0
+    assert mb.recipe_gpu_cap(SimpleNamespace(cap_gib=None), None) is None
+    table = {r.case: r for r in mb.load_recipe_table()}
+    for case in ("pc_8gb_16gib", "pc_12gb_32gib"):
+        assert mb.recipe_gpu_cap(table[case], None) == table[case].cap_gib
+
+
+def test_enable_memory_budget_holds_the_allocator_to_the_entrys_cap(monkeypatch):
+    """Placed for a budget read from the card, the allocator still gets the entry's measured cap."""
+    applied = []
+    entry = type("Entry", (), {"cap_gib": 6.4, "name": "low_ram", "case": "pc_8gb_16gib",
+                               "line": lambda self: "recipe"})()
+    monkeypatch.setattr(mb, "resolve_recipe", lambda *a, **k: entry)
+    monkeypatch.setattr(mb, "check_weights_for_recipe", lambda pipe, recipe: None)
+    monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
+    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: applied.append((gib, str(device))))
+
+    class Pipe:
+        text_encoder = None
+
+    pipe = Pipe()
+    import diffusers_h3.parallel.placement as placement
+
+    monkeypatch.setattr(placement, "_record_placement", lambda pipe, **kw: None)
+    assert mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(device="cuda:0")) is entry
+    assert applied == [(6.4, "cuda:0")]
+    mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=5.0, device="cuda:0"))
+    assert applied[-1] == (5.0, "cuda:0")

@@ -38,6 +38,7 @@ H3_CALL_PLAN_HOOK = "diffusers_h3.call_plan"  # on the transformer: plans every 
 H3_SINGLE_FILE_HOOK = "diffusers_h3.single_file"  # on a transformer loaded from one file: which file and format
 H3_PDD_HEAD_BANK_HOOK = "diffusers_h3.pdd_head_bank"  # on proj_out / audio_proj_out holding a PDD head bank
 H3_LIGHT_VAE_HOOK = "diffusers_h3.light_vae"  # on a video VAE given FastH3's NVFP4 decoder: what was loaded
+H3_VSA_HEAD_GROUPS_HOOK = "diffusers_h3.vsa_head_groups"  # on the transformer: head groups VSA defaults to (record)
 
 H3_HOOK_NAMES = (
     H3_FAST_VAE_DECODE_HOOK,
@@ -55,6 +56,7 @@ H3_HOOK_NAMES = (
     H3_SINGLE_FILE_HOOK,
     H3_PDD_HEAD_BANK_HOOK,
     H3_LIGHT_VAE_HOOK,
+    H3_VSA_HEAD_GROUPS_HOOK,
 )
 
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from .._hooks import H3_VSA_HEAD_GROUPS_HOOK, H3Hook, h3_record, register_h3_hook, remove_h3_hook
 from .._utils import warn_once
 from ..kernels._triton_utils import kernel_op
 from ..kernels.attention.router import (
@@ -429,7 +430,7 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
         bad = [i for i in config.dense_layers if not 0 <= i < len(blocks)]
         if bad:
             raise ValueError(f"dense_layers {bad} are out of range for a transformer with {len(blocks)} blocks")
-        groups = config.head_groups if config.head_groups is not None else getattr(model, HEAD_GROUPS_ATTR, None)
+        groups = config.head_groups if config.head_groups is not None else vsa_head_groups_of(model)
         return TilePlanCache(), int(groups or 1)
 
     @classmethod
@@ -630,22 +631,34 @@ class MiniMaxH3VSAProcessor(MiniMaxH3AttnProcessorBase):
             self._last_sparse_kernel = plan.sparse_kernel  # the sparse path keeps its report through dense steps
 
 
-# Where a transformer keeps the head groups its VSA processors default to (a memory recipe's setting).
-HEAD_GROUPS_ATTR = "_h3_vsa_head_groups"
-
-
 def check_head_groups(groups) -> None:
     if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
         raise ValueError(f"head_groups must be a positive int (or None), got {groups!r}")
 
 
+@dataclass(frozen=True)
+class VSAHeadGroups:
+    """The record of :func:`set_vsa_head_groups` on a transformer."""
+
+    groups: int
+
+
 def set_vsa_head_groups(pipe_or_transformer, groups: Optional[int]) -> None:
     """The head groups that VSA processors installed later on these transformer partition(s) run in, unless their
-    :class:`VSAConfig` names its own (``None``: one group). A memory recipe sets it so that a user's ``enable_vsa``
-    fits the card the recipe is for."""
+    :class:`VSAConfig` names its own (``None``: one group, the setting removed). A memory recipe sets it so that a
+    user's ``enable_vsa`` fits the card the recipe is for. Kept as the record of a registry hook that does nothing at
+    run time (``diffusers_h3._hooks``)."""
     check_head_groups(groups)
     for _, model in transformer_models(pipe_or_transformer, "set_vsa_head_groups"):
-        setattr(model, HEAD_GROUPS_ATTR, groups)
+        remove_h3_hook(model, H3_VSA_HEAD_GROUPS_HOOK, recurse=False)
+        if groups is not None:
+            register_h3_hook(model, H3Hook(VSAHeadGroups(groups)), H3_VSA_HEAD_GROUPS_HOOK)
+
+
+def vsa_head_groups_of(model) -> Optional[int]:
+    """The head groups :func:`set_vsa_head_groups` set on ``model`` (a transformer), or ``None``."""
+    record = h3_record(model, H3_VSA_HEAD_GROUPS_HOOK)
+    return record.groups if record is not None else None
 
 
 def enable_vsa(pipe_or_transformer, config: Optional[VSAConfig] = None, **options):

@@ -77,6 +77,9 @@ def test_head_groups_give_the_same_output_bit_for_bit(model, op_calls, precision
 def test_the_transformer_setting_is_the_default_and_a_config_overrides_it(model, op_calls):
     set_vsa_head_groups(model, 2)
     try:
+        # a registry hook's record (diffusers_h3._hooks), not an attribute stamped on the module
+        assert vsa_module.vsa_head_groups_of(model) == 2
+        assert not [a for a in vars(model) if a.startswith(("_h3_", "_diffusers_h3_"))]
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4))
         assert vsa_state(model)["head_groups"] == 2
         assert "2 head groups in turn" in vsa_state(model)["path"]
@@ -85,6 +88,7 @@ def test_the_transformer_setting_is_the_default_and_a_config_overrides_it(model,
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4), head_groups=1)
         assert vsa_state(model)["head_groups"] == 1
         set_vsa_head_groups(model, None)
+        assert vsa_module.vsa_head_groups_of(model) is None
         enable_vsa(model, sparsity=0.5, tile=(2, 2, 4))
         assert vsa_state(model)["head_groups"] == 1
     finally:

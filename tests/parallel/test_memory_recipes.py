@@ -227,12 +227,18 @@ def test_low_ram_streams_a_converted_dit_and_vaes_with_the_outputs_of_the_reside
             tensor.data = tensor.data.clone()
     expected = resident(**request, generator=torch.Generator().manual_seed(0))
     recipe = dataclasses.replace(mb.resolve_recipe("low_ram", None, None, "cpu"),
-                                 settings={"read_ahead": 1, "ffn_chunk_rows": 7})  # fmt: skip
+                                 settings={"read_ahead": 1, "ffn_chunk_rows": 7, "attention_head_groups": 2})  # fmt: skip
     pipe = loader.load_for_memory_budget(tmp_path / "ckpt", "t2va", recipe=recipe, device="cpu")
     placement = pipe._diffusers_h3_placement
     for name in ("transformer", "vae", "audio_vae"):
         assert placement[name].startswith("streamed from its checkpoint files"), placement[name]
     assert placement["feed_forward"] == "chunked over 7 rows"
+    assert placement["attention"] == "video sparse attention, when enabled, over 2 head groups in turn"
+    from diffusers_h3.attention_processors.vsa import disable_vsa, vsa_state
+
+    pipe.enable_vsa(sparsity=0.5)  # the recipe's setting reaches VSA enabled after the load
+    assert vsa_state(pipe.transformer)["head_groups"] == 2
+    disable_vsa(pipe)
     got = pipe(**request, generator=torch.Generator().manual_seed(0))
     assert np.array_equal(got.frames, expected.frames) and np.array_equal(got.audio, expected.audio)
     from diffusers_h3 import describe

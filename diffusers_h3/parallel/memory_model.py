@@ -373,16 +373,19 @@ def derive_memory_model(
         if entry["cap_gib"] is not None and outside:
             entry["outside_allocator_gib"] = round(max(outside), 3)
             entry["device_bound_gib"] = round(entry["cap_gib"] + max(outside), 3)
+        trace = _trace_of(activations, entry["settings"])
+        fitted_records = [records[i] for i in fit_index]
+        per_stage = trace is not None and all(FORWARD_STAGE in (r.get("stage_peak_gib") or {}) and DECODE_STAGE in
+                                              r["stage_peak_gib"] for r in fitted_records)  # fmt: skip
         for law_name, field in LAW_FIELDS.items():
+            if law_name == "allocated_gib" and per_stage:
+                continue  # the stage laws below predict the allocations
             fitted = _fit_law([xs[i] for i in fit_index], [float(records[i][field]) for i in fit_index],
                               FEATURES[law_name])  # fmt: skip
             entry[law_name] = fitted["law"]
             if fitted["dropped"]:
                 entry[f"{law_name}_dropped"] = fitted["dropped"]
-        trace = _trace_of(activations, entry["settings"])
-        fitted_records = [records[i] for i in fit_index]
-        if trace is not None and all(FORWARD_STAGE in (r.get("stage_peak_gib") or {}) and DECODE_STAGE in
-                                     r["stage_peak_gib"] for r in fitted_records):  # fmt: skip
+        if per_stage:
             stages = _fit_stages(fitted_records, [xs[i] for i in fit_index], trace)
             entry["allocated_stages"] = {"forwards": stages["forwards"]["law"],
                                          "video_decode": stages["video_decode"]["law"],

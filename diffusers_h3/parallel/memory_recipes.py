@@ -722,6 +722,15 @@ def recipe_gpu_cap(recipe: "MemoryRecipe", gpu_gib: Optional[float]) -> Optional
     return min(caps) if caps else None
 
 
+def hold_allocator_for_recipe(recipe: "MemoryRecipe", gpu_gib: Optional[float],
+                              device: Union[str, torch.device]) -> Optional[float]:
+    """:func:`apply_gpu_cap` with :func:`recipe_gpu_cap` on a CUDA ``device``; returns the fraction set, or None."""
+    cap = recipe_gpu_cap(recipe, gpu_gib)
+    if cap is None or torch.device(device).type != "cuda":
+        return None
+    return apply_gpu_cap(cap, device)
+
+
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
     """Hold PyTorch's caching allocator to ``gpu_gib`` on ``device`` (the condition the recipes were measured under);
     returns the fraction set, None when the budget is the whole device or more."""
@@ -804,9 +813,8 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
     if getattr(pipe, "text_encoder", None) is not None:
         drop_unused_text_encoder_layers(pipe)
     device = torch.device(device)
-    cap = recipe_gpu_cap(recipe, gpu_gib)
-    if config.cap_gpu and cap is not None and device.type == "cuda":
-        apply_gpu_cap(cap, device)
+    if config.cap_gpu:
+        hold_allocator_for_recipe(recipe, gpu_gib, device)
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line())
     pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)

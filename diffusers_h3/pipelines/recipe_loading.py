@@ -28,9 +28,8 @@ from ..parallel.memory_recipes import (
     MemoryBudgetConfig,
     MemoryBudgetError,
     MemoryRecipe,
-    apply_gpu_cap,
     enable_memory_budget,
-    recipe_gpu_cap,
+    hold_allocator_for_recipe,
     resolve_recipe,
     stream_text_encoder_from_disk,
     text_encoder_stream_placement,
@@ -171,9 +170,8 @@ def load_for_memory_budget(
         partitions = [name for name in partitions if name != file_partition]
     plan = _quantization_plan(directory, recipe, partitions, device)
     logger.info(recipe.line())
-    cap = recipe_gpu_cap(recipe, gpu_gib)
-    if device.type == "cuda" and cap_gpu and cap is not None:
-        apply_gpu_cap(cap, device)
+    if cap_gpu:
+        hold_allocator_for_recipe(recipe, gpu_gib, device)
 
     components = {}
     if recipe.spec.text_encoder_placement == "disk":

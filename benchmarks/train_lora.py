@@ -160,6 +160,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny components on the CPU (smoke test)")
     parser.add_argument("--merge", action="store_true", help="keep the other cases already in --out")
     parser.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint and stop")
+    parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case in a child process
     args = parser.parse_args()
     if args.case is not None:
@@ -170,15 +171,16 @@ def main():
         print("RECORD " + json.dumps(record))
         return
     if not (Path(args.checkpoint) / "model_index.json").exists():
-        from placement import write_low_ram_checkpoint
-
-        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-        write_low_ram_checkpoint(args.checkpoint, device, args.tiny)
+        # In its own process (placement.py's writer): this one must hold no CUDA context while the cases run, or the
+        # card would count it beside theirs.
+        placement = str(Path(__file__).with_name("placement.py"))
+        writer = [sys.executable, placement, "--write-checkpoint", str(args.checkpoint)] + (["--tiny"] if args.tiny else [])
+        subprocess.run(writer, check=True)
     if args.checkpoint_only:
         return
     if args.out is None:
         parser.error("--out is needed to run the cases")
-    results = {"header": result_header("train_lora"), "bounds": BOUNDS, "cases": {}}
+    results = {"header": result_header("train_lora", args.commit), "bounds": BOUNDS, "cases": {}}
     if args.merge and Path(args.out).is_file():
         results["cases"] = json.loads(Path(args.out).read_text()).get("cases", {})
     for name in args.cases.split(","):

@@ -77,8 +77,25 @@ def _audio(row, field, digits):
     return lambda: f"{_json('audio_gates_cpu.json')['rows'][row][field]:.{digits}f}"
 
 
+def _train(field, digits=2):
+    return lambda: f"{_json('train_lora_h100.json')['cases']['card_24gb'][field]:.{digits}f}"
+
+
+def _compile_run(run, case, field="rel_l2"):
+    return lambda: f"{_json('forward_compile_options_h100.json')['runs'][run]['cases'][case][field]:.2e}".replace("e-0", "e-")
+
+
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
+    ("docs/training.md", "| {} s | **22.44 GiB**", _train("s_per_step", 1)),
+    ("docs/training.md", "| **{} GiB** (bound 22.5)", _train("device_peak_gib")),
+    ("docs/training.md", "(bound 22.5) | {} / 21.62 GiB", _train("peak_allocated_gib")),
+    ("docs/training.md", "| 18.11 / {} GiB |", _train("peak_reserved_gib")),
+    ("docs/training.md", "| **{} GiB** (bound 28)", _train("host_peak_rss_gib")),
+    ("docs/speed.md", "`fast` {} with it", _compile_run("head", "fast")),
+    ("docs/speed.md", "with it against {} without", _compile_run("static", "fast")),
+    ("docs/speed.md", "`fastest` {} against", _compile_run("head", "fastest")),
+    ("docs/speed.md", "against {} (the", _compile_run("static", "fastest")),
     ("docs/fidelity.md", "seed 0 scores a cosine of {}", _audio(SEED, "spectral_cosine", 4)),
     ("docs/fidelity.md", "against {} / 0.9997 for the `fast`", _audio(FAST, "spectral_cosine", 4)),
     ("docs/fidelity.md", "against 0.9996 / {} for the `fast`", _audio(FASTEST, "spectral_cosine", 4)),

@@ -8,7 +8,8 @@
   eager does).
 * ``"fast"``: FP8 GEMMs (``FP8Config``) where FP8 tensor cores exist, else weight-only INT8 (``W8A16Config``), and
   dense 8-bit attention with INT8 Q/K (``LowPrecisionAttentionConfig(precision="int8")``: the same speed as our FP8
-  Q/K on Hopper with less Q/K rounding error, docs/attention.md), no sparsity; regional compile on CUDA. With ``flashinfer=True``
+  Q/K on Hopper with less Q/K rounding error, docs/attention.md), no sparsity; regional compile on CUDA (with
+  ``emulate_precision_casts``, as every preset). With ``flashinfer=True``
   (Hopper) FlashInfer's FA3 FP8 kernel instead: faster, with coarser rounding (E4M3 Q/K/V and P; docs/speed.md).
 * ``"fastest"``: ``"fast"`` + video sparse attention at sparsity 0.8 with INT8 Q/K (``enable_vsa``; on a FastH3 stack
   the sparsity it was trained for, e.g. 0.9); regional compile on CUDA.
@@ -102,9 +103,11 @@ EXPORT_SETTINGS: Dict[str, Dict[str, Any]] = {
 }
 
 
-# Inductor keeps fused intermediates in fp32 unless asked to round them where eager rounds; "exact" asks, so its compiled
-# blocks keep eager's bf16 numerics (bitwise on the CPU: tests/pipelines/test_speed_presets.py).
-COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {"exact": {"emulate_precision_casts": True}, "fast": {}, "fastest": {}}
+# Inductor keeps fused intermediates in fp32 unless asked to round them where eager rounds. Every preset asks: the
+# compiled blocks keep eager's bf16 numerics (bitwise on the CPU: tests/pipelines/test_speed_presets.py), at no cost in
+# time, and without it the 8-bit presets' distance to native grows by half (docs/speed.md, "Measured").
+EMULATE_EAGER_ROUNDING = {"emulate_precision_casts": True}
+COMPILE_OPTIONS: Dict[str, Dict[str, Any]] = {preset: dict(EMULATE_EAGER_ROUNDING) for preset in SPEED_PRESETS}
 
 
 def compile_blocks(

@@ -131,7 +131,8 @@ def test_presets_pass_fullgraph_to_compile_repeated_blocks():
 
     assert "fullgraph=True" in compile_blocks(Blocks(), "fast", fullgraph=True)
     assert "fullgraph=False" in compile_blocks(Blocks(), "exact")
-    assert calls == [{"fullgraph": True}, {"fullgraph": False, "options": {"emulate_precision_casts": True}}]
+    emulate = {"emulate_precision_casts": True}
+    assert calls == [{"fullgraph": True, "options": emulate}, {"fullgraph": False, "options": emulate}]
 
 
 @pytest.mark.parametrize(

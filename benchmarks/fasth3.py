@@ -11,7 +11,9 @@ with the trained gates), its light VAE and its NVFP4 text encoder (docs/checkpoi
 The stack (``benchmarks/request.py``'s builder with a hook per component). By default (``--dit-format quantized``)
 the text encoder, the DiT and the video VAE are built on the CPU and reach the device already quantized, one layer
 at a time (``quantize(module, config, device=...)``, what ``from_pretrained(..., quantization_config=...)`` does
-for a stack on disk): the 16-bit DiT never sits on the device whole, which is what fits one 80 GB card.
+for a stack on disk): the 16-bit DiT never sits on the device whole, which is what fits one 80 GB card. Their random
+weights are drawn on the GPU (``request.random_init_on``): PyTorch's CPU RNG fills on one thread, too slow for the
+~60 G elements, so each large ``torch.nn.init`` / transformers init runs on a same-shape GPU tensor, copied back.
 
 * text encoder: Qwen3-VL-32B config, decoder layers 0-50, block linears quantized to weight-only NVFP4 (the vision
   tower and the LM head kept 16-bit, as the stack's NVFP4 encoder does);
@@ -93,7 +95,10 @@ def stack_hook(device, tiny, dit_format="quantized"):
             config = NVFP4Config(modules_to_not_convert=[*DEFAULT_MODULES_TO_NOT_CONVERT, "visual"])
             quantize(module, config, device=target)
         elif name == "transformer":
-            add_random_gates(module)
+            # the gates' nn.Linear init is on the module's device: on the GPU's RNG when that is the CPU
+            on_gpu_rng = moving and device.type == "cuda"
+            with request_suite.random_init_on(device) if on_gpu_rng else contextlib.nullcontext():
+                add_random_gates(module)
             if dit_format == "quantized":
                 quantize(module, dit_config(device), device=target)
         elif name == "vae":

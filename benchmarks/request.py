@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import inspect
 import os
 import statistics
 import tempfile
@@ -148,6 +150,68 @@ def keep_fp32_modules(model):
     return model.eval().requires_grad_(False)
 
 
+# torch.nn.init's random fills; the deterministic ones (zeros_, ones_, constant_, eye_, dirac_) are left alone.
+RANDOM_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                         "xavier_uniform_", "xavier_normal_")  # fmt: skip
+REPLAY_MIN_NUMEL = 1 << 16  # smaller tensors stay on the CPU (a device round trip costs more than it saves)
+
+
+def _replayed_on(device, init, min_numel):
+    """``init`` that fills a large plain CPU tensor by running on a same-shape, same-dtype tensor on ``device`` (same
+    function, same arguments, so the same distribution) and copying the result back."""
+    signature = inspect.signature(init)
+    first = next(iter(signature.parameters))
+
+    @functools.wraps(init)
+    def wrapper(tensor, *args, **kwargs):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu" \
+                or tensor.numel() < min_numel:  # fmt: skip
+            return init(tensor, *args, **kwargs)
+        bound = signature.bind(tensor, *args, **kwargs)
+        bound.arguments.pop("generator", None)  # a CPU generator cannot fill a tensor on another device
+        replay = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        bound.arguments[first] = replay
+        init(*bound.args, **bound.kwargs)
+        with torch.no_grad():
+            tensor.copy_(replay)
+        return tensor
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def random_init_on(device, min_numel=REPLAY_MIN_NUMEL):
+    """Run the random weight inits of modules built on the CPU on ``device``'s RNG and copy the values back.
+
+    PyTorch's CPU RNG fills a tensor on one thread, so building a released-size model on the CPU spends most of its
+    time in ``reset_parameters`` / ``_init_weights``; a GPU fills the same tensor in milliseconds. While active,
+    ``torch.nn.init``'s random fills (``RANDOM_INIT_FUNCTIONS``, where ``nn.Linear`` / ``nn.Embedding`` / convolutions
+    look them up) and the same entries of transformers' ``initialization.TORCH_INIT_FUNCTIONS`` (what its ``init.*``
+    wrappers call) run each CPU tensor of at least ``min_numel`` elements on a same-shape, same-dtype tensor on
+    ``device`` (same function and arguments, a ``generator=`` dropped) and ``copy_`` the result into it. Everything is
+    restored on exit, also on an exception. Meant for a CUDA ``device``; any device works (on the CPU it is only a
+    detour)."""
+    device = torch.device(device)
+    # Imported before torch.nn.init is patched: transformers copies torch.nn.init's functions into its table on import.
+    try:
+        from transformers import initialization as hf_init
+    except ImportError:  # no transformers, or one without its init table: torch.nn.init alone
+        hf_init = None
+    patched = [(torch.nn.init, name, getattr(torch.nn.init, name), setattr) for name in RANDOM_INIT_FUNCTIONS]
+    table = getattr(hf_init, "TORCH_INIT_FUNCTIONS", None)
+    if isinstance(table, dict):
+        patched += [(table, name, table[name], dict.__setitem__) for name in RANDOM_INIT_FUNCTIONS if name in table]
+    done = []
+    try:
+        for owner, name, original, put in patched:
+            put(owner, name, _replayed_on(device, original, min_numel))
+            done.append((owner, name, original, put))
+        yield
+    finally:
+        for owner, name, original, put in reversed(done):
+            put(owner, name, original)
+
+
 def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None, build_on_cpu=()):
     """The pipeline with random weights: tiny components, or the released sizes built directly on ``device``.
 
@@ -156,7 +220,10 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     to the CPU, so that no two 16-bit components sit on the device together). ``text_encoder_layers``: decoder layers
     of the text encoder (default ``TEXT_ENCODER_LAYER + 1``, the fewest the early exit needs; 64 is the released
     model). ``build_on_cpu``: components built on the CPU instead (released sizes); the hook then puts them on the
-    device (e.g. ``quantize(module, config, device=device)``: never the whole 16-bit model there)."""
+    device (e.g. ``quantize(module, config, device=device)``: never the whole 16-bit model there). With a CUDA
+    ``device`` they are built under ``random_init_on(device)``: PyTorch's CPU RNG is single-threaded and would spend
+    many minutes on the ~60 G random elements, so each large random init is drawn on the GPU and copied into the CPU
+    weight (same init function and arguments)."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -203,13 +270,20 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     def where(name):
         return torch.device("cpu") if name in build_on_cpu else device
 
-    with default_dtype_and_device(torch.bfloat16, where("text_encoder")):
+    @contextlib.contextmanager
+    def built_in(name):  # bf16 on its device; on the CPU with the random inits drawn on the GPU (random_init_on)
+        on_gpu_rng = name in build_on_cpu and torch.device(device).type == "cuda"
+        with default_dtype_and_device(torch.bfloat16, where(name)):
+            with random_init_on(device) if on_gpu_rng else contextlib.nullcontext():
+                yield
+
+    with built_in("text_encoder"):
         text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
     text_encoder = hook("text_encoder", text_encoder)
-    with default_dtype_and_device(torch.bfloat16, where("transformer")):
+    with built_in("transformer"):
         transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
     transformer = hook("transformer", transformer)
-    with default_dtype_and_device(torch.bfloat16, where("vae")):
+    with built_in("vae"):
         vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
     vae = hook("vae", vae)
     with torch.device(device):  # fp32 as a whole (_keep_in_fp32_modules covers the model)

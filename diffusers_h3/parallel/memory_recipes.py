@@ -723,12 +723,39 @@ def recipe_gpu_cap(recipe: "MemoryRecipe", gpu_gib: Optional[float]) -> Optional
 
 
 def hold_allocator_for_recipe(recipe: "MemoryRecipe", gpu_gib: Optional[float],
-                              device: Union[str, torch.device]) -> Optional[float]:
-    """:func:`apply_gpu_cap` with :func:`recipe_gpu_cap` on a CUDA ``device``; returns the fraction set, or None."""
-    cap = recipe_gpu_cap(recipe, gpu_gib)
-    if cap is None or torch.device(device).type != "cuda":
+                              device: Union[str, torch.device]) -> Optional[str]:
+    """Run the caching allocator on a CUDA ``device`` as the recipe's figures were measured: expandable segments
+    (:func:`use_recipe_allocator_settings`) and :func:`apply_gpu_cap` with :func:`recipe_gpu_cap`. Returns the line
+    ``describe(pipe)["placement"]["allocator"]`` shows, or None off CUDA."""
+    if torch.device(device).type != "cuda":
         return None
-    return apply_gpu_cap(cap, device)
+    settings = use_recipe_allocator_settings()
+    cap = recipe_gpu_cap(recipe, gpu_gib)
+    if cap is None or apply_gpu_cap(cap, device) is None:
+        return f"{settings}; no cap (the whole card)"
+    return f"{settings}; capped at {cap:g} GiB (set_per_process_memory_fraction)"
+
+
+# The allocator setting the recipes' figures are measured with: segments that grow in place, so freed memory serves
+# later requests of any size. With fixed-size segments, blocks split by one stage cannot serve a larger request of the
+# next, and under a cap that is an out-of-memory error well below the cap.
+RECIPE_ALLOCATOR_SETTINGS = "expandable_segments:True"
+ALLOCATOR_ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_recipe_allocator_settings() -> str:
+    """Turn on the allocator's expandable segments (:data:`RECIPE_ALLOCATOR_SETTINGS`) unless the environment's
+    allocator configuration already names them (the user's choice stands); returns what the allocator runs with.
+    Segments allocated before keep their kind, so this runs before a recipe loads anything on the GPU."""
+    for name in ALLOCATOR_ENVIRONMENT:
+        configured = os.environ.get(name, "")
+        if "expandable_segments" in configured:
+            return f"allocator settings from {name}={configured!r} (not changed)"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch < 2.9 names it in torch.cuda.memory
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(RECIPE_ALLOCATOR_SETTINGS)
+    return "expandable segments (the allocator setting the recipe was measured with)"
 
 
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
@@ -782,8 +809,8 @@ class MemoryBudgetConfig:
         offload_folder (`str`, *optional*): where the ``low_ram`` recipe writes the text encoder's offload files
             (default: a new folder under the system's temporary directory; it must be on disk, not in a RAM-backed
             tmpfs).
-        cap_gpu (`bool`, defaults to `True`): hold the allocator to the cap the chosen recipe entry was measured
-            under, no higher than ``gpu_gib`` (:func:`recipe_gpu_cap`, :func:`apply_gpu_cap`).
+        cap_gpu (`bool`, defaults to `True`): run the allocator as the chosen recipe entry was measured: expandable
+            segments, held to the entry's cap, no higher than ``gpu_gib`` (:func:`hold_allocator_for_recipe`).
     """
 
     gpu_gib: Optional[float] = None
@@ -813,10 +840,9 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
     if getattr(pipe, "text_encoder", None) is not None:
         drop_unused_text_encoder_layers(pipe)
     device = torch.device(device)
-    if config.cap_gpu:
-        hold_allocator_for_recipe(recipe, gpu_gib, device)
+    allocator = hold_allocator_for_recipe(recipe, gpu_gib, device) if config.cap_gpu else None
     place_for_recipe(pipe, recipe, device, config.offload_folder)
-    _record_placement(pipe, memory_recipe=recipe.line())
+    _record_placement(pipe, memory_recipe=recipe.line(), **({"allocator": allocator} if allocator else {}))
     pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)
     return recipe
 

@@ -137,8 +137,8 @@ def load_for_memory_budget(
         offload_folder: an empty folder on disk for the ``low_ram`` text encoder's offload files when it is quantized
             while loading (a converted checkpoint streams from its own files instead; default: a new
             temporary folder).
-        cap_gpu: hold PyTorch's allocator to the cap the chosen recipe entry was measured under, no higher than
-            ``gpu_gib`` (its measured figures hold under that cap).
+        cap_gpu: run PyTorch's allocator as the chosen recipe entry was measured: expandable segments, held to the
+            entry's cap, no higher than ``gpu_gib`` (its measured figures hold under that cap), before anything loads.
         transformer_file: a single-file DiT (bf16, fp8-scaled or GGUF: docs/checkpoints.md) for the task's partition
             instead of the checkpoint's. It loads in the file's own format and, under a streaming recipe, stays in
             host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT
@@ -170,8 +170,7 @@ def load_for_memory_budget(
         partitions = [name for name in partitions if name != file_partition]
     plan = _quantization_plan(directory, recipe, partitions, device)
     logger.info(recipe.line())
-    if cap_gpu:
-        hold_allocator_for_recipe(recipe, gpu_gib, device)
+    allocator = hold_allocator_for_recipe(recipe, gpu_gib, device) if cap_gpu else None
 
     components = {}
     if recipe.spec.text_encoder_placement == "disk":
@@ -213,6 +212,10 @@ def load_for_memory_budget(
         stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
     enable_memory_budget(pipe, MemoryBudgetConfig(gpu_gib, host_gib, device=device, recipe=recipe,
                                                   offload_folder=offload_folder, cap_gpu=False))  # fmt: skip
+    if allocator is not None:
+        from ..parallel.placement import _record_placement
+
+        _record_placement(pipe, allocator=allocator)
     return pipe
 
 

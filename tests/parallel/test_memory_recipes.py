@@ -301,6 +301,7 @@ def test_low_ram_runs_a_request_under_a_gpu_cap(tmp_path):
     assert torch.cuda.max_memory_reserved() <= cap_gib * 2**30
     placement = pipe._diffusers_h3_placement
     assert placement["text_encoder"].startswith("streamed from its checkpoint files")
+    assert "capped at 2 GiB" in placement["allocator"], placement
 
 
 def test_gpu_cap_on_plain_cuda_resolves_the_current_device_index(monkeypatch):
@@ -394,6 +395,39 @@ def test_a_placed_recipe_runs_under_the_cap_its_entry_was_measured_under():
         assert mb.recipe_gpu_cap(table[case], None) == table[case].cap_gib
 
 
+def _fake_cuda_allocator(monkeypatch):
+    """Record what the allocator is asked for, on a machine without CUDA."""
+    calls = {"settings": [], "caps": []}
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls["settings"].append, raising=False)
+    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: calls["caps"].append((gib, str(device))) or 0.1)
+    for name in mb.ALLOCATOR_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_a_placed_recipe_runs_the_allocator_as_it_was_measured(monkeypatch):
+    """Expandable segments (what the recipes' figures were measured with) and the entry's cap, said in one line."""
+    from types import SimpleNamespace
+
+    calls = _fake_cuda_allocator(monkeypatch)
+    line = mb.hold_allocator_for_recipe(SimpleNamespace(cap_gib=6.4), None, "cuda:0")
+    assert calls == {"settings": ["expandable_segments:True"], "caps": [(6.4, "cuda:0")]}
+    assert "expandable segments" in line and "capped at 6.4 GiB" in line
+    assert mb.hold_allocator_for_recipe(SimpleNamespace(cap_gib=6.4), None, "cpu") is None
+    assert len(calls["settings"]) == 1  # nothing asked off CUDA
+
+
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_users_own_expandable_segments_setting_stands(monkeypatch, variable):
+    from types import SimpleNamespace
+
+    calls = _fake_cuda_allocator(monkeypatch)
+    monkeypatch.setenv(variable, "expandable_segments:False")
+    line = mb.hold_allocator_for_recipe(SimpleNamespace(cap_gib=10.3), 8.0, "cuda:0")
+    assert calls == {"settings": [], "caps": [(8.0, "cuda:0")]}
+    assert variable in line and "capped at 8 GiB" in line
+
+
 def test_enable_memory_budget_holds_the_allocator_to_the_entrys_cap(monkeypatch):
     """Placed for a budget read from the card, the allocator still gets the entry's measured cap."""
     applied = []
@@ -402,7 +436,7 @@ def test_enable_memory_budget_holds_the_allocator_to_the_entrys_cap(monkeypatch)
     monkeypatch.setattr(mb, "resolve_recipe", lambda *a, **k: entry)
     monkeypatch.setattr(mb, "check_weights_for_recipe", lambda pipe, recipe: None)
     monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
-    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: applied.append((gib, str(device))))
+    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: applied.append((gib, str(device))) or 0.08)
 
     class Pipe:
         text_encoder = None
@@ -410,8 +444,11 @@ def test_enable_memory_budget_holds_the_allocator_to_the_entrys_cap(monkeypatch)
     pipe = Pipe()
     import diffusers_h3.parallel.placement as placement
 
-    monkeypatch.setattr(placement, "_record_placement", lambda pipe, **kw: None)
+    recorded = {}
+    monkeypatch.setattr(placement, "_record_placement", lambda pipe, **kw: recorded.update(kw))
+    monkeypatch.setattr(mb, "use_recipe_allocator_settings", lambda: "expandable segments")
     assert mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(device="cuda:0")) is entry
     assert applied == [(6.4, "cuda:0")]
+    assert recorded["allocator"].startswith("expandable segments; capped at 6.4 GiB")
     mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=5.0, device="cuda:0"))
     assert applied[-1] == (5.0, "cuda:0")

@@ -271,6 +271,18 @@ def _resolve_resume(config: TrainLoraConfig) -> Optional[Path]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def allocator_for_streaming(config: TrainLoraConfig, device: torch.device) -> Optional[str]:
+    """A base streamed on a CUDA device trains with the allocator's expandable segments, as the streamed recipes were
+    measured (``use_recipe_allocator_settings``: the environment's own setting stands); returns what it runs with."""
+    if not config.stream_base or torch.device(device).type != "cuda":
+        return None
+    from ..parallel.memory_recipes import use_recipe_allocator_settings
+
+    return use_recipe_allocator_settings()
+
+
 def load_base_transformer(config: TrainLoraConfig, device):
     """The frozen DiT of `config` (bf16, quantized on load, pre-quantized, a single file or GGUF) and its pipeline's
     schedulers' shifts."""
@@ -458,6 +470,9 @@ def train_lora(config: TrainLoraConfig, accelerator=None) -> TrainResult:
     free_memory()
 
     # Pass 2: only the DiT.
+    allocator = allocator_for_streaming(config, device)
+    if allocator is not None:
+        accelerator.print(f"pass 2: {allocator}")
     transformer, (video_shift, audio_shift) = load_base_transformer(config, device)
     lora_config = add_lora(transformer, config)
     if config.gradient_checkpointing:

@@ -151,3 +151,19 @@ def test_bad_options_fail_in_one_line_before_loading(tmp_path, two_clip_folder, 
 
     if importlib.util.find_spec("bitsandbytes") is None:
         assert "pip install bitsandbytes" in message
+
+
+def test_a_streamed_base_trains_with_the_recipes_allocator_settings(monkeypatch, tmp_path):
+    """On CUDA a streamed base gets expandable segments (what the 24 GB recipe was measured with); nothing else
+    touches the allocator."""
+    from types import SimpleNamespace
+
+    import diffusers_h3.parallel.memory_recipes as recipes
+    from diffusers_h3.training.trainer import allocator_for_streaming
+
+    asked = []
+    monkeypatch.setattr(recipes, "use_recipe_allocator_settings", lambda: asked.append(1) or "expandable segments")
+    assert allocator_for_streaming(SimpleNamespace(stream_base=True), torch.device("cuda", 0)) == "expandable segments"
+    assert allocator_for_streaming(SimpleNamespace(stream_base=False), torch.device("cuda", 0)) is None
+    assert allocator_for_streaming(SimpleNamespace(stream_base=True), torch.device("cpu")) is None
+    assert asked == [1]

@@ -825,6 +825,19 @@ def timed_light4_request(pipe, device, tiny):
     return record
 
 
+def request_cap_fields(pipe, device) -> dict:
+    """The request-sized cap the last call ran under (``--request-sized-cap``): the allocator's cap as set and the
+    line ``describe`` shows; empty without it."""
+    from diffusers_h3.parallel.placement import placement_of
+
+    line = placement_of(pipe).get("request_cap")
+    if line is None or device.type != "cuda":
+        return {}
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return {"request_cap_gib": round(fraction * torch.cuda.get_device_properties(device).total_memory / GiB, 2),
+            "request_cap": line}
+
+
 def child_main(args):
     """One low_ram case in this (fresh) process: cap, load from the checkpoint, warm-up, the timed t2va request
     (one forward), then the LoRA loaded and the fl2va Light4 request (all four forwards)."""
@@ -832,7 +845,7 @@ def child_main(args):
 
     from diffusers_h3 import disable_vsa
     from diffusers_h3.parallel.checkpoint_streaming import streaming_of
-    from diffusers_h3.parallel.memory_recipes import resolve_recipe
+    from diffusers_h3.parallel.memory_recipes import resolve_recipe, use_recipe_allocator_settings
     from diffusers_h3.parallel.placement import placement_of
     from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
@@ -845,7 +858,9 @@ def child_main(args):
     _SAMPLER = sampler
     cap_gib = CASE_SETUP[case][1] if device.type == "cuda" else None
     fraction = None
-    if device.type == "cuda":  # the cap holds from the load on
+    allocator = None
+    if device.type == "cuda":  # the recipe's allocator settings and cap hold from the load on
+        allocator = use_recipe_allocator_settings()
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = min(1.0, cap_gib * GiB / total)
         torch.cuda.set_per_process_memory_fraction(fraction, device)
@@ -854,7 +869,8 @@ def child_main(args):
     started = time.perf_counter()
     task = "ref2va" if case == REF2VA_CASE else "t2va"
     pipe = load_for_memory_budget(args.checkpoint, task=task, recipe=recipe, device=device,
-                                  offload_folder=args.offload_folder, cap_gpu=False)  # fmt: skip
+                                  offload_folder=args.offload_folder, cap_gpu=False,
+                                  request_sized_cap=args.request_sized_cap)  # fmt: skip
     if task == "ref2va":
         record = {"recipe_name": "low_ram", "recipe": RECIPE_LINES["low_ram"], "cap_gib": cap_gib,
                   "settings": recipe.settings, "load_s": round(time.perf_counter() - started, 1),
@@ -885,6 +901,7 @@ def child_main(args):
                if isinstance(c, torch.nn.Module) and streaming_of(c) is not None}  # fmt: skip
     record.update(
         recipe_name="low_ram", recipe=RECIPE_LINES["low_ram"], cap_gib=cap_gib, settings=recipe.settings,
+        allocator=allocator, request_sized_cap=args.request_sized_cap,
         cap_fraction=round(fraction, 4) if fraction is not None else None,
         cap_scope="the whole process: load, warm-up and timed requests" if cap_gib else "no cap on the CPU",
         load_s=round(load_s, 1), warmup_s=round(warmup_s, 1),
@@ -904,7 +921,8 @@ def child_main(args):
                        prompt_tokens=_PROMPT_EMBEDS[1].numel() if _PROMPT_EMBEDS[1] is not None else PROMPT_TOKENS),
         **{k: record.get(k) for k in ("device_peak_gib", "device_peak_source", "peak_reserved_gib",
                                       "peak_allocated_gib", "stage_peak_gib", "ms")},
-        "host_peak_rss_gib": record["host_peak_rss_t2va_gib"], "fits": True, "forwards": 1}]  # fmt: skip
+        "host_peak_rss_gib": record["host_peak_rss_t2va_gib"], "fits": True, "forwards": 1,
+        **request_cap_fields(pipe, device)}]  # fmt: skip
     host_peaks = [record["host_peak_rss_t2va_gib"]]
     Path(args.child_out).write_text(json.dumps(record, indent=1))  # the t2va request survives a kill during Light4
     if not args.no_light4:
@@ -930,7 +948,7 @@ def child_main(args):
                                            lora_rank=LIGHT4_LORA_RANK, prompt_tokens=light4["text_rows"])  # fmt: skip
             shapes.append({**light4["shape"], **{k: light4.get(k) for k in (
                 "device_peak_gib", "device_peak_source", "peak_reserved_gib", "peak_allocated_gib", "stage_peak_gib",
-                "ms", "host_peak_rss_gib", "forwards")}, "fits": True})  # fmt: skip
+                "ms", "host_peak_rss_gib", "forwards")}, "fits": True, **request_cap_fields(pipe, device)})  # fmt: skip
             light4.update(lora=f"random rank-{LIGHT4_LORA_RANK} LoRA on every block Linear, unfused",
                           lora_load_s=round(lora_s, 1), attention=attention)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - recorded: the t2va record stands on its own
@@ -948,7 +966,8 @@ def child_main(args):
         for shape in parse_shapes(args.shapes):
             Path(args.child_out).write_text(json.dumps(record, indent=1))  # what is measured so far survives a kill
             print(f"{case}: shape {shape}", flush=True)
-            shapes.append(timed_shape_request(pipe, device, shape, embeds, recipe.settings, sampler))
+            shapes.append({**timed_shape_request(pipe, device, shape, embeds, recipe.settings, sampler),
+                           **request_cap_fields(pipe, device)})  # fmt: skip
             print(f"{case}: {shapes[-1].get('device_peak_gib')} GiB device, fits {shapes[-1]['fits']}", flush=True)
     record["host_peak_rss_gib"] = max([record["host_peak_rss_gib"]] + [r["host_peak_rss_gib"] for r in shapes])
     if sampler is not None:
@@ -990,7 +1009,8 @@ def run_child(args, case, checkpoint, work):
     command = [sys.executable, __file__, "--child", case, "--checkpoint", str(checkpoint), "--offload-folder",
                str(offload_folder), "--child-out", str(out)] + (["--tiny"] if args.tiny else []) \
         + (["--no-warmup"] if args.no_warmup else []) + (["--no-light4"] if args.no_light4 else []) \
-        + (["--shapes", args.shapes] if args.shapes else [])  # fmt: skip
+        + (["--shapes", args.shapes] if args.shapes else []) \
+        + (["--request-sized-cap"] if args.request_sized_cap else [])  # fmt: skip
     drop_page_cache(checkpoint)  # every case reads the checkpoint cold, from the disk
     budget = CASE_HOST_BUDGET_GIB.get(case, HOST_BUDGET_GIB)
     group, cgroup_note = (None, "not tried (--no-cgroup)") if args.no_cgroup else _cgroup_for_child(budget)
@@ -1178,6 +1198,9 @@ def main():
                         help="low_ram cases: where the checkpoint and the offload files are written (local disk)")
     parser.add_argument("--keep-checkpoint", action="store_true", help="low_ram cases: keep the written checkpoint")
     parser.add_argument("--rewrite-checkpoint", action="store_true", help="low_ram cases: write it even if present")
+    parser.add_argument("--request-sized-cap", action="store_true",
+                        help="low_ram cases: load with request_sized_cap=True (each call's allocator cap sized to its "
+                             "predicted allocations; docs/memory.md)")  # fmt: skip
     parser.add_argument("--no-cgroup", action="store_true", help="low_ram cases: do not try a cgroup memory cap")
     parser.add_argument("--shapes", default="", metavar="HxWxF,...",
                         help="low_ram cases: after the two requests, one t2va request (one forward, both decodes) at "

@@ -105,6 +105,7 @@ BAD_INPUTS = {
     "two placements": (["--low-memory", "--cpu-offload"], ["--low-memory and --cpu-offload"]),
     "low memory on several gpus": (["--low-memory", "--gpus", "2"], ["--low-memory", "--gpus 2"]),
     "text encoder offload on one process": (["--text-encoder-offload"], ["--text-encoder-offload", "add --gpus N"]),
+    "request-sized cap without a recipe": (["--request-sized-cap"], ["--request-sized-cap", "add --memory auto"]),
     "low memory with compile": (["--low-memory", "--speed", "fast"], ["--low-memory with --speed"]),
     "flashinfer with fastest": (["--speed", "fastest", "--flashinfer", "on"], ["--flashinfer on",
                                                                                 "add --speed exact / fast"]),

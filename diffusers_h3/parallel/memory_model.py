@@ -87,6 +87,18 @@ FEATURES = {
 }
 # Each law's target field in a measured request's record.
 LAW_FIELDS = {"device_gib": "device_peak_gib", "allocated_gib": "peak_allocated_gib", "host_gib": "host_peak_rss_gib"}
+
+# A request-sized allocator cap (opt-in: ``MemoryBudgetConfig(request_sized_cap=True)``): each call holds the allocator
+# to its predicted allocations plus this headroom, so what the caching allocator keeps follows the request instead of
+# the entry's cap. The margin covers the allocations law's fitted error (2.3 % at most); the slack, fragmentation.
+REQUEST_CAP_MARGIN = 0.05
+REQUEST_CAP_SLACK_GIB = 0.25
+
+
+def request_cap_gib(allocated_gib: float, ceiling_gib: Optional[float] = None) -> float:
+    """The allocator cap of a request predicted to allocate ``allocated_gib``, no higher than ``ceiling_gib``."""
+    cap = allocated_gib * (1 + REQUEST_CAP_MARGIN) + REQUEST_CAP_SLACK_GIB
+    return round(min(cap, ceiling_gib) if ceiling_gib is not None else cap, 2)
 FEATURE_UNITS = {
     "rows": "10,000 packed rows (text, keyframe / reference, audio and video rows)",
     "decode_megapixels": "megapixel of canvas (height x width / 1e6): a decoded video chunk on the device",
@@ -265,6 +277,13 @@ def _predict_entry(entry: Mapping[str, Any], x: Mapping[str, float]) -> Dict[str
     bound = entry.get("device_bound_gib")
     if bound is not None and "device_gib" in out and out.get("allocated_gib", 0.0) <= entry["cap_gib"]:
         out["device_gib"] = min(out["device_gib"], bound)
+    outside = entry.get("outside_allocator_gib")
+    if "allocated_gib" in out and outside is not None:
+        # under a request-sized cap the card holds no more than that cap and what lies outside the allocator
+        out["request_cap_gib"] = request_cap_gib(out["allocated_gib"], entry.get("cap_gib"))
+        out["request_capped_device_gib"] = out["request_cap_gib"] + outside
+        if entry.get("request_sized_cap") and "device_gib" in out:  # the entry's requests ran under such caps
+            out["device_gib"] = min(out["device_gib"], out["request_capped_device_gib"])
     return out
 
 
@@ -373,6 +392,8 @@ def derive_memory_model(
         if entry["cap_gib"] is not None and outside:
             entry["outside_allocator_gib"] = round(max(outside), 3)
             entry["device_bound_gib"] = round(entry["cap_gib"] + max(outside), 3)
+        if all(records[i].get("request_cap_gib") is not None for i in fit_index):
+            entry["request_sized_cap"] = {"margin": REQUEST_CAP_MARGIN, "slack_gib": REQUEST_CAP_SLACK_GIB}
         trace = _trace_of(activations, entry["settings"])
         fitted_records = [records[i] for i in fit_index]
         per_stage = trace is not None and all(FORWARD_STAGE in (r.get("stage_peak_gib") or {}) and DECODE_STAGE in
@@ -429,6 +450,8 @@ class MemoryPrediction:
     basis: str
     allocated_gib: Optional[float] = None  # the allocator's need (fits the entry when no more than cap_gib)
     cap_gib: Optional[float] = None
+    request_cap_gib: Optional[float] = None  # the request-sized cap (request_cap_gib) and the card's peak under it
+    request_capped_device_gib: Optional[float] = None
 
     @property
     def fits_cap(self) -> bool:
@@ -478,8 +501,10 @@ class MemoryModel:
         error = self._holdout_errors(case)
         basis = (f"predicted by the memory model fitted on {entry['fitted_requests']} requests measured as {case} on "
                  f"the {self.device}{error}")  # fmt: skip
+        capped = peaks.get("request_capped_device_gib")
         return MemoryPrediction(case, round(device, 2), round(host, 2), rows, basis,
-                                None if allocated is None else round(allocated, 2), entry.get("cap_gib"))
+                                None if allocated is None else round(allocated, 2), entry.get("cap_gib"),
+                                peaks.get("request_cap_gib"), None if capped is None else round(capped, 2))  # fmt: skip
 
 
 def load_memory_model(path: Union[str, Path, None] = None) -> Optional[MemoryModel]:

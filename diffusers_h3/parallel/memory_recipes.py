@@ -40,12 +40,15 @@ from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_r
 from .._utils import config_from_call, with_device_index
 from ..quantizers import is_quantized_linear
 from .memory_model import (
+    REQUEST_CAP_MARGIN,
+    REQUEST_CAP_SLACK_GIB,
     MemoryModel,
     RequestShape,
     frames_of_seconds,
     largest_fitting,
     load_memory_model,
     packed_rows,
+    request_cap_gib,
     time_scale,
 )
 
@@ -811,6 +814,10 @@ class MemoryBudgetConfig:
             tmpfs).
         cap_gpu (`bool`, defaults to `True`): run the allocator as the chosen recipe entry was measured: expandable
             segments, held to the entry's cap, no higher than ``gpu_gib`` (:func:`hold_allocator_for_recipe`).
+        request_sized_cap (`bool`, defaults to `False`): before each call, hold the allocator to that request's
+            predicted allocations plus headroom instead (:func:`apply_request_sized_cap`), no higher than the cap
+            above: a short or small clip then leaves the rest of the card free. Not yet measured on a GPU
+            (docs/memory.md), hence off by default.
     """
 
     gpu_gib: Optional[float] = None
@@ -819,6 +826,53 @@ class MemoryBudgetConfig:
     recipe: Union[str, "MemoryRecipe", None] = None
     offload_folder: Union[str, os.PathLike, None] = None
     cap_gpu: bool = True
+    request_sized_cap: bool = False
+
+
+@dataclass(frozen=True)
+class RequestSizedCap:
+    """What a pipeline placed with ``request_sized_cap=True`` keeps: the device whose allocator each call caps, and
+    the cap no request may exceed (the recipe's, :func:`recipe_gpu_cap`)."""
+
+    device: torch.device
+    ceiling_gib: Optional[float]
+
+
+def keep_request_sized_cap(pipe, recipe: "MemoryRecipe", gpu_gib: Optional[float], device) -> None:
+    """Make each later call of ``pipe`` hold the allocator to its request's size (CUDA only)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        pipe._h3_request_sized_cap = RequestSizedCap(with_device_index(device), recipe_gpu_cap(recipe, gpu_gib))
+
+
+def apply_request_sized_cap(pipe, recipe: "MemoryRecipe", shape: RequestShape,
+                            memory_model: Optional[MemoryModel] = None) -> Optional[str]:
+    """For a pipeline placed with ``request_sized_cap=True``: hold the allocator to ``shape``'s predicted allocations
+    plus headroom (:func:`~diffusers_h3.parallel.memory_model.request_cap_gib`), no higher than the recipe's cap, or to
+    the recipe's cap when the model does not predict this request; cached blocks above the new cap go back to the card
+    first. Recorded as ``describe(pipe)["placement"]["request_cap"]``; returns that line (None when not enabled)."""
+    state = getattr(pipe, "_h3_request_sized_cap", None)
+    if state is None:
+        return None
+    from .placement import _record_placement
+
+    memory_model = load_memory_model() if memory_model is None else memory_model
+    prediction = None
+    if memory_model is not None and memory_model.models(recipe.case, shape):
+        prediction = memory_model.predict(recipe.case, shape)
+    if prediction is None or prediction.allocated_gib is None:
+        cap = state.ceiling_gib
+        line = (f"{shape.label()}: not predicted by the memory model, the recipe's cap "
+                f"({'none' if cap is None else f'{cap:g} GiB'})")  # fmt: skip
+    else:
+        cap = request_cap_gib(prediction.allocated_gib, state.ceiling_gib)
+        line = (f"capped at {cap:.2f} GiB for {shape.label()}: predicted allocations {prediction.allocated_gib:.2f} "
+                f"GiB + {REQUEST_CAP_MARGIN:.0%} + {REQUEST_CAP_SLACK_GIB:g} GiB")  # fmt: skip
+    torch.cuda.empty_cache()
+    if cap is not None:
+        apply_gpu_cap(cap, state.device)
+    _record_placement(pipe, request_cap=line)
+    return line
 
 
 def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *args, **legacy) -> MemoryRecipe:
@@ -844,6 +898,8 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line(), **({"allocator": allocator} if allocator else {}))
     pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)
+    if config.request_sized_cap:
+        keep_request_sized_cap(pipe, recipe, gpu_gib, device)
     return recipe
 
 

@@ -838,16 +838,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
 
     def _check_memory_for_request(self, request: H3Request) -> None:
         """A pipeline placed by a memory recipe refuses, in one line before anything runs, a request the recipe is
-        predicted not to fit in the budget it was chosen for (`check_request_fits`)."""
+        predicted not to fit in the budget it was chosen for (`check_request_fits`), and, placed with
+        `request_sized_cap=True`, holds the allocator to the request's size (`apply_request_sized_cap`)."""
         recipe = getattr(self, "_h3_memory_recipe", None)
         if recipe is None:
             return
-        from ..parallel.memory_recipes import check_request_fits
+        from ..parallel.memory_recipes import apply_request_sized_cap, check_request_fits
 
         transformer = getattr(self, request.spec.partition)
         ranks = [getattr(config, "r", 0) for config in (getattr(transformer, "peft_config", None) or {}).values()]
         shape = memory_shape(request, max(ranks, default=0), self.request_config().max_prompt_tokens)
         check_request_fits(recipe, shape)
+        apply_request_sized_cap(self, recipe, shape)
 
     def _generate(self, request: H3Request, clip: H3Clip):
         """One clip of a checked request: returns `(frames, audio)` with a batch axis of 1."""

@@ -120,6 +120,7 @@ def load_for_memory_budget(
     offload_folder: Union[str, os.PathLike, None] = None,
     dtype: torch.dtype = torch.bfloat16,
     cap_gpu: bool = True,
+    request_sized_cap: bool = False,
     pipeline_class=MiniMaxH3Pipeline,
     transformer_file: Union[str, os.PathLike, None] = None,
     shape: Optional[RequestShape] = None,
@@ -139,6 +140,8 @@ def load_for_memory_budget(
             temporary folder).
         cap_gpu: run PyTorch's allocator as the chosen recipe entry was measured: expandable segments, held to the
             entry's cap, no higher than ``gpu_gib`` (its measured figures hold under that cap), before anything loads.
+        request_sized_cap: before each call, hold the allocator to that request's predicted allocations plus headroom
+            (``MemoryBudgetConfig.request_sized_cap``; not yet measured on a GPU, off by default).
         transformer_file: a single-file DiT (bf16, fp8-scaled or GGUF: docs/checkpoints.md) for the task's partition
             instead of the checkpoint's. It loads in the file's own format and, under a streaming recipe, stays in
             host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT
@@ -211,7 +214,8 @@ def load_for_memory_budget(
             )
         stream_components_from_checkpoint(pipe, directory, device, recipe_settings(recipe), stored)
     enable_memory_budget(pipe, MemoryBudgetConfig(gpu_gib, host_gib, device=device, recipe=recipe,
-                                                  offload_folder=offload_folder, cap_gpu=False))  # fmt: skip
+                                                  offload_folder=offload_folder, cap_gpu=False,
+                                                  request_sized_cap=request_sized_cap))  # fmt: skip
     if allocator is not None:
         from ..parallel.placement import _record_placement
 

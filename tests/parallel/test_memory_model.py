@@ -355,3 +355,28 @@ def test_a_prediction_names_its_own_entrys_holdout_errors_per_peak(tmp_path):
     basis = loaded.predict("pc_8gb_16gib", RequestShape()).basis
     assert "holdout error up to 9% for the allocations, 9% for the device peak, 9% for the host peak" in basis
     assert loaded.predict("pc_12gb_32gib", RequestShape()).basis.endswith("holdout error up to 50%")
+
+
+def test_requests_measured_under_request_sized_caps_are_predicted_at_that_cap_plus_what_lies_outside(tmp_path):
+    """When every fitted request ran under a request-sized cap, the entry says so and its device prediction is the
+    request's own cap plus the memory outside the allocator; without that record the device law stands."""
+    from diffusers_h3.parallel.memory_model import request_cap_gib
+
+    small = [("t2va", 480, 832, 124, 0), ("fl2va", 480, 832, 124, 64), ("t2va", 768, 1344, 124, 0),
+             ("t2va", 544, 960, 175, 0), ("fl2va", 768, 1344, 124, 64)]  # fmt: skip
+    plain = [_stage_record(*s) for s in small]
+    for record in plain:
+        record["peak_reserved_gib"] = record["device_peak_gib"] - 0.75
+    capped = [dict(r, request_cap_gib=request_cap_gib(r["peak_allocated_gib"], 7.0)) for r in plain]
+    entry_plain = _entry(derive_memory_model(_stage_results(plain), "x", activations=TRACE))
+    entry_capped = _entry(derive_memory_model(_stage_results(capped), "x", activations=TRACE))
+    assert "request_sized_cap" not in entry_plain and entry_capped["request_sized_cap"]["margin"] > 0
+    shape = RequestShape(height=480, width=832)
+    for entry, capped_run in ((entry_plain, False), (entry_capped, True)):
+        entry["device_gib"]["fixed"] += 5.0  # a device law above both bounds: which bound applies shows
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps({"cases": {"pc_8gb_16gib": entry}}))
+        prediction = load_memory_model(path).predict("pc_8gb_16gib", shape)
+        assert prediction.request_capped_device_gib == pytest.approx(prediction.request_cap_gib + 0.75, abs=0.01)
+        bound = prediction.request_capped_device_gib if capped_run else entry["device_bound_gib"]
+        assert prediction.device_gib == pytest.approx(bound, abs=0.01) and prediction.request_cap_gib < 7.0

@@ -233,3 +233,83 @@ def test_a_pipeline_placed_by_a_recipe_refuses_a_request_predicted_not_to_fit(mo
     with h3_logs.expect("neither modelled nor measured for t2va 768x1344x1093"):
         with pytest.raises(pytest.skip.Exception):
             pipe(**call, height=768, width=1344, num_frames=1081)
+
+
+# An entry with stage laws: the forwards' allocations 2 GiB + 1 GiB per 10k rows (no activation trace: zero), the
+# decode 1 GiB, the rest 0.5; measured with 0.75 GiB outside the allocator under a 10 GiB cap.
+FLAT_TRACE = {"rows": [0.0, 100.0], "gib": [0.0, 0.0]}
+STAGED = {"device_gib": {"fixed": 9.0}, "host_gib": HOST, "fitted_requests": 4, "cap_gib": 10.0,
+          "outside_allocator_gib": 0.75, "device_bound_gib": 10.75,
+          "allocated_stages": {"forwards": {"fixed": 2.0, "rows": 1.0}, "video_decode": {"fixed": 1.0},
+                               "rest_gib": 0.5, "activation_trace": FLAT_TRACE}}  # fmt: skip
+SMALL = RequestShape(height=480, width=832, num_frames=124, prompt_tokens=512)
+
+
+def _staged_model(**entry):
+    return MemoryModel(cases={"pc_12gb_32gib": {**STAGED, **entry}}, device="test GPU")
+
+
+def test_a_request_sized_cap_is_the_predicted_allocations_plus_headroom():
+    from diffusers_h3.parallel.memory_model import REQUEST_CAP_MARGIN, REQUEST_CAP_SLACK_GIB, request_cap_gib
+
+    prediction = _staged_model().predict("pc_12gb_32gib", SMALL)
+    want = prediction.allocated_gib * (1 + REQUEST_CAP_MARGIN) + REQUEST_CAP_SLACK_GIB
+    assert prediction.request_cap_gib == pytest.approx(want, abs=0.01) and prediction.request_cap_gib < 10.0
+    assert prediction.request_capped_device_gib == pytest.approx(prediction.request_cap_gib + 0.75, abs=0.01)
+    assert prediction.device_gib == 9.0  # the entry was not measured under request caps: its own law stands
+    measured_so = _staged_model(request_sized_cap={"margin": REQUEST_CAP_MARGIN}).predict("pc_12gb_32gib", SMALL)
+    assert measured_so.device_gib == measured_so.request_capped_device_gib < 9.0
+    assert request_cap_gib(20.0, 10.0) == 10.0  # never above the recipe's cap
+
+
+def test_a_pipeline_placed_with_request_sized_caps_caps_each_call_to_its_request(monkeypatch):
+    import torch
+
+    from diffusers_h3.parallel.placement import placement_of
+    from diffusers_h3.testing.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    pipe._h3_memory_recipe = dataclasses.replace(TABLE[1], budget=mb.MemoryBudget(gpu_gib=11.2, host_gib=32.0))
+    pipe._h3_request_sized_cap = mb.RequestSizedCap(torch.device("cuda", 0), ceiling_gib=10.0)
+    caps = []
+    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: caps.append((gib, str(device))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: caps.append("emptied"))
+    model = _staged_model()
+    monkeypatch.setattr(mb, "load_memory_model", lambda path=None: model)
+    monkeypatch.setattr(type(pipe), "_generate", lambda self, request, clip: pytest.skip("capped, then ran"))
+    with pytest.raises(pytest.skip.Exception):
+        pipe(prompt="a cat", num_inference_steps=2, output_type="latent", height=32, width=32, num_frames=22)
+    shape_cap = caps[-1][0]
+    assert caps[-2] == "emptied" and caps[-1][1] == "cuda:0" and shape_cap < 10.0
+    assert placement_of(pipe)["request_cap"].startswith(f"capped at {shape_cap:.2f} GiB for t2va 32x32x22")
+    # a request the model does not speak for runs under the recipe's cap
+    monkeypatch.setattr(mb, "load_memory_model", lambda path=None: MemoryModel(cases={}))
+    line = mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL)
+    assert caps[-1] == (10.0, "cuda:0") and "not predicted by the memory model" in line
+    del pipe._h3_request_sized_cap  # not placed with request-sized caps: nothing is touched
+    count = len(caps)
+    assert mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL) is None and len(caps) == count
+
+
+def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch):
+    import torch
+
+    entry = dataclasses.replace(TABLE[1], budget=None)
+    monkeypatch.setattr(mb, "resolve_recipe", lambda *a, **k: entry)
+    monkeypatch.setattr(mb, "check_weights_for_recipe", lambda pipe, recipe: None)
+    monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
+    monkeypatch.setattr(mb, "hold_allocator_for_recipe", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Pipe:
+        text_encoder = None
+
+    for device, kept in (("cuda", True), ("cpu", False)):
+        pipe = Pipe()
+        mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device=device, request_sized_cap=True))
+        state = getattr(pipe, "_h3_request_sized_cap", None)
+        assert (state is not None) == kept
+    assert state is None
+    pipe = Pipe()
+    mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device="cuda", request_sized_cap=True))
+    assert pipe._h3_request_sized_cap == mb.RequestSizedCap(torch.device("cuda", 0), 9.0)

@@ -113,8 +113,8 @@ class MiniMaxH3AttnProcessorBase:
         return {}
 
     def record_choice(self, choice: KernelChoice) -> None:
-        """For a processor that chooses its kernel inside :meth:`core` (FA-V100: per device and mask): remember what
-        the last call ran (``describe_path`` reports it)."""
+        """For a processor that chooses its kernel inside :meth:`core` instead of planning it: remember what the last
+        call ran (``describe_path`` reports it)."""
         self._last_choice = choice
 
     @property

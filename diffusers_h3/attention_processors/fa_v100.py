@@ -7,20 +7,25 @@ parallelism follow :class:`~.base.MiniMaxH3AttnProcessorBase`). The processor co
 bf16 tensor cores): inputs of other dtypes are cast, with ``V`` scaled by a power of two when its magnitude would not
 fit fp16 (attention is linear in ``V``, so the scale is undone exactly on the output).
 
-Path choice, per device (``describe_path()`` says which one ran and why, from the recorded choice):
+Path choice, planned once per transformer call from the device and the head_dim (:class:`FAV100Plan`;
+``describe_path()`` reads the plan: which path ran and why):
 
-* **kernel** on SM70-class GPUs (compute capability 7.x: V100, Turing), head_dim 64 / 128, no attention mask;
+* **kernel** on SM70-class GPUs (compute capability 7.x: V100, Turing), head_dim 64 / 128;
 * **kernel** on sm_80+ only with ``allow_non_volta=True`` (the kernel is valid there but slower than SDPA's
   flash / cuDNN kernels; a correctness proxy on newer GPUs);
 * otherwise **SDPA memory-efficient** (``SDPBackend.EFFICIENT_ATTENTION``, fp16) with a one-time warning: GPU not
-  SM70-class, unsupported head_dim, attention mask given, or the extension could not be built (no nvcc / ninja,
-  CUDA 13 toolkit on sm_70, ...). Inputs on CPU use plain SDPA in their own dtype (tests, debugging).
+  SM70-class, unsupported head_dim, or the extension could not be built (no nvcc / ninja, CUDA 13 toolkit on sm_70,
+  ...). Inputs on CPU use plain SDPA in their own dtype (tests, debugging).
+
+An attention mask is a per-call input that no plan sees (H3 passes none): the kernel is mask-free, so a call with a
+mask falls back to SDPA with the mask, decided in the core (:meth:`FAV100Plan.with_attention_mask`).
 
 Hardware honesty: the kernel targets V100 but has been run on a Hopper GPU only; it is **not run on V100 hardware**.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, Optional, Tuple, Union
 
@@ -37,7 +42,7 @@ from ..kernels.attention.fa_v100 import (
     load_extension,
 )
 from ..kernels.attention.router import KernelChoice
-from .base import MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase
 
 
 # |V| is brought under this bound (by a power of two) before the cast to fp16; the attention output is a convex
@@ -65,6 +70,51 @@ def to_fp16_with_value_scale(
     value_scale = torch.exp2(exponent)
     value16 = (value / value_scale.to(value.dtype)).to(torch.float16)
     return query.to(torch.float16), key.to(torch.float16), value16, value_scale
+
+
+def _path_choice(path: str, reason: str, query_tile: int) -> KernelChoice:
+    variant = {PATH_KERNEL: f"q-tile {query_tile}", PATH_SDPA_EFFICIENT: "fp16"}.get(path, "input dtype")
+    return KernelChoice(path, variant, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class FAV100Plan:
+    """The FA-V100 processor's plan of one transformer call: its ``path`` (``"kernel"``, ``"sdpa_efficient"`` or
+    ``"sdpa_cpu"``), the ``kernel`` choice (path, variant, reason), the kernel's ``query_tile`` and the inputs it was
+    made for: the ``device`` and ``head_dim`` (every path casts Q/K/V itself, so the dtype plays no part; in V100 mode
+    the fp16 projections return fp32).
+
+    Planned for a call without an attention mask (H3 passes none); ``for_attention_mask`` marks the fallback the core
+    plans for a call with one (:meth:`with_attention_mask`), which holds for that call only."""
+
+    path: str
+    kernel: KernelChoice
+    query_tile: int
+    device: torch.device
+    head_dim: int
+    for_attention_mask: bool = False
+
+    def fits(self, query: torch.Tensor) -> bool:
+        return not self.for_attention_mask and query.device == self.device and query.shape[-1] == self.head_dim
+
+    def with_attention_mask(self) -> "FAV100Plan":
+        """The plan of a call with an attention mask: the FA-V100 kernel is mask-free, so SDPA with the mask (in the
+        inputs' dtype on the CPU, memory-efficient fp16 elsewhere)."""
+        path = PATH_SDPA_CPU if self.path == PATH_SDPA_CPU else PATH_SDPA_EFFICIENT
+        choice = _path_choice(path, "an attention mask was given; the FA-V100 kernel is mask-free", self.query_tile)
+        return dataclasses.replace(self, path=path, kernel=choice, for_attention_mask=True)
+
+    def describe(self) -> str:
+        reason = self.kernel.reason
+        if self.path == PATH_KERNEL:
+            proxy = "" if reason.startswith("sm_7") else " as a proxy (allow_non_volta)"
+            return (
+                f"FA-V100 CUDA kernel (WMMA fp16 tensor cores, fp32 softmax/accumulation, q-tile {self.query_tile}) "
+                f"on {reason}{proxy}; not run on V100 hardware"
+            )
+        if self.path == PATH_SDPA_CPU:
+            return f"fallback: torch SDPA on CPU ({reason})"
+        return f"fallback: SDPA memory-efficient fp16 ({reason})"
 
 
 class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
@@ -125,38 +175,48 @@ class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
         self._device_paths[key] = choice
         return choice
 
+    # ------------------------------------------------------------------------------------------------ the plan
+    plans_read_layout = False  # dense attention: the plan does not depend on the call's layout
+
+    @property
+    def plan_key(self):
+        """The processor itself: ``enable_v100_mode`` sets one instance on every block, so a call plans it once."""
+        return self
+
+    def plan_call(self, call: CallInputs) -> FAV100Plan:
+        """The path of a call without an attention mask (H3 passes none) with Q/K/V on ``call.device``; loads the
+        extension once per device (building it on first use) to know whether the kernel runs there."""
+        path, reason = self._device_path(call.device)
+        if path != PATH_SDPA_CPU and call.head_dim not in SUPPORTED_HEAD_DIMS:
+            path, reason = PATH_SDPA_EFFICIENT, f"head_dim {call.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+        kernel = _path_choice(path, reason, self.query_tile)
+        return FAV100Plan(path, kernel, self.query_tile, call.device, call.head_dim)
+
     def select_path(
         self, query: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
     ) -> Tuple[str, str]:
-        """Which path a call with this (batch, seq, heads, head_dim) query takes, and why."""
+        """Which path a call with this (batch, seq, heads, head_dim) query (and mask) takes, and why."""
+        plan = self.plan_call(CallInputs(None, query.device, query.dtype, query.shape[-1]))
         if attention_mask is not None:
-            path, _ = self._device_path(query.device)
-            fallback = PATH_SDPA_CPU if path == PATH_SDPA_CPU else PATH_SDPA_EFFICIENT
-            return fallback, "an attention mask was given; the FA-V100 kernel is mask-free"
-        if query.shape[-1] not in SUPPORTED_HEAD_DIMS:
-            path, reason = self._device_path(query.device)
-            if path == PATH_SDPA_CPU:
-                return path, reason
-            return PATH_SDPA_EFFICIENT, f"head_dim {query.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
-        return self._device_path(query.device)
+            plan = plan.with_attention_mask()
+        return plan.path, plan.kernel.reason
+
+    @torch.compiler.disable  # one eager island, as when a processor set by hand plans its call
+    def _plan_masked_call(self, plan: FAV100Plan) -> FAV100Plan:
+        """The mask fallback of ``plan`` for a call with an attention mask; it becomes the last plan (for that call
+        only: it does not fit the next one), so that ``describe_path()`` reports it."""
+        masked = plan.with_attention_mask()
+        self.last_plan = masked
+        return masked
 
     def describe_path(self) -> str:
-        """One line: the path of the last call and why."""
-        if self._last_choice is None:
+        """One line: the path of the last call and why (from its plan)."""
+        if self.last_plan is None:
             return (
                 "FA-V100 processor, not called yet (SDPA fallback unless on an SM70-class GPU); "
                 "not run on V100 hardware"
             )
-        path, reason = self._last_choice.kernel, self._last_choice.reason
-        if path == PATH_KERNEL:
-            proxy = "" if reason.startswith("sm_7") else " as a proxy (allow_non_volta)"
-            return (
-                f"FA-V100 CUDA kernel (WMMA fp16 tensor cores, fp32 softmax/accumulation, q-tile {self.query_tile}) "
-                f"on {reason}{proxy}; not run on V100 hardware"
-            )
-        if path == PATH_SDPA_CPU:
-            return f"fallback: torch SDPA on CPU ({reason})"
-        return f"fallback: SDPA memory-efficient fp16 ({reason})"
+        return self.last_plan.describe()
 
     # ------------------------------------------------------------------------------------------------ forward
     def core(
@@ -168,11 +228,14 @@ class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
     ) -> torch.Tensor:
         """The attention core on ``(batch, seq, heads, head_dim)`` tensors; returns the same layout.
 
-        The result is float32 when the inputs were float32 (the V scale is undone in fp32), else the input dtype.
+        The path is the call's plan; a call with an attention mask takes its SDPA fallback instead (the mask is a
+        per-call input no plan sees). The result is float32 when the inputs were float32 (the V scale is undone in
+        fp32), else the input dtype.
         """
-        path, reason = self.select_path(query, attention_mask)
-        variant = {PATH_KERNEL: f"q-tile {self.query_tile}", PATH_SDPA_EFFICIENT: "fp16"}.get(path, "input dtype")
-        self.record_choice(KernelChoice(path, variant, reason))
+        plan = self.current_plan(query)
+        if attention_mask is not None:
+            plan = self._plan_masked_call(plan)
+        path, reason = plan.path, plan.kernel.reason
         if path != PATH_KERNEL:
             warn_once(f"fa_v100_fallback:{path}:{reason}", f"MiniMaxH3FAV100Processor falls back to {path}: {reason}.")
         if path == PATH_SDPA_CPU:
@@ -184,7 +247,7 @@ class MiniMaxH3FAV100Processor(MiniMaxH3AttnProcessorBase):
         out_dtype = query.dtype
         q16, k16, v16, value_scale = to_fp16_with_value_scale(query, key, value)
         if path == PATH_KERNEL:
-            out = fa_v100_attention(q16, k16, v16, query_tile=self.query_tile, backend="cuda", build_dir=self.build_dir)
+            out = fa_v100_attention(q16, k16, v16, query_tile=plan.query_tile, backend="cuda", build_dir=self.build_dir)
         else:
             mask = attention_mask
             if mask is not None and mask.dtype != torch.bool:

@@ -8,7 +8,9 @@ head, FP8 P·V): an approximation, like this package's dense FP8 attention, with
 (``pip install flashinfer-python``) and builds its kernels on first use.
 
 Install it with :func:`enable_flashinfer_attention`, which checks the package and the GPU once, before anything
-changes. Refiner calls and context parallelism (Ulysses) follow :class:`~.base.MiniMaxH3AttnProcessorBase`.
+changes. The kernel is planned once per transformer call (:class:`FlashInferPlan`, shared by the blocks of one
+``enable_flashinfer_attention``); refiner calls and context parallelism (Ulysses) follow
+:class:`~.base.MiniMaxH3AttnProcessorBase`.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import torch
 from .._utils import cuda_capability
 from ..kernels.attention.flashinfer_dense import (
     check_flashinfer_kernels,
-    flashinfer_dense_attention,
-    flashinfer_fp8_attention,
+    flashinfer_dense_attention_op,
+    flashinfer_fp8_attention_op,
+    flashinfer_kernel_choice,
     resolve_backend,
 )
-from .base import MiniMaxH3AttnProcessorBase
+from ..kernels.attention.router import KernelChoice
+from .base import CallInputs, MiniMaxH3AttnProcessorBase
 from .install import processor_entry_points, register_attention_processor
 
 
@@ -60,14 +64,36 @@ class FlashInferAttentionConfig:
         _check_precision(self.precision)
 
 
+@dataclass(frozen=True)
+class FlashInferPlan:
+    """The FlashInfer processor's plan of one transformer call: the ``backend`` (``"fa2"`` / ``"fa3"``), ``precision``
+    and ``smooth_k`` the core runs, their ``kernel`` choice, and the inputs it was made for."""
+
+    backend: str
+    precision: str
+    smooth_k: bool
+    kernel: KernelChoice
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    def fits(self, query: torch.Tensor) -> bool:
+        return query.device == self.device and query.dtype == self.dtype and query.shape[-1] == self.head_dim
+
+    def describe(self) -> str:
+        return f"dense FlashInfer ({self.precision}): {self.kernel.describe()}"
+
+
 @register_attention_processor("flashinfer_attention", FlashInferAttentionConfig, legacy_positional=("backend", "precision"))
 class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
     """Dense attention through FlashInfer. ``backend``: ``"fa3"`` or ``"fa2"`` (resolved from the GPU by
     :func:`enable_flashinfer_attention` when asked for ``"auto"``); ``precision``: ``"bf16"`` (16-bit Q/K/V as they
-    come, exact) or ``"fp8"`` (FA3's FP8 kernel; ``smooth_k`` subtracts the per-head key mean first)."""
+    come, exact) or ``"fp8"`` (FA3's FP8 kernel; ``smooth_k`` subtracts the per-head key mean first). ``config``: the
+    :class:`FlashInferAttentionConfig` it was installed with (one object for every block, so that a transformer call
+    plans them once; a processor made by hand has none and plans for itself)."""
 
     def __init__(self, backend: str = "fa3", precision: str = "bf16", smooth_k: bool = True, *,
-                 kernel_source: Optional[str] = None):
+                 kernel_source: Optional[str] = None, config: Optional[FlashInferAttentionConfig] = None):
         super().__init__()
         if backend not in ("fa2", "fa3"):
             raise ValueError(f"MiniMaxH3FlashInferProcessor backend must be 'fa2' or 'fa3', got {backend!r}")
@@ -76,18 +102,32 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
         self.precision = precision
         self.smooth_k = bool(smooth_k)
         self.kernel_source = kernel_source  # where FlashInfer's kernels come from, as checked when installed
+        self.config = config
 
+    # -- the plan of a call (made once per transformer call, outside the compiled blocks) -----------------------------
+    plans_read_layout = False  # dense attention: the plan does not depend on the call's layout
+
+    @property
+    def plan_key(self):
+        """The installed config (shared by the blocks of one ``enable_flashinfer_attention``), else the processor."""
+        return self.config if self.config is not None else self
+
+    def plan_call(self, call: CallInputs) -> FlashInferPlan:
+        """The kernel a call with Q/K/V of ``call.dtype`` on ``call.device`` runs (:func:`flashinfer_kernel_choice`)."""
+        kernel = flashinfer_kernel_choice(self.backend, self.precision, self.smooth_k, on_cuda=call.device.type == "cuda")
+        return FlashInferPlan(self.backend, self.precision, self.smooth_k, kernel, call.device, call.dtype,
+                              call.head_dim)  # fmt: skip
+
+    # -- the core ----------------------------------------------------------------------------------------------------
     def core(self, query, key, value, attention_mask=None, **extras):
         if extras:
             raise TypeError(f"{type(self).__name__} takes no extras, got {sorted(extras)}")
         if attention_mask is not None:
             raise ValueError(f"{type(self).__name__}: FlashInfer dense attention takes no attention_mask (H3 passes none)")
-        if self.precision == "fp8":
-            out, choice = flashinfer_fp8_attention(query, key, value, self.smooth_k)
-        else:
-            out, choice = flashinfer_dense_attention(query, key, value, self.backend)
-        self.record_choice(choice)
-        return out
+        plan = self.current_plan(query)
+        if plan.precision == "fp8":
+            return flashinfer_fp8_attention_op(query, key, value, plan.smooth_k)
+        return flashinfer_dense_attention_op(query, key, value, plan.backend)
 
     # -- installation ------------------------------------------------------------------------------------------------
     @classmethod
@@ -106,7 +146,7 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
     @classmethod
     def for_block(cls, config: FlashInferAttentionConfig, prepared: Tuple[str, str], index: int, block):
         backend, kernels = prepared
-        return cls(backend, config.precision, kernel_source=kernels)
+        return cls(backend, config.precision, kernel_source=kernels, config=config)
 
     @classmethod
     def state(cls, found) -> Dict[str, Any]:

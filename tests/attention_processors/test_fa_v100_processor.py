@@ -12,12 +12,16 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 
 import diffusers_h3._utils as h3_utils
 from diffusers_h3.attention_processors import fa_v100 as proc_mod
+from diffusers_h3.attention_processors.base import CallInputs
+from diffusers_h3.attention_processors.call_plan import install_call_plan_hook, last_call_plan
 from diffusers_h3.attention_processors.fa_v100 import (
+    FAV100Plan,
     MiniMaxH3FAV100Processor,
     to_fp16_with_value_scale,
 )
 from diffusers_h3.kernels.attention import KernelChoice
 from diffusers_h3.kernels.attention.fa_v100 import FAV100BuildError, fa_v100_reference
+from diffusers_h3.layout import CallPlan, use_call_plan
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
 
@@ -131,14 +135,25 @@ def test_mask_and_head_dim_fall_back(monkeypatch):
     assert path == "sdpa_efficient" and "head_dim 96" in reason
 
 
+def _plan_call_on_cuda(processor, head_dim=64):
+    """What the call-plan hook does for a transformer call on a CUDA device: plan, and tell the processor."""
+    processor.last_plan = processor.plan_call(CallInputs(None, torch.device("cuda", 0), torch.bfloat16, head_dim))
+    return processor.last_plan
+
+
 def test_describe_path_labels_hardware_honestly(monkeypatch):
-    processor = MiniMaxH3FAV100Processor(query_tile=128)
+    _fake_cuda(monkeypatch, (9, 0))
+    processor = MiniMaxH3FAV100Processor(query_tile=128, allow_non_volta=True)
     assert "not run on V100 hardware" in processor.describe_path()
-    processor.record_choice(KernelChoice("kernel", "q-tile 128", "sm_90"))
+    plan = _plan_call_on_cuda(processor)
+    assert plan.kernel == KernelChoice("kernel", "q-tile 128", "sm_90")
     line = processor.describe_path()
     assert "q-tile 128" in line and "proxy" in line and "not run on V100 hardware" in line
-    processor.record_choice(KernelChoice("sdpa_efficient", "fp16", "sm_90 is not SM70-class"))
+    processor = MiniMaxH3FAV100Processor()
+    _plan_call_on_cuda(processor)
+    assert processor.last_plan.kernel == KernelChoice("sdpa_efficient", "fp16", processor.last_plan.kernel.reason)
     assert processor.describe_path().startswith("fallback: SDPA memory-efficient")
+    assert "not SM70-class" in processor.describe_path()
 
 
 def test_bad_query_tile_is_rejected():
@@ -242,3 +257,92 @@ def test_describe_reports_processor_path():
     model.set_attn_processor(MiniMaxH3FAV100Processor())
     attention = describe(model)["model"]["attention"]
     assert len(attention) == 1 and "FA-V100" in next(iter(attention)) and next(iter(attention.values())) == 3
+
+
+def _spy_on_plan_call(monkeypatch):
+    """The plans ``plan_call`` makes, in order."""
+    planned = []
+    plan_call = MiniMaxH3FAV100Processor.plan_call
+
+    def spy(self, call):
+        planned.append(plan_call(self, call))
+        return planned[-1]
+
+    monkeypatch.setattr(MiniMaxH3FAV100Processor, "plan_call", spy)
+    return planned
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_one_processor_on_every_block_is_planned_once_per_call(monkeypatch, hook, h3_logs):
+    """``enable_v100_mode`` sets one processor on every block: the call-plan hook plans it once per transformer call
+    (its key is the processor); without the hook it plans its first call and reuses the plan while it fits."""
+    torch.manual_seed(0)
+    model = MiniMaxH3Transformer3DModel(**TINY).eval()
+    processor = MiniMaxH3FAV100Processor()
+    model.set_attn_processor(processor)
+    if hook:
+        install_call_plan_hook(model)
+    planned = _spy_on_plan_call(monkeypatch)
+    inputs = tiny_transformer_inputs()
+    with torch.no_grad(), h3_logs.expect("falls back to sdpa_cpu"):
+        model(**inputs)
+        model(**inputs)
+    assert len(planned) == (2 if hook else 1)  # never one per block
+    assert processor.plan_key is processor and processor.last_plan is planned[-1]
+    assert planned[-1].path == "sdpa_cpu" and planned[-1].head_dim == TINY["attention_head_dim"]
+    if hook:
+        assert last_call_plan(model).plan_for(processor) is planned[-1]
+    assert processor.describe_path() == planned[-1].describe() and processor.describe_path().startswith(
+        "fallback: torch SDPA on CPU (inputs on cpu"
+    )
+
+
+def test_core_runs_the_path_of_the_call_plan(monkeypatch, h3_logs):
+    """The plan the call plan holds is what runs: here the kernel with q-tile 64 on CPU inputs, where the processor
+    on its own (q-tile 128) would plan plain SDPA."""
+    calls = []
+
+    def fake_kernel(q, k, v, *, query_tile, backend, build_dir):
+        calls.append(query_tile)
+        return fa_v100_reference(q, k, v)
+
+    monkeypatch.setattr(proc_mod, "fa_v100_attention", fake_kernel)
+    processor = MiniMaxH3FAV100Processor(query_tile=128)
+    q, k, v = _big_value_qkv()
+    planned = FAV100Plan("kernel", KernelChoice("kernel", "q-tile 64", "sm_70"), 64, q.device, q.shape[-1])
+    with use_call_plan(CallPlan(attention=((processor, planned),))), h3_logs.expect_none():
+        out = processor.core(q, k, v)
+    assert calls == [64] and out.dtype == torch.float32
+    assert processor.last_plan is None  # reading a plan writes nothing back (the hook tells the processor its plan)
+    with h3_logs.expect("falls back to sdpa_cpu"):  # outside the call plan: the processor plans for itself
+        processor.core(q, k, v)
+    assert calls == [64] and processor.last_plan.path == "sdpa_cpu"
+
+
+def test_mask_fallback_holds_for_its_call_only(monkeypatch, h3_logs):
+    """A mask is a per-call input no plan sees: the core takes the plan's SDPA fallback for that call (and
+    describe_path says so); the next call without a mask runs the planned kernel again."""
+    import contextlib
+
+    kernel_calls = []
+
+    def fake_kernel(q, k, v, *, query_tile, backend, build_dir):
+        kernel_calls.append(query_tile)
+        return fa_v100_reference(q, k, v)
+
+    monkeypatch.setattr(proc_mod, "fa_v100_attention", fake_kernel)
+    monkeypatch.setattr(proc_mod, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    processor = MiniMaxH3FAV100Processor()
+    monkeypatch.setattr(processor, "_device_path", lambda device: ("kernel", "sm_70"))
+    q, k, v = _big_value_qkv()
+    processor.core(q, k, v)
+    assert kernel_calls == [128] and processor.describe_path().startswith("FA-V100 CUDA kernel")
+    mask = torch.ones(1, 1, q.shape[1], q.shape[1], dtype=torch.bool)
+    with h3_logs.expect("falls back to sdpa_efficient: an attention mask was given"):
+        processor.core(q, k, v, attention_mask=mask)
+    assert kernel_calls == [128]
+    assert processor.describe_path() == (
+        "fallback: SDPA memory-efficient fp16 (an attention mask was given; the FA-V100 kernel is mask-free)"
+    )
+    processor.core(q, k, v)
+    assert kernel_calls == [128, 128] and processor.describe_path().startswith("FA-V100 CUDA kernel")

@@ -203,3 +203,98 @@ def test_fp8_needs_fa3_and_known_precisions(monkeypatch, flashinfer_stand_in):
     assert all(b.attn.processor.precision == "fp8" for b in model.transformer_blocks)
     assert disable_flashinfer_attention(model) is model and flashinfer_attention_state(model) is None
     assert all(type(b.attn.processor) is MiniMaxH3AttnProcessor for b in model.transformer_blocks)
+
+
+def _count_plans(monkeypatch):
+    """Spy on ``plan_call``: the list it returns grows by the plan of every call."""
+    planned = []
+    plan_call = MiniMaxH3FlashInferProcessor.plan_call
+
+    def spy(self, call):
+        planned.append(plan_call(self, call))
+        return planned[-1]
+
+    monkeypatch.setattr(MiniMaxH3FlashInferProcessor, "plan_call", spy)
+    return planned
+
+
+def test_enable_plans_the_kernel_once_per_transformer_call(monkeypatch, flashinfer_stand_in):
+    from diffusers_h3.attention_processors import flashinfer as flashinfer_processors
+    from diffusers_h3.attention_processors.call_plan import last_call_plan
+
+    monkeypatch.setattr(flashinfer_processors, "cuda_capability", lambda device=None: (9, 0))
+    model = enable_flashinfer_attention(_model())
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    assert all(p.plan_key is processors[0].plan_key is p.config for p in processors)  # one key for every block
+    assert flashinfer_attention_state(model)["path"] == "MiniMaxH3FlashInferProcessor: not called yet"
+    planned = _count_plans(monkeypatch)
+    _run(model)
+    _run(model)
+    assert len(planned) == 2  # one plan per call, not one per block
+    ((key, plan),) = last_call_plan(model).attention
+    assert key is processors[0].config and plan is planned[-1] and all(p.last_plan is plan for p in processors)
+    assert (plan.backend, plan.precision, plan.head_dim) == ("fa3", "bf16", TINY_TRANSFORMER_CONFIG["attention_head_dim"])
+    path = flashinfer_attention_state(model)["path"]
+    assert path == f"MiniMaxH3FlashInferProcessor: {plan.kernel.describe()}" and "single_prefill fa3" in path
+    assert diffusers_h3.describe(model)["model"]["last_forward"]["attention"] == [plan.describe()]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_core_runs_the_planned_kernel(precision, flashinfer_stand_in):
+    from diffusers_h3.attention_processors.base import CallInputs
+    from diffusers_h3.attention_processors.flashinfer import FlashInferPlan
+    from diffusers_h3.layout import CallPlan, use_call_plan
+
+    q, k, v = _qkv(batch=1)
+    processor = MiniMaxH3FlashInferProcessor("fa3", precision=precision)
+    own = processor.plan_call(CallInputs(None, q.device, q.dtype, q.shape[-1]))
+    # The call plan holds FA2 16-bit (or FP8 without smoothing): that is what runs, not the processor's own options.
+    planned = (FlashInferPlan("fa2", "bf16", True, own.kernel, q.device, q.dtype, q.shape[-1]) if precision == "bf16"
+               else FlashInferPlan("fa3", "fp8", False, own.kernel, q.device, q.dtype, q.shape[-1]))  # fmt: skip
+    with use_call_plan(CallPlan(attention=((processor.plan_key, planned),))):
+        out = processor.core(q, k, v)
+    if precision == "bf16":
+        assert [c["backend"] for c in flashinfer_stand_in.calls] == ["fa2"]
+    else:
+        from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_reference
+
+        assert torch.equal(out, flashinfer_fp8_reference(q, k, v, smooth_k=False))
+        assert not torch.equal(out, flashinfer_fp8_reference(q, k, v, smooth_k=True))
+
+
+def test_processor_set_by_hand_plans_for_itself(monkeypatch, flashinfer_stand_in):
+    """Without the hook (``set_attn_processor``) the first block call plans, later calls reuse the plan while it fits
+    the inputs; what it plans is what the kernel functions report."""
+    from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_dense_attention, flashinfer_kernel_choice
+
+    model = _model()
+    processor = MiniMaxH3FlashInferProcessor("fa2")
+    model.set_attn_processor(processor)
+    assert processor.config is None and processor.plan_key is processor
+    assert processor.describe_path() == "MiniMaxH3FlashInferProcessor: not called yet"
+    planned = _count_plans(monkeypatch)
+    _run(model)
+    _run(model)
+    assert len(planned) == 1 and processor.last_plan is planned[0]
+    assert processor.last_plan.kernel == flashinfer_kernel_choice("fa2")
+    assert processor.describe_path() == f"MiniMaxH3FlashInferProcessor: {flashinfer_kernel_choice('fa2').describe()}"
+    q, k, v = _qkv(batch=1)
+    assert flashinfer_dense_attention(q, k, v, "fa2")[1] == flashinfer_kernel_choice("fa2")
+    # The plan is checked against the inputs it meets: another head dim is planned anew.
+    assert q.shape[-1] != TINY_TRANSFORMER_CONFIG["attention_head_dim"]
+    processor.core(q, k, v)
+    assert len(planned) == 2 and processor.last_plan.head_dim == q.shape[-1]
+
+
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_kernel_choice_is_the_one_the_fp8_function_reports(smooth_k, flashinfer_stand_in):
+    from diffusers_h3.attention_processors.base import CallInputs
+    from diffusers_h3.kernels.attention.flashinfer_dense import flashinfer_fp8_attention, flashinfer_kernel_choice
+
+    q, k, v = _qkv(batch=1)
+    choice = flashinfer_kernel_choice("fa3", "fp8", smooth_k, on_cuda=False)
+    assert flashinfer_fp8_attention(q, k, v, smooth_k)[1] == choice
+    assert ("mean-centred" in choice.reason) == smooth_k and "torch reference" in choice.reason
+    assert "one Triton pass each" in flashinfer_kernel_choice("fa3", "fp8", smooth_k, on_cuda=True).reason
+    processor = MiniMaxH3FlashInferProcessor("fa3", precision="fp8", smooth_k=smooth_k)
+    assert processor.plan_call(CallInputs(None, q.device, q.dtype, q.shape[-1])).kernel == choice

@@ -80,6 +80,24 @@ def resolve_backend(backend: str, capability: Optional[Tuple[int, int]]) -> str:
     return backend
 
 
+def flashinfer_kernel_choice(
+    backend: str, precision: str = "bf16", smooth_k: bool = True, on_cuda: bool = True
+) -> KernelChoice:
+    """What a FlashInfer attention call runs, and why, from its options alone (no tensors: the processor plans it
+    before the call). ``backend``: ``"fa2"`` or ``"fa3"`` (resolved; FP8 always runs FA3); ``precision``: ``"bf16"``
+    (16-bit Q/K/V as they come) or ``"fp8"``; ``on_cuda``: whether the inputs are CUDA tensors (FP8 quantizes them
+    with Triton there, with the torch reference elsewhere)."""
+    if precision == "fp8":
+        quantized_by = "one Triton pass each" if on_cuda else "the torch reference"
+        centred = " (K mean-centred)" if smooth_k else ""
+        return KernelChoice("flashinfer", "single_prefill fa3 fp8",
+                            f"E4M3 Q/K/V, one scale per head{centred} (quantized by {quantized_by}), FP8 P·V")  # fmt: skip
+    if precision != "bf16":
+        raise ValueError(f"FlashInfer attention precision must be 'bf16' or 'fp8', got {precision!r}")
+    return KernelChoice("flashinfer", f"single_prefill {backend}",
+                        "dense 16-bit attention; FA3 and FA2 have GPU tests (tests/gpu/test_flashinfer_gpu.py)")  # fmt: skip
+
+
 def _batched(outputs):
     """One ``[batch, seq, heads, dim]`` tensor from the per-item outputs (one item: a view, no copy)."""
     return outputs[0].unsqueeze(0) if len(outputs) == 1 else torch.stack(outputs)
@@ -96,10 +114,7 @@ def flashinfer_dense_attention(
     """``softmax(Q K^T / sqrt(d)) V`` on ``(batch, seq, heads, head_dim)`` bf16 / fp16 tensors, no mask, one FlashInfer
     single-prefill call per batch item (``backend`` already resolved: ``"fa2"`` or ``"fa3"``), in the custom op
     ``diffusers_h3::flashinfer_dense_attention``."""
-    choice = KernelChoice(
-        "flashinfer", f"single_prefill {backend}", "dense 16-bit attention; FA3 and FA2 have GPU tests (tests/gpu/test_flashinfer_gpu.py)"
-    )
-    return flashinfer_dense_attention_op(query, key, value, backend), choice
+    return flashinfer_dense_attention_op(query, key, value, backend), flashinfer_kernel_choice(backend)
 
 
 def _attention_fake(query, key, value, *options) -> torch.Tensor:
@@ -149,13 +164,7 @@ def flashinfer_fp8_attention(
     """``softmax(Q K^T / sqrt(d)) V`` through FlashInfer's FlashAttention-3 FP8 kernel (Hopper): E4M3 Q/K/V with one
     scale per head (:func:`fp8_per_head_operands`), FP8 P·V inside the kernel, output in the inputs' 16-bit dtype; one
     single-prefill call per batch item, in the custom op ``diffusers_h3::flashinfer_fp8_attention``."""
-    # FlashInfer runs on CUDA tensors; a CPU call (a stand-in of the library in tests) takes the torch reference.
-    quantizer = "triton" if query.is_cuda else "torch"
-    choice = KernelChoice(
-        "flashinfer", "single_prefill fa3 fp8",
-        f"E4M3 Q/K/V, one scale per head{' (K mean-centred)' if smooth_k else ''} (quantized by "
-        f"{'one Triton pass each' if quantizer == 'triton' else 'the torch reference'}), FP8 P·V",
-    )  # fmt: skip
+    choice = flashinfer_kernel_choice("fa3", "fp8", smooth_k, on_cuda=query.is_cuda)
     return flashinfer_fp8_attention_op(query, key, value, smooth_k), choice
 
 
@@ -165,6 +174,7 @@ def flashinfer_fp8_attention_op(query: torch.Tensor, key: torch.Tensor, value: t
     _check_16bit_operands(query, key, value, "FlashInfer FP8 attention")
     flashinfer = import_flashinfer()
     scale = query.shape[-1] ** -0.5
+    # FlashInfer runs on CUDA tensors; a CPU call (a stand-in of the library in tests) takes the torch reference.
     quantizer = "triton" if query.is_cuda else "torch"
     (q8, sq), (k8, sk), (v8, sv) = fp8_per_head_operands(query, key, value, smooth_k, backend=quantizer)
     outputs = [

@@ -130,6 +130,8 @@ class MemoryRecipe:
     time_scale: float = 1.0  # the request's time over the measured request's (predicted from the forward's FLOPs)
     whole_device: bool = False  # gpu_gib counts the whole process's device memory (the memory model's), not the allocator
     budget: Optional["MemoryBudget"] = dataclasses.field(default=None, compare=False)  # what select_recipe compared
+    # with request_sized_cap=True: the request's allocator cap and the card's predicted peak under it (memory model)
+    request_cap: Optional[Tuple[float, float]] = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -140,9 +142,12 @@ class MemoryRecipe:
         else the measured needs when they bound the request (no larger than the measured ones); None when neither
         says."""
         modelled = memory_model is not None and memory_model.models(self.case, shape)
+        request_cap = None
         if modelled:
             prediction = memory_model.predict(self.case, shape)
             gpu, host, basis = prediction.device_gib, prediction.host_gib, prediction.basis
+            if prediction.request_cap_gib is not None and prediction.fits_cap:
+                request_cap = (prediction.request_cap_gib, prediction.request_capped_device_gib)
             if not prediction.fits_cap:  # the allocator would run out under the entry's cap, whatever the card
                 gpu = math.inf
                 basis = (f"needs {prediction.allocated_gib:.2f} GiB of allocations, above the {prediction.cap_gib:g} "
@@ -157,7 +162,7 @@ class MemoryRecipe:
         scale = time_scale(shape, MEASURED_SHAPES[0])
         whole_device = modelled or self.whole_device
         return dataclasses.replace(self, gpu_gib=gpu, host_gib=host, request=shape.label(), needs_basis=basis,
-                                   time_scale=scale, whole_device=whole_device)  # fmt: skip
+                                   time_scale=scale, whole_device=whole_device, request_cap=request_cap)  # fmt: skip
 
     def line(self) -> str:
         """The one line that says which recipe runs and why: what it needs, the budget it was compared with and the
@@ -670,7 +675,9 @@ class RequestPlan:
              f"needs (measured): {self.recipe.gpu_gib:.2f} GiB GPU (the allocator's peak, without the CUDA context), "
              f"{self.recipe.host_gib:.2f} GiB host ({self.recipe.needs_basis})"),
             f"time: 50 steps about {_minutes(self.seconds)}{few} ({self.time_basis})",
-        ]
+        ] + ([f"with --request-sized-cap: allocator capped at {self.recipe.request_cap[0]:.2f} GiB for this request, "
+              f"device peak about {self.recipe.request_cap[1]:.2f} GiB (predicted; not yet measured on a GPU)"]
+             if self.recipe.request_cap is not None else [])  # fmt: skip
 
 
 def _minutes(seconds: float) -> str:

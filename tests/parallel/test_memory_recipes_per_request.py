@@ -313,3 +313,15 @@ def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch
     pipe = Pipe()
     mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device="cuda", request_sized_cap=True))
     assert pipe._h3_request_sized_cap == mb.RequestSizedCap(torch.device("cuda", 0), 9.0)
+
+
+def test_plan_says_what_a_request_sized_cap_would_hold():
+    staged = _staged_model()
+    plan = mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=staged,
+                           predictions={})  # fmt: skip
+    prediction = staged.predict("pc_12gb_32gib", SMALL)
+    assert plan.lines()[-1] == (f"with --request-sized-cap: allocator capped at {prediction.request_cap_gib:.2f} GiB "
+                                f"for this request, device peak about {prediction.request_capped_device_gib:.2f} GiB "
+                                "(predicted; not yet measured on a GPU)")  # fmt: skip
+    assert len(mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=MODEL,
+                               predictions={}).lines()) == 5  # a model without the allocator's outside: no line

@@ -80,11 +80,21 @@ def build_inputs(device, layers, text_rows=None, task="t2va"):
     return kwargs, layout.at_step(10, 50)
 
 
-def build_model(device, layers):
+def build_model(device, layers, build_dtype=torch.float32):
+    """The DiT with ``layers`` random blocks on ``device`` in bf16 (the ``_keep_in_fp32_modules`` in fp32). Built in
+    ``build_dtype`` first: float32 (the default) draws the weights every committed result used, but holds the whole
+    model in float32 on the device once (50 blocks do not fit an 80 GB card); bfloat16 draws other random weights
+    straight in bf16 (half the memory: 50 blocks fit an H100), so its distances are not comparable with float32
+    builds."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    with torch.device(device):
-        model = MiniMaxH3Transformer3DModel(num_layers=layers)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(build_dtype)
+    try:
+        with torch.device(device):
+            model = MiniMaxH3Transformer3DModel(num_layers=layers)
+    finally:
+        torch.set_default_dtype(previous)
     model = model.to(torch.bfloat16)
     for name in model._keep_in_fp32_modules:
         getattr(model, name).float()

@@ -66,7 +66,7 @@ TINY_SHAPE = {"height": 64, "width": 96}  # frames: the tiny pipeline's shortest
 # Model, inputs, measurement
 
 
-def build(device: torch.device, layers: Optional[int], tiny: bool):
+def build(device: torch.device, layers: Optional[int], tiny: bool, build_dtype: torch.dtype = torch.float32):
     """``(model, forward kwargs, PackedLayout, shape)``: end_to_end.py's full-width DiT (``layers`` blocks, default 50)
     and t2va inputs, or with ``tiny`` the tiny pipeline's transformer (its 2 blocks unless ``layers``) and the kwargs /
     layout of its first forward in a 64x96x22 t2va call."""
@@ -74,7 +74,7 @@ def build(device: torch.device, layers: Optional[int], tiny: bool):
         layers = layers or 50
         from end_to_end import HEIGHT, NUM_FRAMES, TEXT_ROWS, WIDTH, build_inputs, build_model
 
-        model = build_model(device, layers)
+        model = build_model(device, layers, build_dtype)
         kwargs, layout = build_inputs(device, layers)
         shape = {"layers": layers, "rows": int(layout.seq_len), "text": TEXT_ROWS, "frames": NUM_FRAMES,
                  "height": HEIGHT, "width": WIDTH, "heads": 56, "head_dim": 128, "tiny": False}  # fmt: skip
@@ -276,6 +276,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         help="comma list of cases to profile after their timing (--profile alone: fastest)",
     )
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    parser.add_argument("--build-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype the random DiT is drawn in before its cast to bf16: float32 (default; the weights "
+                             "of every committed result, 50 blocks need a 139 GB H200) or bfloat16 (other weights, half "
+                             "the memory: 50 blocks fit an 80 GB H100; distances not comparable across the two)")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no compile (smoke test)")
     parser.add_argument("--fullgraph", action="store_true",
                         help="compile the presets' blocks with compile_repeated_blocks(fullgraph=True)")
@@ -309,7 +313,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     started = time.perf_counter()
     torch.manual_seed(0)
-    model, kwargs, layout, shape = build(device, args.layers, args.tiny)
+    model, kwargs, layout, shape = build(device, args.layers, args.tiny, getattr(torch, args.build_dtype))
+    shape["build_dtype"] = args.build_dtype
     inputs = {"t2va": (kwargs, layout)}
     if "fl2va" in tasks:
         fl2va_kwargs, fl2va_layout, fl2va_rows = build_fl2va_inputs(device, args.layers, args.tiny)

@@ -223,3 +223,30 @@ def test_the_per_transformer_preset_checks_before_changing_anything():
     with pytest.raises(ValueError, match=r"'exact' runs bf16 weights.*already quantized \(h3_w8a16\)"):
         enable_speed_preset_on_transformer(model, "exact")
     assert [m for m in model.modules() if is_quantized_linear(m)] == layers
+
+
+@pytest.mark.parametrize("build_dtype", ["float32", "bfloat16"])
+def test_the_full_size_dit_is_drawn_in_the_build_dtype_then_cast_to_bf16(monkeypatch, build_dtype):
+    """--build-dtype bfloat16 draws the random DiT in bf16 (50 blocks then fit an 80 GB card); either way the model
+    runs in bf16 with its fp32 modules kept, and the default dtype is restored."""
+    import diffusers
+    import torch
+
+    _forward_module(monkeypatch)  # puts benchmarks/ on the path, as the script runs
+    import end_to_end
+
+    seen = []
+
+    class Stand(torch.nn.Module):  # the released DiT's construction, in miniature
+        _keep_in_fp32_modules = ["kept"]
+
+        def __init__(self, num_layers):
+            super().__init__()
+            seen.append((torch.get_default_dtype(), num_layers))
+            self.block, self.kept = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    monkeypatch.setattr(diffusers, "MiniMaxH3Transformer3DModel", Stand)
+    dtype = getattr(torch, build_dtype)
+    model = end_to_end.build_model(torch.device("cpu"), 3, dtype)
+    assert seen == [(dtype, 3)] and torch.get_default_dtype() == torch.float32
+    assert model.block.weight.dtype == torch.bfloat16 and model.kept.weight.dtype == torch.float32

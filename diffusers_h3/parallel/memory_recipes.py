@@ -876,10 +876,19 @@ def apply_request_sized_cap(pipe, recipe: "MemoryRecipe", shape: RequestShape,
         line = (f"capped at {cap:.2f} GiB for {shape.label()}: predicted allocations {prediction.allocated_gib:.2f} "
                 f"GiB + {REQUEST_CAP_MARGIN:.0%} + {REQUEST_CAP_SLACK_GIB:g} GiB")  # fmt: skip
     torch.cuda.empty_cache()
-    if cap is not None:
-        apply_gpu_cap(cap, state.device)
+    set_allocator_cap(cap, state.device)  # always set: a smaller cap of an earlier call must not stay
     _record_placement(pipe, request_cap=line)
     return line
+
+
+def set_allocator_cap(gpu_gib: Optional[float], device: Union[str, torch.device]) -> float:
+    """Hold the caching allocator on ``device`` to ``gpu_gib`` (None, or more than the card: the whole card), replacing
+    whatever cap it had; returns the fraction set."""
+    device = with_device_index(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0 if gpu_gib is None else min(1.0, gpu_gib * GiB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *args, **legacy) -> MemoryRecipe:

@@ -272,7 +272,7 @@ def test_a_pipeline_placed_with_request_sized_caps_caps_each_call_to_its_request
     pipe._h3_memory_recipe = dataclasses.replace(TABLE[1], budget=mb.MemoryBudget(gpu_gib=11.2, host_gib=32.0))
     pipe._h3_request_sized_cap = mb.RequestSizedCap(torch.device("cuda", 0), ceiling_gib=10.0)
     caps = []
-    monkeypatch.setattr(mb, "apply_gpu_cap", lambda gib, device: caps.append((gib, str(device))))
+    monkeypatch.setattr(mb, "set_allocator_cap", lambda gib, device: caps.append((gib, str(device))))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: caps.append("emptied"))
     model = _staged_model()
     monkeypatch.setattr(mb, "load_memory_model", lambda path=None: model)
@@ -282,10 +282,13 @@ def test_a_pipeline_placed_with_request_sized_caps_caps_each_call_to_its_request
     shape_cap = caps[-1][0]
     assert caps[-2] == "emptied" and caps[-1][1] == "cuda:0" and shape_cap < 10.0
     assert placement_of(pipe)["request_cap"].startswith(f"capped at {shape_cap:.2f} GiB for t2va 32x32x22")
-    # a request the model does not speak for runs under the recipe's cap
+    # a request the model does not speak for runs under the recipe's cap, or the whole card without one
     monkeypatch.setattr(mb, "load_memory_model", lambda path=None: MemoryModel(cases={}))
     line = mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL)
     assert caps[-1] == (10.0, "cuda:0") and "not predicted by the memory model" in line
+    pipe._h3_request_sized_cap = mb.RequestSizedCap(torch.device("cuda", 0), ceiling_gib=None)
+    assert "the recipe's cap (none)" in mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL)
+    assert caps[-1] == (None, "cuda:0")
     del pipe._h3_request_sized_cap  # not placed with request-sized caps: nothing is touched
     count = len(caps)
     assert mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL) is None and len(caps) == count
@@ -325,3 +328,18 @@ def test_plan_says_what_a_request_sized_cap_would_hold():
                                 "(predicted; not yet measured on a GPU)")  # fmt: skip
     assert len(mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=MODEL,
                                predictions={}).lines()) == 5  # a model without the allocator's outside: no line
+
+
+def test_set_allocator_cap_replaces_an_earlier_smaller_cap(monkeypatch):
+    """A request-sized cap is set for every call: the whole card (fraction 1) when there is no cap or it exceeds the
+    card, so an earlier call's smaller cap never stays."""
+    from types import SimpleNamespace
+
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=8 * mb.GiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, str(device))))
+    assert mb.set_allocator_cap(6.0, "cuda:0") == 0.75
+    assert mb.set_allocator_cap(None, "cuda:0") == 1.0 and mb.set_allocator_cap(20.0, "cuda:0") == 1.0
+    assert calls == [(0.75, "cuda:0"), (1.0, "cuda:0"), (1.0, "cuda:0")]

@@ -99,6 +99,8 @@ def request_cap_gib(allocated_gib: float, ceiling_gib: Optional[float] = None) -
     """The allocator cap of a request predicted to allocate ``allocated_gib``, no higher than ``ceiling_gib``."""
     cap = allocated_gib * (1 + REQUEST_CAP_MARGIN) + REQUEST_CAP_SLACK_GIB
     return round(min(cap, ceiling_gib) if ceiling_gib is not None else cap, 2)
+
+
 FEATURE_UNITS = {
     "rows": "10,000 packed rows (text, keyframe / reference, audio and video rows)",
     "decode_megapixels": "megapixel of canvas (height x width / 1e6): a decoded video chunk on the device",

@@ -925,8 +925,10 @@ def cmd_generate(args) -> int:
             from diffusers_h3.testing.tiny import demo_checkpoint_dir
 
             demo_checkpoint_dir()
+        # Each rank checks the request again; the checked one holds configs that cannot be pickled to a new process.
+        rank_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "checked_request"})
         # Rank 0 encodes the prompt while the others wait in a broadcast: collectives may wait long.
-        launch(_generate_rank, args.gpus, args=(args,), backend=backend, timeout_s=7 * 24 * 3600,
+        launch(_generate_rank, args.gpus, args=(rank_args,), backend=backend, timeout_s=7 * 24 * 3600,
                collective_timeout_s=3600, num_threads=None)  # fmt: skip
         return 0
     if _world_size() == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun / accelerate launch

@@ -51,3 +51,20 @@ def test_generate_under_torchrun_on_a_cpu_host_writes_the_one_process_clip(tmp_p
     assert one.shape == two.shape and one.shape[0] == 124
     diff = np.abs(one.astype(int) - two.astype(int))  # see the test above: H.264 and float rounding
     assert diff.mean() < 0.05 and np.percentile(diff, 99.9) <= 2
+
+
+def test_generate_gpus_hands_each_rank_picklable_arguments(tmp_path, monkeypatch):
+    """The ranks of `generate --gpus N` are fresh processes: every argument they get must pickle (the checked request
+    holds configs that do not; each rank checks the request again)."""
+    import pickle
+
+    import diffusers_h3.parallel._launch as launcher
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    handed = []
+    monkeypatch.setattr(launcher, "launch", lambda fn, world_size, args=(), **kw: handed.append(pickle.dumps(args)))
+    argv = ["generate", "--prompt", "a cat", "--steps", "3", "--device", "cpu", "--gpus", "2", "--out",
+            str(tmp_path / "two.mp4")]  # fmt: skip
+    assert main(argv) == 0
+    (rank_args,) = pickle.loads(handed[0])
+    assert rank_args.gpus == 2 and rank_args.prompt == "a cat" and not hasattr(rank_args, "checked_request")

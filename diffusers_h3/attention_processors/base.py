@@ -51,6 +51,27 @@ class CallInputs:
     head_dim: int
 
 
+def made_for(plan: Any, query: torch.Tensor, *, dtype: bool = True) -> bool:
+    """Whether ``plan`` (a frozen plan with ``device``, ``head_dim`` and, unless ``dtype=False``, ``dtype`` fields) was
+    made for attention inputs like ``query``: the check behind every plan's ``fits``."""
+    return (query.device == plan.device and query.shape[-1] == plan.head_dim
+            and (not dtype or query.dtype == plan.dtype))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanForInputs:
+    """Base of a processor's frozen plan of one call: the ``kernel`` it runs, for attention inputs of one ``device``,
+    ``dtype`` and ``head_dim``."""
+
+    kernel: KernelChoice
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    def fits(self, query: torch.Tensor) -> bool:
+        return made_for(self, query)
+
+
 class MiniMaxH3AttnProcessorBase:
     r"""
     Base class of the attention processors for ``MiniMaxH3Attention``: refiner policy, context-parallel seam,

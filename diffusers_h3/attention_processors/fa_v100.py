@@ -42,7 +42,7 @@ from ..kernels.attention.fa_v100 import (
     load_extension,
 )
 from ..kernels.attention.router import KernelChoice
-from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase, made_for
 
 
 # |V| is brought under this bound (by a power of two) before the cast to fp16; the attention output is a convex
@@ -95,7 +95,7 @@ class FAV100Plan:
     for_attention_mask: bool = False
 
     def fits(self, query: torch.Tensor) -> bool:
-        return not self.for_attention_mask and query.device == self.device and query.shape[-1] == self.head_dim
+        return not self.for_attention_mask and made_for(self, query, dtype=False)
 
     def with_attention_mask(self) -> "FAV100Plan":
         """The plan of a call with an attention mask: the FA-V100 kernel is mask-free, so SDPA with the mask (in the

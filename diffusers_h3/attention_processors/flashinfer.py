@@ -29,8 +29,7 @@ from ..kernels.attention.flashinfer_dense import (
     flashinfer_kernel_choice,
     resolve_backend,
 )
-from ..kernels.attention.router import KernelChoice
-from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase, PlanForInputs
 from .install import processor_entry_points, register_attention_processor
 
 
@@ -65,20 +64,13 @@ class FlashInferAttentionConfig:
 
 
 @dataclass(frozen=True)
-class FlashInferPlan:
+class FlashInferPlan(PlanForInputs):
     """The FlashInfer processor's plan of one transformer call: the ``backend`` (``"fa2"`` / ``"fa3"``), ``precision``
     and ``smooth_k`` the core runs, their ``kernel`` choice, and the inputs it was made for."""
 
     backend: str
     precision: str
     smooth_k: bool
-    kernel: KernelChoice
-    device: torch.device
-    dtype: torch.dtype
-    head_dim: int
-
-    def fits(self, query: torch.Tensor) -> bool:
-        return query.device == self.device and query.dtype == self.dtype and query.shape[-1] == self.head_dim
 
     def describe(self) -> str:
         return f"dense FlashInfer ({self.precision}): {self.kernel.describe()}"
@@ -115,8 +107,8 @@ class MiniMaxH3FlashInferProcessor(MiniMaxH3AttnProcessorBase):
     def plan_call(self, call: CallInputs) -> FlashInferPlan:
         """The kernel a call with Q/K/V of ``call.dtype`` on ``call.device`` runs (:func:`flashinfer_kernel_choice`)."""
         kernel = flashinfer_kernel_choice(self.backend, self.precision, self.smooth_k, on_cuda=call.device.type == "cuda")
-        return FlashInferPlan(self.backend, self.precision, self.smooth_k, kernel, call.device, call.dtype,
-                              call.head_dim)  # fmt: skip
+        return FlashInferPlan(kernel, call.device, call.dtype, call.head_dim, backend=self.backend,
+                              precision=self.precision, smooth_k=self.smooth_k)  # fmt: skip
 
     # -- the core ----------------------------------------------------------------------------------------------------
     def core(self, query, key, value, attention_mask=None, **extras):

@@ -32,7 +32,7 @@ from ..kernels.attention.router import (
     plan_kernel,
 )
 from ..kernels.numerics import fake_quant_fp4
-from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase, PlanForInputs
 from .install import processor_entry_points, register_attention_processor
 
 
@@ -149,23 +149,16 @@ class LowPrecisionAttentionConfig:
 
 
 @dataclass(frozen=True)
-class LowPrecisionPlan:
+class LowPrecisionPlan(PlanForInputs):
     """The low-precision processor's plan of one transformer call: ``path`` (``"fp8_attention"``: the 8-bit flash
     kernels; ``"fp4_kernel"``: the FP4 P emulation on the Triton kernel; ``"sdpa"``: SDPA over quantize-dequantized
     operands), its ``kernel``, the key block ``block_n`` of the 8-bit kernels (0: the reference's own), the benchmark
     ``tuning``, whether the numerics are ``emulated``, and the inputs it was made for."""
 
     path: str
-    kernel: KernelChoice
     block_n: int
     tuning: Optional[TuningOptions]
     emulated: bool
-    device: torch.device
-    dtype: torch.dtype
-    head_dim: int
-
-    def fits(self, query: torch.Tensor) -> bool:
-        return query.device == self.device and query.dtype == self.dtype and query.shape[-1] == self.head_dim
 
     def describe(self) -> str:
         return f"dense low-precision ({self.path}): {self.kernel.describe()}"
@@ -277,7 +270,8 @@ class MiniMaxH3LowPrecisionAttnProcessor(MiniMaxH3AttnProcessorBase):
             else:
                 reason = f"{self.precision.upper()} emulation (the kernel's operand rounding; P stays 16-bit)"
             kernel = KernelChoice("torch-sdpa", "dense", reason)
-        return LowPrecisionPlan(path, kernel, block_n, tuning, emulate, call.device, call.dtype, head_dim)
+        return LowPrecisionPlan(kernel, call.device, call.dtype, head_dim, path=path, block_n=block_n, tuning=tuning,
+                                emulated=emulate)  # fmt: skip
 
     # -- the core ----------------------------------------------------------------------------------------------------
     def core(self, query, key, value, attention_mask=None, **extras):

@@ -57,7 +57,7 @@ from ..kernels.numerics import (
     quantize_fp8_per_channel,
 )
 from ..layout import PackedLayout, current_call_plan, current_packed_layout, require_packed_layout
-from .base import CallInputs, MiniMaxH3AttnProcessorBase
+from .base import CallInputs, MiniMaxH3AttnProcessorBase, made_for
 from .install import (
     enable_attention_processor,
     processor_entry_points,
@@ -366,9 +366,7 @@ class VSAPlan:
     head_dim: int
 
     def fits(self, query: torch.Tensor) -> bool:
-        rows_fit = self.tiles is None or self.tiles.seq_len == query.shape[1]
-        return (rows_fit and query.device == self.device and query.dtype == self.dtype
-                and query.shape[-1] == self.head_dim)  # fmt: skip
+        return (self.tiles is None or self.tiles.seq_len == query.shape[1]) and made_for(self, query)
 
     @property
     def kernel(self) -> Optional[KernelChoice]:

@@ -24,6 +24,8 @@ from diffusers_h3.kernels.attention.fa_v100 import FAV100BuildError, fa_v100_ref
 from diffusers_h3.layout import CallPlan, use_call_plan
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
+from ._plans import spy_on_plan_call
+
 
 TINY = TINY_TRANSFORMER_CONFIG
 
@@ -260,16 +262,7 @@ def test_describe_reports_processor_path():
 
 
 def _spy_on_plan_call(monkeypatch):
-    """The plans ``plan_call`` makes, in order."""
-    planned = []
-    plan_call = MiniMaxH3FAV100Processor.plan_call
-
-    def spy(self, call):
-        planned.append(plan_call(self, call))
-        return planned[-1]
-
-    monkeypatch.setattr(MiniMaxH3FAV100Processor, "plan_call", spy)
-    return planned
+    return spy_on_plan_call(monkeypatch, MiniMaxH3FAV100Processor)
 
 
 @pytest.mark.parametrize("hook", [True, False])

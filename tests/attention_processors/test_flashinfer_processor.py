@@ -22,6 +22,8 @@ from diffusers_h3.attention_processors import (
 from diffusers_h3.kernels.attention.flashinfer_dense import resolve_backend
 from diffusers_h3.testing.tiny import TINY_TRANSFORMER_CONFIG, tiny_transformer_inputs
 
+from ._plans import spy_on_plan_call
+
 
 def _model():
     torch.manual_seed(0)
@@ -206,16 +208,7 @@ def test_fp8_needs_fa3_and_known_precisions(monkeypatch, flashinfer_stand_in):
 
 
 def _count_plans(monkeypatch):
-    """Spy on ``plan_call``: the list it returns grows by the plan of every call."""
-    planned = []
-    plan_call = MiniMaxH3FlashInferProcessor.plan_call
-
-    def spy(self, call):
-        planned.append(plan_call(self, call))
-        return planned[-1]
-
-    monkeypatch.setattr(MiniMaxH3FlashInferProcessor, "plan_call", spy)
-    return planned
+    return spy_on_plan_call(monkeypatch, MiniMaxH3FlashInferProcessor)
 
 
 def test_enable_plans_the_kernel_once_per_transformer_call(monkeypatch, flashinfer_stand_in):
@@ -249,8 +242,9 @@ def test_core_runs_the_planned_kernel(precision, flashinfer_stand_in):
     processor = MiniMaxH3FlashInferProcessor("fa3", precision=precision)
     own = processor.plan_call(CallInputs(None, q.device, q.dtype, q.shape[-1]))
     # The call plan holds FA2 16-bit (or FP8 without smoothing): that is what runs, not the processor's own options.
-    planned = (FlashInferPlan("fa2", "bf16", True, own.kernel, q.device, q.dtype, q.shape[-1]) if precision == "bf16"
-               else FlashInferPlan("fa3", "fp8", False, own.kernel, q.device, q.dtype, q.shape[-1]))  # fmt: skip
+    inputs = (own.kernel, q.device, q.dtype, q.shape[-1])
+    planned = (FlashInferPlan(*inputs, backend="fa2", precision="bf16", smooth_k=True) if precision == "bf16"
+               else FlashInferPlan(*inputs, backend="fa3", precision="fp8", smooth_k=False))  # fmt: skip
     with use_call_plan(CallPlan(attention=((processor.plan_key, planned),))):
         out = processor.core(q, k, v)
     if precision == "bf16":

@@ -27,7 +27,9 @@ weights are drawn on the GPU (``request.random_init_on``): PyTorch's CPU RNG fil
 Memory: ``peak_gib`` / ``peak_reserved_gib`` are PyTorch's allocator peaks of the timed request; ``device_peak_gib``
 is the card's count (``DeviceMemorySampler``: NVML, the CUDA context and workspaces included) over the case (warm-up
 and timed request), and ``build_device_peak_gib`` over building the stack; ``within_card_bound`` compares the case's
-with ``--card-bound-gib`` (75 by default: what must hold on an 80 GB card).
+with ``--card-bound-gib`` (75 by default: what must hold on an 80 GB card). The allocator runs as the memory recipes
+run it: expandable segments, capped (``--gpu-cap-gib``, default the bound less 1 GiB for the CUDA context and
+workspaces) from before the build, since the caching allocator would otherwise keep freed blocks up to the whole card.
 
 Cases (in this order; the ``_fastest`` ones quantize a bf16 DiT in place, so the bf16 ones come first):
 
@@ -58,6 +60,7 @@ CASES = ("t2va_fasth3", "fl2va_fasth3", "t2va_fasth3_fastest", "fl2va_fasth3_fas
 DEFAULT_CASES = ("t2va_fasth3_fastest", "fl2va_fasth3_fastest")
 PRESET = "fasth3-4step-preview-vsa"
 STUDENT_LAYERS = 8  # the light VAE's exported NVFP4 decoder ("fast-8L")
+OUTSIDE_ALLOCATOR_GIB = 1.0  # the CUDA context, cuBLAS workspaces and kernels: 0.6-0.75 GiB measured (docs/memory.md)
 
 
 def case_setup(case):
@@ -128,6 +131,10 @@ def main(argv=None):
                         help="quantized (default): the components reach the device quantized layer by layer, the "
                              "DiT in the fastest preset's format (fits one 80 GB card); bf16: the DiT built in bf16 on "
                              "the device (needed by the bf16 cases)")  # fmt: skip
+    parser.add_argument("--gpu-cap-gib", type=float, default=None,
+                        help="hold the caching allocator to this many GiB, with expandable segments, from before the "
+                             "build (default: the card bound less 1 GiB for what lies outside the allocator, so that "
+                             "the card's count stays within the bound; 0: no cap)")
     parser.add_argument("--card-bound-gib", type=float, default=75.0,
                         help="device peak each case must stay within (default: %(default)s, an 80 GB card)")
     args = parser.parse_args(argv)
@@ -144,6 +151,16 @@ def main(argv=None):
         raise SystemExit("benchmarks/fasth3.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
     # Made before this process touches CUDA: NVML's count of the whole card for this process.
     sampler = DeviceMemorySampler(device.index or 0).start() if device.type == "cuda" else None
+    if args.gpu_cap_gib is None:
+        args.gpu_cap_gib = args.card_bound_gib - OUTSIDE_ALLOCATOR_GIB
+    args.allocator = None
+    if device.type == "cuda" and args.gpu_cap_gib > 0:
+        # as the memory recipes run: the caching allocator would otherwise keep freed blocks up to the whole card
+        from diffusers_h3.parallel.memory_recipes import apply_gpu_cap, use_recipe_allocator_settings
+
+        settings = use_recipe_allocator_settings()
+        apply_gpu_cap(args.gpu_cap_gib, device)
+        args.allocator = f"{settings}; capped at {args.gpu_cap_gib:g} GiB"
     run = [c for c in CASES if c in wanted]
     for case in run:
         request_suite.CASE_SETUP[case] = case_setup(case)
@@ -227,6 +244,7 @@ def write_report(args, results, notes, build_s, preset, build_peak=None):
         **result_header("fasth3", args.commit, device="cpu (tiny smoke test)" if args.tiny else None),
         "dit_format": args.dit_format,
         "card_bound_gib": args.card_bound_gib,
+        "allocator": getattr(args, "allocator", None),
         "build_device_peak_gib": build_peak["device_peak_gib"] if build_peak else None,
         "shape": {"height": 64 if args.tiny else request_suite.HEIGHT, "width": 96 if args.tiny else request_suite.WIDTH,
                   "frames": request_suite.num_frames(args.tiny), "prompt_tokens": request_suite.PROMPT_TOKENS,

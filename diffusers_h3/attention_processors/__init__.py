@@ -2,7 +2,7 @@
 packed-layout side channel they read is ``diffusers_h3.layout``. A processor is one module here, registered with
 :func:`register_attention_processor` (``install.py``), and imported below."""
 
-from .base import MiniMaxH3AttnProcessorBase
+from .base import MiniMaxH3AttnProcessorBase, PlanForInputs
 from .fa_v100 import MiniMaxH3FAV100Processor
 from .flashinfer import (
     FlashInferAttentionConfig,
@@ -45,6 +45,7 @@ __all__ = [
     "enable_attention_processor",
     "register_attention_processor",
     "MiniMaxH3AttnProcessorBase",
+    "PlanForInputs",
     "MiniMaxH3FAV100Processor",
     "MiniMaxH3FlashInferProcessor",
     "MiniMaxH3LowPrecisionAttnProcessor",

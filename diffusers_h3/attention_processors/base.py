@@ -19,8 +19,7 @@ the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH
   nothing back. A processor set by hand (no hook) plans its first block call itself, in one eager island; under
   autograd a gradient-checkpointed block, which recomputes its attention during backward after the call ended,
   re-enters the plan of the call it recomputes;
-* **describe_path()** from the plan of the last call (or, for a processor that decides inside its core, the
-  :class:`~diffusers_h3.kernels.attention.KernelChoice` it recorded).
+* **describe_path()** from the plan of the last call (its :class:`~diffusers_h3.kernels.attention.KernelChoice`).
 
 Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads), may add
 per-row, per-head tensors that must travel with Q/K/V (:meth:`extras`), and plan their calls with :meth:`plan_call`.
@@ -71,6 +70,9 @@ class PlanForInputs:
     def fits(self, query: torch.Tensor) -> bool:
         return made_for(self, query)
 
+    def describe(self) -> str:
+        return self.kernel.describe()
+
 
 class MiniMaxH3AttnProcessorBase:
     r"""
@@ -79,7 +81,7 @@ class MiniMaxH3AttnProcessorBase:
 
     Subclasses implement ``core(query, key, value, attention_mask=None, **extras) -> out`` on
     ``(batch, seq, heads, head_dim)`` tensors; what a call decides is planned in :meth:`plan_call` and read with
-    :meth:`current_plan` (a core that decides per call itself reports with :meth:`record_choice`).
+    :meth:`current_plan` (a frozen plan, e.g. a :class:`PlanForInputs`, whose ``kernel`` :meth:`describe_path` reports).
     """
 
     # Context-parallel hook points: diffusers' `enable_parallelism` sets `_parallel_config` on processors that
@@ -88,7 +90,6 @@ class MiniMaxH3AttnProcessorBase:
     _parallel_config = None
 
     def __init__(self):
-        self._last_choice: Optional[KernelChoice] = None  # what the core ran, for processors that decide there
         self.last_plan: Any = None  # this processor's plan of the last transformer call (describe_path)
         # Under autograd: the call plan of each call by its rotary tensor (the one object every block of the call
         # gets, also when a checkpointed block recomputes during backward), dropped with the call's tensors.
@@ -133,16 +134,10 @@ class MiniMaxH3AttnProcessorBase:
         sharded like Q/K/V under context parallelism). None by default."""
         return {}
 
-    def record_choice(self, choice: KernelChoice) -> None:
-        """For a processor that chooses its kernel inside :meth:`core` instead of planning it: remember what the last
-        call ran (``describe_path`` reports it)."""
-        self._last_choice = choice
-
     @property
     def last_choice(self) -> Optional[KernelChoice]:
-        """The kernel of the last call: from its plan, or as recorded by the core."""
-        kernel = getattr(self.last_plan, "kernel", None)
-        return kernel if kernel is not None else self._last_choice
+        """The kernel of the last call, from its plan."""
+        return getattr(self.last_plan, "kernel", None)
 
     def describe_path(self) -> str:
         """One line: what the last call ran, and why."""
@@ -155,7 +150,7 @@ class MiniMaxH3AttnProcessorBase:
     @property
     def plan_key(self) -> Any:
         """What the call plan files this processor's plan under: its frozen config, one object shared by the blocks
-        that run one plan (``None``: the processor decides inside its core and plans nothing)."""
+        that run one plan (``None``: the processor plans each call itself, through :meth:`current_plan`)."""
         return getattr(self, "config", None)
 
     # Whether a plan depends on the call's layout (then every call is planned anew; otherwise a processor set by hand
@@ -164,7 +159,8 @@ class MiniMaxH3AttnProcessorBase:
 
     def plan_call(self, call: "CallInputs") -> Any:
         """The frozen plan of a transformer call (``call``: its layout, device, attention dtype and head dim), made
-        once per call before the blocks run; ``None`` for processors that decide inside their core."""
+        once per call before the blocks run; ``None`` (the default) for a core that needs none, whose calls
+        ``describe_path`` then cannot name."""
         return None
 
     def current_plan(self, query: torch.Tensor) -> Any:

@@ -10,7 +10,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3RotaryPosEmbed,
 )
 
-from diffusers_h3.attention_processors import MiniMaxH3AttnProcessorBase
+from diffusers_h3.attention_processors import MiniMaxH3AttnProcessorBase, PlanForInputs
 from diffusers_h3.kernels.attention import KernelChoice
 
 
@@ -24,9 +24,12 @@ class SDPACore(MiniMaxH3AttnProcessorBase):
         super().__init__()
         self.calls = []
 
+    def plan_call(self, call):
+        return PlanForInputs(KernelChoice("torch-sdpa", "dense", "test core"), call.device, call.dtype, call.head_dim)
+
     def core(self, query, key, value, attention_mask=None, **extras):
         self.calls.append((tuple(query.shape), sorted(extras)))
-        self.record_choice(KernelChoice("torch-sdpa", "dense", "test core"))
+        assert self.current_plan(query).kernel.kernel == "torch-sdpa"
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attention_mask
         )

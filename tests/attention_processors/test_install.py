@@ -12,6 +12,7 @@ from diffusers_h3._hooks import H3_CALL_PLAN_HOOK, get_h3_hook
 from diffusers_h3.attention_processors import (
     LowPrecisionAttentionConfig,
     MiniMaxH3AttnProcessorBase,
+    PlanForInputs,
     attention_processor_state,
     disable_attention_processor,
     enable_attention_processor,
@@ -39,12 +40,18 @@ class ScaledProcessor(MiniMaxH3AttnProcessorBase):
         super().__init__()
         self.config = config
 
+    plans_read_layout = False  # dense: the plan does not depend on the call's layout
+
+    def plan_call(self, call):
+        kernel = KernelChoice("torch-sdpa", "dense", f"temperature {self.config.temperature}")
+        return PlanForInputs(kernel, call.device, call.dtype, call.head_dim)
+
     def core(self, query, key, value, attention_mask=None, **extras):
+        self.current_plan(query)  # planned once per transformer call by the hook; describe_path reports its kernel
         scale = query.shape[-1] ** -0.5 / self.config.temperature
         out = torch.nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attention_mask, scale=scale
         )
-        self.record_choice(KernelChoice("torch-sdpa", "dense", f"temperature {self.config.temperature}"))
         return out.transpose(1, 2)
 
 

@@ -156,11 +156,9 @@ def main(argv=None):
     args.allocator = None
     if device.type == "cuda" and args.gpu_cap_gib > 0:
         # as the memory recipes run: the caching allocator would otherwise keep freed blocks up to the whole card
-        from diffusers_h3.parallel.memory_recipes import apply_gpu_cap, use_recipe_allocator_settings
+        from diffusers_h3.parallel.memory_recipes import hold_allocator
 
-        settings = use_recipe_allocator_settings()
-        apply_gpu_cap(args.gpu_cap_gib, device)
-        args.allocator = f"{settings}; capped at {args.gpu_cap_gib:g} GiB"
+        args.allocator = hold_allocator(args.gpu_cap_gib, device)
     run = [c for c in CASES if c in wanted]
     for case in run:
         request_suite.CASE_SETUP[case] = case_setup(case)

@@ -845,7 +845,7 @@ def child_main(args):
 
     from diffusers_h3 import disable_vsa
     from diffusers_h3.parallel.checkpoint_streaming import streaming_of
-    from diffusers_h3.parallel.memory_recipes import resolve_recipe, use_recipe_allocator_settings
+    from diffusers_h3.parallel.memory_recipes import resolve_recipe, set_allocator_cap, use_recipe_allocator_settings
     from diffusers_h3.parallel.placement import placement_of
     from diffusers_h3.pipelines.recipe_loading import load_for_memory_budget
 
@@ -861,9 +861,7 @@ def child_main(args):
     allocator = None
     if device.type == "cuda":  # the recipe's allocator settings and cap hold from the load on
         allocator = use_recipe_allocator_settings()
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, cap_gib * GiB / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        fraction = set_allocator_cap(cap_gib, device)
     recipe = dataclasses.replace(resolve_recipe("low_ram", None, None, device), case=case, cap_gib=cap_gib,
                                  settings=dict(CASE_SETTINGS.get(case, {})))  # fmt: skip
     started = time.perf_counter()

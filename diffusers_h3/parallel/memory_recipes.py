@@ -739,11 +739,16 @@ def hold_allocator_for_recipe(recipe: "MemoryRecipe", gpu_gib: Optional[float],
     ``describe(pipe)["placement"]["allocator"]`` shows, or None off CUDA."""
     if torch.device(device).type != "cuda":
         return None
+    return hold_allocator(recipe_gpu_cap(recipe, gpu_gib), device)
+
+
+def hold_allocator(cap_gib: Optional[float], device: Union[str, torch.device]) -> str:
+    """On a CUDA ``device``: expandable segments (:func:`use_recipe_allocator_settings`) and the allocator held to
+    ``cap_gib`` (:func:`apply_gpu_cap`; None: no cap); returns the line that says so."""
     settings = use_recipe_allocator_settings()
-    cap = recipe_gpu_cap(recipe, gpu_gib)
-    if cap is None or apply_gpu_cap(cap, device) is None:
+    if cap_gib is None or apply_gpu_cap(cap_gib, device) is None:
         return f"{settings}; no cap (the whole card)"
-    return f"{settings}; capped at {cap:g} GiB (set_per_process_memory_fraction)"
+    return f"{settings}; capped at {cap_gib:g} GiB (set_per_process_memory_fraction)"
 
 
 # The allocator setting the recipes' figures are measured with: segments that grow in place, so freed memory serves
@@ -771,13 +776,7 @@ def use_recipe_allocator_settings() -> str:
 def apply_gpu_cap(gpu_gib: float, device: Union[str, torch.device] = "cuda") -> Optional[float]:
     """Hold PyTorch's caching allocator to ``gpu_gib`` on ``device`` (the condition the recipes were measured under);
     returns the fraction set, None when the budget is the whole device or more."""
-    device = with_device_index(device)  # the allocator's cap needs the index
-    total = torch.cuda.get_device_properties(device).total_memory
-    if gpu_gib * GiB >= total:
-        return None
-    fraction = gpu_gib * GiB / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return fraction
+    return set_allocator_cap(gpu_gib, device) if gpu_gib * GiB < _total_memory(device) else None
 
 
 # -- placement of a loaded pipeline ----------------------------------------------------------------------------------
@@ -884,11 +883,14 @@ def apply_request_sized_cap(pipe, recipe: "MemoryRecipe", shape: RequestShape,
 def set_allocator_cap(gpu_gib: Optional[float], device: Union[str, torch.device]) -> float:
     """Hold the caching allocator on ``device`` to ``gpu_gib`` (None, or more than the card: the whole card), replacing
     whatever cap it had; returns the fraction set."""
-    device = with_device_index(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = 1.0 if gpu_gib is None else min(1.0, gpu_gib * GiB / total)
+    device = with_device_index(device)  # the allocator's cap needs the index
+    fraction = 1.0 if gpu_gib is None else min(1.0, gpu_gib * GiB / _total_memory(device))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+def _total_memory(device: Union[str, torch.device]) -> int:
+    return torch.cuda.get_device_properties(with_device_index(device)).total_memory
 
 
 def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *args, **legacy) -> MemoryRecipe:

@@ -344,9 +344,10 @@ def _check_placement(args) -> None:
             and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise UsageError("--text-encoder-offload places rank 0's text encoder under context parallelism, but this "
                          "is one process", "add --gpus N, or use --low-memory on one GPU")  # fmt: skip
-    if getattr(args, "request_sized_cap", False) and getattr(args, "memory", None) is None:
-        raise UsageError("--request-sized-cap sizes the allocator cap of a memory recipe to each request, but no "
-                         "recipe is placed", "add --memory auto (or --memory GPU,HOST)")  # fmt: skip
+    if getattr(args, "request_sized_cap", None) is not None and getattr(args, "memory", None) is None:
+        flag = "--request-sized-cap" if args.request_sized_cap else "--no-request-sized-cap"
+        raise UsageError(f"{flag} chooses how a memory recipe caps the allocator for each request, but no recipe is "
+                         "placed", "add --memory auto (or --memory GPU,HOST)")  # fmt: skip
     if not args.low_memory:
         return
     if args.cpu_offload:
@@ -757,7 +758,7 @@ def _load_pipeline(args):
         try:  # the checkpoint's formats are checked against the recipe's before any weight is read
             return load_for_memory_budget(model, task, *args.memory_budget, device=_device(args),
                                           recipe=args.memory_recipe,
-                                          request_sized_cap=getattr(args, "request_sized_cap", False),
+                                          request_sized_cap=getattr(args, "request_sized_cap", None),
                                           transformer_file=getattr(args, "transformer_file", None))  # fmt: skip
         except MemoryBudgetError as error:
             raise UsageError(f"--memory {args.memory}: {_as_flags(error.what)}", error.fix or "see docs/memory.md") from None
@@ -1096,10 +1097,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "GiB) and the host's available memory (at most all but 4 GiB), '16,32' gives 16 GiB of GPU "
                           "and 32 GiB of host memory as they are; picks the fastest measured recipe that fits and "
                           "says why in one line (docs/memory.md)")
-    gen.add_argument("--request-sized-cap", action="store_true",
+    gen.add_argument("--request-sized-cap", action=argparse.BooleanOptionalAction, default=None,
                      help="with --memory: hold the GPU allocator to this request's predicted allocations plus "
                           "headroom instead of the recipe's whole cap, so a small clip leaves the rest of the card "
-                          "free (not yet measured on a GPU; docs/memory.md)")  # fmt: skip
+                          "free (default: as the recipe entry was measured; the 12 GB entry was; docs/memory.md)")  # fmt: skip
     gen.add_argument("--text-encoder-offload", action="store_true",
                      help="with --gpus N: rank 0 streams the text encoder layer by layer (group offload) instead of "
                           "holding it whole next to its DiT replica; the other ranks never hold it on a GPU")  # fmt: skip

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -130,8 +131,11 @@ class MemoryRecipe:
     time_scale: float = 1.0  # the request's time over the measured request's (predicted from the forward's FLOPs)
     whole_device: bool = False  # gpu_gib counts the whole process's device memory (the memory model's), not the allocator
     budget: Optional["MemoryBudget"] = dataclasses.field(default=None, compare=False)  # what select_recipe compared
-    # with request_sized_cap=True: the request's allocator cap and the card's predicted peak under it (memory model)
+    # under a request-sized cap: the request's allocator cap and the card's predicted peak under it (memory model)
     request_cap: Optional[Tuple[float, float]] = dataclasses.field(default=None, compare=False)
+    # the entry was measured under request-sized caps, so a placed pipeline uses them by default
+    request_cap_measured: bool = dataclasses.field(default=False, compare=False)
+    measured_on: str = "an H200"  # the GPU whose request time ``request_s`` is
 
     @property
     def name(self) -> str:
@@ -143,6 +147,7 @@ class MemoryRecipe:
         says."""
         modelled = memory_model is not None and memory_model.models(self.case, shape)
         request_cap = None
+        request_cap_measured = memory_model is not None and measured_with_request_sized_caps(self, memory_model)
         if modelled:
             prediction = memory_model.predict(self.case, shape)
             gpu, host, basis = prediction.device_gib, prediction.host_gib, prediction.basis
@@ -162,7 +167,8 @@ class MemoryRecipe:
         scale = time_scale(shape, MEASURED_SHAPES[0])
         whole_device = modelled or self.whole_device
         return dataclasses.replace(self, gpu_gib=gpu, host_gib=host, request=shape.label(), needs_basis=basis,
-                                   time_scale=scale, whole_device=whole_device, request_cap=request_cap)  # fmt: skip
+                                   time_scale=scale, whole_device=whole_device, request_cap=request_cap,
+                                   request_cap_measured=request_cap_measured)  # fmt: skip
 
     def line(self) -> str:
         """The one line that says which recipe runs and why: what it needs, the budget it was compared with and the
@@ -177,11 +183,12 @@ class MemoryRecipe:
         reason = f"; {self.reason}" if self.reason else ""
         if self.request is None:
             return (f"memory recipe {self.name!r} ({measured}{settings}): needs {self.gpu_gib:.2f} GiB GPU / "
-                    f"{self.host_gib:.2f} GiB host, {self.request_s:.0f} s per 50-step t2va request on an H200"
+                    f"{self.host_gib:.2f} GiB host, {self.request_s:.0f} s per 50-step t2va request on {self.measured_on}"
                     f"{reason}{approx}")  # fmt: skip
-        time = f"{self.request_s:.0f} s per 50-step t2va request on an H200"
+        time = f"{self.request_s:.0f} s per 50-step t2va request on {self.measured_on}"
         if self.time_scale > 1.0:
-            time = (f"about {self.request_s * self.time_scale:.0f} s per 50-step request of this shape on an H200 "
+            time = (f"about {self.request_s * self.time_scale:.0f} s per 50-step request of this shape on "
+                    f"{self.measured_on} "
                     f"(predicted: the measured 768x1344x124 request's {self.request_s:.0f} s x {self.time_scale:.2f}, "
                     "the ratio of the forwards' FLOPs)")  # fmt: skip
         return (f"memory recipe {self.name!r} ({measured}{settings}) for {self.request}: needs "
@@ -193,10 +200,17 @@ class MemoryRecipe:
 
 
 def _case_request_s(case: Dict[str, Any]) -> float:
-    """Seconds of the full request: the timed one-forward request with its forward repeated for every sigma step."""
+    """Seconds of the full request: the timed one-forward request with a forward for every sigma step, each taking
+    the median of the forwards the case measured at its canvas (its t2va forward and, where it ran, the fl2va Light4
+    request's): one forward that read its weights from a cold page cache does not stand for all 49."""
     forwards = case["sigma_points"] - 1
-    per_forward = case["stages"]["forwards"] / case["forwards"]
-    return (case["ms"] - case["stages"]["forwards"] + forwards * per_forward) / 1000
+    measured = [case["stages"]["forwards"] / case["forwards"]]
+    measured += [float(ms) for request in _later_requests(case) for ms in request.get("forward_ms") or ()]
+    return (case["ms"] - case["stages"]["forwards"] + forwards * statistics.median(measured)) / 1000
+
+
+# A case's fields for its t2va request alone: its case-level ones also span a shape sweep that ran after it.
+_T2VA_FIELDS = {"device_peak_gib": "device_peak_t2va_gib", "host_peak_rss_gib": "host_peak_rss_t2va_gib"}
 
 
 def _later_requests(case: Dict[str, Any]):
@@ -239,7 +253,13 @@ def derive_recipe_table(
         recipe = case.get("recipe_name") or _legacy_recipe_name(case_name)
         if recipe not in RECIPES or case.get("ms") is None or case.get("peak_reserved_gib") is None:
             continue
-        host = case["host_peak_rss_gib"]
+        # the case's own t2va request: its fields where the case has them (the case-level peaks also span a shape
+        # sweep that ran after it), and the requests it ran after that one
+        swept = any(shape.get("host_peak_reset") for shape in case.get("shapes") or ())
+        own = {field: case[name] for field, name in _T2VA_FIELDS.items() if swept and case.get(name) is not None}
+        requests = [{**case, **own}]
+        requests += _later_requests(case)
+        host = max(r["host_peak_rss_gib"] for r in requests if r.get("host_peak_rss_gib") is not None)
         basis = "host peak RSS of a fresh process, load included"
         if not case.get("host_includes_load", False):
             weights = sum(case.get("weights_gib", {}).values())
@@ -248,7 +268,6 @@ def derive_recipe_table(
                      "which a load moves through host memory)")  # fmt: skip
         # the GPU need: the largest peak of the case's requests (the fl2va Light4 request runs after the t2va one),
         # as the card counts it where the case measured that (the allocator's reserved peak otherwise)
-        requests = [case] + _later_requests(case)
         whole_device = all(r.get("device_peak_gib") is not None for r in requests)
         field = "device_peak_gib" if whole_device else "peak_reserved_gib"
         gpu = max(r[field] for r in requests)
@@ -298,8 +317,16 @@ def load_recipe_table(path: Union[str, Path, None] = None) -> Tuple[MemoryRecipe
                                 host_gib=float(entry["host_gib"]), request_s=float(entry["request_s"]),
                                 case=entry["case"], measured=bool(entry["measured"]), basis=entry["basis"],
                                 cap_gib=entry.get("cap_gib"), settings=dict(entry.get("settings") or {}),
-                                whole_device=bool(entry.get("whole_device", False))))
+                                whole_device=bool(entry.get("whole_device", False)),
+                                measured_on=_gpu_article(entry.get("device") or data.get("device"))))
     return tuple(out)  # fmt: skip
+
+
+def _gpu_article(device: Optional[str]) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``an H100``: the GPU a table entry's time was measured on."""
+    match = re.search(r"\b([A-Z]\d{2,4})\b", device or "")
+    name = match.group(1) if match else (device or "an unnamed GPU")
+    return f"{'an' if name[:1] in 'AEFHILMNORSX' else 'a'} {name}" if match else name
 
 
 def load_predictions(path: Union[str, Path, None] = None) -> Dict[str, Any]:
@@ -675,9 +702,17 @@ class RequestPlan:
              f"needs (measured): {self.recipe.gpu_gib:.2f} GiB GPU (the allocator's peak, without the CUDA context), "
              f"{self.recipe.host_gib:.2f} GiB host ({self.recipe.needs_basis})"),
             f"time: 50 steps about {_minutes(self.seconds)}{few} ({self.time_basis})",
-        ] + ([f"with --request-sized-cap: allocator capped at {self.recipe.request_cap[0]:.2f} GiB for this request, "
-              f"device peak about {self.recipe.request_cap[1]:.2f} GiB (predicted; not yet measured on a GPU)"]
-             if self.recipe.request_cap is not None else [])  # fmt: skip
+        ] + self._request_cap_lines()
+
+    def _request_cap_lines(self) -> List[str]:
+        cap = self.recipe.request_cap
+        if cap is None:
+            return []
+        if self.recipe.request_cap_measured:  # the entry runs under request-sized caps by default
+            return [f"allocator: capped at {cap[0]:.2f} GiB for this request, as the entry was measured "
+                    f"(--no-request-sized-cap: its whole {self.recipe.cap_gib:g} GiB cap)"]  # fmt: skip
+        return [f"with --request-sized-cap: allocator capped at {cap[0]:.2f} GiB for this request, device peak about "
+                f"{cap[1]:.2f} GiB (predicted; this entry was measured under its whole cap)"]  # fmt: skip
 
 
 def _minutes(seconds: float) -> str:
@@ -820,10 +855,11 @@ class MemoryBudgetConfig:
             tmpfs).
         cap_gpu (`bool`, defaults to `True`): run the allocator as the chosen recipe entry was measured: expandable
             segments, held to the entry's cap, no higher than ``gpu_gib`` (:func:`hold_allocator_for_recipe`).
-        request_sized_cap (`bool`, defaults to `False`): before each call, hold the allocator to that request's
-            predicted allocations plus headroom instead (:func:`apply_request_sized_cap`), no higher than the cap
-            above: a short or small clip then leaves the rest of the card free. Not yet measured on a GPU
-            (docs/memory.md), hence off by default.
+        request_sized_cap (`bool`, *optional*): before each call, hold the allocator to that request's predicted
+            allocations plus headroom instead (:func:`apply_request_sized_cap`), no higher than the cap above: a
+            short or small clip then leaves the rest of the card free, and the card's peak is what the memory model
+            predicts. None (the default): as the recipe entry was measured (:func:`measured_with_request_sized_caps`;
+            the 12 GB entry was, docs/memory.md).
     """
 
     gpu_gib: Optional[float] = None
@@ -832,7 +868,7 @@ class MemoryBudgetConfig:
     recipe: Union[str, "MemoryRecipe", None] = None
     offload_folder: Union[str, os.PathLike, None] = None
     cap_gpu: bool = True
-    request_sized_cap: bool = False
+    request_sized_cap: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -842,6 +878,13 @@ class RequestSizedCap:
 
     device: torch.device
     ceiling_gib: Optional[float]
+
+
+def measured_with_request_sized_caps(recipe: "MemoryRecipe", memory_model: Optional[MemoryModel] = None) -> bool:
+    """Whether the memory model's entry for ``recipe`` was fitted on requests that ran under request-sized caps: its
+    predicted device peaks hold under them, so a placed pipeline runs that way unless told otherwise."""
+    memory_model = load_memory_model() if memory_model is None else memory_model
+    return bool(memory_model is not None and memory_model.cases.get(recipe.case, {}).get("request_sized_cap"))
 
 
 def keep_request_sized_cap(pipe, recipe: "MemoryRecipe", gpu_gib: Optional[float], device) -> None:
@@ -916,7 +959,10 @@ def enable_memory_budget(pipe, config: Optional[MemoryBudgetConfig] = None, *arg
     place_for_recipe(pipe, recipe, device, config.offload_folder)
     _record_placement(pipe, memory_recipe=recipe.line(), **({"allocator": allocator} if allocator else {}))
     pipe._h3_memory_recipe = recipe  # each call's request is checked against it (check_request_fits)
-    if config.request_sized_cap:
+    request_sized = config.request_sized_cap
+    if request_sized is None:
+        request_sized = measured_with_request_sized_caps(recipe)
+    if request_sized:
         keep_request_sized_cap(pipe, recipe, gpu_gib, device)
     return recipe
 

@@ -120,7 +120,7 @@ def load_for_memory_budget(
     offload_folder: Union[str, os.PathLike, None] = None,
     dtype: torch.dtype = torch.bfloat16,
     cap_gpu: bool = True,
-    request_sized_cap: bool = False,
+    request_sized_cap: Optional[bool] = None,
     pipeline_class=MiniMaxH3Pipeline,
     transformer_file: Union[str, os.PathLike, None] = None,
     shape: Optional[RequestShape] = None,
@@ -141,7 +141,7 @@ def load_for_memory_budget(
         cap_gpu: run PyTorch's allocator as the chosen recipe entry was measured: expandable segments, held to the
             entry's cap, no higher than ``gpu_gib`` (its measured figures hold under that cap), before anything loads.
         request_sized_cap: before each call, hold the allocator to that request's predicted allocations plus headroom
-            (``MemoryBudgetConfig.request_sized_cap``; not yet measured on a GPU, off by default).
+            (``MemoryBudgetConfig.request_sized_cap``); None: as the recipe entry was measured.
         transformer_file: a single-file DiT (bf16, fp8-scaled or GGUF: docs/checkpoints.md) for the task's partition
             instead of the checkpoint's. It loads in the file's own format and, under a streaming recipe, stays in
             host memory and is offloaded block by block (only a checkpoint converted for the recipe streams its DiT

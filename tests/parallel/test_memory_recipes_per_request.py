@@ -318,6 +318,40 @@ def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch
     assert pipe._h3_request_sized_cap == mb.RequestSizedCap(torch.device("cuda", 0), 9.0)
 
 
+def test_request_sized_caps_default_to_how_the_entry_was_measured(monkeypatch):
+    """``request_sized_cap=None`` (the default) caps each call to its request exactly when the memory model's entry
+    was fitted on requests run that way; True / False override it."""
+    import torch
+
+    entry = dataclasses.replace(TABLE[1], budget=None)
+    monkeypatch.setattr(mb, "resolve_recipe", lambda *a, **k: entry)
+    monkeypatch.setattr(mb, "check_weights_for_recipe", lambda pipe, recipe: None)
+    monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
+    monkeypatch.setattr(mb, "hold_allocator_for_recipe", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Pipe:
+        text_encoder = None
+
+    for measured in (False, True):
+        model = _staged_model(**({"request_sized_cap": {"margin": 0.05}} if measured else {}))
+        monkeypatch.setattr(mb, "load_memory_model", lambda path=None, model=model: model)
+        assert mb.measured_with_request_sized_caps(entry) is measured
+        for asked, kept in ((None, measured), (True, True), (False, False)):
+            pipe = Pipe()
+            mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device="cuda", request_sized_cap=asked))
+            assert hasattr(pipe, "_h3_request_sized_cap") is kept, (measured, asked)
+
+
+def test_the_packaged_12gb_entry_was_measured_under_request_sized_caps():
+    """The committed measurements decide the default: the 12 GB entry's requests all ran under request-sized caps, the
+    8 GB entry's under its whole cap."""
+    model = mb.load_memory_model()
+    by_case = {case: mb.measured_with_request_sized_caps(dataclasses.replace(TABLE[1], case=case), model)
+               for case in ("pc_12gb_32gib", "pc_8gb_16gib")}  # fmt: skip
+    assert by_case == {"pc_12gb_32gib": True, "pc_8gb_16gib": False}
+
+
 def test_plan_says_what_a_request_sized_cap_would_hold():
     staged = _staged_model()
     plan = mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=staged,
@@ -325,7 +359,12 @@ def test_plan_says_what_a_request_sized_cap_would_hold():
     prediction = staged.predict("pc_12gb_32gib", SMALL)
     assert plan.lines()[-1] == (f"with --request-sized-cap: allocator capped at {prediction.request_cap_gib:.2f} GiB "
                                 f"for this request, device peak about {prediction.request_capped_device_gib:.2f} GiB "
-                                "(predicted; not yet measured on a GPU)")  # fmt: skip
+                                "(predicted; this entry was measured under its whole cap)")  # fmt: skip
+    measured_so = _staged_model(request_sized_cap={"margin": 0.05})
+    plan = mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=measured_so,
+                           predictions={})  # fmt: skip
+    assert plan.lines()[-1] == (f"allocator: capped at {prediction.request_cap_gib:.2f} GiB for this request, as the "
+                                f"entry was measured (--no-request-sized-cap: its whole {TABLE[1].cap_gib:g} GiB cap)")
     assert len(mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=MODEL,
                                predictions={}).lines()) == 5  # a model without the allocator's outside: no line
 

@@ -77,8 +77,12 @@ def _audio(row, field, digits):
     return lambda: f"{_json('audio_gates_cpu.json')['rows'][row][field]:.{digits}f}"
 
 
-def _train(field, digits=2):
-    return lambda: f"{_json('train_lora_h100.json')['cases']['card_24gb'][field]:.{digits}f}"
+def _train(field, digits=2, case="card_24gb"):
+    return lambda: f"{_json('train_lora_h100.json')['cases'][case][field]:.{digits}f}"
+
+
+def _fasth3_h100(case, field, scale=1.0, digits=2):
+    return lambda: f"{_json('fasth3_h100.json')['cases'][case][field] * scale:.{digits}f}"
 
 
 def _compile_run(run, case, field="rel_l2"):
@@ -92,6 +96,15 @@ QUOTES = [
     ("docs/training.md", "(bound 22.5) | {} / 21.62 GiB", _train("peak_allocated_gib")),
     ("docs/training.md", "| 18.11 / {} GiB |", _train("peak_reserved_gib")),
     ("docs/training.md", "| **{} GiB** (bound 28)", _train("host_peak_rss_gib")),
+    ("docs/training.md", "| {} s | **65.04 GiB**", _train("s_per_step", 1, case="card_80gb")),
+    ("docs/training.md", "| **{} GiB** (cap 78.5", _train("device_peak_gib", case="card_80gb")),
+    ("docs/training.md", "66,601 MiB) | {} / 64.29 GiB", _train("peak_allocated_gib", case="card_80gb")),
+    ("docs/training.md", "| 58.51 / {} GiB | 2.18", _train("peak_reserved_gib", case="card_80gb")),
+    ("docs/checkpoints.md", "| t2va | **{} s**", _fasth3_h100("t2va_fasth3_fastest", "ms", 1e-3, 1)),
+    ("docs/checkpoints.md", "| fl2va | **{} s** | 3.60", _fasth3_h100("fl2va_fasth3_fastest", "ms", 1e-3, 1)),
+    ("docs/checkpoints.md", "| 2.48 s | **{} GiB**", _fasth3_h100("t2va_fasth3_fastest", "device_peak_gib")),
+    ("docs/checkpoints.md", "| 3.60 s | **{} GiB**", _fasth3_h100("fl2va_fasth3_fastest", "device_peak_gib")),
+    ("docs/checkpoints.md", "**58.13 GiB** | {} / 57.45", _fasth3_h100("t2va_fasth3_fastest", "peak_gib")),
     ("docs/speed.md", "`fast` {} with it", _compile_run("head", "fast")),
     ("docs/speed.md", "with it against {} without", _compile_run("static", "fast")),
     ("docs/speed.md", "`fastest` {} against", _compile_run("head", "fastest")),

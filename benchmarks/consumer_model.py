@@ -200,8 +200,10 @@ def unexplained(case, traffic, weight_format):
     """Per stage, the H200 measurement of ``case`` less the model's H200 figure (>= 0): kept on every GPU."""
     h200 = {**H200, "pcie_effective_gb_s": pcie_gb_s(H200["pcie"])}
     model = stage_model(h200, traffic, weight_format, H200_DISK_GB_S)
+    from diffusers_h3.parallel.memory_recipes import case_forward_ms
+
     stages = case["stages"]
-    forward = stages["forwards"] / case["forwards"]
+    forward = case_forward_ms(case)
     return {
         "text_encode": max(0.0, stages["text_encode"] / 1e3 - model["text_encode"]),
         "forward": max(0.0, forward / 1e3 - model["forward"]),

@@ -347,7 +347,7 @@ def test_console_entry_point_parses_before_importing_the_package(tmp_path):
     # without importing diffusers; a real command imports the package proper (registration included).
     root = str(Path(cli.__file__).resolve().parents[1])
     result = subprocess.run([sys.executable, "-c", _LAUNCHER], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})  # fmt: skip
     out = result.stdout
     assert "EXIT --help 0" in out and "EXIT --version 0" in out and "EXIT --no-such-flag 2" in out, out
     assert "HEAVY []" in out, out

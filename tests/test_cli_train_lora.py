@@ -53,9 +53,11 @@ def test_train_lora_bad_data_folder_is_one_line(tmp_path, capsys):
     (data / "metadata.jsonl").write_text('{"file_name": "clip0.mp4", "text": "fine"}\n{"file_name": "clip1.mp4"}\n')
     from diffusers_h3.testing.tiny import demo_checkpoint_dir
 
+    checkpoint = demo_checkpoint_dir()  # written on first use, with progress bars: not part of the one line
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        main(["train-lora", "--model", str(demo_checkpoint_dir()), "--data", str(data), "--output",
-              str(tmp_path / "out"), *DEMO_ARGS])  # fmt: skip
+        main(["train-lora", "--model", str(checkpoint), "--data", str(data), "--output", str(tmp_path / "out"),
+              *DEMO_ARGS])  # fmt: skip
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "clip1.mp4: no caption" in err and err.startswith("diffusers-h3: error:")

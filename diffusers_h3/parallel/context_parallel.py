@@ -238,6 +238,15 @@ def _replace_gather_hooks(model: torch.nn.Module, cp_config, cp_plan: Dict[str, 
         registry.register_hook(PaddedContextParallelGatherHook(metadata, cp_config), name)
 
 
+def parallel_on_cpu() -> bool:
+    """Whether context parallelism runs on CPU meshes: on a host without an accelerator, and on one with GPUs when the
+    default process group has no CUDA backend (``"cpu:gloo"``: CPU ranks, e.g. tests or debugging on a GPU host), where
+    diffusers would build its mesh on the GPUs the group cannot reach."""
+    if torch.accelerator.device_count() == 0:
+        return True
+    return "cuda" not in dist.get_backend_config() and dist.get_backend() != "nccl"
+
+
 def _enable_parallelism_on_cpu(model: torch.nn.Module, cp_config) -> None:
     """`ModelMixin.enable_parallelism` for hosts without an accelerator (gloo on CPU).
 
@@ -373,10 +382,10 @@ def enable_context_parallel(pipe_or_transformer, config: Optional[ContextParalle
             ring_anything=ring_degree > 1 and ulysses_degree == 1,
             **({} if config is None else {"convert_to_fp32": config.convert_to_fp32, "mesh": config.mesh}),
         )
-        if torch.accelerator.device_count() > 0:
-            model.enable_parallelism(config=cp_config)
-        else:
+        if parallel_on_cpu():
             _enable_parallelism_on_cpu(model, cp_config)
+        else:
+            model.enable_parallelism(config=cp_config)
         if cp_config.ulysses_anything or cp_config.ring_anything:
             _replace_gather_hooks(model, model._parallel_config.context_parallel_config, model._cp_plan)
         record = ContextParallelRecord(

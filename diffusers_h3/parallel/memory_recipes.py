@@ -199,14 +199,20 @@ class MemoryRecipe:
 # -- the table: derived from the measured JSON -----------------------------------------------------------------------
 
 
-def _case_request_s(case: Dict[str, Any]) -> float:
-    """Seconds of the full request: the timed one-forward request with a forward for every sigma step, each taking
-    the median of the forwards the case measured at its canvas (its t2va forward and, where it ran, the fl2va Light4
-    request's): one forward that read its weights from a cold page cache does not stand for all 49."""
-    forwards = case["sigma_points"] - 1
+def case_forward_ms(case: Dict[str, Any]) -> float:
+    """The milliseconds of one forward of a measured case: the median of the forwards it measured at its canvas (its
+    t2va forward and, where it ran, the fl2va Light4 request's), so that one forward that read its weights from a cold
+    page cache does not stand for all of a request's."""
     measured = [case["stages"]["forwards"] / case["forwards"]]
     measured += [float(ms) for request in _later_requests(case) for ms in request.get("forward_ms") or ()]
-    return (case["ms"] - case["stages"]["forwards"] + forwards * statistics.median(measured)) / 1000
+    return statistics.median(measured)
+
+
+def _case_request_s(case: Dict[str, Any]) -> float:
+    """Seconds of the full request: the timed one-forward request with a forward for every sigma step
+    (:func:`case_forward_ms` each)."""
+    forwards = case["sigma_points"] - 1
+    return (case["ms"] - case["stages"]["forwards"] + forwards * case_forward_ms(case)) / 1000
 
 
 # A case's fields for its t2va request alone: its case-level ones also span a shape sweep that ran after it.

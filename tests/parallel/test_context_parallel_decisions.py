@@ -84,3 +84,23 @@ def test_diffusers_processor_runs_ring_attention_only_on_a_log_sum_exp_backend(t
     processor._attention_backend = "flash"  # what set_attention_backend("flash") records (no flash-attn needed)
     with pytest.raises(_PassedTheProcessorChecks):
         context_parallel.enable_context_parallel(_model_with(processor), ContextParallelConfig(ring_degree=2))
+
+
+@pytest.mark.parametrize(
+    "gpus, backend_config, backend, on_cpu",
+    [
+        (0, "cpu:gloo,cuda:gloo", "gloo", True),  # no accelerator: always CPU meshes
+        (1, "cpu:gloo", "cpu:gloo", True),  # CPU ranks on a GPU host
+        (1, "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", False),  # the product's GPU ranks
+        (1, "cuda:nccl", "nccl", False),
+        (1, "cpu:gloo,cuda:gloo", "gloo", False),  # ranks sharing one GPU over gloo
+    ],
+)
+def test_context_parallel_meshes_follow_the_process_group_not_only_the_host(monkeypatch, gpus, backend_config,
+                                                                             backend, on_cpu):  # fmt: skip
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backend_config)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert context_parallel.parallel_on_cpu() is on_cpu

@@ -35,8 +35,10 @@ if HAS_TRITON:
         e = tl.maximum((bits >> 23) - 127, -6)
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
         inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
-        r = (tl.abs(y) * inv + 12582912.0) - 12582912.0
-        return tl.where(signed_bits < 0, -r, r) * step  # the sign bit, so that -0.0 stays -0.0
+        r = ((tl.abs(y) * inv + 12582912.0) - 12582912.0) * step
+        # y's sign bit on the magnitude, so that a negative value that rounds to zero stays -0.0 (a select of -r / r
+        # lost it when compiled for a GPU)
+        return (r.to(tl.int32, bitcast=True) | (signed_bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def round_to_e2m1(a):

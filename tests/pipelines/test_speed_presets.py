@@ -1,6 +1,7 @@
 """Speed presets on the tiny pipeline (CPU: emulated / interpreted paths, compile=False)."""
 
 import shutil
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -154,28 +155,37 @@ def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
 @pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])
 def test_preset_compile_keeps_eager_bf16_numerics(preset):
     """Every preset's compile options make inductor round fused intermediates to bf16 as eager does: the compiled
-    blocks give bitwise the eager output (CPU inductor; default inductor options differ by ~5e-3 here). The 8-bit
-    presets compiled without it were half as far again from native on the GPU (docs/speed.md)."""
-    from diffusers_h3.pipelines.speed_presets import compile_blocks
+    blocks come closer to the eager output than inductor's default options (~5e-3 here), and bitwise equal on the
+    torch CI runs (2.14; torch 2.11's CPU inductor was seen to differ with the option too). The 8-bit presets compiled
+    without it were half as far again from native on the GPU (docs/speed.md)."""
+    from diffusers_h3.pipelines import speed_presets
     from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
 
-    torch.manual_seed(0)
-    model = tiny_transformer(num_layers=4).to(torch.bfloat16).eval()
+    def compiled_output(options):
+        torch.manual_seed(0)
+        model = tiny_transformer(num_layers=4).to(torch.bfloat16).eval()
+        with torch.no_grad():
+            eager = model(**inputs)[0]
+            torch._dynamo.reset()
+            with patch.object(speed_presets, "COMPILE_OPTIONS", options):
+                line = speed_presets.compile_blocks(model, preset)
+            try:
+                compiled = model(**inputs)[0]
+            finally:
+                torch._dynamo.reset()
+        assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.transformer_blocks)
+        return compiled, eager, line
+
     inputs = {**tiny_transformer_inputs(seed=1, grid=(2, 4, 4)), "return_dict": False}
     inputs = {
         k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
     }
-    with torch.no_grad():
-        eager = model(**inputs)[0]
-        torch._dynamo.reset()
-        line = compile_blocks(model, preset)
-        try:
-            compiled = model(**inputs)[0]
-        finally:
-            torch._dynamo.reset()
+    compiled, eager, line = compiled_output(speed_presets.COMPILE_OPTIONS)
+    default, _, _ = compiled_output({name: {} for name in speed_presets.SPEED_PRESETS})
     assert "emulate_precision_casts=True" in line
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.transformer_blocks)
-    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    assert (compiled.float() - eager.float()).norm() < (default.float() - eager.float()).norm()
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 14):
+        torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
 
 
 def _hopper(monkeypatch):

@@ -155,8 +155,9 @@ def test_fast_presets_batch_the_vae_tiles_and_exact_keeps_diffusers_decode():
 @pytest.mark.parametrize("preset", ["exact", "fast", "fastest"])
 def test_preset_compile_keeps_eager_bf16_numerics(preset):
     """Every preset's compile options make inductor round fused intermediates to bf16 as eager does: the compiled
-    blocks come closer to the eager output than inductor's default options (~5e-3 here), and bitwise equal on the
-    torch CI runs (2.14; torch 2.11's CPU inductor was seen to differ with the option too). The 8-bit presets compiled
+    blocks come closer to the eager output than inductor's default options (~5e-3 here), bitwise equal from torch 2.14
+    (CI); torch 2.11's CPU inductor was seen to differ from eager with the option too, so there it is checked only to
+    be no farther. The 8-bit presets compiled
     without it were half as far again from native on the GPU (docs/speed.md)."""
     from diffusers_h3.pipelines import speed_presets
     from diffusers_h3.testing.tiny import tiny_transformer, tiny_transformer_inputs
@@ -183,9 +184,11 @@ def test_preset_compile_keeps_eager_bf16_numerics(preset):
     compiled, eager, line = compiled_output(speed_presets.COMPILE_OPTIONS)
     default, _, _ = compiled_output({name: {} for name in speed_presets.SPEED_PRESETS})
     assert "emulate_precision_casts=True" in line
-    assert (compiled.float() - eager.float()).norm() < (default.float() - eager.float()).norm()
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 14):
+        assert (compiled.float() - eager.float()).norm() < (default.float() - eager.float()).norm()
         torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    else:  # torch 2.11's CPU inductor gave the same output with and without the option: never farther from eager
+        assert (compiled.float() - eager.float()).norm() <= (default.float() - eager.float()).norm()
 
 
 def _hopper(monkeypatch):

@@ -294,7 +294,14 @@ def test_a_pipeline_placed_with_request_sized_caps_caps_each_call_to_its_request
     assert mb.apply_request_sized_cap(pipe, pipe._h3_memory_recipe, SMALL) is None and len(caps) == count
 
 
-def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch):
+class _Pipe:
+    text_encoder = None
+
+
+@pytest.fixture
+def placed_without_weights(monkeypatch):
+    """``enable_memory_budget`` with the recipe resolved to the 12 GB test entry and nothing placed or capped: what
+    is left is the request-sized-cap decision. Returns that entry."""
     import torch
 
     entry = dataclasses.replace(TABLE[1], budget=None)
@@ -303,10 +310,13 @@ def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch
     monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
     monkeypatch.setattr(mb, "hold_allocator_for_recipe", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return entry
 
-    class Pipe:
-        text_encoder = None
 
+def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(placed_without_weights):
+    import torch
+
+    Pipe = _Pipe
     for device, kept in (("cuda", True), ("cpu", False)):
         pipe = Pipe()
         mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device=device, request_sized_cap=True))
@@ -318,21 +328,10 @@ def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(monkeypatch
     assert pipe._h3_request_sized_cap == mb.RequestSizedCap(torch.device("cuda", 0), 9.0)
 
 
-def test_request_sized_caps_default_to_how_the_entry_was_measured(monkeypatch):
+def test_request_sized_caps_default_to_how_the_entry_was_measured(monkeypatch, placed_without_weights):
     """``request_sized_cap=None`` (the default) caps each call to its request exactly when the memory model's entry
     was fitted on requests run that way; True / False override it."""
-    import torch
-
-    entry = dataclasses.replace(TABLE[1], budget=None)
-    monkeypatch.setattr(mb, "resolve_recipe", lambda *a, **k: entry)
-    monkeypatch.setattr(mb, "check_weights_for_recipe", lambda pipe, recipe: None)
-    monkeypatch.setattr(mb, "place_for_recipe", lambda *a, **k: None)
-    monkeypatch.setattr(mb, "hold_allocator_for_recipe", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-
-    class Pipe:
-        text_encoder = None
-
+    entry, Pipe = placed_without_weights, _Pipe
     for measured in (False, True):
         model = _staged_model(**({"request_sized_cap": {"margin": 0.05}} if measured else {}))
         monkeypatch.setattr(mb, "load_memory_model", lambda path=None, model=model: model)

@@ -330,7 +330,7 @@ def load_recipe_table(path: Union[str, Path, None] = None) -> Tuple[MemoryRecipe
 
 def _gpu_article(device: Optional[str]) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``an H100``: the GPU a table entry's time was measured on."""
-    match = re.search(r"\b([A-Z]\d{2,4})\b", device or "")
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
     name = match.group(1) if match else (device or "an unnamed GPU")
     return f"{'an' if name[:1] in 'AEFHILMNORSX' else 'a'} {name}" if match else name
 
@@ -758,8 +758,8 @@ def plan_request(
         seconds, few, basis = predicted["t2va_s"] * scale, predicted["t2va_4step_s"] * scale, predicted["basis"]
     else:
         seconds, few = chosen.request_s * scale, None
-        basis = (f"the {chosen.case} request measured on an H200, not this card: name a card the consumer-GPU model "
-                 "lists for its predicted time")  # fmt: skip
+        basis = (f"the {chosen.case} request measured on {chosen.measured_on}, not this card: name a card the "
+                 "consumer-GPU model lists for its predicted time")  # fmt: skip
     return RequestPlan(recipe=chosen, budget=budget, shape=shape, seconds=seconds, few_step_seconds=few,
                        time_basis=basis + scaled)  # fmt: skip
 

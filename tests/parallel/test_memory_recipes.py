@@ -452,3 +452,12 @@ def test_enable_memory_budget_holds_the_allocator_to_the_entrys_cap(monkeypatch)
     assert recorded["allocator"].startswith("expandable segments; capped at 6.4 GiB")
     mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=5.0, device="cuda:0"))
     assert applied[-1] == (5.0, "cuda:0")
+
+
+def test_a_recipe_line_names_the_gpu_its_time_was_measured_on():
+    """The PC entries were re-measured on an H100, the others on an H200: each line says which."""
+    by_case = {entry.case: entry for entry in mb.load_recipe_table()}
+    for case, gpu in (("pc_12gb_32gib", "an H100"), ("resident_80gb", "an H200")):
+        assert by_case[case].measured_on == gpu and f"t2va request on {gpu}" in by_case[case].line()
+    assert mb._gpu_article("NVIDIA A100-SXM4-80GB") == "an A100" and mb._gpu_article("NVIDIA L40S") == "an L40S"
+    assert mb._gpu_article(None) == "an unnamed GPU" and mb._gpu_article("NVIDIA GeForce RTX 4090") == "NVIDIA GeForce RTX 4090"

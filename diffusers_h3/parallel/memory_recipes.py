@@ -695,7 +695,9 @@ class RequestPlan:
         rows = packed_rows(self.shape)
         parts = ", ".join(f"{kind} {count:,}" for kind, count in rows.items() if kind != "total" and count)
         settings = ", ".join(f"{k}={v}" for k, v in self.recipe.settings.items()) or "its defaults"
-        cap = f", GPU cap {self.recipe.cap_gib:g} GiB" if self.recipe.cap_gib is not None else ""
+        held = recipe_gpu_cap(self.recipe, self.budget.gpu_gib)
+        cap = ("" if self.recipe.cap_gib is None else f", GPU cap {self.recipe.cap_gib:g} GiB" if held == self.recipe.cap_gib
+               else f", GPU cap {held:g} GiB: the entry's {self.recipe.cap_gib:g}, no higher than this machine's")  # fmt: skip
         few = (f"; {FEW_STEP_LORA_PRESET} (4 forwards) about {_minutes(self.few_step_seconds)}"
                if self.few_step_seconds is not None else "")  # fmt: skip
         return [

@@ -381,3 +381,15 @@ def test_set_allocator_cap_replaces_an_earlier_smaller_cap(monkeypatch):
     assert mb.set_allocator_cap(6.0, "cuda:0") == 0.75
     assert mb.set_allocator_cap(None, "cuda:0") == 1.0 and mb.set_allocator_cap(20.0, "cuda:0") == 1.0
     assert calls == [(0.75, "cuda:0"), (1.0, "cuda:0"), (1.0, "cuda:0")]
+
+
+def test_plan_shows_the_cap_the_allocator_is_held_to_on_this_machine():
+    """An entry whose cap is above this machine's GPU budget runs held to the budget (recipe_gpu_cap): the plan says so
+    instead of the entry's cap."""
+    staged = _staged_model()
+    line = mb.plan_request(SMALL, gpu_gib=9.5, host_gib=32.0, table=(TABLE[1],), memory_model=staged,
+                           predictions={}).lines()[2]  # fmt: skip
+    assert f"GPU cap 9.5 GiB: the entry's {TABLE[1].cap_gib:g}, no higher than this machine's" in line, line
+    line = mb.plan_request(SMALL, gpu_gib=11.5, host_gib=32.0, table=(TABLE[1],), memory_model=staged,
+                           predictions={}).lines()[2]  # fmt: skip
+    assert line.endswith(f"GPU cap {TABLE[1].cap_gib:g} GiB)"), line

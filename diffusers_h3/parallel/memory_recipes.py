@@ -899,7 +899,14 @@ def keep_request_sized_cap(pipe, recipe: "MemoryRecipe", gpu_gib: Optional[float
     """Make each later call of ``pipe`` hold the allocator to its request's size (CUDA only)."""
     device = torch.device(device)
     if device.type == "cuda":
-        pipe._h3_request_sized_cap = RequestSizedCap(with_device_index(device), recipe_gpu_cap(recipe, gpu_gib))
+        from .placement import _record_placement
+
+        ceiling = recipe_gpu_cap(recipe, gpu_gib)
+        pipe._h3_request_sized_cap = RequestSizedCap(with_device_index(device), ceiling)
+        # until the first call sets its own line: what each call will be held to
+        _record_placement(pipe, request_cap=(
+            f"each call held to its request's predicted allocations + {REQUEST_CAP_MARGIN:.0%} + "
+            f"{REQUEST_CAP_SLACK_GIB:g} GiB, no higher than {'the card' if ceiling is None else f'{ceiling:g} GiB'}"))
 
 
 def apply_request_sized_cap(pipe, recipe: "MemoryRecipe", shape: RequestShape,

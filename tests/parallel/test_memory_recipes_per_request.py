@@ -326,6 +326,10 @@ def test_enable_memory_budget_keeps_a_request_sized_cap_on_cuda_only(placed_with
     pipe = Pipe()
     mb.enable_memory_budget(pipe, mb.MemoryBudgetConfig(gpu_gib=9.0, device="cuda", request_sized_cap=True))
     assert pipe._h3_request_sized_cap == mb.RequestSizedCap(torch.device("cuda", 0), 9.0)
+    from diffusers_h3.parallel.placement import placement_of
+
+    assert placement_of(pipe)["request_cap"] == ("each call held to its request's predicted allocations + 5% + 0.25 GiB, "
+                                                 "no higher than 9 GiB")  # fmt: skip
 
 
 def test_request_sized_caps_default_to_how_the_entry_was_measured(monkeypatch, placed_without_weights):

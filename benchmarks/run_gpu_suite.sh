@@ -14,6 +14,7 @@
 #               fasth3: the FastH3-shaped t2va / fl2va requests, stack quantized while loading (80 GB cards)
 #               train_lora: the LoRA training steps of the 24 GB and 80 GB recipes (train_lora.py)
 #               memory_12gb: the 12 GB PC recipe over the memory model's shapes with request-sized caps
+#               cpu_suite: the README's CPU test command on this GPU host (its GPUs hidden: docs/testing.md), JUnit XML
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
 #   --workers   pytest-xdist workers for the GPU tests, sharing the GPU (default 1; docs/benchmarking.md)
@@ -32,7 +33,7 @@ while [[ $# -gt 0 ]]; do
     --commit) COMMIT_ARGS=(--commit "$2"); shift 2 ;;
     --peer-dir) PEER_ARGS=(--peer-dir "$2"); shift 2 ;;
     --workers) WORKER_ARGS=(-n "$2" --dist loadfile); shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "run_gpu_suite.sh: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -72,6 +73,8 @@ has train_lora && run train_lora python benchmarks/train_lora.py "${COMMIT_ARGS[
 has memory_12gb && run memory_12gb python benchmarks/placement.py "${COMMIT_ARGS[@]}" --cases pc_12gb_32gib --no-warmup --keep-checkpoint \
   --work-dir .cache/h3work --request-sized-cap --shapes 480x832x124,640x1088x175,480x832x345,768x1344x259 \
   --out "$OUT/placement_request_cap_$DEVICE.json"
+has cpu_suite && run cpu_suite python -m pytest -q -p no:cacheprovider -n "$(nproc)" -rs \
+  --junitxml "$OUT/cpu_suite_gpu_host_$DEVICE.xml"
 # Multi-rank work on one GPU: the per-rank timings of the scaling model, and ranks sharing the GPU over gloo.
 has scaling_model && run scaling_model python benchmarks/multi_gpu_model.py "${COMMIT_ARGS[@]}" \
   --out "$OUT/multi_gpu_model_$DEVICE.json"

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -304,8 +303,10 @@ def measured_inputs():
 
 def short_device(device):
     """``NVIDIA H100 80GB HBM3`` -> ``H100``."""
-    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
-    return match.group(1) if match else (device or "unknown device")
+    sys.path.insert(0, str(ROOT))
+    from diffusers_h3._utils import gpu_model_name
+
+    return gpu_model_name(device) or device or "unknown device"
 
 
 def plot(rows, gpus, path):

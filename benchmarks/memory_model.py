@@ -24,13 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from diffusers_h3._utils import gpu_model_name  # noqa: E402
 from diffusers_h3.parallel.memory_model import derive_memory_model  # noqa: E402
 
 
 def device_slug(device: str) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``h100``: the result files' device suffix."""
-    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
-    return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "_", (device or "unknown").lower()).strip("_")
+    model = gpu_model_name(device)
+    return model.lower() if model else re.sub(r"[^a-z0-9]+", "_", (device or "unknown").lower()).strip("_")
 
 
 def relative_source(path: Path) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import importlib.util
 import logging as std_logging
+import re
 import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -132,3 +133,10 @@ def has_fp4_tensor_cores(device: Optional[torch.device] = None) -> bool:
     """FP4 MMA exists only on SM100/103/110/120/121 (datacenter and consumer Blackwell)."""
     cap = cuda_capability(device)
     return cap is not None and cap[0] in (10, 11, 12)
+
+
+def gpu_model_name(device_name: Optional[str]) -> Optional[str]:
+    """The GPU model in a CUDA device name (``NVIDIA H100 80GB HBM3`` -> ``H100``, ``NVIDIA L40S`` -> ``L40S``); None
+    when the name has none (``NVIDIA GeForce RTX 4090``)."""
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device_name or "")
+    return match.group(1) if match else None

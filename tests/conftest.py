@@ -57,7 +57,10 @@ def _interpreter_cannot_loop_over_arguments() -> bool:
         except Exception as error:  # the interpreter's own error, whatever its wrapper
             _interpreter_probe["broken"] = _INTERPRETER_SCALAR_BUG in str(error)
         finally:
-            os.environ.pop("TRITON_INTERPRET") if saved is None else os.environ.__setitem__("TRITON_INTERPRET", saved)
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
     return _interpreter_probe["broken"]
 
 

@@ -38,7 +38,7 @@ import torch
 from diffusers.utils import logging
 
 from .._hooks import H3_SINGLE_FILE_HOOK, H3_STREAM_FROM_DISK_HOOK, H3Hook, h3_record, partitions_of, register_h3_hook
-from .._utils import config_from_call, with_device_index
+from .._utils import config_from_call, gpu_model_name, with_device_index
 from ..quantizers import is_quantized_linear
 from .memory_model import (
     REQUEST_CAP_MARGIN,
@@ -329,10 +329,12 @@ def load_recipe_table(path: Union[str, Path, None] = None) -> Tuple[MemoryRecipe
 
 
 def _gpu_article(device: Optional[str]) -> str:
-    """``NVIDIA H100 80GB HBM3`` -> ``an H100``: the GPU a table entry's time was measured on."""
-    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device or "")
-    name = match.group(1) if match else (device or "an unnamed GPU")
-    return f"{'an' if name[:1] in 'AEFHILMNORSX' else 'a'} {name}" if match else name
+    """``NVIDIA H100 80GB HBM3`` -> ``an H100``: the GPU a table entry's time was measured on (the full name when it
+    holds no model code)."""
+    model = gpu_model_name(device)
+    if model is None:
+        return device or "an unnamed GPU"
+    return f"{'an' if model[0] in 'AEFHILMNORSX' else 'a'} {model}"
 
 
 def load_predictions(path: Union[str, Path, None] = None) -> Dict[str, Any]:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from tests._cpu_host import selects_gpu_tests
 
 
@@ -37,12 +39,32 @@ def test_the_plugin_hides_the_gpus_before_the_conftest_imports_torch(tmp_path):
         assert f"SEEN {seen}" in result.stdout, result.stdout + result.stderr
 
 
-def test_the_interpreter_probe_runs_here():
-    """The probe that decides the interpreter skip runs a loop over a kernel argument; where the interpreter can (CI),
-    it finds nothing to skip, so no kernel test is skipped for it."""
+def test_the_interpreter_probe_agrees_with_a_kernel_loop_here():
+    """The probe that decides the interpreter skip says "broken" exactly where a kernel that loops over an argument
+    fails with the interpreter's scalar error: never on CI's versions (where it finds nothing to skip, so no kernel test
+    is skipped for it), and only with that error elsewhere (every other error still fails its test)."""
+    import numpy
     import pytest
 
-    pytest.importorskip("triton")
-    from tests.conftest import _interpreter_cannot_loop_over_arguments
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
 
-    assert _interpreter_cannot_loop_over_arguments() is False
+    from tests.conftest import _INTERPRETER_SCALAR_BUG, _interpreter_cannot_loop_over_arguments
+
+    out = torch.zeros(48)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated and launched
+
+        @triton.jit
+        def _fill(X, N, BLOCK: tl.constexpr):
+            for start in range(0, N, BLOCK):
+                tl.store(X + start + tl.arange(0, BLOCK), tl.full((BLOCK,), 2.0, tl.float32))
+
+        try:
+            _fill[(1,)](out, 48, BLOCK=16)
+            loop_fails = False
+        except Exception as error:
+            loop_fails = _INTERPRETER_SCALAR_BUG in str(error)
+    assert _interpreter_cannot_loop_over_arguments() is loop_fails, (triton.__version__, numpy.__version__)
+    if not loop_fails:
+        assert torch.equal(out, torch.full((48,), 2.0))

@@ -197,6 +197,12 @@ def current_packed_layout() -> Optional[PackedLayout]:
 def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayout:
     """The published layout, or an error that tells the caller how to provide one."""
     layout = current_packed_layout()
+    if layout is None and torch._C._current_graph_task_id() != -1:  # running inside a backward pass
+        raise RuntimeError(
+            f"{who} is recomputing a gradient-checkpointed block during backward without its call's plan: register "
+            "the call-plan hook once with `diffusers_h3.install_call_plan_hook(transformer)` (the attention enable_* "
+            "helpers, the pipeline and the LoRA trainer do), which re-enters each call's plan for its recomputed blocks."
+        )
     if layout is None:
         raise RuntimeError(
             f"{who} needs the packed-sequence layout, but none is published. Run the transformer through "

@@ -92,6 +92,10 @@ def _compile_run(run, case, field="rel_l2"):
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
     ("docs/training.md", "| {} s | **22.44 GiB**", _train("s_per_step", 1)),
+    ("README.md", "24 GB recipe {} s/step", _train("s_per_step", 1)),
+    ("README.md", "s/step within {} GiB on the card", _train("device_peak_gib")),
+    ("README.md", "80 GB recipe {} s/step", _train("s_per_step", 1, case="card_80gb")),
+    ("README.md", "s/step at {} GiB (`train_lora_h100.json`", _train("device_peak_gib", case="card_80gb")),
     ("docs/training.md", "| **{} GiB** (bound 22.5)", _train("device_peak_gib")),
     ("docs/training.md", "(bound 22.5) | {} / 21.62 GiB", _train("peak_allocated_gib")),
     ("docs/training.md", "| 18.11 / {} GiB |", _train("peak_reserved_gib")),
@@ -101,6 +105,8 @@ QUOTES = [
     ("docs/training.md", "66,601 MiB) | {} / 64.29 GiB", _train("peak_allocated_gib", case="card_80gb")),
     ("docs/training.md", "| 58.51 / {} GiB | 2.18", _train("peak_reserved_gib", case="card_80gb")),
     ("docs/checkpoints.md", "| t2va | **{} s**", _fasth3_h100("t2va_fasth3_fastest", "ms", 1e-3, 1)),
+    ("README.md", "`fastest`: t2va 11.8 s / fl2va 16.6 s on an H200, {} s", _fasth3_h100("t2va_fasth3_fastest", "ms", 1e-3, 1)),
+    ("README.md", "on an 80 GB H100 within {} GiB", _fasth3_h100("fl2va_fasth3_fastest", "device_peak_gib")),
     ("docs/checkpoints.md", "| fl2va | **{} s** | 3.60", _fasth3_h100("fl2va_fasth3_fastest", "ms", 1e-3, 1)),
     ("docs/checkpoints.md", "| 2.48 s | **{} GiB**", _fasth3_h100("t2va_fasth3_fastest", "device_peak_gib")),
     ("docs/checkpoints.md", "| 3.60 s | **{} GiB**", _fasth3_h100("fl2va_fasth3_fastest", "device_peak_gib")),

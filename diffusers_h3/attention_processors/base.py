@@ -16,9 +16,9 @@ the rest, so that subclasses stay numerically identical to diffusers' ``MiniMaxH
   layout and each processor's plan: route, tile plan, kernel choice, precisions), made by the call-plan hook
   (:mod:`.call_plan`) before the blocks run, outside any compiled region, from the layout, the call's device and
   dtype and the kernels' pure selection; a processor reads its plan with :meth:`current_plan` and its ops write
-  nothing back. A processor set by hand (no hook) plans its first block call itself, in one eager island; under
-  autograd a gradient-checkpointed block, which recomputes its attention during backward after the call ended,
-  re-enters the plan of the call it recomputes;
+  nothing back. A processor set by hand (no hook) plans its first block call itself, in one eager island. A
+  gradient-checkpointed block, which recomputes its attention during backward after the call ended, runs under the
+  plan of the call it recomputes: the call-plan hook hands the checkpoint function blocks that publish it;
 * **describe_path()** from the plan of the last call (its :class:`~diffusers_h3.kernels.attention.KernelChoice`).
 
 Subclasses implement :meth:`core` (any head count: under Ulysses it sees a slice of the module's heads), may add
@@ -32,10 +32,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels.attention.router import KernelChoice
-from ..layout import CallPlan, current_call_plan, current_packed_layout, use_call_plan
+from ..layout import current_call_plan, current_packed_layout
 from ._projections import project_output, project_qkv
 
 
@@ -91,9 +90,6 @@ class MiniMaxH3AttnProcessorBase:
 
     def __init__(self):
         self.last_plan: Any = None  # this processor's plan of the last transformer call (describe_path)
-        # Under autograd: the call plan of each call by its rotary tensor (the one object every block of the call
-        # gets, also when a checkpointed block recomputes during backward), dropped with the call's tensors.
-        self._reentry_plans = WeakIdKeyDictionary()
         self._refiner = MiniMaxH3AttnProcessor()  # never given the parallel config
 
     # -- installation (attention_processors.install): a registered processor's config and how it is installed -------
@@ -190,28 +186,7 @@ class MiniMaxH3AttnProcessorBase:
     ) -> torch.Tensor:
         if rotary_emb is None:
             return self.refiner_call(attn, hidden_states, attention_mask)
-        if torch.is_grad_enabled():
-            # A gradient-checkpointed block runs this again during backward, after the call's plan was unpublished.
-            plan = self._plan_to_reenter(rotary_emb[0])
-            if plan is not None:
-                with use_call_plan(plan):
-                    return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
         return self.project_and_attend(attn, hidden_states, rotary_emb, attention_mask)
-
-    @torch.compiler.disable  # context-variable and dictionary bookkeeping: one eager island under torch.compile
-    def _plan_to_reenter(self, anchor: torch.Tensor) -> Optional[CallPlan]:
-        """For a call under autograd: the call plan to re-enter, or ``None`` when none needs re-entering.
-
-        Inside a transformer call (a plan is published) the plan is kept for ``anchor``, the call's rotary tensor,
-        and ``None`` is returned. Outside one, the call is a gradient-checkpointed block recomputing during backward
-        (or on the autograd engine's device thread): the plan kept for ``anchor`` by its forward is returned
-        (``None`` for a call that never had one: the layout error then says how to publish it).
-        """
-        plan = current_call_plan()
-        if plan is not None:
-            self._reentry_plans[anchor] = plan
-            return None
-        return self._reentry_plans.get(anchor)
 
     def project_and_attend(self, attn, hidden_states, rotary_emb, attention_mask=None) -> torch.Tensor:
         """Projections → :meth:`attend` → output projection (a block call with rotary embeddings)."""

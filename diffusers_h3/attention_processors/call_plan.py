@@ -8,12 +8,20 @@ puts the plans in one frozen :class:`~diffusers_h3.layout.CallPlan`, publishes i
 mirrored thread-locally for compiled code: a call in another thread has its own) and keeps it as the transformer's last plan, which ``describe()`` reads. The
 blocks read their processor's plan as plain data, so compiled blocks specialize on the route and the plan's sizes and
 choices, never on a layout object or a denoising step; the kernels they call write nothing back.
+
+Under gradient checkpointing a block runs again during backward, after the call returned (on CUDA, in the autograd
+engine's own thread, where nothing the call published is visible). The hook therefore hands the model's checkpoint
+function each block of the call wrapped in a callable that publishes the call's plan (:func:`recomputed_blocks_reenter`):
+whatever checkpoint function the model was given runs that callable in the forward and again in the recompute, so a
+recomputed block runs under the plan of the call it recomputes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -40,11 +48,47 @@ class CallPlanHook(H3Hook):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         plan = plan_transformer_call(transformer, hidden_states)
         try:
-            with use_call_plan(plan):
+            with use_call_plan(plan), recomputed_blocks_reenter(transformer, plan):
                 return self.fn_ref.original_forward(*args, **kwargs)
         finally:  # also when the call raises: describe() reports the plan of the call that ran last
             self.record.calls += 1
             self.record.last = plan
+
+
+@contextlib.contextmanager
+def recomputed_blocks_reenter(transformer, plan: CallPlan) -> Iterator[None]:
+    """For one call of ``transformer`` under autograd with gradient checkpointing on: its checkpoint function (diffusers'
+    ``_gradient_checkpointing_func``, the one place a model hands its blocks to checkpointing) gets each block wrapped in
+    a callable that publishes ``plan`` for the block's run, in the forward and in the recompute. Put back on exit."""
+    checkpoint = transformer.__dict__.get("_gradient_checkpointing_func")
+    if checkpoint is None or not (torch.is_grad_enabled() and getattr(transformer, "gradient_checkpointing", False)):
+        yield
+        return
+    transformer._gradient_checkpointing_func = functools.partial(_checkpoint_under_plan, checkpoint, plan)
+    try:
+        yield
+    finally:
+        transformer._gradient_checkpointing_func = checkpoint
+
+
+def _checkpoint_under_plan(checkpoint, plan: CallPlan, block, *args, **kwargs):
+    return checkpoint(_BlockUnderPlan(block, plan), *args, **kwargs)
+
+
+class _BlockUnderPlan:
+    """``block`` run under ``plan``: what the checkpoint function calls (``module.__call__`` in diffusers' default) in
+    the forward and again when it recomputes the block; other attributes are the block's."""
+
+    def __init__(self, block, plan: CallPlan):
+        self.block = block
+        self.plan = plan
+
+    def __call__(self, *args, **kwargs):
+        with use_call_plan(self.plan):
+            return self.block(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.block, name)
 
 
 def plan_transformer_call(transformer, hidden_states) -> CallPlan:
@@ -89,7 +133,9 @@ def _call_inputs(layout, attn, hidden_states) -> Optional[CallInputs]:
 
 
 def install_call_plan_hook(transformer) -> None:
-    """Register the call-plan hook on ``transformer`` (once; an attention ``enable_*`` calls it)."""
+    """Register the call-plan hook on ``transformer`` (once; an attention ``enable_*`` calls it, as do the pipeline and
+    the LoRA trainer). A processor set with ``set_attn_processor`` in your own training loop needs it for gradient
+    checkpointing: the hook is what re-enters a call's plan when a checkpointed block recomputes."""
     if get_h3_hook(transformer, H3_CALL_PLAN_HOOK) is None:
         register_h3_hook(transformer, CallPlanHook(), H3_CALL_PLAN_HOOK)
 

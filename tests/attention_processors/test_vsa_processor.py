@@ -1,5 +1,6 @@
 """MiniMaxH3VSAProcessor on the tiny H3 transformer: dense equivalence, sparse semantics, gates, options, errors."""
 
+import functools
 import math
 import os
 
@@ -13,6 +14,7 @@ import pytest  # noqa: E402
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor  # noqa: E402
 
+from diffusers_h3.attention_processors import install_call_plan_hook  # noqa: E402
 from diffusers_h3.attention_processors import low_precision as low_precision_module  # noqa: E402
 from diffusers_h3.attention_processors.tiling import build_tile_plan  # noqa: E402
 from diffusers_h3.attention_processors.vsa import (  # noqa: E402
@@ -378,9 +380,10 @@ def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
     _reset(model)
 
 
-def _vsa_grads(install, checkpointing, checkpointing_first=True, **options):
+def _vsa_grads(install, checkpointing, checkpointing_first=True, hook=True, **options):
     """Gradients of a small loss of the tiny transformer with sparse VSA installed by ``install``; backward runs after
-    the layout context has exited, as in a training loop."""
+    the layout context has exited, as in a training loop. ``hook``: register the call-plan hook for a processor set by
+    hand (``enable_vsa`` always does)."""
     torch.manual_seed(0)
     m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
     if checkpointing and checkpointing_first:
@@ -389,10 +392,15 @@ def _vsa_grads(install, checkpointing, checkpointing_first=True, **options):
         enable_vsa(m, sparsity=0.5, **options)
     else:  # the processor on its own, one instance for every attention module (refiner included)
         m.set_attn_processor(MiniMaxH3VSAProcessor(sparsity=0.5, **options))
+        if hook:
+            install_call_plan_hook(m)
     if checkpointing and not checkpointing_first:
         m.enable_gradient_checkpointing()
     with use_packed_layout(_layout()):
         video, audio = m(**_inputs(seed=3))
+    assert "_gradient_checkpointing_func" not in m.__dict__ or not isinstance(
+        m.__dict__["_gradient_checkpointing_func"], functools.partial
+    )  # the call's wrapper is put back when the call returns
     (video.square().mean() + audio.square().mean()).backward()
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -407,8 +415,9 @@ def test_sparse_vsa_under_gradient_checkpointing_gives_the_same_gradients(checkp
 
 
 def test_vsa_installed_with_set_attn_processor_keeps_its_layout_under_gradient_checkpointing():
-    """The layout re-entry is the processor's own: set_attn_processor (no enable_vsa) trains with checkpointing, and
-    its gradients equal the non-checkpointed run and the checkpointed enable_vsa run."""
+    """set_attn_processor (no enable_vsa) trains with checkpointing once the call-plan hook is registered: its gradients
+    equal the non-checkpointed run and the checkpointed enable_vsa run. Without the hook the recompute, which runs
+    after the layout context exited, stops in one line naming the hook."""
     torch_kernels = {"backend": "torch"}  # the reference kernels: the point here is the layout, not the kernels
     checkpointed = _vsa_grads("set_attn_processor", checkpointing=True, **torch_kernels)
     plain = _vsa_grads("set_attn_processor", checkpointing=False, **torch_kernels)
@@ -417,3 +426,5 @@ def test_vsa_installed_with_set_attn_processor_keeps_its_layout_under_gradient_c
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(checkpointed[name], via_enable_vsa[name], rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(RuntimeError, match=r"recomputing a gradient-checkpointed block .*install_call_plan_hook"):
+        _vsa_grads("set_attn_processor", checkpointing=True, hook=False, **torch_kernels)

@@ -91,6 +91,10 @@ def _compile_run(run, case, field="rel_l2"):
 
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
+    ("docs/architecture.md", "`exact` 6091.6 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['exact']['aa14a75_ms']}"),
+    ("docs/architecture.md", "`fast` 4643.8 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['fast']['aa14a75_ms']}"),
+    ("docs/architecture.md", "`fastest` 2775.4 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['fastest']['aa14a75_ms']}"),
+    ("docs/architecture.md", "`fastest` {} → 2734.7 ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['fastest']['6e4832a_ms']}"),
     ("docs/training.md", "| {} s | **22.44 GiB**", _train("s_per_step", 1)),
     ("README.md", "24 GB recipe {} s/step", _train("s_per_step", 1)),
     ("README.md", "s/step within {} GiB on the card", _train("device_peak_gib")),

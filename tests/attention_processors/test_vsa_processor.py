@@ -380,14 +380,14 @@ def test_describe_reports_the_recorded_kernel_choice(model, monkeypatch):
     _reset(model)
 
 
-def _vsa_grads(install, checkpointing, checkpointing_first=True, hook=True, **options):
+def _vsa_grads(install, checkpointing, checkpointing_first=True, hook=True, checkpoint_func=None, **options):
     """Gradients of a small loss of the tiny transformer with sparse VSA installed by ``install``; backward runs after
     the layout context has exited, as in a training loop. ``hook``: register the call-plan hook for a processor set by
-    hand (``enable_vsa`` always does)."""
+    hand (``enable_vsa`` always does); ``checkpoint_func``: the model's checkpoint function (diffusers' default: None)."""
     torch.manual_seed(0)
     m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
     if checkpointing and checkpointing_first:
-        m.enable_gradient_checkpointing()
+        m.enable_gradient_checkpointing(checkpoint_func)
     if install == "enable_vsa":
         enable_vsa(m, sparsity=0.5, **options)
     else:  # the processor on its own, one instance for every attention module (refiner included)
@@ -395,7 +395,7 @@ def _vsa_grads(install, checkpointing, checkpointing_first=True, hook=True, **op
         if hook:
             install_call_plan_hook(m)
     if checkpointing and not checkpointing_first:
-        m.enable_gradient_checkpointing()
+        m.enable_gradient_checkpointing(checkpoint_func)
     with use_packed_layout(_layout()):
         video, audio = m(**_inputs(seed=3))
     assert "_gradient_checkpointing_func" not in m.__dict__ or not isinstance(
@@ -428,3 +428,17 @@ def test_vsa_installed_with_set_attn_processor_keeps_its_layout_under_gradient_c
         torch.testing.assert_close(checkpointed[name], via_enable_vsa[name], rtol=1e-5, atol=1e-6, msg=name)
     with pytest.raises(RuntimeError, match=r"recomputing a gradient-checkpointed block .*install_call_plan_hook"):
         _vsa_grads("set_attn_processor", checkpointing=True, hook=False, **torch_kernels)
+
+
+def test_a_reentrant_checkpoint_function_recomputes_under_the_plan_of_its_call():
+    """Whatever checkpoint function the model was given: torch's reentrant checkpoint recomputes a block inside its own
+    backward, and it runs under the call's plan as diffusers' default (non-reentrant) does."""
+    def reentrant(module, *args):
+        return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=True)
+
+    torch_kernels = {"backend": "torch"}
+    plain = _vsa_grads("enable_vsa", checkpointing=False, **torch_kernels)
+    checkpointed = _vsa_grads("enable_vsa", checkpointing=True, checkpoint_func=reentrant, **torch_kernels)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -73,14 +73,6 @@ def case_setup(case):
 BUILT_ON_CPU = ("text_encoder", "transformer", "vae")  # --dit-format quantized
 
 
-def dit_config(device):
-    """The DiT format of the ``fastest`` preset on ``device`` (FP8 with FP8 tensor cores, else W8A16)."""
-    from diffusers_h3.pipelines.speed_presets import gemm_format
-    from diffusers_h3.quantizers import FP8Config, W8A16Config
-
-    return FP8Config() if gemm_format(device) == "fp8" else W8A16Config()
-
-
 def stack_hook(device, tiny, dit_format="quantized"):
     """The component hook that gives ``request.build_pipeline``'s random components the FastH3 stack's layout; with
     ``dit_format="quantized"`` it also brings the components built on the CPU to ``device``, quantized layer by layer
@@ -103,7 +95,7 @@ def stack_hook(device, tiny, dit_format="quantized"):
             with request_suite.random_init_on(device) if on_gpu_rng else contextlib.nullcontext():
                 add_random_gates(module)
             if dit_format == "quantized":
-                quantize(module, dit_config(device), device=target)
+                quantize(module, request_suite.preset_dit_config(device), device=target)
         elif name == "vae":
             layers = min(STUDENT_LAYERS, len(module.decoder.transformer_blocks))
             load_nvfp4_decoder(module, nvfp4_decoder_export(module, layers), source="decoder.pt layout (random)")

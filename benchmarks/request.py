@@ -296,6 +296,41 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     )  # fmt: skip
 
 
+# --dit-format quantized: the components the fast presets quantize, built on the CPU and brought to the device in the
+# presets' formats one layer at a time (no 16-bit copy of either on the card: what fits one 80 GB GPU).
+QUANTIZED_BUILD_ON_CPU = ("text_encoder", "transformer")
+
+
+def preset_dit_config(device):
+    """The DiT format of the ``fast`` / ``fastest`` presets on ``device`` (FP8 with FP8 tensor cores, else W8A16)."""
+    from diffusers_h3.pipelines.speed_presets import gemm_format
+    from diffusers_h3.quantizers import FP8Config, W8A16Config
+
+    return FP8Config() if gemm_format(device) == "fp8" else W8A16Config()
+
+
+def preset_quantizing_hook(device, tiny):
+    """``build_pipeline``'s component hook for ``--dit-format quantized``: the text encoder to the presets' text-encoder
+    format (W8A16) and the DiT to :func:`preset_dit_config`, each quantized onto ``device`` from its CPU build
+    (``quantize(module, config, device=...)``, what ``from_pretrained(..., quantization_config=...)`` does). The
+    presets then find both "already quantized: kept", so the request runs the weights they would have made."""
+    from diffusers_h3.pipelines.speed_presets import TEXT_ENCODER_FORMAT
+    from diffusers_h3.quantizers import get_format, quantize
+
+    target = None if tiny else device  # tiny components are built on the device already
+
+    def hook(name, module):
+        if name == "text_encoder":
+            quantize(module, get_format(TEXT_ENCODER_FORMAT).config_cls(), device=target)
+        elif name == "transformer":
+            quantize(module, preset_dit_config(device), device=target)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        return module
+
+    return hook
+
+
 def peak_over_stages(peaks):
     """``(allocated, reserved)`` GiB: the largest of ``StageTimer.peaks`` (``(None, None)`` when empty, off CUDA).
     Each mark resets the allocator's peak, so the allocator itself knows only the interval since the last mark."""
@@ -539,6 +574,11 @@ def main(argv=None):
     parser.add_argument("--gpu-cap-gib", type=float, default=None, metavar="G",
                         help="hold the caching allocator to G GiB (apply_gpu_cap) for the fast / fastest cases, from "
                              "their preset on (the bf16 cases need more)")
+    parser.add_argument("--dit-format", choices=("bf16", "quantized"), default="bf16",
+                        help="bf16 (default): every component built in bf16 on the device, the presets quantize in "
+                             "place (an H200 holds it); quantized: the text encoder and the DiT reach the device "
+                             "already in the fast presets' formats, layer by layer from a CPU build (one 80 GB GPU; "
+                             "only the fast / fastest cases)")  # fmt: skip
     parser.add_argument("--export", choices=("one-shot", "streamed"), default="one-shot",
                         help="one-shot: output_type='np' then export_to_video; streamed: output_type='latent' then "
                              "pipe.decode_to_video, the MP4 written while the video decodes (what the CLI runs)")  # fmt: skip
@@ -555,6 +595,10 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/request.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
     run = [c for c in CASES if c in wanted and c not in skip]
+    bf16_cases = [c for c in run if CASE_SETUP[c][1] not in ("fast", "fastest")]
+    if args.dit_format == "quantized" and bf16_cases:
+        raise SystemExit(f"--dit-format quantized builds the fast presets' weights; {', '.join(bf16_cases)} run(s) "
+                         "the bf16 model: run them with --dit-format bf16 (a card that holds it)")  # fmt: skip
     caches = {CASE_CACHE.get(c) for c in run}
     if len(caches) > 1:
         raise SystemExit(f"cases with different step caches in one run ({sorted(map(str, caches))}): run each cache "
@@ -563,7 +607,11 @@ def main(argv=None):
     import diffusers_h3
 
     started = time.perf_counter()
-    pipe = build_pipeline(device, args.tiny)
+    if args.dit_format == "quantized":
+        pipe = build_pipeline(device, args.tiny, component_hook=preset_quantizing_hook(device, args.tiny),
+                              build_on_cpu=() if args.tiny else QUANTIZED_BUILD_ON_CPU)  # fmt: skip
+    else:
+        pipe = build_pipeline(device, args.tiny)
     pipe.set_progress_bar_config(disable=True)
     cache = next(iter(caches), None)
     if cache is not None:  # before any preset: the preset compiles the blocks with the cache hooks in place
@@ -638,7 +686,11 @@ def write_report(args, results, notes, build_s, device):
                   "text_encoder": "Qwen3-VL-32B config, decoder layers 0-50 built, 0-49 run (early exit at "
                                   "hidden_states[50]), vision tower built" if not args.tiny else "tiny",
                   "transformer": "MiniMaxH3Transformer3DModel() defaults: 50 blocks, hidden 5376, 56x128 heads",
-                  "vae": "AutoencoderKLMiniMaxH3() / AutoencoderKLMiniMaxH3Audio() defaults (released sizes), tiled"},
+                  "vae": "AutoencoderKLMiniMaxH3() / AutoencoderKLMiniMaxH3Audio() defaults (released sizes), tiled",
+                  "dit_format": args.dit_format,
+                  "quantized_build": None if args.dit_format == "bf16" else
+                  "text encoder and DiT built on the CPU and quantized onto the device layer by layer in the fast "
+                  "presets' formats (the presets keep them)"},
         "protocol": "random weights built on the device; per case 1 warm-up request (2 forwards) + 1 timed request "
                     "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
                     "stages.forwards add the missing ones at the median forward ('extrapolated': true)",

@@ -100,3 +100,25 @@ def test_cache_profiles_run_one_per_process(tmp_path):
     case = json.loads(out.read_text())["cases"]["t2va_fast_taylorseer"]
     assert case["preset"] == "fast" and "TaylorSeerCacheConfig" in case["cache"]["config"]
     assert case["cache"]["last_request"].startswith("skipped ")
+
+
+def test_quantized_build_refuses_the_bf16_cases_before_building(tmp_path):
+    run = run_script(SCRIPT, "--tiny", "--dit-format", "quantized", "--cases", "t2va_exact,t2va_fast",
+                     "--out", tmp_path / "r.json")  # fmt: skip
+    assert run.returncode != 0 and "t2va_exact run(s) the bf16 model" in run.stderr
+    assert "built the pipeline" not in run.stdout and not (tmp_path / "r.json").exists()
+
+
+def test_quantized_build_runs_a_cache_profile_on_weights_the_preset_keeps(tmp_path):
+    """--dit-format quantized (one 80 GB GPU): the text encoder and the DiT arrive in the preset's formats, and the
+    preset keeps them instead of quantizing again; the cache profile's skipped steps are recorded."""
+    out = tmp_path / "request.json"
+    run = run_script(SCRIPT, "--tiny", "--dit-format", "quantized", "--cases", "t2va_fastest_taylorseer",
+                     "--no-warmup", "--no-compile", "--out", out, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["shape"]["dit_format"] == "quantized" and data["notes"] == {}
+    weights = data["cases"]["t2va_fastest_taylorseer"]["speed_preset"]["weights"]
+    assert weights["text_encoder"] == "h3_w8a16 [already quantized: kept]"
+    assert "already quantized: kept" in weights["transformer"], weights
+    assert data["cases"]["t2va_fastest_taylorseer"]["cache"]

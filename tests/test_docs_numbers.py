@@ -89,8 +89,23 @@ def _compile_run(run, case, field="rel_l2"):
     return lambda: f"{_json('forward_compile_options_h100.json')['runs'][run]['cases'][case][field]:.2e}".replace("e-0", "e-")
 
 
+def _taylorseer_prediction(case, computed=12):
+    """The TaylorSeer profile's predicted request time (s): ``computed`` forwards at the case's median forward plus the
+    case's other stages, from request_h200.json."""
+
+    def value():
+        record = _json("request_h200.json")["cases"][case]
+        other = sum(v for stage, v in record["stages"].items() if stage != "forwards")
+        return f"{(computed * record['forward_median_ms'] + other) / 1000:.1f}"
+
+    return value
+
+
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
+    ("docs/speed.md", "predicts about **{} s** for `fastest` + TaylorSeer", _taylorseer_prediction("t2va_fastest")),
+    ("docs/speed.md", "and **{} s** for `fast` + TaylorSeer", _taylorseer_prediction("t2va_fast")),
+    ("docs/speed.md", "(12 × {} ms +\n3.85 s)", lambda: f"{_json('request_h200.json')['cases']['t2va_fastest']['forward_median_ms']}"),
     ("docs/architecture.md", "`exact` 6091.6 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['exact']['aa14a75_ms']}"),
     ("docs/architecture.md", "`fast` 4643.8 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['fast']['aa14a75_ms']}"),
     ("docs/architecture.md", "`fastest` 2775.4 → {} ms", lambda: f"{_json('forward_before_after_h100.json')['summary']['fastest']['aa14a75_ms']}"),

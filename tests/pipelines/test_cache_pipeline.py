@@ -147,3 +147,16 @@ def test_pipeline_reports_current_timestep_for_diffusers_attention_caches():
         assert pipe.current_timestep is None, "outside the loop there is no current timestep"
         assert seen[0] == 1000.0 and min(seen) < 300 and seen == sorted(seen, reverse=True), seen
         assert not torch.equal(frames, expected), f"{make_config.__name__} skipped no attention"
+
+
+def test_taylorseer_profile_computes_twelve_of_the_fifty_step_requests_forwards():
+    """The cache profiles' TaylorSeer computes forwards on a fixed schedule, not on the weights: of a 50-sigma-point
+    request's 49 forwards it computes steps 0-2 and every 5th from 4 (12 in all). docs/speed.md predicts the profiles'
+    request times from this count and the measured forward times."""
+    from diffusers_h3.hooks.cache import cache_stats
+
+    pipe = _pipe(cache_config("taylorseer"))
+    _call(pipe, num_inference_steps=50)
+    stats = cache_stats(pipe.transformer)
+    computed = [step for step in range(stats.forwards) if step not in stats.skipped_steps]
+    assert stats.forwards == 49 and computed == [0, 1, 2, 4, 9, 14, 19, 24, 29, 34, 39, 44]

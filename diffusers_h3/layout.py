@@ -201,7 +201,7 @@ def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayo
         raise RuntimeError(
             f"{who} is recomputing a gradient-checkpointed block during backward without its call's plan: register "
             "the call-plan hook once with `diffusers_h3.install_call_plan_hook(transformer)` (the attention enable_* "
-            "helpers, the pipeline and the LoRA trainer do), which re-enters each call's plan for its recomputed blocks."
+            "helpers do), which re-enters each call's plan for its recomputed blocks."
         )
     if layout is None:
         raise RuntimeError(

@@ -87,7 +87,9 @@ class _BlockUnderPlan:
         with use_call_plan(self.plan):
             return self.block(*args, **kwargs)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # only for names not set in __init__
+        if name in ("block", "plan"):
+            raise AttributeError(name)
         return getattr(self.block, name)
 
 
@@ -133,9 +135,9 @@ def _call_inputs(layout, attn, hidden_states) -> Optional[CallInputs]:
 
 
 def install_call_plan_hook(transformer) -> None:
-    """Register the call-plan hook on ``transformer`` (once; an attention ``enable_*`` calls it, as do the pipeline and
-    the LoRA trainer). A processor set with ``set_attn_processor`` in your own training loop needs it for gradient
-    checkpointing: the hook is what re-enters a call's plan when a checkpointed block recomputes."""
+    """Register the call-plan hook on ``transformer`` (once; the attention ``enable_*`` helpers call it). A processor set
+    with ``set_attn_processor`` and trained with gradient checkpointing needs it: the hook is what re-enters a call's
+    plan when a checkpointed block recomputes."""
     if get_h3_hook(transformer, H3_CALL_PLAN_HOOK) is None:
         register_h3_hook(transformer, CallPlanHook(), H3_CALL_PLAN_HOOK)
 

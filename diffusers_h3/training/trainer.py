@@ -31,7 +31,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..attention_processors import install_call_plan_hook
 from .cache import CacheSettings, LatentCache
 from .data import check_data_folder
 from .loss import FlowMatchingConfig, flow_matching_loss, pack_sample
@@ -478,7 +477,6 @@ def train_lora(config: TrainLoraConfig, accelerator=None) -> TrainResult:
     lora_config = add_lora(transformer, config)
     if config.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-        install_call_plan_hook(transformer)  # a recomputed block re-enters its call's attention plan
     if config.stream_base:
         from ..tasks import partition_for_task
 

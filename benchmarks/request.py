@@ -32,7 +32,9 @@ first case; two because step 0 and the later steps pack different timestep count
 ``--forwards K`` a case of more than K forwards times only the first K (the rest of the loop is interrupted, decode
 and mux still run) and the whole-request ``ms`` is extrapolated with the median forward: the JSON says so per case
 (``forwards_timed``, ``extrapolated``). Stage times are CUDA-synchronized wall times; the partial JSON is written
-after every case.
+after every case. ``device_peak_gib`` is the card's count over each case (warm-up and timed request: NVML sampled,
+the CUDA context and workspaces included; never reported below the allocator's reserved peak), next to the
+allocator's ``peak_gib`` / ``peak_reserved_gib``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import result_header, write_json
+from _common import DeviceMemorySampler, device_peak_fields, result_header, write_json
 
 
 HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
@@ -558,6 +560,12 @@ def request(pipe, case, device, out_dir, forwards_limit, tiny, export="one-shot"
     }
 
 
+def card_sampler(device):
+    """The card's count of this process's memory (NVML, sampled: ``device_peak_gib`` per case), started; ``None`` off
+    CUDA. Made before the process touches CUDA, so that its baseline is the idle card."""
+    return DeviceMemorySampler(device.index or 0).start() if device.type == "cuda" else None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/request_h200.json")
@@ -604,6 +612,8 @@ def main(argv=None):
         raise SystemExit(f"cases with different step caches in one run ({sorted(map(str, caches))}): run each cache "
                          "profile as its own --cases")  # fmt: skip
 
+    sampler = card_sampler(device)  # before this process touches CUDA
+
     import diffusers_h3
 
     started = time.perf_counter()
@@ -640,13 +650,19 @@ def main(argv=None):
                     torch.cuda.empty_cache()  # the bf16 weights the preset quantized away
                     apply_gpu_cap(args.gpu_cap_gib, device)
             case_start = time.perf_counter()
-            if not args.no_warmup:
-                warm_up(pipe, case, args.tiny, decode=not decoders_warm)
-                decoders_warm = True
-            warmup_s = time.perf_counter() - case_start
-            task = CASE_SETUP[case][0]
-            record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny,
-                             export=args.export, reference_embeds=reference_embeds.get(task))  # fmt: skip
+            window = sampler.window(case) if sampler is not None else contextlib.nullcontext()
+            with window:
+                if not args.no_warmup:
+                    warm_up(pipe, case, args.tiny, decode=not decoders_warm)
+                    decoders_warm = True
+                warmup_s = time.perf_counter() - case_start
+                task = CASE_SETUP[case][0]
+                record = request(pipe, case, device, out_dir, forwards_limit=args.forwards, tiny=args.tiny,
+                                 export=args.export, reference_embeds=reference_embeds.get(task),
+                                 sampler=sampler)  # fmt: skip
+            if sampler is not None:  # the card's count over the case (warm-up and timed request)
+                record.update(device_peak_fields(sampler.windows[case], record.get("peak_reserved_gib"),
+                                                 sampler.source))  # fmt: skip
             embeds = record.pop("prompt_embeds", None)
             if task not in reference_embeds and embeds is not None and preset in (None, "exact"):
                 reference_embeds[task] = embeds
@@ -670,6 +686,8 @@ def main(argv=None):
                   f"[{record['forwards_timed']}/{record['forwards']} forwards timed]", flush=True)  # fmt: skip
         write_report(args, results, notes, build_s, device)  # after every case: a time limit loses nothing done
     write_report(args, results, notes, build_s, device)
+    if sampler is not None:
+        sampler.stop()
 
 
 def write_report(args, results, notes, build_s, device):

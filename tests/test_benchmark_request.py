@@ -122,3 +122,28 @@ def test_quantized_build_runs_a_cache_profile_on_weights_the_preset_keeps(tmp_pa
     assert weights["text_encoder"] == "h3_w8a16 [already quantized: kept]"
     assert "already quantized: kept" in weights["transformer"], weights
     assert data["cases"]["t2va_fastest_taylorseer"]["cache"]
+
+
+def test_each_case_records_the_cards_count_of_its_window(tmp_path, monkeypatch):
+    """With a card sampler (CUDA), each case's record gets ``device_peak_gib``: the sampled peak over its warm-up and
+    timed request, never below the allocator's reserved peak."""
+    spec = importlib.util.spec_from_file_location("benchmarks_request", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "warm_up", lambda pipe, case, tiny, decode: None)
+
+    def fake_request(pipe, case, *args, sampler=None, **kwargs):
+        sampler.sample()
+        return {"ms": 1.0, "stages": {"forwards": 1.0}, "peak_gib": 4.0, "peak_reserved_gib": 6.0, "forwards": 1,
+                "forwards_timed": 1}  # fmt: skip
+
+    monkeypatch.setattr(module, "request", fake_request)
+    for card_gib, expected in ((9, 9.0), (5, 6.0)):
+        sampler = module.DeviceMemorySampler(read=lambda: card_gib * 2**30, interval_s=0.2)
+        monkeypatch.setattr(module, "card_sampler", lambda device: sampler)
+        out = tmp_path / f"r{card_gib}.json"
+        module.main(["--tiny", "--cases", "t2va_native", "--out", str(out)])
+        record = json.loads(out.read_text())["cases"]["t2va_native"]
+        assert record["device_peak_gib"] == expected
+        assert ("lower bound" in record["device_peak_source"]) is (card_gib < 6)

@@ -617,11 +617,14 @@ def main(argv=None):
     import diffusers_h3
 
     started = time.perf_counter()
-    if args.dit_format == "quantized":
-        pipe = build_pipeline(device, args.tiny, component_hook=preset_quantizing_hook(device, args.tiny),
-                              build_on_cpu=() if args.tiny else QUANTIZED_BUILD_ON_CPU)  # fmt: skip
-    else:
-        pipe = build_pipeline(device, args.tiny)
+    with sampler.window("build") if sampler is not None else contextlib.nullcontext():
+        if args.dit_format == "quantized":
+            pipe = build_pipeline(device, args.tiny, component_hook=preset_quantizing_hook(device, args.tiny),
+                                  build_on_cpu=() if args.tiny else QUANTIZED_BUILD_ON_CPU)  # fmt: skip
+        else:
+            pipe = build_pipeline(device, args.tiny)
+    # the card's count while building (the quantized build's claim: no 16-bit DiT or text encoder on the card whole)
+    args.build_device_peak_gib = round(sampler.windows["build"] / 2**30, 2) if sampler is not None else None
     pipe.set_progress_bar_config(disable=True)
     cache = next(iter(caches), None)
     if cache is not None:  # before any preset: the preset compiles the blocks with the cache hooks in place
@@ -709,10 +712,13 @@ def write_report(args, results, notes, build_s, device):
                   "quantized_build": None if args.dit_format == "bf16" else
                   "text encoder and DiT built on the CPU and quantized onto the device layer by layer in the fast "
                   "presets' formats (the presets keep them)"},
-        "protocol": "random weights built on the device; per case 1 warm-up request (2 forwards) + 1 timed request "
+        "protocol": ("random weights built on the device" if args.dit_format == "bf16" else
+                     "random weights, the text encoder and DiT built on the CPU and quantized onto the device") +
+                    "; per case 1 warm-up request (2 forwards) + 1 timed request "
                     "(CUDA-synchronized wall times per stage); with --forwards K only K forwards run and 'ms' and "
                     "stages.forwards add the missing ones at the median forward ('extrapolated': true)",
         "build_s": round(build_s, 1),
+        "build_device_peak_gib": getattr(args, "build_device_peak_gib", None),
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",  # expandable_segments changes reserved
         "cases": results,
         "notes": notes,

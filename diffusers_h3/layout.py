@@ -197,11 +197,14 @@ def current_packed_layout() -> Optional[PackedLayout]:
 def require_packed_layout(who: str, seq_len: Optional[int] = None) -> PackedLayout:
     """The published layout, or an error that tells the caller how to provide one."""
     layout = current_packed_layout()
-    if layout is None and torch._C._current_graph_task_id() != -1:  # running inside a backward pass
+    # torch._C._current_graph_task_id(): -1 outside a backward pass (torch has no public query for it)
+    if layout is None and torch._C._current_graph_task_id() != -1:
         raise RuntimeError(
-            f"{who} is recomputing a gradient-checkpointed block during backward without its call's plan: register "
-            "the call-plan hook once with `diffusers_h3.install_call_plan_hook(transformer)` (the attention enable_* "
-            "helpers do), which re-enters each call's plan for its recomputed blocks."
+            f"{who} runs during backward without a published plan (a gradient-checkpointed block recomputing): the "
+            "call-plan hook re-enters each call's plan for blocks the model checkpoints through "
+            "enable_gradient_checkpointing; register it with `diffusers_h3.install_call_plan_hook(transformer)` (the "
+            "attention enable_* helpers do), and checkpoint through the model's checkpoint function, not around the "
+            "whole transformer call."
         )
     if layout is None:
         raise RuntimeError(

@@ -125,8 +125,8 @@ def test_quantized_build_runs_a_cache_profile_on_weights_the_preset_keeps(tmp_pa
 
 
 def test_each_case_records_the_cards_count_of_its_window(tmp_path, monkeypatch):
-    """With a card sampler (CUDA), each case's record gets ``device_peak_gib``: the sampled peak over its warm-up and
-    timed request, never below the allocator's reserved peak."""
+    """With a card sampler (CUDA), the build gets ``build_device_peak_gib`` and each case's record ``device_peak_gib``:
+    the sampled peak over its warm-up and timed request, never below the allocator's reserved peak."""
     spec = importlib.util.spec_from_file_location("benchmarks_request", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -144,6 +144,8 @@ def test_each_case_records_the_cards_count_of_its_window(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "card_sampler", lambda device: sampler)
         out = tmp_path / f"r{card_gib}.json"
         module.main(["--tiny", "--cases", "t2va_native", "--out", str(out)])
-        record = json.loads(out.read_text())["cases"]["t2va_native"]
+        data = json.loads(out.read_text())
+        record = data["cases"]["t2va_native"]
+        assert data["build_device_peak_gib"] == card_gib  # the build's own window
         assert record["device_peak_gib"] == expected
         assert ("lower bound" in record["device_peak_source"]) is (card_gib < 6)

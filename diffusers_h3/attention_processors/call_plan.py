@@ -10,23 +10,22 @@ blocks read their processor's plan as plain data, so compiled blocks specialize 
 choices, never on a layout object or a denoising step; the kernels they call write nothing back.
 
 Under gradient checkpointing a block runs again during backward, after the call returned (on CUDA, in the autograd
-engine's own thread, where nothing the call published is visible). The hook therefore hands the model's checkpoint
-function each block of the call wrapped in a callable that publishes the call's plan (:func:`recomputed_blocks_reenter`):
-whatever checkpoint function the model was given runs that callable in the forward and again in the recompute, so a
-recomputed block runs under the plan of the call it recomputes.
+engine's own thread, where nothing the call published is visible). The hook therefore wraps the model's checkpoint
+function once (:class:`PlanReenteringCheckpoint`): it hands the checkpoint function each block wrapped in a callable
+that publishes the plan of the call that checkpointed it, so the recompute runs under that call's plan (a call in
+another thread captures its own). This holds for a checkpoint function that calls the module it is given (diffusers'
+default, torch's reentrant and non-reentrant checkpoint), not for one that checkpoints blocks some other way.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from .._hooks import H3_CALL_PLAN_HOOK, H3Hook, get_h3_hook, register_h3_hook, remove_h3_hook
-from ..layout import CallPlan, current_packed_layout, use_call_plan
+from ..layout import CallPlan, current_call_plan, current_packed_layout, use_call_plan
 from .base import CallInputs, MiniMaxH3AttnProcessorBase
 
 
@@ -47,36 +46,44 @@ class CallPlanHook(H3Hook):
     def new_forward(self, transformer, *args, **kwargs):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         plan = plan_transformer_call(transformer, hidden_states)
+        wrap_checkpoint_function(transformer)  # again after each enable_gradient_checkpointing
         try:
-            with use_call_plan(plan), recomputed_blocks_reenter(transformer, plan):
+            with use_call_plan(plan):
                 return self.fn_ref.original_forward(*args, **kwargs)
         finally:  # also when the call raises: describe() reports the plan of the call that ran last
             self.record.calls += 1
             self.record.last = plan
 
 
-@contextlib.contextmanager
-def recomputed_blocks_reenter(transformer, plan: CallPlan) -> Iterator[None]:
-    """For one call of ``transformer`` under autograd with gradient checkpointing on: its checkpoint function (diffusers'
-    ``_gradient_checkpointing_func``, the one place a model hands its blocks to checkpointing) gets each block wrapped in
-    a callable that publishes ``plan`` for the block's run, in the forward and in the recompute. Put back on exit."""
+class PlanReenteringCheckpoint:
+    """A model's checkpoint function (diffusers' ``_gradient_checkpointing_func``, the one place a model hands its
+    blocks to checkpointing), handing it each block wrapped so that the block runs under the call plan published when
+    it was checkpointed: in the forward, and again when backward recomputes it."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def __call__(self, block, *args, **kwargs):
+        plan = current_call_plan()
+        return self.checkpoint(block if plan is None else _BlockUnderPlan(block, plan), *args, **kwargs)
+
+
+def wrap_checkpoint_function(transformer) -> None:
+    """Wrap ``transformer``'s checkpoint function in a :class:`PlanReenteringCheckpoint` (once; none before
+    ``enable_gradient_checkpointing``)."""
     checkpoint = transformer.__dict__.get("_gradient_checkpointing_func")
-    if checkpoint is None or not (torch.is_grad_enabled() and getattr(transformer, "gradient_checkpointing", False)):
-        yield
-        return
-    transformer._gradient_checkpointing_func = functools.partial(_checkpoint_under_plan, checkpoint, plan)
-    try:
-        yield
-    finally:
-        transformer._gradient_checkpointing_func = checkpoint
+    if checkpoint is not None and not isinstance(checkpoint, PlanReenteringCheckpoint):
+        transformer._gradient_checkpointing_func = PlanReenteringCheckpoint(checkpoint)
 
 
-def _checkpoint_under_plan(checkpoint, plan: CallPlan, block, *args, **kwargs):
-    return checkpoint(_BlockUnderPlan(block, plan), *args, **kwargs)
+def unwrap_checkpoint_function(transformer) -> None:
+    checkpoint = transformer.__dict__.get("_gradient_checkpointing_func")
+    if isinstance(checkpoint, PlanReenteringCheckpoint):
+        transformer._gradient_checkpointing_func = checkpoint.checkpoint
 
 
 class _BlockUnderPlan:
-    """``block`` run under ``plan``: what the checkpoint function calls (``module.__call__`` in diffusers' default) in
+    """``block`` run under ``plan``: what the checkpoint function calls (``module(...)`` or ``module.forward(...)``), in
     the forward and again when it recomputes the block; other attributes are the block's."""
 
     def __init__(self, block, plan: CallPlan):
@@ -86,6 +93,10 @@ class _BlockUnderPlan:
     def __call__(self, *args, **kwargs):
         with use_call_plan(self.plan):
             return self.block(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        with use_call_plan(self.plan):
+            return self.block.forward(*args, **kwargs)
 
     def __getattr__(self, name):  # only for names not set in __init__
         if name in ("block", "plan"):
@@ -144,6 +155,7 @@ def install_call_plan_hook(transformer) -> None:
 
 def remove_call_plan_hook(transformer) -> None:
     remove_h3_hook(transformer, H3_CALL_PLAN_HOOK, recurse=False)
+    unwrap_checkpoint_function(transformer)
 
 
 def last_call_plan(transformer) -> Optional[CallPlan]:

@@ -1,6 +1,5 @@
 """MiniMaxH3VSAProcessor on the tiny H3 transformer: dense equivalence, sparse semantics, gates, options, errors."""
 
-import functools
 import math
 import os
 
@@ -398,9 +397,6 @@ def _vsa_grads(install, checkpointing, checkpointing_first=True, hook=True, chec
         m.enable_gradient_checkpointing(checkpoint_func)
     with use_packed_layout(_layout()):
         video, audio = m(**_inputs(seed=3))
-    assert "_gradient_checkpointing_func" not in m.__dict__ or not isinstance(
-        m.__dict__["_gradient_checkpointing_func"], functools.partial
-    )  # the call's wrapper is put back when the call returns
     (video.square().mean() + audio.square().mean()).backward()
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
@@ -426,7 +422,7 @@ def test_vsa_installed_with_set_attn_processor_keeps_its_layout_under_gradient_c
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(checkpointed[name], via_enable_vsa[name], rtol=1e-5, atol=1e-6, msg=name)
-    with pytest.raises(RuntimeError, match=r"recomputing a gradient-checkpointed block .*install_call_plan_hook"):
+    with pytest.raises(RuntimeError, match=r"runs during backward without a published plan .*install_call_plan_hook"):
         _vsa_grads("set_attn_processor", checkpointing=True, hook=False, **torch_kernels)
 
 
@@ -442,3 +438,52 @@ def test_a_reentrant_checkpoint_function_recomputes_under_the_plan_of_its_call()
     assert plain.keys() == checkpointed.keys() and plain
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpoint_functions_that_call_forward_and_two_calls_before_one_backward():
+    """A checkpoint function that calls ``module.forward`` recomputes under the plan too, and two checkpointed calls
+    before one backward each recompute under their own call's plan: the gradients equal the plain model's."""
+    from diffusers_h3.attention_processors.call_plan import PlanReenteringCheckpoint
+
+    def via_forward(module, *args):
+        return torch.utils.checkpoint.checkpoint(module.forward, *args, use_reentrant=False)
+
+    def grads(checkpoint_func):
+        torch.manual_seed(0)
+        m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
+        if checkpoint_func is not False:
+            m.enable_gradient_checkpointing(checkpoint_func)
+        enable_vsa(m, sparsity=0.5, backend="torch")
+        loss = 0
+        for seed in (3, 4):
+            with use_packed_layout(_layout()):
+                video, audio = m(**_inputs(seed=seed))
+            loss = loss + video.square().mean() + audio.square().mean()
+        if checkpoint_func is not False:
+            wrapped = m._gradient_checkpointing_func
+            assert isinstance(wrapped, PlanReenteringCheckpoint)  # wrapped once, kept for later calls
+            assert wrapped.checkpoint is not None and not isinstance(wrapped.checkpoint, PlanReenteringCheckpoint)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    plain = grads(False)
+    for checkpoint_func in (via_forward, None):
+        checkpointed = grads(checkpoint_func)
+        assert plain.keys() == checkpointed.keys() and plain
+        for name in plain:
+            torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_removing_the_call_plan_hook_gives_the_model_its_checkpoint_function_back():
+    from diffusers_h3.attention_processors.call_plan import PlanReenteringCheckpoint, remove_call_plan_hook
+
+    m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
+    m.enable_gradient_checkpointing()
+    original = m._gradient_checkpointing_func
+    enable_vsa(m, sparsity=0.5, backend="torch")
+    with use_packed_layout(_layout()):
+        m(**_inputs(seed=3))
+    assert isinstance(m._gradient_checkpointing_func, PlanReenteringCheckpoint)
+    assert m._gradient_checkpointing_func.checkpoint is original
+    remove_call_plan_hook(m)
+    assert m._gradient_checkpointing_func is original

@@ -157,7 +157,7 @@ def test_preset_compile_keeps_eager_bf16_numerics(preset):
     """Every preset's compile options make inductor round fused intermediates to bf16 as eager does: the compiled
     blocks come closer to the eager output than inductor's default options (~5e-3 here) and are bitwise equal to eager.
     torch's CPU inductor honours the option from 2.14 (CI); torch 2.11's came out farther from eager with it than
-    without (9.0e-2 against 8.6e-2 on the GPU image), so there is nothing to check on CPU before 2.14. The 8-bit presets
+    without (0.0904 against 0.0858, cpu_suite_gpu_host_h100.json), so there is nothing to check on CPU before 2.14. The 8-bit presets
     compiled without it were half as far again from native on the GPU (docs/speed.md)."""
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14):
         pytest.skip(f"torch {torch.__version__}'s CPU inductor does not honour emulate_precision_casts (2.14 does)")

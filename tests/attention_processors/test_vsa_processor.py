@@ -487,3 +487,38 @@ def test_removing_the_call_plan_hook_gives_the_model_its_checkpoint_function_bac
     assert m._gradient_checkpointing_func.checkpoint is original
     remove_call_plan_hook(m)
     assert m._gradient_checkpointing_func is original
+
+
+def test_checkpointed_calls_in_two_threads_recompute_under_their_own_plans():
+    """Two threads train one checkpointed model at once, each under its own published layout: each recompute runs
+    under its own call's plan, and the accumulated gradients equal two calls made one after the other."""
+    import threading
+
+    def run(m, seed, errors):
+        try:
+            with use_packed_layout(_layout()):
+                video, audio = m(**_inputs(seed=seed))
+            (video.square().mean() + audio.square().mean()).backward()
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    def model():
+        torch.manual_seed(0)
+        m = MiniMaxH3Transformer3DModel(**TINY).to(DEVICE).train()
+        m.enable_gradient_checkpointing()
+        enable_vsa(m, sparsity=0.5, backend="torch")
+        return m
+
+    sequential, errors = model(), []
+    for seed in (3, 4):
+        run(sequential, seed, errors)
+    threaded = model()
+    threads = [threading.Thread(target=run, args=(threaded, seed, errors)) for seed in (3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for (name, a), (_, b) in zip(sequential.named_parameters(), threaded.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)

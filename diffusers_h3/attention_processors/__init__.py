@@ -3,7 +3,7 @@ packed-layout side channel they read is ``diffusers_h3.layout``. A processor is 
 :func:`register_attention_processor` (``install.py``), and imported below."""
 
 from .base import MiniMaxH3AttnProcessorBase, PlanForInputs
-from .call_plan import install_call_plan_hook, last_call_plan
+from .call_plan import install_call_plan_hook
 from .fa_v100 import MiniMaxH3FAV100Processor
 from .flashinfer import (
     FlashInferAttentionConfig,
@@ -48,7 +48,6 @@ __all__ = [
     "MiniMaxH3AttnProcessorBase",
     "PlanForInputs",
     "install_call_plan_hook",
-    "last_call_plan",
     "MiniMaxH3FAV100Processor",
     "MiniMaxH3FlashInferProcessor",
     "MiniMaxH3LowPrecisionAttnProcessor",

@@ -3,6 +3,8 @@ t2va with two prompts, every case against the `exact` preset (docs/fidelity.md).
 
     python benchmarks/fidelity.py --out benchmarks/results/fidelity_h200.json --page benchmarks/results/fidelity_h200
     python benchmarks/fidelity.py --tiny --out benchmarks/results/fidelity_cpu.json --no-page   # tiny, on the CPU
+    python benchmarks/fidelity.py --text-encoder-first --out benchmarks/results/fidelity_h100.json \
+        --page benchmarks/results/fidelity_h100   # an 80 GB card: the text encoder and the DiT never resident together
 
 Random weights make noise, not pictures: the numbers are the numerical distance of each path from the exact one
 through the whole request (text encoder, every forward, both decoders, the MP4), not a measure of quality. Users
@@ -64,6 +66,14 @@ def main(argv=None):
     parser.add_argument("--thumbnail-width", type=int, default=96,
                         help="frame width in the strips (default: 96, keeps the committed page small)")
     parser.add_argument("--commit", default=None, help="commit measured (the device copy has no .git)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="sigma points (default: 8, tiny 3); 50 is the released request's, where the step caches "
+                             "skip what they skip in a real request")
+    parser.add_argument("--prompt-count", type=int, default=len(PROMPTS), metavar="K",
+                        help=f"the first K of the {len(PROMPTS)} prompts (default: all)")
+    parser.add_argument("--text-encoder-first", action="store_true",
+                        help="encode each case's prompts with a pipeline built without the DiT, free it, then build "
+                             "the rest without the text encoder: the bf16 `exact` reference on an 80 GB card")
     args = parser.parse_args(argv)
 
     from diffusers_h3.fidelity import FIDELITY_CASES, FidelitySettings, run_fidelity
@@ -75,17 +85,24 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or not args.tiny else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/fidelity.py needs a CUDA GPU (or --tiny for the CPU run)")
-    shape = TINY if args.tiny else FULL
+    shape = dict(TINY if args.tiny else FULL)
+    if args.steps is not None:
+        shape["steps"] = args.steps
+    if not 1 <= args.prompt_count <= len(PROMPTS):
+        raise SystemExit(f"--prompt-count {args.prompt_count}: choose 1 to {len(PROMPTS)}")
     header = result_header("fidelity", commit=args.commit)
 
-    def load(case):
+    def load(case, without=("text_encoder",) if args.text_encoder_first else ()):
         torch.manual_seed(WEIGHT_SEED)  # the same random weights for every case
-        pipe = build_pipeline(device, args.tiny)
+        pipe = build_pipeline(device, args.tiny, without=without)
         pipe.register_to_config(min_duration_s=shape["min_duration_s"])
         return pipe
 
-    settings = FidelitySettings(prompts=list(PROMPTS), seeds=[int(s) for s in args.seeds.split(",") if s],
-                                cases=cases, against="exact", height=shape["height"], width=shape["width"],
+    def load_text_encoder(case):
+        return load(case, without=("transformer",))
+
+    settings = FidelitySettings(prompts=list(PROMPTS[:args.prompt_count]),
+                                seeds=[int(s) for s in args.seeds.split(",") if s], cases=cases, against="exact", height=shape["height"], width=shape["width"],
                                 num_frames=shape["num_frames"], steps=shape["steps"], compile=False,
                                 model="random weights (tiny components)" if args.tiny else
                                 "random weights at the released sizes")  # fmt: skip
@@ -94,16 +111,23 @@ def main(argv=None):
         **shape,
         "compile": False,
         "weights": f"random, seed {WEIGHT_SEED}, rebuilt for every case ({'tiny components' if args.tiny else 'benchmarks/request.py build_pipeline: Qwen3-VL-32B text encoder (layers 0-50), 50-block DiT, released VAEs, bf16'})",
+        "text_encoder_first": (
+            "each case's prompts encoded by a pipeline built without the DiT, then the DiT and VAEs built (from the "
+            "same seed) without the text encoder: what fits the bf16 reference on an 80 GB card; the weights differ "
+            "from a run without this option, so compare only within a run") if args.text_encoder_first else False,
+        "prompts": args.prompt_count,
         "why": ("the tiny pipeline's shortest clip, a CPU smoke run of the whole comparison" if args.tiny else
-                "short clip and few steps so that six cases fit a few minutes of one H200; the released canvas so "
-                "VSA's tile selection sees its real grid; eager presets (no compile) to skip minutes of compilation"),
+                f"a short clip ({'few steps' if shape['steps'] < 50 else 'the released 50 steps'}) so that the cases "
+                "fit a few minutes of one GPU; the released canvas so VSA's tile selection sees its real grid; eager "
+                "presets (no compile) to skip minutes of compilation"),
         "speed_note": ("seconds on a CPU shared with other work: not a speed measurement" if args.tiny else
                        "seconds are one short eager request per clip, not the presets' speed (request_h200.json)"),
     }  # fmt: skip
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="h3_fidelity_"))
     start = time.perf_counter()
     report = run_fidelity(load, settings, work, progress=sys.stderr.isatty(), note=TINY_NOTE if args.tiny else NOTE,
-                          thumbnail_width=args.thumbnail_width, extra={"choices": choices})  # fmt: skip
+                          thumbnail_width=args.thumbnail_width, extra={"choices": choices},
+                          load_text_encoder=load_text_encoder if args.text_encoder_first else None)  # fmt: skip
     page = None if args.no_page else Path(args.page)
     if page is not None:
         if page.exists():

@@ -214,7 +214,7 @@ def random_init_on(device, min_numel=REPLAY_MIN_NUMEL):
             put(owner, name, original)
 
 
-def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None, build_on_cpu=()):
+def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=None, build_on_cpu=(), without=()):
     """The pipeline with random weights: tiny components, or the released sizes built directly on ``device``.
 
     ``component_hook(name, module) -> module``, if given, is applied to each model right after it is built, in the
@@ -225,7 +225,9 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
     device (e.g. ``quantize(module, config, device=device)``: never the whole 16-bit model there). With a CUDA
     ``device`` they are built under ``random_init_on(device)``: PyTorch's CPU RNG is single-threaded and would spend
     many minutes on the ~60 G random elements, so each large random init is drawn on the GPU and copied into the CPU
-    weight (same init function and arguments)."""
+    weight (same init function and arguments). ``without``: components left out (``"text_encoder"``: with its
+    tokenizer and processor, a pipeline that generates from prompt embeddings; ``"transformer"``: one that only
+    encodes prompts), for cards that cannot hold the text encoder and the DiT together."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -249,7 +251,9 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
         components = tiny_parts.tiny_components(seed=0, text_encoder_layers=layers, with_transformer_ref=False)
         components.pop("transformer_ref")
         for name in ("text_encoder", "transformer", "vae", "audio_vae"):
-            components[name] = hook(name, components[name].to(device))
+            components[name] = None if name in without else hook(name, components[name].to(device))
+        if "text_encoder" in without:
+            components["tokenizer"] = components["processor"] = None
         return MiniMaxH3Pipeline(**components, text_encoder_layer=TEXT_ENCODER_LAYER, **tiny_parts.TINY_DURATION_LIMITS)
 
     tokenizer = tiny_parts.tiny_tokenizer()  # byte-level: no download; token ids stay far below the real vocab
@@ -279,12 +283,17 @@ def build_pipeline(device, tiny: bool, component_hook=None, text_encoder_layers=
             with random_init_on(device) if on_gpu_rng else contextlib.nullcontext():
                 yield
 
-    with built_in("text_encoder"):
-        text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
-    text_encoder = hook("text_encoder", text_encoder)
-    with built_in("transformer"):
-        transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
-    transformer = hook("transformer", transformer)
+    text_encoder = transformer = None
+    if "text_encoder" not in without:
+        with built_in("text_encoder"):
+            text_encoder = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16).eval().requires_grad_(False)
+        text_encoder = hook("text_encoder", text_encoder)
+    else:
+        tokenizer = processor = None
+    if "transformer" not in without:
+        with built_in("transformer"):
+            transformer = keep_fp32_modules(MiniMaxH3Transformer3DModel().to(torch.bfloat16))
+        transformer = hook("transformer", transformer)
     with built_in("vae"):
         vae = keep_fp32_modules(AutoencoderKLMiniMaxH3().to(torch.bfloat16))
     vae = hook("vae", vae)

@@ -763,6 +763,8 @@ def _load_pipeline(args):
         except MemoryBudgetError as error:
             raise UsageError(f"--memory {args.memory}: {_as_flags(error.what)}", error.fix or "see docs/memory.md") from None
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    left_out = tuple(getattr(args, "without", ()))  # components not loaded (fidelity --text-encoder-first)
+    kwargs.update(dict.fromkeys(left_out))
     quant_mapping = {}
     if getattr(args, "transformer_file", None) is not None:  # the DiT from one file, quantized (or not) by the file
         kwargs[partition_for_task(task)] = _load_transformer_file(args, task, dtype)
@@ -780,6 +782,7 @@ def _load_pipeline(args):
         from diffusers_h3.pipelines.speed_presets import TEXT_ENCODER_FORMAT
 
         quant_mapping["text_encoder"] = _quant_config(TEXT_ENCODER_FORMAT)
+    quant_mapping = {name: config for name, config in quant_mapping.items() if name not in left_out}
     if quant_mapping:  # quantized while loading: the bf16 weights never sit on the GPU whole
         from diffusers.quantizers import PipelineQuantizationConfig
 
@@ -1496,6 +1499,9 @@ def _add_fidelity_commands(sub) -> None:
     fid.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
     fid.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="weights dtype (default: as saved)")
     fid.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload (big models on one GPU)")
+    fid.add_argument("--text-encoder-first", action="store_true",
+                     help="for each case, load the text encoder alone, encode the prompts, free it, then load the DiT "
+                          "and VAEs without it: the same clips, and the bf16 `exact` reference fits an 80 GB card")  # fmt: skip
     fid.add_argument("--crf", type=_ranged(int, CRF_RANGE[0], CRF_RANGE[1] + 1, what="--crf",
                                            bounds=f"from {CRF_RANGE[0]} to {CRF_RANGE[1]}"), default=0,
                      help="libx264's constant rate factor of the clips (default: 0, lossless: the distances are the "
@@ -1595,11 +1601,14 @@ def cmd_fidelity(args) -> int:
                              str(error).partition(" — ")[2] or "fix the prompt") from None  # fmt: skip
     from diffusers_h3.fidelity import FidelityRunError, FidelitySettings, run_fidelity
 
-    def load(case):
+    def load(case, without=("text_encoder", "tokenizer", "processor") if args.text_encoder_first else ()):
         case_args = argparse.Namespace(**{**vars(args), "speed": case.speed, "quantize": case.dit_format,
                                           "quantize_text_encoder": case.text_encoder_format, "memory_recipe": None,
-                                          "task": "t2va"})  # fmt: skip
+                                          "task": "t2va", "without": without})  # fmt: skip
         return _load_pipeline(case_args)
+
+    def load_text_encoder(case):
+        return load(case, without=("transformer", "transformer_ref"))
 
     try:
         settings = FidelitySettings(prompts=args.prompt_list, seeds=args.seeds, cases=args.cases,
@@ -1612,7 +1621,8 @@ def cmd_fidelity(args) -> int:
                     "not a measure of quality.")  # fmt: skip
         report = run_fidelity(load, settings, Path(args.out).expanduser(), gates=_gates(args),
                               progress=not args.no_progress, note=note, thumbnail_width=args.thumbnail_width,
-                              extra={"device": _device(args), "dtype": args.dtype})  # fmt: skip
+                              extra={"device": _device(args), "dtype": args.dtype},
+                              load_text_encoder=load_text_encoder if args.text_encoder_first else None)  # fmt: skip
     except FidelityRunError as error:
         raise UsageError(f"--out {args.out}: {error}" if "holds a fidelity run" in str(error) else str(error),
                          "see `diffusers-h3 fidelity --help`") from None  # fmt: skip

@@ -45,3 +45,21 @@ def test_docs_quote_the_cpu_run():
                f"{summary['audio_cosine']:.4f} |")  # fmt: skip
         assert row in text, row
     assert cases["first_block_cache"]["summary"]["psnr_yuv420"] == "inf" and "| `first_block_cache` | 1.0000 | inf |" in text
+
+
+def test_text_encoder_first_run_matches_the_whole_pipeline(tmp_path):
+    """--text-encoder-first on the tiny pipeline (whose weights do not depend on the build order): the same
+    distances as the run that builds everything at once, and the choice is recorded."""
+    reports = {}
+    for flag in ((), ("--text-encoder-first",)):
+        out = tmp_path / f"f{len(flag)}.json"
+        run = run_script(SCRIPT, "--tiny", "--cases", "fast", "--seeds", "0", "--out", out, "--no-page",
+                         "--work", tmp_path / f"work{len(flag)}", *flag, timeout=900)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        reports[flag] = json.loads(out.read_text())
+    whole, staged = reports[()], reports[("--text-encoder-first",)]
+    assert whole["choices"]["text_encoder_first"] is False
+    assert "without the DiT" in staged["choices"]["text_encoder_first"]
+    assert staged["report"]["settings"]["text_encoder_first"] is True
+    assert staged["report"]["cases"]["fast"]["summary"] == whole["report"]["cases"]["fast"]["summary"]
+    assert whole["report"]["cases"]["fast"]["summary"]["psnr_yuv420"] != "inf"

@@ -111,6 +111,37 @@ def test_fidelity_on_the_demo_checkpoint(tmp_path, monkeypatch, capsys):
     assert "FAILED min_ssim" in capsys.readouterr().out
 
 
+def test_fidelity_text_encoder_first_writes_the_same_clips(tmp_path, monkeypatch, capsys):
+    """--text-encoder-first loads the text encoder alone, then the rest without it (never both): the report's
+    distances are those of the run that loads the whole pipeline."""
+    import diffusers_h3.cli as cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat playing the piano\n")
+    loaded, load_pipeline = [], cli._load_pipeline
+
+    def recording(args):
+        pipe = load_pipeline(args)
+        loaded.append((getattr(pipe, "text_encoder", None) is not None, getattr(pipe, "transformer", None) is not None))
+        return pipe
+
+    monkeypatch.setattr(cli, "_load_pipeline", recording)
+    summaries = {}
+    for flags in ((), ("--text-encoder-first",)):
+        loaded.clear()
+        out = tmp_path / f"run{len(flags)}"
+        argv = ["fidelity", "--prompts", str(prompts), "--cases", "fast", "--steps", "2", "--frames", "22",
+                "--out", str(out), "--device", "cpu", "--no-progress", "--thumbnail-width", "16", *flags]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr()
+        report = json.loads((out / "fidelity.json").read_text())
+        summaries[flags] = report["cases"]["fast"]["summary"]
+        expected = [(True, True)] * 2 if not flags else [(True, False), (False, True)] * 2
+        assert loaded == expected  # exact, then fast; with the option text encoder and DiT never loaded together
+        assert report["settings"]["text_encoder_first"] is bool(flags)
+    assert summaries[()] == summaries[("--text-encoder-first",)] and summaries[()]["psnr_yuv420"] != "inf"
+
+
 _WITHOUT_TORCH = """
 import sys
 import diffusers_h3_launcher

@@ -124,3 +124,22 @@ def apply_case(pipe, case: FidelityCase, compile: bool = True) -> List[str]:
         applied.append("video decode: batched tiles, FP8 decoder linears" + (", compiled" if compile and on_cuda
                                                                               else ""))  # fmt: skip
     return applied or ["nothing: the pipeline as loaded"]
+
+
+def apply_text_encoder_case(pipe, case: FidelityCase) -> str:
+    """Give the text encoder of ``pipe`` (a freshly loaded pipeline that only encodes prompts) the weights ``case``
+    runs it with: the case's format, or what its speed preset does to a dense text encoder (``"fast"`` /
+    ``"fastest"``: weight-only INT8), so that prompts encoded before the DiT loads are the ones the whole case
+    would have encoded. Returns what was applied, one line."""
+    if case.text_encoder_format is not None:
+        _ensure_format(pipe.text_encoder, case.text_encoder_format, "text encoder")
+        return f"text encoder weights: {case.text_encoder_format} (prompts encoded before the DiT loaded)"
+    if case.speed is None:
+        return "text encoder as loaded (prompts encoded before the DiT loaded)"
+    from ..pipelines.speed_presets import _plan_text_encoder
+    from ..quantizers import quantize
+
+    config, weights = _plan_text_encoder(pipe.text_encoder, case.speed, None)
+    if config is not None:
+        quantize(pipe.text_encoder, config)
+    return f"text encoder as speed preset {case.speed} runs it: {weights} (prompts encoded before the DiT loaded)"

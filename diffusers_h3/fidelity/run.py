@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .cases import FIDELITY_CASES, FidelityCase, apply_case, get_case
+from .cases import FIDELITY_CASES, FidelityCase, apply_case, apply_text_encoder_case, get_case
 from .compare import compare_clips, json_ready
 
 
@@ -132,10 +132,36 @@ def _check_folder(out_dir: Path, settings: FidelitySettings) -> None:
     manifest.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
+def _encode_prompts(case: FidelityCase, load_text_encoder: Callable[[FidelityCase], Any], settings: FidelitySettings,
+                    indices: List[int]) -> Tuple[Dict[int, Tuple[torch.Tensor, torch.Tensor]], str]:  # fmt: skip
+    """The case's prompt embeddings (on the CPU) from a pipeline that holds only the text encoder, freed before the
+    DiT loads; returns them by prompt index, with what was applied to the text encoder."""
+    pipe = None
+    try:
+        pipe = load_text_encoder(case)
+        if getattr(pipe, "text_encoder", None) is None:
+            raise FidelityRunError("load_text_encoder returned a pipeline without a text encoder")
+        applied = apply_text_encoder_case(pipe, case)
+        canvas = {k: v for k, v in (("height", settings.height), ("width", settings.width),
+                                    ("num_frames", settings.num_frames)) if v is not None}  # fmt: skip
+        embeds = {}
+        for index in sorted(set(indices)):
+            prompt_embeds, tags = pipe.encode_prompt(settings.prompts[index], **canvas)
+            embeds[index] = (prompt_embeds.cpu(), tags.cpu())
+        return embeds, applied
+    finally:  # the DiT loads into the memory the text encoder frees
+        pipe = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], Any], settings: FidelitySettings,
-                  out_dir: Path, progress=None) -> Optional[str]:  # fmt: skip
+                  out_dir: Path, progress=None,
+                  load_text_encoder: Optional[Callable[[FidelityCase], Any]] = None) -> Optional[str]:  # fmt: skip
     """Write the case's missing clips (a clip whose MP4 and record exist is reused); returns the error of a failed
-    case (``None`` when it ran)."""
+    case (``None`` when it ran). With ``load_text_encoder`` the prompts are encoded first and ``load_pipeline`` must
+    return a pipeline without text encoder (see :func:`run_fidelity`)."""
     folder = out_dir / "clips" / case.name
     missing = [(i, s) for i, s in settings.clips()
                if not ((folder / f"{clip_stem(i, s)}.mp4").is_file() and (folder / f"{clip_stem(i, s)}.json").is_file())]  # fmt: skip
@@ -144,17 +170,26 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
     if not missing:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    pipe = output = None
+    pipe = output = embeds = None
     try:
+        if load_text_encoder is not None:
+            embeds, encoder_applied = _encode_prompts(case, load_text_encoder, settings, [i for i, _ in missing])
         pipe = load_pipeline(case)
+        if embeds is not None and getattr(pipe, "text_encoder", None) is not None:
+            raise FidelityRunError("with load_text_encoder, load_pipeline must return a pipeline without text encoder "
+                                   "(text_encoder=None, tokenizer=None, processor=None)")  # fmt: skip
         pipe.set_progress_bar_config(disable=True)
         applied = apply_case(pipe, case, compile=settings.compile)
+        if embeds is not None:
+            applied.append(encoder_applied)
         for index, seed in missing:
             if progress is not None:
                 progress.set_postfix_str(f"{case.name} {clip_stem(index, seed)}")
             path = folder / f"{clip_stem(index, seed)}.mp4"
+            prompt = {"prompt": settings.prompts[index]} if embeds is None else \
+                {"prompt_embeds": embeds[index][0], "text_token_tags": embeds[index][1]}
             start = time.perf_counter()
-            output = pipe(prompt=settings.prompts[index], num_frames=settings.num_frames, height=settings.height,
+            output = pipe(**prompt, num_frames=settings.num_frames, height=settings.height,
                           width=settings.width, num_inference_steps=settings.steps, output_type="latent",
                           generator=torch.Generator(device="cpu").manual_seed(seed))  # fmt: skip
             pipe.decode_to_video(output.frames, output.audio, path, crf=settings.crf)
@@ -169,7 +204,7 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
         lines = traceback.format_exception_only(type(error), error)
         return (lines[-1].strip() if lines else type(error).__name__)[:2000]
     finally:  # the next case loads into the memory this one frees
-        pipe = output = None
+        pipe = output = embeds = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -279,6 +314,7 @@ def run_fidelity(
     html: bool = True,
     thumbnail_width: int = 160,
     extra: Optional[Dict[str, Any]] = None,
+    load_text_encoder: Optional[Callable[[FidelityCase], Any]] = None,
 ) -> Dict[str, Any]:
     """Generate every case's clips (missing ones only), compare each with the reference case's, write
     ``fidelity.json`` and, with ``html``, ``index.html`` + ``images/`` into ``out_dir``; returns the report.
@@ -286,6 +322,13 @@ def run_fidelity(
     ``load_pipeline(case)`` returns a freshly loaded pipeline with the case's weight formats (or dense weights, which
     :func:`apply_case` then quantizes in place); it is called once per case with clips to generate. ``note``: a line
     the page and the report show at the top (e.g. that the weights are random). ``extra``: more settings to record.
+
+    ``load_text_encoder(case)``, for a card that cannot hold the reference's text encoder and DiT together (the
+    bf16 `exact` case of the released model needs about 119 GiB): it returns a pipeline loaded without the DiT
+    (``transformer=None``); each case's prompts are encoded with it first, in the text-encoder weights the case runs
+    (:func:`apply_text_encoder_case`), it is freed, and ``load_pipeline(case)`` then returns a pipeline loaded
+    without the text encoder (``text_encoder=None, tokenizer=None, processor=None``) that generates from those
+    embeddings. The clips are the ones the whole pipeline generates: the same operations in another order.
     """
     from tqdm.auto import tqdm
 
@@ -299,7 +342,8 @@ def run_fidelity(
     with bar:
         for name in cases:
             start = time.perf_counter()
-            errors[name] = generate_case(FIDELITY_CASES[name], load_pipeline, settings, out_dir, progress=bar)
+            errors[name] = generate_case(FIDELITY_CASES[name], load_pipeline, settings, out_dir, progress=bar,
+                                         load_text_encoder=load_text_encoder)  # fmt: skip
             outcome = f"failed: {errors[name]}" if errors[name] is not None else "clips written"
             bar.write(f"{name}: {outcome} ({time.perf_counter() - start:.1f} s)")
 
@@ -364,7 +408,7 @@ def run_fidelity(
     report = {
         "schema": SCHEMA,
         "note": note,
-        "settings": {**asdict(settings), **(extra or {})},
+        "settings": {**asdict(settings), "text_encoder_first": load_text_encoder is not None, **(extra or {})},
         "gates": {name: (list(v) if isinstance(v, tuple) else v) for name, v in gates.active().items()},
         "environment": {"diffusers_h3": __version__, "torch": torch.__version__,
                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},  # fmt: skip

@@ -171,3 +171,55 @@ def test_cache_profiles_run_their_cache_under_their_preset(name):
         assert len(stats.skipped_steps) > 0
     report = describe(pipe)
     assert report["speed_preset"]["preset"] == case.speed
+
+
+def test_text_encoder_first_writes_the_clips_the_whole_pipeline_writes(tmp_path):
+    """`load_text_encoder`: each case's prompts are encoded by a pipeline without DiT, in the text-encoder weights
+    the case runs (`fast` quantizes it to W8A16, `low_ram` names W8A16, `exact` keeps it), and the clips come from a
+    pipeline without text encoder: the same frames and sound as the whole pipeline's, case by case."""
+    from diffusers_h3.fidelity.clips import read_clip
+    from diffusers_h3.quantizers import quantized_weight
+
+    saved = tmp_path / "tiny"
+    tiny_pipeline(seed=0).save_pretrained(saved)
+    encoders, dits = [], []
+
+    def load_text_encoder(case):
+        pipe = MiniMaxH3Pipeline.from_pretrained(saved, transformer=None, transformer_ref=None)
+        encoders.append((case.name, pipe))
+        return pipe
+
+    def load_without_text_encoder(case):
+        pipe = MiniMaxH3Pipeline.from_pretrained(saved, text_encoder=None, tokenizer=None, processor=None)
+        dits.append(case.name)
+        return pipe
+
+    settings = _settings(cases=["fast", "low_ram"], prompts=["a cat"])
+    whole = run_fidelity(lambda case: MiniMaxH3Pipeline.from_pretrained(saved), settings, tmp_path / "whole",
+                         progress=False, html=False)  # fmt: skip
+    staged = run_fidelity(load_without_text_encoder, settings, tmp_path / "staged", progress=False, html=False,
+                          load_text_encoder=load_text_encoder)  # fmt: skip
+    assert [name for name, _ in encoders] == dits == ["exact", "fast", "low_ram"]
+    quantized = {name: any(quantized_weight(m) is not None for m in pipe.text_encoder.modules())
+                 for name, pipe in encoders}  # fmt: skip
+    assert quantized == {"exact": False, "fast": True, "low_ram": True}
+    assert staged["settings"]["text_encoder_first"] is True and whole["settings"]["text_encoder_first"] is False
+    assert "prompts encoded before the DiT loaded" in staged["cases"]["fast"]["applied"][-1]
+    for case in ("exact", "fast", "low_ram"):
+        a = read_clip(tmp_path / "whole" / "clips" / case / "p0_s3.mp4")
+        b = read_clip(tmp_path / "staged" / "clips" / case / "p0_s3.mp4")
+        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a.planes, b.planes)), case
+        assert torch.equal(torch.as_tensor(a.audio), torch.as_tensor(b.audio)), case
+    # `fast` differs from `exact` (its quantized text encoder and DiT), so the equality above is not trivial.
+    assert whole["cases"]["fast"]["summary"]["psnr_yuv420"] != "inf"
+    assert staged["cases"]["fast"]["summary"] == whole["cases"]["fast"]["summary"]
+
+
+def test_text_encoder_first_needs_a_pipeline_without_text_encoder(tmp_path):
+    saved = tmp_path / "tiny"
+    tiny_pipeline(seed=0).save_pretrained(saved)
+    report = run_fidelity(lambda case: MiniMaxH3Pipeline.from_pretrained(saved), _settings(cases=[]),
+                          tmp_path / "out", progress=False, html=False,
+                          load_text_encoder=lambda case: MiniMaxH3Pipeline.from_pretrained(saved, transformer=None))  # fmt: skip
+    assert report["cases"]["exact"]["status"] == "failed"
+    assert "load_pipeline must return a pipeline without text encoder" in report["cases"]["exact"]["error"]

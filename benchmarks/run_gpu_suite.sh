@@ -17,7 +17,7 @@
 #               cpu_suite: the README's CPU test command on this GPU host (its GPUs hidden: docs/testing.md), JUnit XML
 #               cache_profiles: the four cache profiles' t2va 50-step requests, weights quantized while building
 #               (one 80 GB card; one process per cache setting); cache_fidelity: their clips against `exact`
-#               (the bf16 DiT and text encoder together: a 139 GB H200)
+#               at 50 steps, and those of `fast` / `fastest` alone (text encoder first: one 80 GB card)
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
 #   --peer-dir  folder with the public vsa package's python sources, for the attention suite's peer case
 #   --workers   pytest-xdist workers for the GPU tests, sharing the GPU (default 1; docs/benchmarking.md)
@@ -82,8 +82,8 @@ for cache in first_block_cache taylorseer; do
   has cache_profiles && run "cache_profiles_$cache" python benchmarks/request.py "${COMMIT_ARGS[@]}" --dit-format quantized \
     --cases "t2va_fast_$cache,t2va_fastest_$cache" --out "$OUT/request_cache_${cache}_$DEVICE.json"
 done
-has cache_fidelity && run cache_fidelity python benchmarks/fidelity.py "${COMMIT_ARGS[@]}" \
-  --cases fast_first_block_cache,fast_taylorseer,fastest_first_block_cache,fastest_taylorseer \
+has cache_fidelity && run cache_fidelity python benchmarks/fidelity.py "${COMMIT_ARGS[@]}" --text-encoder-first \
+  --steps 50 --prompt-count 1 --cases fast,fast_first_block_cache,fast_taylorseer,fastest,fastest_first_block_cache,fastest_taylorseer \
   --out "$OUT/fidelity_cache_profiles_$DEVICE.json" --page "$OUT/fidelity_cache_profiles_$DEVICE"
 # Multi-rank work on one GPU: the per-rank timings of the scaling model, and ranks sharing the GPU over gloo.
 has scaling_model && run scaling_model python benchmarks/multi_gpu_model.py "${COMMIT_ARGS[@]}" \

@@ -196,7 +196,9 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
             seconds = time.perf_counter() - start
             record = {"case": case.name, "prompt_index": index, "seed": seed, "seconds": round(seconds, 3),
                       "applied": applied, "export": dict(getattr(pipe, "_h3_last_export", None) or {}),
-                      "cache": _cache_skips(pipe)}  # fmt: skip
+                      "cache": _cache_skips(pipe),
+                      # `seconds` then leaves out the text encoder, which ran before the DiT was loaded.
+                      "prompt_encoded_before": embeds is not None}  # fmt: skip
             (folder / f"{clip_stem(index, seed)}.json").write_text(json.dumps(json_ready(record), indent=2, default=str))
             if progress is not None:
                 progress.update(1)

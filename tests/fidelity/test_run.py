@@ -205,6 +205,8 @@ def test_text_encoder_first_writes_the_clips_the_whole_pipeline_writes(tmp_path)
     assert quantized == {"exact": False, "fast": True, "low_ram": True}
     assert staged["settings"]["text_encoder_first"] is True and whole["settings"]["text_encoder_first"] is False
     assert "prompts encoded before the DiT loaded" in staged["cases"]["fast"]["applied"][-1]
+    assert staged["cases"]["fast"]["clips"][0]["generation"]["prompt_encoded_before"] is True
+    assert whole["cases"]["fast"]["clips"][0]["generation"]["prompt_encoded_before"] is False
     for case in ("exact", "fast", "low_ram"):
         a = read_clip(tmp_path / "whole" / "clips" / case / "p0_s3.mp4")
         b = read_clip(tmp_path / "staged" / "clips" / case / "p0_s3.mp4")

@@ -183,6 +183,78 @@ def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None
     hook.reset_state(transformer)
 
 
+def _output_features(module: torch.nn.Module) -> Optional[int]:
+    """The last dimension of a hooked module's output: a linear layer's, or an attention's output projection's."""
+    if isinstance(module, torch.nn.Linear):
+        return module.out_features
+    to_out = getattr(module, "to_out", None)
+    first = to_out[0] if isinstance(to_out, (torch.nn.Sequential, torch.nn.ModuleList)) else to_out
+    return first.out_features if isinstance(first, torch.nn.Linear) else None
+
+
+def taylorseer_factor_bytes(transformer: torch.nn.Module, rows: int) -> Optional[int]:
+    """The bytes diffusers' TaylorSeer hooks on ``transformer`` keep through a request of ``rows`` packed rows: for
+    each module it caches, ``max_order + 1`` Taylor factors of its output ``(1, rows, features)`` in
+    ``taylor_factors_dtype``; ``None`` without TaylorSeer or when a cached module's output size is unknown. They stay
+    on the GPU for the whole request (on H3's released shape: 50 attention outputs, 2 factors each, 38,222 rows x
+    5,376 in bf16, 38.3 GiB)."""
+    import re
+
+    from diffusers.hooks import TaylorSeerCacheConfig
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    config = getattr(transformer, "_cache_config", None)
+    if not isinstance(config, TaylorSeerCacheConfig):
+        return None
+    itemsize = torch.empty((), dtype=config.taylor_factors_dtype or torch.bfloat16).element_size()
+    skipped = list(config.skip_predict_identifiers or [])  # "inactive" modules keep a shape, not a tensor
+    total = 0
+    for name, module in transformer.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None or _TAYLORSEER_CACHE_HOOK not in registry.hooks:
+            continue
+        if (config.use_lite_mode and name != "proj_out") or any(re.fullmatch(p, name) for p in skipped):
+            continue
+        features = _output_features(module)
+        if features is None:
+            return None
+        total += (config.max_order + 1) * rows * features * itemsize
+    return total
+
+
+class CacheMemoryError(RuntimeError):
+    """A step cache would keep more on the GPU than the GPU has free for it (raised before the first forward)."""
+
+
+def free_device_bytes(device: torch.device) -> Optional[int]:
+    """What a CUDA ``device`` can still give this process: its free memory plus the allocator's reserved but unused
+    memory; ``None`` for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_cache_memory(transformer: torch.nn.Module, rows: int, free_bytes: Optional[int]) -> Optional[int]:
+    """Refuse a TaylorSeer request whose Taylor factors alone exceed ``free_bytes`` (what the device can still
+    give: free memory plus the allocator's unused reserve; ``None``: not a GPU, nothing checked), before the first
+    forward, in one line with the ways out. Returns the factors' bytes (``None`` without TaylorSeer)."""
+    needed = taylorseer_factor_bytes(transformer, rows)
+    if needed is None or free_bytes is None or needed <= free_bytes:
+        return needed
+
+    def size(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    raise CacheMemoryError(
+        f"TaylorSeer would keep {size(needed)} of Taylor factors on the GPU for this request "
+        f"({transformer._cache_config.max_order + 1} per cached output of {rows:,} rows), more than the "
+        f"{size(free_bytes)} it has free: use a shorter clip or a smaller canvas, the first-block cache, "
+        "TaylorSeerCacheConfig(use_lite_mode=True), or a GPU with more memory."
+    )
+
+
 def describe_cache(model: torch.nn.Module) -> Optional[Dict[str, Any]]:
     """The enabled cache config of ``model`` and the skips of its last request; None when no cache is enabled."""
     config = getattr(model, "_cache_config", None)

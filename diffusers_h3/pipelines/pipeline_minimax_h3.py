@@ -54,7 +54,7 @@ from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qw
 
 from .._hooks import moves_weights, partitions_of
 from .._model_card import pipeline_model_card, save_with_card, write_transformer_cards
-from ..hooks.cache import start_cache_request
+from ..hooks.cache import check_cache_memory, free_device_bytes, start_cache_request
 from ..hooks.fast_vae_decode import note_parallel_decode, vae_decode
 from ..hooks.refine_once import refine_text_once
 from ..hooks.v100_mode import v100_mode_of
@@ -935,6 +935,10 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraMixin):
         timesteps, audio_timesteps = self._set_schedules(request, device)
         self._num_timesteps = len(timesteps)
         start_cache_request(transformer, len(timesteps))  # no step-cache state carries over between requests
+        # Before the first forward; a context-parallel rank caches its share of the rows.
+        cp_group = getattr(self, "_context_parallel_group", None)
+        ranks = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+        check_cache_memory(transformer, -(-layout.seq_len // ranks), free_device_bytes(device))
         rows = (video_indices.cpu(), audio_indices.cpu(), n_cond_video, n_cond_audio, structure["text_indices"].numel())
         row_plan = [
             tuple(

@@ -160,3 +160,52 @@ def test_taylorseer_profile_computes_twelve_of_the_fifty_step_requests_forwards(
     stats = cache_stats(pipe.transformer)
     computed = [step for step in range(stats.forwards) if step not in stats.skipped_steps]
     assert stats.forwards == 49 and computed == [0, 1, 2, 4, 9, 14, 19, 24, 29, 34, 39, 44]
+
+
+def test_taylorseer_factor_estimate_is_what_the_hooks_keep():
+    """`taylorseer_factor_bytes` counts what diffusers' TaylorSeer hooks hold after a request (every cached output's
+    Taylor factors), from the packed row count alone, before the first forward."""
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    from diffusers_h3.hooks.cache import taylorseer_factor_bytes
+    from diffusers_h3.layout import current_packed_layout
+
+    pipe = _pipe(cache_config("taylorseer"))
+    rows, held = set(), []
+
+    def factors_held(*args):  # after each forward, inside the request (the hooks' state is reset after it)
+        total = 0
+        for module in pipe.transformer.modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None and _TAYLORSEER_CACHE_HOOK in registry.hooks:
+                state = registry.hooks[_TAYLORSEER_CACHE_HOOK].state_manager.get_state()
+                total += sum(f.numel() * f.element_size() for fs in state.taylor_factors.values() for f in fs.values())
+        held.append(total)
+
+    pipe.transformer.register_forward_pre_hook(lambda *args: rows.add(current_packed_layout().seq_len))
+    pipe.transformer.register_forward_hook(factors_held)
+    _call(pipe)
+    assert len(rows) == 1 and len(held) == 4
+    held = max(held)
+    assert held > 0
+    assert taylorseer_factor_bytes(pipe.transformer, rows.pop()) == held
+    assert taylorseer_factor_bytes(_pipe().transformer, 100) is None  # no TaylorSeer: nothing to count
+
+
+def test_taylorseer_that_cannot_fit_is_refused_before_the_first_forward(monkeypatch):
+    """When the factors alone exceed what the GPU has free the request stops in one line, before any forward; with
+    room it runs."""
+    import diffusers_h3.pipelines.pipeline_minimax_h3 as module
+    from diffusers_h3.hooks.cache import CacheMemoryError
+
+    pipe = _pipe(cache_config("taylorseer"))
+    forwards = []
+    pipe.transformer.register_forward_pre_hook(lambda *args: forwards.append(1))
+    monkeypatch.setattr(module, "free_device_bytes", lambda device: 1000)
+    with pytest.raises(CacheMemoryError, match=r"^TaylorSeer would keep [\d.]+ MiB of Taylor factors .*\(2 per cached "
+                                                r"output of [\d,]+ rows\), more than the 0\.0 MiB it has free: "
+                                                r"use a shorter clip") as error:  # fmt: skip
+        _call(pipe)
+    assert "\n" not in str(error.value) and forwards == []
+    monkeypatch.setattr(module, "free_device_bytes", lambda device: 2**40)
+    assert torch.isfinite(_call(pipe)).all() and forwards

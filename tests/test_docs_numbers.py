@@ -101,8 +101,29 @@ def _taylorseer_prediction(case, computed=12):
     return value
 
 
+def _cache_profile_row(case, label):
+    """docs/speed.md's cache-profile row: skips, SSIM, PSNR, SI-SDR and correlation from the H100 fidelity run."""
+
+    def row():
+        record = _json("fidelity_cache_profiles_h100.json")["report"]["cases"][case]
+        summary, skips = record["summary"], record["clips"][0]["generation"]["cache"]["transformer"]
+        skipped = skips.split(" steps")[0].removeprefix("skipped ")
+        return (f"| {label} | {skipped} | {summary['ssim_yuv420']:.4f} | {summary['psnr_yuv420']:.2f} dB | "
+                f"{summary['audio_si_sdr_db']:.2f} dB | {summary['audio_correlation']:.4f} | "
+                f"{record['speed']['seconds']:.1f} |")  # fmt: skip
+
+    return row
+
+
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
+    *(("docs/speed.md", "{}", _cache_profile_row(case, label)) for case, label in (
+        ("fast_first_block_cache", "`fast` + first-block cache"), ("fast_taylorseer", "`fast` + TaylorSeer"),
+        ("fastest_first_block_cache", "`fastest` + first-block cache"), ("fastest_taylorseer", "`fastest` + TaylorSeer"))),
+    ("docs/speed.md", "| `exact` (reference) | — | — | — | — | — | {} |",
+     lambda: f"{_json('fidelity_cache_profiles_h100.json')['report']['cases']['exact']['speed']['seconds']:.1f}"),
+    ("docs/speed.md", "the quantized build peaked at {} GiB on the card",
+     lambda: f"{_json('request_cache_taylorseer_h100.json')['build_device_peak_gib']}"),
     ("docs/speed.md", "predicts about **{} s** for `fastest` + TaylorSeer", _taylorseer_prediction("t2va_fastest")),
     ("docs/speed.md", "and **{} s** for `fast` + TaylorSeer", _taylorseer_prediction("t2va_fast")),
     ("docs/speed.md", "(12 × {} ms +\n3.85 s)", lambda: f"{_json('request_h200.json')['cases']['t2va_fastest']['forward_median_ms']}"),

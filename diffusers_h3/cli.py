@@ -48,7 +48,7 @@ REFERENCE_EXTENSIONS = {
     "webm": "video", "wav": "audio", "mp3": "audio", "flac": "audio", "m4a": "audio",
 }  # fmt: skip
 # The names of `diffusers_h3.hooks.cache.CACHE_METHODS`, spelled out so that `--help` imports no diffusers (tested).
-CACHE_METHOD_CHOICES = ("first-block", "mag", "taylorseer")
+CACHE_METHOD_CHOICES = ("first-block", "mag", "taylorseer", "taylorseer-lite")
 # The tiny demo checkpoint's default canvas (its `DEMO_PIPELINE_CONFIG`), spelled out for `--help` (tested).
 DEMO_CANVAS = (64, 96)
 # --steps: the model is distilled for 50 steps; 1000 (20x that, 999 forwards) already takes hours on a real request, so

@@ -31,7 +31,11 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 from .._hooks import H3_CACHE_STATS_HOOK, H3Hook, get_h3_hook, h3_record, register_h3_hook, remove_h3_hook
 
 
-CACHE_METHODS = ("first-block", "mag", "taylorseer")
+CACHE_METHODS = ("first-block", "mag", "taylorseer", "taylorseer-lite")
+# TaylorSeer's lite form for H3: the blocks are skipped on predicted steps and both outputs are extrapolated. Diffusers'
+# own `use_lite_mode` extrapolates `proj_out` only, and H3 also returns audio through `audio_proj_out`.
+TAYLORSEER_LITE_OUTPUTS = ("^proj_out$", "^audio_proj_out$")
+TAYLORSEER_LITE_SKIPPED = (r"^transformer_blocks\.\d+$",)
 
 
 def register_cache_blocks() -> None:
@@ -48,7 +52,10 @@ def cache_config(
     threshold: Optional[float] = None,
     mag_ratios: Optional[Sequence[float]] = None,
 ):
-    """A diffusers cache config for ``method`` ("first-block", "mag" or "taylorseer") with diffusers' defaults.
+    """A diffusers cache config for ``method`` ("first-block", "mag", "taylorseer" or "taylorseer-lite") with
+    diffusers' defaults. "taylorseer" extrapolates every block's attention output (its factors take memory in
+    proportion to the request's rows: :func:`taylorseer_factor_bytes`); "taylorseer-lite" skips the blocks on
+    predicted steps and extrapolates the two outputs (video and audio), on the same step schedule.
 
     ``num_inference_steps`` is the pipeline's argument (sigma grid points, the terminal 0 included), so the transformer
     runs ``num_inference_steps - 1`` times; MagCache counts those forwards. MagCache skips steps by magnitude ratios
@@ -74,9 +81,13 @@ def cache_config(
             mag_ratios=None if mag_ratios is None else list(mag_ratios),
             calibrate=mag_ratios is None,
         )
-    if method == "taylorseer":
+    if method in ("taylorseer", "taylorseer-lite"):
         if threshold is not None:
             raise ValueError("TaylorSeer caches on a fixed interval and takes no threshold; drop the threshold.")
+        if method == "taylorseer-lite":
+            return TaylorSeerCacheConfig(cache_interval=5, disable_cache_before_step=3, max_order=1,
+                                         cache_identifiers=list(TAYLORSEER_LITE_OUTPUTS),
+                                         skip_predict_identifiers=list(TAYLORSEER_LITE_SKIPPED))  # fmt: skip
         return TaylorSeerCacheConfig(cache_interval=5, disable_cache_before_step=3, max_order=1)
     raise ValueError(f"unknown cache method {method!r}; choose one of {', '.join(CACHE_METHODS)}.")
 
@@ -114,8 +125,11 @@ def _tail_hook_state(transformer: torch.nn.Module):
     if isinstance(config, (FirstBlockCacheConfig, MagCacheConfig)):
         kind, module = "block", blocks[-1]
         name = _FBC_BLOCK_HOOK if isinstance(config, FirstBlockCacheConfig) else _MAG_CACHE_BLOCK_HOOK
-    elif isinstance(config, TaylorSeerCacheConfig):
-        kind, module, name = "taylorseer", getattr(blocks[-1], "attn", None), _TAYLORSEER_CACHE_HOOK
+    elif isinstance(config, TaylorSeerCacheConfig):  # the lite form: the video output is the hooked module
+        kind, name = "taylorseer", _TAYLORSEER_CACHE_HOOK
+        module = getattr(blocks[-1], "attn", None)
+        if module is None or name not in getattr(getattr(module, "_diffusers_hook", None), "hooks", {}):
+            module = getattr(transformer, "proj_out", None)
     else:
         return None, None
     registry = getattr(module, "_diffusers_hook", None)
@@ -169,6 +183,12 @@ def start_cache_request(transformer: torch.nn.Module, num_forwards: int) -> None
     from diffusers.hooks import MagCacheConfig
 
     config = transformer._cache_config
+    if getattr(config, "use_lite_mode", False):
+        raise ValueError(
+            "TaylorSeerCacheConfig(use_lite_mode=True) extrapolates proj_out only, but H3 also returns audio through "
+            "audio_proj_out, which would be computed from skipped blocks: use cache_config('taylorseer-lite') "
+            "(--cache taylorseer-lite), which extrapolates both."
+        )
     if isinstance(config, MagCacheConfig) and config.num_inference_steps != num_forwards:
         raise ValueError(
             f"MagCache was configured for {config.num_inference_steps} transformer forwards but this request runs "
@@ -251,7 +271,7 @@ def check_cache_memory(transformer: torch.nn.Module, rows: int, free_bytes: Opti
         f"TaylorSeer would keep {size(needed)} of Taylor factors on the GPU for this request "
         f"({transformer._cache_config.max_order + 1} per cached output of {rows:,} rows), more than the "
         f"{size(free_bytes)} it has free: use a shorter clip or a smaller canvas, the first-block cache, "
-        "TaylorSeerCacheConfig(use_lite_mode=True), or a GPU with more memory."
+        "the 'taylorseer-lite' cache (it extrapolates only the outputs), or a GPU with more memory."
     )
 
 

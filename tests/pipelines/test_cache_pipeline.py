@@ -41,6 +41,8 @@ CASES = {
     "mag": (lambda: cache_config("mag", num_inference_steps=5, mag_ratios=[1.0] * 4), [1, 2, 3]),
     # steps 0-2 warm up; step 3 is not a refresh step ((3 - 3 - 1) % 5 != 0): the attention outputs are predicted.
     "taylorseer": (lambda: cache_config("taylorseer"), [3]),
+    # The same schedule; the blocks are skipped and both outputs (video, audio) extrapolated.
+    "taylorseer-lite": (lambda: cache_config("taylorseer-lite"), [3]),
 }
 
 
@@ -162,7 +164,8 @@ def test_taylorseer_profile_computes_twelve_of_the_fifty_step_requests_forwards(
     assert stats.forwards == 49 and computed == [0, 1, 2, 4, 9, 14, 19, 24, 29, 34, 39, 44]
 
 
-def test_taylorseer_factor_estimate_is_what_the_hooks_keep():
+@pytest.mark.parametrize("method", ["taylorseer", "taylorseer-lite"])
+def test_taylorseer_factor_estimate_is_what_the_hooks_keep(method):
     """`taylorseer_factor_bytes` counts what diffusers' TaylorSeer hooks hold after a request (every cached output's
     Taylor factors), from the packed row count alone, before the first forward."""
     from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
@@ -170,7 +173,7 @@ def test_taylorseer_factor_estimate_is_what_the_hooks_keep():
     from diffusers_h3.hooks.cache import taylorseer_factor_bytes
     from diffusers_h3.layout import current_packed_layout
 
-    pipe = _pipe(cache_config("taylorseer"))
+    pipe = _pipe(cache_config(method))
     rows, held = set(), []
 
     def factors_held(*args):  # after each forward, inside the request (the hooks' state is reset after it)
@@ -188,7 +191,10 @@ def test_taylorseer_factor_estimate_is_what_the_hooks_keep():
     assert len(rows) == 1 and len(held) == 4
     held = max(held)
     assert held > 0
-    assert taylorseer_factor_bytes(pipe.transformer, rows.pop()) == held
+    rows = rows.pop()
+    assert taylorseer_factor_bytes(pipe.transformer, rows) == held
+    if method == "taylorseer-lite":  # two outputs instead of every block's attention
+        assert held < taylorseer_factor_bytes(_pipe(cache_config("taylorseer")).transformer, rows)
     assert taylorseer_factor_bytes(_pipe().transformer, 100) is None  # no TaylorSeer: nothing to count
 
 
@@ -209,3 +215,19 @@ def test_taylorseer_that_cannot_fit_is_refused_before_the_first_forward(monkeypa
     assert "\n" not in str(error.value) and forwards == []
     monkeypatch.setattr(module, "free_device_bytes", lambda device: 2**40)
     assert torch.isfinite(_call(pipe)).all() and forwards
+
+
+def test_taylorseer_lite_extrapolates_the_audio_output_too():
+    """`taylorseer-lite` hooks both outputs (diffusers' `use_lite_mode` only hooks `proj_out`, and is refused: H3's
+    audio would be computed from skipped blocks)."""
+    from diffusers.hooks import TaylorSeerCacheConfig
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    pipe = _pipe(cache_config("taylorseer-lite"))
+    hooked = [name for name, module in pipe.transformer.named_modules()
+              if _TAYLORSEER_CACHE_HOOK in getattr(getattr(module, "_diffusers_hook", None), "hooks", {})]  # fmt: skip
+    blocks = [f"transformer_blocks.{i}" for i in range(len(pipe.transformer.transformer_blocks))]
+    assert sorted(hooked) == sorted([*blocks, "proj_out", "audio_proj_out"])
+    lite = _pipe(TaylorSeerCacheConfig(cache_interval=5, disable_cache_before_step=3, use_lite_mode=True))
+    with pytest.raises(ValueError, match=r"use_lite_mode=True\) extrapolates proj_out only.*'taylorseer-lite'"):
+        _call(lite)

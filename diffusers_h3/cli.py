@@ -1139,7 +1139,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "a step recipe (a FastH3 stack); refused by default")  # fmt: skip
     fast.add_argument("--cache", choices=CACHE_METHOD_CHOICES, default=None,
                       help="diffusers' step cache on the DiT: first-block (FirstBlockCache), mag (MagCache; needs "
-                           "--steps, calibrates on its first run) or taylorseer (TaylorSeer)")  # fmt: skip
+                           "--steps, calibrates on its first run), taylorseer (TaylorSeer on every block's attention) or "
+                           "taylorseer-lite (TaylorSeer on the two outputs: little memory)")  # fmt: skip
     fast.add_argument("--cache-threshold", type=_ranged(float, 0.0, what="--cache-threshold"), default=None,
                       help="with --cache first-block/mag: the skip threshold (default: diffusers' 0.05 / 0.06)")
     fast.add_argument("--v100", action="store_true", help="enable_v100_mode: fp16-safe run with FA-V100 attention")

@@ -102,7 +102,8 @@ def main(argv=None):
         return load(case, without=("transformer",))
 
     settings = FidelitySettings(prompts=list(PROMPTS[:args.prompt_count]),
-                                seeds=[int(s) for s in args.seeds.split(",") if s], cases=cases, against="exact", height=shape["height"], width=shape["width"],
+                                seeds=[int(s) for s in args.seeds.split(",") if s], cases=cases, against="exact",
+                                height=shape["height"], width=shape["width"],
                                 num_frames=shape["num_frames"], steps=shape["steps"], compile=False,
                                 model="random weights (tiny components)" if args.tiny else
                                 "random weights at the released sizes")  # fmt: skip

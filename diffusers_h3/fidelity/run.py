@@ -132,6 +132,13 @@ def _check_folder(out_dir: Path, settings: FidelitySettings) -> None:
     manifest.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
+def _release_device_memory() -> None:
+    """Free what the pipeline just dropped, so that the next one loads into it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _encode_prompts(case: FidelityCase, load_text_encoder: Callable[[FidelityCase], Any], settings: FidelitySettings,
                     indices: List[int]) -> Tuple[Dict[int, Tuple[torch.Tensor, torch.Tensor]], str]:  # fmt: skip
     """The case's prompt embeddings (on the CPU) from a pipeline that holds only the text encoder, freed before the
@@ -151,9 +158,7 @@ def _encode_prompts(case: FidelityCase, load_text_encoder: Callable[[FidelityCas
         return embeds, applied
     finally:  # the DiT loads into the memory the text encoder frees
         pipe = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release_device_memory()
 
 
 def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], Any], settings: FidelitySettings,
@@ -207,9 +212,7 @@ def generate_case(case: FidelityCase, load_pipeline: Callable[[FidelityCase], An
         return (lines[-1].strip() if lines else type(error).__name__)[:2000]
     finally:  # the next case loads into the memory this one frees
         pipe = output = embeds = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release_device_memory()
     return None
 
 

@@ -26,6 +26,9 @@ Cases, in this order (the presets quantize in place, so the bf16 ones come first
 * ``t2va_fastest``          ``pipe.enable_speed_preset("fastest")``;
 * ``fl2va_light4_fastest``  fl2va with the LightX2V Turbo 4-step 768p schedule (5 sigma points, shift 6 / 3) on the
                             fastest preset; no LoRA weights (a fused LoRA costs nothing at run time).
+* ``t2va_{fast,fastest}_{first_block_cache,taylorseer,taylorseer_lite}``  (only when asked for; one step cache per
+                            process) the cache profiles: ``hooks.cache.cache_config(method)`` on the transformer, then
+                            the preset, the t2va 50-point request; the JSON records the steps the cache skipped.
 
 Each case runs one untimed warm-up request of two forwards (compilation, autotuning, cuDNN plans; decoding too in the
 first case; two because step 0 and the later steps pack different timestep counts) and one timed request. With
@@ -60,7 +63,7 @@ HEIGHT, WIDTH, NUM_FRAMES = 768, 1344, 124
 PROMPT_TOKENS = 512  # the byte-level tokenizer makes one token per byte
 CASES = ("t2va_native", "t2va_exact", "t2va_fast", "t2va_fast_flashinfer", "t2va_fastest", "fl2va_light4_fastest",
          "t2va_fast_first_block_cache", "t2va_fastest_first_block_cache", "t2va_fast_taylorseer",
-         "t2va_fastest_taylorseer")  # fmt: skip
+         "t2va_fastest_taylorseer", "t2va_fast_taylorseer_lite", "t2va_fastest_taylorseer_lite")  # fmt: skip
 # case -> (task, speed preset or None, sigma points, flow_shift, audio_flow_shift)
 CASE_SETUP = {
     "t2va_native": ("t2va", None, 50, None, None),
@@ -74,6 +77,8 @@ CASE_SETUP = {
     "t2va_fastest_first_block_cache": ("t2va", "fastest", 50, None, None),
     "t2va_fast_taylorseer": ("t2va", "fast", 50, None, None),
     "t2va_fastest_taylorseer": ("t2va", "fastest", 50, None, None),
+    "t2va_fast_taylorseer_lite": ("t2va", "fast", 50, None, None),
+    "t2va_fastest_taylorseer_lite": ("t2va", "fastest", 50, None, None),
 }
 
 # The step cache per case (`diffusers_h3.hooks.cache` method), enabled before the preset compiles the blocks. One run
@@ -83,6 +88,8 @@ CASE_CACHE = {
     "t2va_fastest_first_block_cache": "first-block",
     "t2va_fast_taylorseer": "taylorseer",
     "t2va_fastest_taylorseer": "taylorseer",
+    "t2va_fast_taylorseer_lite": "taylorseer-lite",
+    "t2va_fastest_taylorseer_lite": "taylorseer-lite",
 }
 # t2va_fast_flashinfer needs flashinfer-python; the cache profiles run one per process (CASE_CACHE)
 DEFAULT_CASES = tuple(c for c in CASES if c != "t2va_fast_flashinfer" and c not in CASE_CACHE)

@@ -94,12 +94,15 @@ def test_cache_profiles_run_one_per_process(tmp_path):
                        tmp_path / "r.json")  # fmt: skip
     assert mixed.returncode != 0 and "run each cache profile as its own --cases" in mixed.stderr
     out = tmp_path / "cache.json"
-    run = run_script(SCRIPT, "--tiny", "--cases", "t2va_fast_taylorseer", "--forwards", "8", "--no-warmup",
-                     "--no-compile", "--out", out, timeout=600)  # fmt: skip
+    cases = ("t2va_fast_taylorseer_lite", "t2va_fastest_taylorseer_lite")  # one cache, two presets: one process
+    run = run_script(SCRIPT, "--tiny", "--cases", ",".join(cases), "--forwards", "8", "--no-warmup", "--no-compile",
+                     "--out", out, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    case = json.loads(out.read_text())["cases"]["t2va_fast_taylorseer"]
-    assert case["preset"] == "fast" and "TaylorSeerCacheConfig" in case["cache"]["config"]
-    assert case["cache"]["last_request"].startswith("skipped ")
+    for name, preset in zip(cases, ("fast", "fastest")):
+        case = json.loads(out.read_text())["cases"][name]
+        assert case["preset"] == preset and "TaylorSeerCacheConfig" in case["cache"]["config"]
+        assert "audio_proj_out" in case["cache"]["config"]  # the lite form: both outputs extrapolated
+        assert case["cache"]["last_request"].startswith("skipped ")
 
 
 def test_quantized_build_refuses_the_bf16_cases_before_building(tmp_path):

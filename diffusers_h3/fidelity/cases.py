@@ -34,6 +34,8 @@ class FidelityCase:
 CACHE_PROFILE_METHODS = (
     ("first_block_cache", "first-block", "diffusers' FirstBlockCache (threshold 0.05)"),
     ("taylorseer", "taylorseer", "diffusers' TaylorSeer (every 5th step computed from step 3 on, first order)"),
+    ("taylorseer_lite", "taylorseer-lite", "TaylorSeer on the video and audio outputs only (blocks skipped on "
+                                            "predicted steps)"),
 )
 
 FIDELITY_CASES: Dict[str, FidelityCase] = {

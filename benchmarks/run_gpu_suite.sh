@@ -15,7 +15,7 @@
 #               train_lora: the LoRA training steps of the 24 GB and 80 GB recipes (train_lora.py)
 #               memory_12gb: the 12 GB PC recipe over the memory model's shapes with request-sized caps
 #               cpu_suite: the README's CPU test command on this GPU host (its GPUs hidden: docs/testing.md), JUnit XML
-#               cache_profiles: the four cache profiles' t2va 50-step requests, weights quantized while building
+#               cache_profiles: the six cache profiles' t2va 50-step requests, weights quantized while building
 #               (one 80 GB card; one process per cache setting); cache_fidelity: their clips against `exact`
 #               at 50 steps, and those of `fast` / `fastest` alone (text encoder first: one 80 GB card)
 #   --commit    the commit measured, for a copy of the tree without .git (default: git rev-parse HEAD)
@@ -78,12 +78,12 @@ has memory_12gb && run memory_12gb python benchmarks/placement.py "${COMMIT_ARGS
   --out "$OUT/placement_request_cap_$DEVICE.json"
 has cpu_suite && run cpu_suite python -m pytest -q -p no:cacheprovider -n "$(nproc)" -rs \
   --junitxml "$OUT/cpu_suite_gpu_host_$DEVICE.xml"
-for cache in first_block_cache taylorseer; do
+for cache in first_block_cache taylorseer taylorseer_lite; do
   has cache_profiles && run "cache_profiles_$cache" python benchmarks/request.py "${COMMIT_ARGS[@]}" --dit-format quantized \
     --cases "t2va_fast_$cache,t2va_fastest_$cache" --out "$OUT/request_cache_${cache}_$DEVICE.json"
 done
 has cache_fidelity && run cache_fidelity python benchmarks/fidelity.py "${COMMIT_ARGS[@]}" --text-encoder-first \
-  --steps 50 --prompt-count 1 --cases fast,fast_first_block_cache,fast_taylorseer,fastest,fastest_first_block_cache,fastest_taylorseer \
+  --steps 50 --prompt-count 1 --cases fast,fast_first_block_cache,fast_taylorseer,fast_taylorseer_lite,fastest,fastest_first_block_cache,fastest_taylorseer,fastest_taylorseer_lite \
   --out "$OUT/fidelity_cache_profiles_$DEVICE.json" --page "$OUT/fidelity_cache_profiles_$DEVICE"
 # Multi-rank work on one GPU: the per-rank timings of the scaling model, and ranks sharing the GPU over gloo.
 has scaling_model && run scaling_model python benchmarks/multi_gpu_model.py "${COMMIT_ARGS[@]}" \

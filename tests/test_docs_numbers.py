@@ -101,11 +101,11 @@ def _taylorseer_prediction(case, computed=12):
     return value
 
 
-def _cache_profile_row(case, label):
-    """docs/speed.md's cache-profile row: skips, SSIM, PSNR, SI-SDR and correlation from the H100 fidelity run."""
+def _cache_profile_row(case, label, name="fidelity_cache_profiles_h100.json"):
+    """docs/speed.md's cache-profile row: skips, SSIM, PSNR, SI-SDR and correlation from an H100 fidelity run."""
 
     def row():
-        record = _json("fidelity_cache_profiles_h100.json")["report"]["cases"][case]
+        record = _json(name)["report"]["cases"][case]
         summary, skips = record["summary"], record["clips"][0]["generation"]["cache"]["transformer"]
         skipped = skips.split(" steps")[0].removeprefix("skipped ")
         return (f"| {label} | {skipped} | {summary['ssim_yuv420']:.4f} | {summary['psnr_yuv420']:.2f} dB | "
@@ -115,11 +115,38 @@ def _cache_profile_row(case, label):
     return row
 
 
+def _cache_request_row(cache, speed, label):
+    """docs/speed.md's cache-profile request row from request_cache_<cache>_h100.json: the request, its forwards stage,
+    the steps the cache skipped, the card's peak and the allocator's peaks."""
+
+    def row():
+        record = _json(f"request_cache_{cache}_h100.json")["cases"][f"t2va_{speed}_{cache}"]
+        skipped = record["cache"]["last_request"].split(" steps")[0].removeprefix("skipped ")
+        return (f"| {label} | **{record['ms'] / 1000:.1f} s** | {record['stages']['forwards'] / 1000:.1f} s | {skipped} | "
+                f"{record['device_peak_gib']:.2f} GiB | {record['peak_gib']:.2f} / {record['peak_reserved_gib']:.2f} GiB |")  # fmt: skip
+
+    return row
+
+
 SEED, FAST, FASTEST = "exact seed 1 vs exact seed 0", "fast vs exact, seed 0", "fastest vs exact, seed 0"
 QUOTES = [
     *(("docs/speed.md", "{}", _cache_profile_row(case, label)) for case, label in (
         ("fast_first_block_cache", "`fast` + first-block cache"), ("fast_taylorseer", "`fast` + TaylorSeer"),
         ("fastest_first_block_cache", "`fastest` + first-block cache"), ("fastest_taylorseer", "`fastest` + TaylorSeer"))),
+    *(("docs/speed.md", "{}", _cache_profile_row(case, label, "fidelity_taylorseer_lite_h100.json")) for case, label in (
+        ("fast_taylorseer_lite", "`fast` + TaylorSeer lite ²"), ("fastest_taylorseer_lite", "`fastest` + TaylorSeer lite ²"))),
+    *(("docs/speed.md", "{}", _cache_request_row(cache, speed, label)) for cache, speed, label in (
+        ("first_block_cache", "fast", "`fast` + first-block cache"),
+        ("first_block_cache", "fastest", "`fastest` + first-block cache"),
+        ("taylorseer_lite", "fast", "`fast` + TaylorSeer lite"), ("taylorseer_lite", "fastest", "`fastest` + TaylorSeer lite"))),
+    ("docs/speed.md", "A computed forward took {} s under `fast`", lambda: f"{_json('request_cache_first_block_cache_h100.json')['cases']['t2va_fast_first_block_cache']['forward_median_ms'] / 1000:.2f}"),
+    ("docs/speed.md", "and {} s under `fastest` (the same", lambda: f"{_json('request_cache_first_block_cache_h100.json')['cases']['t2va_fastest_first_block_cache']['forward_median_ms'] / 1000:.2f}"),
+    ("docs/speed.md", "uncached requests take {} / 134.3 s", _seconds("request_h200.json", "t2va_fast", 1)),
+    ("docs/speed.md", "uncached requests take 225.9 / {} s", _seconds("request_h200.json", "t2va_fastest", 1)),
+    ("docs/speed.md", "its `exact` took {} s", lambda: f"{_json('fidelity_taylorseer_lite_h100.json')['report']['cases']['exact']['speed']['seconds']:.1f}"),
+    ("docs/speed.md", "measured H100 requests ({} s / 62.4 s above)", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fastest_taylorseer_lite", 1)),
+    ("docs/speed.md", "measured H100 requests (39.0 s / {} s above)", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fast_taylorseer_lite", 1)),
+    ("docs/vae.md", "`fastest` request took {} s on one H100", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fastest_taylorseer_lite", 1)),
     ("docs/speed.md", "| `exact` (reference) | — | — | — | — | — | {} |",
      lambda: f"{_json('fidelity_cache_profiles_h100.json')['report']['cases']['exact']['speed']['seconds']:.1f}"),
     ("docs/speed.md", "the quantized build peaked at {} GiB on the card",

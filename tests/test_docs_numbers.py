@@ -145,6 +145,8 @@ QUOTES = [
     ("docs/speed.md", "uncached requests take 225.9 / {} s", _seconds("request_h200.json", "t2va_fastest", 1)),
     ("docs/checkpoints.md", "Everything but the four forwards takes {} s", lambda: f"{sum(v for k, v in _json('fasth3_h200.json')['cases']['fl2va_fasth3_fastest']['stages'].items() if k != 'forwards') / 1000:.2f}"),
     ("docs/checkpoints.md", "prefix_h200.json`: {} s at these 154,081 pairs", lambda: f"{json.loads((ROOT / 'docs/experiments/fl2va_prefix_h200.json').read_text())['rules']['dense_prefix_sp0.9']['forward_ms'] / 1000:.2f}"),
+    ("README.md", "`fastest` + TaylorSeer lite {} s, `fast`", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fastest_taylorseer_lite", 1)),
+    ("README.md", "`fast` + first-block {} s, all within", _seconds("request_cache_first_block_cache_h100.json", "t2va_fast_first_block_cache", 1)),
     ("docs/speed.md", "its `exact` took {} s", lambda: f"{_json('fidelity_taylorseer_lite_h100.json')['report']['cases']['exact']['speed']['seconds']:.1f}"),
     ("docs/speed.md", "measured H100 requests ({} s / 62.4 s above)", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fastest_taylorseer_lite", 1)),
     ("docs/speed.md", "measured H100 requests (39.0 s / {} s above)", _seconds("request_cache_taylorseer_lite_h100.json", "t2va_fast_taylorseer_lite", 1)),

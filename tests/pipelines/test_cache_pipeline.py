@@ -231,3 +231,26 @@ def test_taylorseer_lite_extrapolates_the_audio_output_too():
     lite = _pipe(TaylorSeerCacheConfig(cache_interval=5, disable_cache_before_step=3, use_lite_mode=True))
     with pytest.raises(ValueError, match=r"use_lite_mode=True\) extrapolates proj_out only.*'taylorseer-lite'"):
         _call(lite)
+
+
+@pytest.mark.parametrize("method", ["first-block", "taylorseer-lite"])
+def test_regionally_compiled_cache_compiles_nothing_after_its_first_requests(method):
+    """The speed presets compile the blocks with the cache hooks in place. Skipped, predicted and recomputed steps each
+    reach their own graphs once (the first request may compile more than its warm-up did); a later request of the
+    same shape compiles nothing: no per-request recompiles from the hooks' state."""
+    from torch._dynamo.utils import counters
+
+    make_config = CASES[method][0]
+    pipe = _pipe(make_config() if method != "first-block" else cache_config("first-block", threshold=0.5))
+    pipe.transformer.compile_repeated_blocks(backend="eager", fullgraph=False)
+    torch._dynamo.reset()
+    try:
+        compiled = []
+        for _ in range(3):
+            counters.clear()
+            _call(pipe, num_inference_steps=7)
+            compiled.append(counters["stats"]["unique_graphs"])
+        assert compiled[0] > 0 and compiled[2] == 0, compiled
+        assert diffusers_h3.describe(pipe)["components"]["transformer"]["cache"]["last_request"].startswith("skipped ")
+    finally:
+        torch._dynamo.reset()

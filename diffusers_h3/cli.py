@@ -1385,8 +1385,8 @@ def cmd_train_lora(args) -> int:
 FIDELITY_COMMANDS = ("compare", "fidelity")
 # The names of `diffusers_h3.fidelity.FIDELITY_CASES`, spelled out so that `--help` imports no torch (tested).
 FIDELITY_CASE_CHOICES = ("native", "exact", "fast", "fastest", "low_ram", "fp8_decode", "first_block_cache",
-                         "fast_first_block_cache", "fast_taylorseer", "fastest_first_block_cache",
-                         "fastest_taylorseer", "fast_taylorseer_lite", "fastest_taylorseer_lite")  # fmt: skip
+                         "fast_first_block_cache", "fast_taylorseer", "fast_taylorseer_lite",
+                         "fastest_first_block_cache", "fastest_taylorseer", "fastest_taylorseer_lite")  # fmt: skip
 DEFAULT_FIDELITY_CASES = "fast,fastest"
 # Exit status of a comparison or fidelity run with a gate below its threshold or a case that failed to run.
 GATE_FAILED = 1

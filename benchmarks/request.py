@@ -37,7 +37,8 @@ and mux still run) and the whole-request ``ms`` is extrapolated with the median 
 (``forwards_timed``, ``extrapolated``). Stage times are CUDA-synchronized wall times; the partial JSON is written
 after every case. ``device_peak_gib`` is the card's count over each case (warm-up and timed request: NVML sampled,
 the CUDA context and workspaces included; never reported below the allocator's reserved peak), next to the
-allocator's ``peak_gib`` / ``peak_reserved_gib``.
+allocator's ``peak_gib`` / ``peak_reserved_gib``; each case starts with the allocator's cache emptied, so a case's
+peaks are not the blocks an earlier case left cached.
 """
 
 from __future__ import annotations
@@ -668,6 +669,8 @@ def main(argv=None):
 
                     torch.cuda.empty_cache()  # the bf16 weights the preset quantized away
                     apply_gpu_cap(args.gpu_cap_gib, device)
+            if device.type == "cuda":  # each case's peaks are its own, not the previous case's cached blocks
+                torch.cuda.empty_cache()
             case_start = time.perf_counter()
             window = sampler.window(case) if sampler is not None else contextlib.nullcontext()
             with window:
